@@ -1,0 +1,1 @@
+"""Checkpoint formats: HF safetensors directories <-> NNX param trees; orbax train state."""

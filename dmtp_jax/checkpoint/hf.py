@@ -1,0 +1,225 @@
+"""HF safetensors <-> NNX param trees, through a regex name table per model family.
+
+Our kernels are `[in, out]`; HF linear weights are `[out, in]` (transposed on the way), and MoE
+experts are stacked `[E, ...]` from HF's per-expert tensors. Loading goes tensor by tensor and
+shard by shard (`jax.make_array_from_callback` over memory-mapped files), so no device or host ever
+holds a whole model it does not own.
+
+Example:
+    >>> target = load_target("/path/to/Qwen3-0.6B", dtype="bfloat16", mesh=make_mesh("tensor=1"))  # doctest: +SKIP
+    >>> target.cfg.num_hidden_layers  # doctest: +SKIP
+    28
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from dmtp_jax.checkpoint.safetensors_io import CheckpointError, CheckpointReader, write_sharded
+from dmtp_jax.config import TargetConfig, load_target_config
+from dmtp_jax.models import build_target
+from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, make_mesh, state_shardings
+
+# (regex on our dotted param path, HF name template, how: "copy" | "T" (2-D transpose))
+# A 3-D param whose rule is "T" with "{e}" in the template is stacked from per-expert tensors.
+QWEN3_NAME_RULES = (
+    (r"embed_tokens", "model.embed_tokens.weight", "copy"),
+    (r"lm_head", "lm_head.weight", "T"),
+    (r"norm", "model.norm.weight", "copy"),
+    (r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)", r"model.layers.\1.\2.weight", "copy"),
+    (r"layers\.(\d+)\.self_attn\.([qkvo])_proj", r"model.layers.\1.self_attn.\2_proj.weight", "T"),
+    (r"layers\.(\d+)\.self_attn\.([qkvo])_bias", r"model.layers.\1.self_attn.\2_proj.bias", "copy"),
+    (r"layers\.(\d+)\.self_attn\.([qk])_norm", r"model.layers.\1.self_attn.\2_norm.weight", "copy"),
+    (r"layers\.(\d+)\.mlp\.router", r"model.layers.\1.mlp.gate.weight", "T"),
+    (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj", r"model.layers.\1.mlp.\2_proj.weight", "T"),
+)
+EXPERT_TEMPLATE = re.compile(r"^(model\.layers\.\d+\.mlp\.)(gate|up|down)_proj\.weight$")
+# Tensors a target directory may carry that the target itself does not use.
+IGNORED_PREFIXES = ("mtp.",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+    """Where one of our params lives in an HF checkpoint."""
+    hf_names: tuple[str, ...]      # one name, or one per expert (stacked along axis 0)
+    transpose: bool
+
+    def hf_shape(self, our_shape) -> tuple[int, ...]:
+        shape = tuple(our_shape[1:]) if len(self.hf_names) > 1 else tuple(our_shape)
+        return shape[::-1] if self.transpose else shape
+
+
+def resolve_source(path: str, shape, rules=QWEN3_NAME_RULES, prefix: str = "") -> TensorSource:
+    """Maps our dotted param path (e.g. `layers.0.self_attn.q_proj`) to its HF tensor(s)."""
+    for pattern, template, how in rules:
+        m = re.fullmatch(pattern, path)
+        if not m:
+            continue
+        name = prefix + m.expand(template)
+        if how == "T" and len(shape) == 3:
+            e = EXPERT_TEMPLATE.match(m.expand(template))
+            if not e:
+                raise CheckpointError(f"no expert naming rule for param '{path}'")
+            names = tuple(f"{prefix}{e.group(1)}experts.{i}.{e.group(2)}_proj.weight" for i in range(shape[0]))
+            return TensorSource(names, True)
+        return TensorSource((name,), how == "T")
+    raise CheckpointError(f"no HF name rule for param '{path}'")
+
+
+def _dotted(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _read_slice(reader: CheckpointReader, src: TensorSource, index, dtype) -> np.ndarray:
+    """The block `index` (slices in our layout) of a param, read from the memory-mapped files."""
+    if len(src.hf_names) > 1:
+        inner = index[1:]
+        hf_idx = inner[::-1] if src.transpose else inner
+        parts = [reader.array(n)[hf_idx] for n in src.hf_names[index[0]]]
+        block = np.stack([p.T if src.transpose else p for p in parts])
+    else:
+        hf_idx = index[::-1] if src.transpose else index
+        block = reader.array(src.hf_names[0])[hf_idx]
+        block = block.T if src.transpose else block
+    return np.ascontiguousarray(block.astype(dtype))
+
+
+def load_params(abstract_state: nnx.State, reader: CheckpointReader, mesh: Mesh, dtype,
+                rules=QWEN3_NAME_RULES, prefix: str = "", mesh_rules: MeshRules = DEFAULT_RULES,
+                progress: Callable[[str], None] | None = None) -> tuple[nnx.State, set[str]]:
+    """Fills an abstract NNX state from `reader`, each array placed at its mesh sharding.
+
+    Returns the state and the set of HF names consumed. Missing tensors and shape mismatches raise
+    `CheckpointError` naming the tensor.
+    """
+    shardings = state_shardings(abstract_state, mesh, mesh_rules)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    used: set[str] = set()
+    loaded = []
+    for (path, var), (_, shard_var) in zip(nnx.to_flat_state(abstract_state), nnx.to_flat_state(shardings)):
+        dotted = _dotted(path)
+        src = resolve_source(dotted, var.shape, rules, prefix)
+        for name in src.hf_names:
+            if name not in reader:
+                raise CheckpointError(f"{reader.model_dir}: missing tensor '{name}' (for param '{dotted}')")
+            got = reader.shape(name)
+            want = src.hf_shape(var.shape)
+            if got != want:
+                raise CheckpointError(f"{reader.model_dir}: tensor '{name}' has shape {list(got)}, "
+                                      f"expected {list(want)} from config.json")
+        if progress:
+            progress(dotted)
+        arr = jax.make_array_from_callback(
+            tuple(var.shape), shard_var.get_value(),
+            lambda index, src=src: _read_slice(reader, src, index, np_dtype))
+        used.update(src.hf_names)
+        loaded.append((path, var.replace(arr)))
+    return nnx.from_flat_state(loaded), used
+
+
+def export_tensors(state: nnx.State, rules=QWEN3_NAME_RULES, prefix: str = "", dtype=None) -> dict[str, np.ndarray]:
+    """HF-named numpy tensors of a (possibly sharded) state; gathers one param at a time."""
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        value = np.asarray(jax.device_get(var.get_value()))
+        if dtype is not None:
+            value = value.astype(np.dtype(jnp.dtype(dtype)))
+        src = resolve_source(_dotted(path), value.shape, rules, prefix)
+        if len(src.hf_names) > 1:
+            for i, name in enumerate(src.hf_names):
+                out[name] = value[i].T if src.transpose else value[i]
+        else:
+            out[src.hf_names[0]] = value.T if src.transpose else value
+    return out
+
+
+@dataclasses.dataclass
+class LoadedTarget:
+    """A target ready for jitted functions: `nnx.merge(graphdef, state)` inside the jit."""
+    cfg: TargetConfig
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    mesh: Mesh
+    model_dir: str | None = None
+
+    @property
+    def state_dtype(self):
+        return jax.tree.leaves(self.state)[0].dtype
+
+
+def abstract_target(cfg: TargetConfig, dtype):
+    """(graphdef, abstract state) without allocating any parameter."""
+    model = nnx.eval_shape(lambda: build_target(cfg, jnp.dtype(dtype), nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def load_target(model_dir: str, dtype="float32", mesh: Mesh | None = None,
+                mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedTarget:
+    """Loads an HF target directory into sharded params.
+
+    Example:
+        >>> t = load_target("/tmp/tiny-qwen3", dtype="float32")  # doctest: +SKIP
+    """
+    cfg = load_target_config(model_dir)
+    mesh = mesh or make_mesh()
+    graphdef, abstract = abstract_target(cfg, dtype)
+    reader = CheckpointReader(model_dir)
+    state, used = load_params(abstract, reader, mesh, dtype, mesh_rules=mesh_rules)
+    unexpected = [k for k in reader.keys() if k not in used and not k.startswith(IGNORED_PREFIXES)
+                  and not k.endswith(IGNORED_SUFFIXES)
+                  and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise CheckpointError(f"{model_dir}: unexpected tensors for {cfg.model_type}: "
+                              f"{', '.join(sorted(unexpected)[:5])}{more}")
+    return LoadedTarget(cfg, graphdef, state, mesh, model_dir)
+
+
+def init_target(cfg: TargetConfig, dtype="float32", mesh: Mesh | None = None, seed: int = 0,
+                mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedTarget:
+    """Random init placed directly at the mesh shardings (one jit, no host copy)."""
+    mesh = mesh or make_mesh()
+    graphdef, abstract = abstract_target(cfg, dtype)
+    shardings = state_shardings(abstract, mesh, mesh_rules)
+    make = jax.jit(lambda: nnx.split(build_target(cfg, jnp.dtype(dtype), nnx.Rngs(seed)))[1],
+                   out_shardings=shardings)
+    return LoadedTarget(cfg, graphdef, make(), mesh)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def save_target(target: LoadedTarget, out_dir: str, dtype=None, max_shard_bytes: int = 2 << 30,
+                extra_tensors: dict[str, np.ndarray] | None = None, copy_files_from: str | None = None):
+    """Writes `config.json` + safetensors (sharded with an index past `max_shard_bytes`).
+
+    `extra_tensors` (e.g. `mtp.*`) are saved alongside; tokenizer and generation files are copied
+    from `copy_files_from` when given. transformers' `from_pretrained` loads the result.
+    """
+    tensors = export_tensors(target.state, dtype=dtype)
+    tensors.update(extra_tensors or {})
+    os.makedirs(out_dir, exist_ok=True)
+    write_sharded(out_dir, tensors, max_shard_bytes)
+    hf_cfg = target.cfg.to_hf_dict()
+    saved_dtype = np.dtype(jnp.dtype(dtype or target.state_dtype)).name
+    hf_cfg["dtype"] = saved_dtype
+    with open(os.path.join(out_dir, "config.json"), "w") as fh:
+        json.dump(hf_cfg, fh, indent=2)
+    if copy_files_from:
+        for fname in TOKENIZER_FILES:
+            src = os.path.join(copy_files_from, fname)
+            if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, fname)):
+                shutil.copy(src, out_dir)

@@ -1,0 +1,241 @@
+"""Numerics of our JAX target against transformers on the same checkpoint directory.
+
+The checkpoint is loaded twice: in transformers (fp32 torch, eval, no_grad; the reference) and in
+JAX through `load_target` at the requested dtype. A few prompts of random token ids of different
+lengths (one of ~300 tokens, to catch RoPE errors at far positions) are run through both, and each
+comparison becomes one check `{"name", "max_abs_diff", "tolerance", "ok"}`:
+
+* `logits`              max |ours - HF| over every real position of every prompt.
+* `argmax_agreement`    1 - (fraction of positions whose argmax agrees).
+* `hidden_layer_{k}`    our output of layer k vs HF `hidden_states[k+1]`; the last layer is compared
+                        after the final norm (HF's last entry is post-norm, like our `hidden_bth`).
+* `cached_decode`       JAX only: a KV-cache prefill of the first n-4 tokens followed by 4
+                        single-token decode steps vs the full (cache-free) forward, all n positions.
+* `greedy_continuation` fraction of tokens where our `ARDecoder` greedy continuation differs from
+                        `model.generate(do_sample=False)` with EOS stopping disabled.
+
+Tolerances (`TOLERANCES`). Float checks are relative to the reference's magnitude:
+`tol = rtol * max(1, max |reference|)`, the reference being the HF logits (`logits`, and
+`cached_decode`, whose reference is our own full forward) or the HF hidden state of that layer
+(`hidden_layer_k`; residual streams grow with depth and real models carry outlier channels, so a
+per-layer scale is used). `rtol` is 1e-4 for float32 (only accumulation-order noise is allowed) and
+5e-2 for bfloat16 (bf16 keeps ~3 significant digits, and errors compound over layers). Token checks
+are exact in float32 (tolerance 0); in bfloat16 a near-tie can flip an argmax and a greedy
+continuation diverges for good after its first flip, so they are smoke checks there (0.1 and 0.5).
+
+Example:
+    >>> report = compare_target("/path/to/Qwen3-0.6B", dtype="float32")  # doctest: +SKIP
+    >>> print(format_table(report))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+TOLERANCES = {  # dtype -> (rtol for float checks, argmax disagreement, greedy mismatch fraction)
+    "float32": (1e-4, 0.0, 0.0),
+    "bfloat16": (5e-2, 0.1, 0.5),
+    "float16": (5e-2, 0.1, 0.5),
+}
+DECODE_STEPS = 4
+
+
+def check(name: str, max_abs_diff: float, tolerance: float) -> dict:
+    """One check row. Example: `check("logits", 2e-6, 1e-4)["ok"]` is True."""
+    diff = float(max_abs_diff)
+    return {"name": name, "max_abs_diff": diff, "tolerance": float(tolerance),
+            "ok": bool(np.isfinite(diff) and diff <= tolerance)}
+
+
+def max_abs_diff(ours, ref) -> float:
+    """Max |ours - ref| in float64 (inf on shape mismatch). Example: `max_abs_diff([1, 2], [1, 2.5])` = 0.5."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(ours - ref))) if ours.shape == ref.shape else float("inf")
+
+
+def scaled_tolerance(rtol: float, ref) -> float:
+    """`rtol * max(1, max |ref|)`. Example: `scaled_tolerance(1e-4, [[-30.0, 2.0]])` = 3e-3."""
+    return rtol * max(1.0, float(np.max(np.abs(np.asarray(ref, np.float64)))))
+
+
+def make_prompts(vocab_size: int, max_positions: int, seed: int = 0, reserve: int = 8,
+                 lengths=(7, 33, 300)) -> list[list[int]]:
+    """Random token-id prompts; every length is clipped so that `length + reserve <= max_positions`.
+
+    Example:
+        >>> [len(p) for p in make_prompts(128, 512, seed=0)]
+        [7, 33, 300]
+    """
+    rng = np.random.default_rng(seed)
+    lengths = [max(DECODE_STEPS + 1, min(n, max_positions - reserve)) for n in lengths]
+    return [rng.integers(0, vocab_size, size=n).tolist() for n in lengths]
+
+
+def right_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """`([B, max_len] int32 tokens right-padded with 0, [B] lengths)`."""
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    return tokens, lengths
+
+
+# ---------------------------------------------------------------- transformers (the reference)
+def hf_reference(model, prompts, num_new_tokens: int) -> list[dict]:
+    """Per prompt: fp32 `logits [T, V]`, `hidden` (HF hidden_states[1:], each `[T, H]`), greedy `generated`."""
+    import torch
+
+    # generate() merges a per-call eos_token_id=None with the model's default: clear it at the source.
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], dtype=torch.long)
+            res = model(ids, output_hidden_states=True)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=num_new_tokens, pad_token_id=0)
+            out.append({"logits": res.logits[0].float().numpy(),
+                        "hidden": [h[0].float().numpy() for h in res.hidden_states[1:]],
+                        "generated": gen[0, len(p):].tolist()})
+    return out
+
+
+# ---------------------------------------------------------------- ours (JAX)
+def _full_forward(graphdef, layers, state, tokens_bt):
+    model = nnx.merge(graphdef, state)
+    positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+    out = model(tokens_bt, positions, capture_layers=layers)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return f32(model.logits(out.hidden_bth)), f32(out.hidden_bth), tuple(map(f32, out.captured))
+
+
+def _cached_step(graphdef, state, tokens_bt, positions_bt, cache):
+    model = nnx.merge(graphdef, state)
+    out = model(tokens_bt, positions_bt, cache)
+    return model.logits(out.hidden_bth).astype(jnp.float32), out.cache
+
+
+def jax_forward(target, tokens_bt) -> dict:
+    """Full forward of a right-padded batch: fp32 `logits [B,T,V]`, `final [B,T,H]`, `captured` per layer."""
+    layers = tuple(range(target.cfg.num_hidden_layers))
+    fwd = jax.jit(functools.partial(_full_forward, target.graphdef, layers))
+    logits, final, captured = fwd(target.state, tokens_bt)
+    return {"logits": np.asarray(logits), "final": np.asarray(final),
+            "captured": [np.asarray(c) for c in captured]}
+
+
+def jax_cached_logits(target, tokens_bt, lengths_b, steps: int = DECODE_STEPS) -> np.ndarray:
+    """Logits `[B,T,V]` from a cache prefill of each row's first `len-steps` tokens, then `steps`
+    single-token decode steps at per-row positions (right padding only writes slots that the decode
+    steps overwrite before reading them)."""
+    from dmtp_jax.decode.ar import TargetCaches
+
+    b, t = tokens_bt.shape
+    step = jax.jit(functools.partial(_cached_step, target.graphdef))
+    cache = TargetCaches(target).new(b, -(-(t + 1) // 128) * 128)
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+    logits, cache = step(target.state, tokens_bt, positions, cache)
+    logits = np.array(logits)
+    rows = np.arange(b)
+    for j in range(steps):
+        pos = (lengths_b - steps + j).astype(np.int32)
+        step_logits, cache = step(target.state, tokens_bt[rows, pos][:, None], pos[:, None], cache)
+        logits[rows, pos] = np.asarray(step_logits)[:, 0]
+    return logits
+
+
+def compare_target(model_dir: str, dtype: str = "float32", mesh_spec: str | None = None, seed: int = 0,
+                   num_new_tokens: int = 8) -> dict:
+    """Compares our JAX target with transformers on `model_dir`; see the module docstring.
+
+    Returns `{"ok", "checks": [{"name", "max_abs_diff", "tolerance", "ok"}, ...], "argmax_agreement",
+    "greedy": {"ours", "hf"}, "prompt_lengths", "dtype"}`.
+
+    Example:
+        >>> r = compare_target("/tmp/tiny-qwen3", dtype="float32", mesh_spec="tensor=1")  # doctest: +SKIP
+        >>> r["ok"], [c["name"] for c in r["checks"]][:2]  # doctest: +SKIP
+        (True, ['logits', 'argmax_agreement'])
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dmtp_jax.checkpoint.hf import load_target
+    from dmtp_jax.decode.ar import ARDecoder
+    from dmtp_jax.sharding import make_mesh
+
+    dtype = jnp.dtype(dtype).name
+    if dtype not in TOLERANCES:
+        raise ValueError(f"no tolerances for dtype '{dtype}'; known: {', '.join(TOLERANCES)}")
+    rtol, argmax_tol, greedy_tol = TOLERANCES[dtype]
+    target = load_target(model_dir, dtype, make_mesh(mesh_spec) if mesh_spec else None)
+    cfg = target.cfg
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = make_prompts(cfg.vocab_size, cfg.max_position_embeddings, seed, reserve=num_new_tokens)
+    ref = hf_reference(hf_model, prompts, num_new_tokens)
+    tokens, lengths = right_pad(prompts)
+    ours = jax_forward(target, tokens)
+    cached = jax_cached_logits(target, tokens, lengths)
+
+    def cat(rows):  # real (unpadded) positions of every prompt, concatenated: [sum(T), ...]
+        return np.concatenate([r[:n] for r, n in zip(rows, lengths)])
+
+    ref_logits = np.concatenate([r["logits"] for r in ref])
+    our_logits = cat(ours["logits"])
+    checks = [check("logits", max_abs_diff(our_logits, ref_logits), scaled_tolerance(rtol, ref_logits))]
+    agree = float(np.mean(our_logits.argmax(-1) == ref_logits.argmax(-1)))
+    checks.append(check("argmax_agreement", 1.0 - agree, argmax_tol))
+    num_layers = cfg.num_hidden_layers
+    for k in range(num_layers):
+        mine = cat(ours["final"] if k == num_layers - 1 else ours["captured"][k])
+        theirs = np.concatenate([r["hidden"][k] for r in ref])
+        checks.append(check(f"hidden_layer_{k}", max_abs_diff(mine, theirs), scaled_tolerance(rtol, theirs)))
+    checks.append(check("cached_decode", max_abs_diff(cat(cached), our_logits),
+                        scaled_tolerance(rtol, ref_logits)))
+
+    result = ARDecoder(target).generate(prompts, num_new_tokens, seed=seed, stop_ids=[])
+    hf_gen = [r["generated"] for r in ref]
+    mismatched = sum(sum(a != b for a, b in zip(o, h)) + abs(len(o) - len(h))
+                     for o, h in zip(result.output_ids, hf_gen))
+    checks.append(check("greedy_continuation", mismatched / (num_new_tokens * len(prompts)), greedy_tol))
+    return {"ok": all(c["ok"] for c in checks), "checks": checks, "argmax_agreement": agree,
+            "greedy": {"ours": result.output_ids, "hf": hf_gen},
+            "prompt_lengths": lengths.tolist(), "dtype": dtype}
+
+
+def format_table(report: dict) -> str:
+    """A fixed-width table of the checks and a final `OK` / `FAILED: <names>` line.
+
+    Example:
+        >>> print(format_table({"ok": True, "checks": [check("logits", 1.5e-6, 1e-4)]}))
+        check                   max_abs_diff     tolerance  ok
+        logits                     1.500e-06     1.000e-04  yes
+        OK
+    """
+    width = max([len("check")] + [len(c["name"]) for c in report["checks"]]) + 2
+    lines = [f"{'check':<{width}}{'max_abs_diff':>14}{'tolerance':>14}  ok"]
+    for c in report["checks"]:
+        lines.append(f"{c['name']:<{width}}{c['max_abs_diff']:>14.3e}{c['tolerance']:>14.3e}  "
+                     f"{'yes' if c['ok'] else 'NO'}")
+    failed = [c["name"] for c in report["checks"] if not c["ok"]]
+    lines.append("OK" if not failed else "FAILED: " + ", ".join(failed))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Compare our JAX target with transformers.")
+    parser.add_argument("model_dir")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--mesh", default=None, help='e.g. "tensor=4,data=2"')
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-new-tokens", type=int, default=8)
+    args = parser.parse_args()
+    rep = compare_target(args.model_dir, args.dtype, args.mesh, args.seed, args.num_new_tokens)
+    print(format_table(rep))
+    raise SystemExit(0 if rep["ok"] else 1)

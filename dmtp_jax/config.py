@@ -1,0 +1,217 @@
+"""Configs as data: frozen dataclasses built from HF ``config.json`` and validated once.
+
+Example:
+    >>> cfg = TargetConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 128, "hidden_size": 32,
+    ...     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    ...     "num_key_value_heads": 2, "head_dim": 8})
+    >>> cfg.num_kv_groups
+    2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_TARGET_TYPES = ("qwen3", "qwen3_moe")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the offending key."""
+
+
+def _require(d: dict, key: str, where: str):
+    if key not in d or d[key] is None:
+        raise ConfigError(f"{where}: missing required key '{key}'")
+    return d[key]
+
+
+def _rope_theta(d: dict, where: str) -> float:
+    """Reads rope theta from either `rope_parameters` (transformers >= 5) or `rope_theta`."""
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only 'default')")
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def _eos_ids(d: dict) -> tuple[int, ...]:
+    eos = d.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """A decoder-only target (Qwen3 dense or Qwen3-MoE).
+
+    `layer_types[i]` is "full_attention" or "sliding_attention"; sliding layers attend to keys with
+    `q_pos - k_pos < sliding_window`. MoE fields are zero/empty for dense models.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    # MoE (qwen3_moe)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        where = f"config ({self.model_type})"
+        if self.model_type not in SUPPORTED_TARGET_TYPES:
+            raise ConfigError(
+                f"unknown model_type '{self.model_type}'; supported: {', '.join(SUPPORTED_TARGET_TYPES)}")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{where}: '{key}' must be positive, got {getattr(self, key)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"{where}: num_attention_heads={self.num_attention_heads} is not a multiple"
+                              f" of num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"{where}: head_dim={self.head_dim} must be even for RoPE")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"{where}: layer_types has {len(self.layer_types)} entries for "
+                              f"{self.num_hidden_layers} layers")
+        for t in self.layer_types:
+            if t not in ("full_attention", "sliding_attention"):
+                raise ConfigError(f"{where}: unknown layer type '{t}' in layer_types")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ConfigError(f"{where}: sliding_attention layers need a positive 'sliding_window'")
+        if self.model_type == "qwen3_moe":
+            if self.num_experts <= 0 or not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(f"{where}: need 0 < num_experts_per_tok <= num_experts, got "
+                                  f"{self.num_experts_per_tok} and {self.num_experts}")
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError(f"{where}: 'moe_intermediate_size' must be positive")
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Matches transformers' Qwen3-MoE rule for which layers carry a sparse MLP."""
+        return (self.model_type == "qwen3_moe" and i not in self.mlp_only_layers
+                and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "TargetConfig":
+        """Builds a config from a transformers `config.json` dict (both v4 and v5 key spellings)."""
+        model_type = d.get("model_type")
+        if model_type is None:
+            raise ConfigError("config.json has no 'model_type'")
+        if model_type not in SUPPORTED_TARGET_TYPES:
+            raise ConfigError(
+                f"unknown model_type '{model_type}'; supported: {', '.join(SUPPORTED_TARGET_TYPES)}")
+        where = f"config ({model_type})"
+        n_layers = int(_require(d, "num_hidden_layers", where))
+        n_heads = int(_require(d, "num_attention_heads", where))
+        hidden = int(_require(d, "hidden_size", where))
+        head_dim = d.get("head_dim") or hidden // n_heads
+        sliding_window = d.get("sliding_window")
+        layer_types = d.get("layer_types")
+        if not layer_types:
+            use_sw = d.get("use_sliding_window", False) and sliding_window
+            max_window = d.get("max_window_layers", n_layers)
+            layer_types = ["sliding_attention" if use_sw and i >= max_window else "full_attention"
+                           for i in range(n_layers)]
+        kwargs = dict(
+            model_type=model_type,
+            vocab_size=int(_require(d, "vocab_size", where)),
+            hidden_size=hidden,
+            intermediate_size=int(d.get("intermediate_size") or 0) or 1,
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(d, where),
+            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            layer_types=tuple(layer_types),
+            sliding_window=int(sliding_window) if sliding_window else None,
+            eos_token_ids=_eos_ids(d),
+            pad_token_id=d.get("pad_token_id"),
+        )
+        if model_type == "qwen3_moe":
+            kwargs.update(
+                num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
+                num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
+                mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+            )
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The transformers `config.json` dict for this config (loads with `AutoConfig`)."""
+        arch = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[self.model_type]
+        d = {
+            "architectures": [arch], "model_type": self.model_type, "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu",
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+            "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
+            "use_sliding_window": "sliding_attention" in self.layer_types,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else (
+                self.eos_token_ids[0] if self.eos_token_ids else None),
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.model_type == "qwen3_moe":
+            d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size,
+                     norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
+                     mlp_only_layers=list(self.mlp_only_layers))
+        return d
+
+
+def read_config_json(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """Reads `<model_dir>/config.json`, with one clear error when it is missing or unreadable."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isdir(model_dir):
+        raise ConfigError(f"model directory not found: {model_dir}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"no config.json in {model_dir}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+
+
+def load_target_config(model_dir: str | os.PathLike) -> TargetConfig:
+    """Loads and validates the target config of an HF model directory.
+
+    Example:
+        >>> cfg = load_target_config("/path/to/Qwen3-0.6B")  # doctest: +SKIP
+    """
+    return TargetConfig.from_hf_dict(read_config_json(model_dir))

@@ -1,0 +1,1 @@
+"""Pure layer functions shared by the target, MTP and DFlash modules."""

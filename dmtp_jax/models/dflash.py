@@ -1,0 +1,587 @@
+"""DFlash / DFlash2 block drafter (z-lab `dflash` 0.1.0 semantics) as a pure NNX module.
+
+The drafter has no embedding table and no LM head: block rows are target embedding rows
+(`[anchor, MASK, ..., MASK]` times `input_embedding_scale`), and draft logits come from the
+target's LM head (then `output_multiplier`, then softcap). Context is the concatenation of target
+layer outputs (`capture_layers=target_layer_ids`), fused by `fc` + `hidden_norm`; its K/V are
+computed once per position (`context_kv`) and cached by the caller. A drafter call attends from the
+block rows to [context rows ; block rows] with the reference's per-layer rules:
+
+* sliding layers (`layer_types[i] == "sliding_attention"`) see keys with `q_pos - k_pos < window`,
+  and also `k_pos - q_pos < window` when the layer is not causal;
+* in-block causality: `is_causal` unset -> sliding layers causal, full layers bidirectional;
+  `is_causal` set -> that value for every layer.
+
+DFlash2 adds a grouped dynamic causal conv around attention and MLP (causal within the block only)
+and a candidate selector that walks the block slots with a bigram-like score over the unary top-k.
+
+Example:
+    >>> dcfg = DFlashConfig.from_hf_dict({"architectures": ["DFlashDraftModel"], "hidden_size": 32,
+    ...     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    ...     "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 128,
+    ...     "dflash_config": {"block_size": 8, "mask_token_id": 120, "target_layer_ids": [0, 1]}})
+    >>> drafter = DFlashDrafter(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    >>> ctx = drafter.project_context(jnp.zeros((1, 5, 64)))
+    >>> k, v = drafter.context_kv(ctx, jnp.arange(5)[None])
+    >>> hidden = drafter(jnp.zeros((1, 8, 32)), 5 + jnp.arange(8)[None], k, v, jnp.arange(5)[None],
+    ...                  jnp.ones((1, 5), bool))
+    >>> hidden.shape
+    (1, 8, 32)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dmtp_jax.config import ConfigError, _rope_theta
+from dmtp_jax.layers import params
+from dmtp_jax.layers.attention import attention_mask, grouped_attention
+from dmtp_jax.layers.norms import rms_norm
+from dmtp_jax.layers.rope import rope_cos_sin
+from dmtp_jax.models.qwen3 import Attention, DenseMLP
+
+ARCHITECTURE_VERSIONS = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The reference's default capture layers (Python round-half-even, like `dflash`).
+
+    Example:
+        >>> build_target_layer_ids(36, 5)
+        (1, 9, 17, 25, 33)
+    """
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 3 - 1
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """A DFlash (version 1) or DFlash2 (version 2) drafter config.
+
+    Attribute names of the Qwen3 layer fields match `TargetConfig`, so the target's `Attention` and
+    `DenseMLP` modules build the drafter layers. `sliding_window` is None when the config does not
+    enable it (`use_sliding_window` false), exactly as `Qwen3Config` does; `is_causal` is None
+    (unset), True or False.
+    """
+
+    version: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    attention_bias: bool = False
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+
+    def __post_init__(self):
+        where = f"drafter config (DFlash v{self.version})"
+        if self.version not in (1, 2):
+            raise ConfigError(f"{where}: 'version' must be 1 or 2")
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size", "block_size"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{where}: '{key}' must be positive, got {getattr(self, key)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"{where}: num_attention_heads={self.num_attention_heads} is not a "
+                              f"multiple of num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"{where}: head_dim={self.head_dim} must be even for RoPE")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"{where}: layer_types has {len(self.layer_types)} entries for "
+                              f"{self.num_hidden_layers} layers")
+        for t in self.layer_types:
+            if t not in ("full_attention", "sliding_attention"):
+                raise ConfigError(f"{where}: unknown layer type '{t}' in layer_types")
+        if not self.target_layer_ids:
+            raise ConfigError(f"{where}: 'target_layer_ids' is empty")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            raise ConfigError(f"{where}: 'final_logit_softcapping' must be positive or unset")
+        if self.version == 2:
+            for key in DFLASH2_KEYS:
+                if getattr(self, key) <= 0:
+                    raise ConfigError(f"{where}: '{key}' must be positive, got {getattr(self, key)}")
+            if self.hidden_size % self.conv_group_size:
+                raise ConfigError(f"{where}: hidden_size={self.hidden_size} is not a multiple of "
+                                  f"'conv_group_size'={self.conv_group_size}")
+            if self.selector_top_k > self.vocab_size:
+                raise ConfigError(f"{where}: 'selector_top_k'={self.selector_top_k} exceeds "
+                                  f"vocab_size={self.vocab_size}")
+
+    @property
+    def num_context_features(self) -> int:
+        """Width of the concatenated target features fed to `fc` (`len(target_layer_ids) * H`)."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    def layer_window(self, i: int) -> int | None:
+        """Sliding window of drafter layer `i` (None for full attention or an unset window)."""
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def layer_is_causal(self, i: int) -> bool:
+        """In-block causality of layer `i`: `is_causal` if set, else True only for sliding layers."""
+        if self.is_causal is None:
+            return self.layer_types[i] == "sliding_attention"
+        return bool(self.is_causal)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
+        """Builds the config from a drafter `config.json` dict (legacy top-level `block_size` or
+        nested `dflash_config` layout). Drafter keys are looked up in `dflash_config` first, then at
+        the top level, like `dflash.model._draft_value`.
+
+        Example:
+            >>> DFlashConfig.from_hf_dict({"hidden_size": 32, "intermediate_size": 64,
+            ...     "num_hidden_layers": 1, "num_attention_heads": 4, "head_dim": 8, "vocab_size": 128,
+            ...     "block_size": 4, "dflash_config": {"mask_token_id": 3, "target_layer_ids": [0]}}
+            ...     ).block_size
+            4
+        """
+        nested = d.get("dflash_config") or {}
+        if not isinstance(nested, dict):
+            raise ConfigError("drafter config: 'dflash_config' must be an object")
+
+        def draft_value(name, default=None):
+            return nested.get(name, d.get(name, default))
+
+        archs = d.get("architectures") or []
+        known = [a for a in archs if a in ARCHITECTURE_VERSIONS]
+        if archs and not known:
+            raise ConfigError(f"drafter config: 'architectures' {archs} names no DFlash drafter; "
+                              f"expected one of {', '.join(ARCHITECTURE_VERSIONS)}")
+        if known:
+            version = ARCHITECTURE_VERSIONS[known[0]]
+        else:
+            version = 2 if all(draft_value(k) is not None for k in DFLASH2_KEYS) else 1
+        where = f"drafter config (DFlash v{version})"
+
+        def require(name, value):
+            if value is None:
+                raise ConfigError(f"{where}: missing required key '{name}'")
+            return value
+
+        n_layers = int(require("num_hidden_layers", d.get("num_hidden_layers")))
+        n_heads = int(require("num_attention_heads", d.get("num_attention_heads")))
+        sliding_window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+        layer_types = d.get("layer_types")
+        if not layer_types:   # Qwen3Config's rule
+            max_window = d.get("max_window_layers", 28)
+            layer_types = ["sliding_attention" if sliding_window is not None and i >= max_window
+                           else "full_attention" for i in range(n_layers)]
+        num_target_layers = d.get("num_target_layers")
+        layer_ids = draft_value("target_layer_ids")
+        if layer_ids is None:
+            layer_ids = build_target_layer_ids(
+                int(require("num_target_layers", num_target_layers)), n_layers)
+        is_causal = d.get("is_causal")
+        softcap = draft_value("final_logit_softcapping")
+        kwargs = dict(
+            version=version,
+            hidden_size=int(require("hidden_size", d.get("hidden_size"))),
+            intermediate_size=int(require("intermediate_size", d.get("intermediate_size"))),
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
+            head_dim=int(d.get("head_dim") or 128),   # Qwen3Config's default
+            vocab_size=int(d.get("vocab_size") or 151936),
+            block_size=int(draft_value("block_size", 16)),
+            mask_token_id=int(require("mask_token_id", draft_value("mask_token_id"))),
+            target_layer_ids=tuple(int(i) for i in layer_ids),
+            num_target_layers=int(num_target_layers) if num_target_layers is not None else None,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(d, where),
+            layer_types=tuple(layer_types),
+            sliding_window=int(sliding_window) if sliding_window is not None else None,
+            is_causal=None if is_causal is None else bool(is_causal),
+            attention_bias=bool(d.get("attention_bias", False)),
+            input_embedding_scale=float(draft_value("input_embedding_scale", 1.0)),
+            output_multiplier=float(draft_value("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap is not None and float(softcap) > 0 else None,
+        )
+        if version == 2:
+            kwargs.update({k: int(require(k, draft_value(k))) for k in DFLASH2_KEYS})
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` dict (nested `dflash_config` layout) that `dflash` loads.
+
+        Example:
+            >>> cfg.to_hf_dict()["dflash_config"]["block_size"]  # doctest: +SKIP
+            16
+        """
+        nested: dict[str, Any] = {
+            "block_size": self.block_size, "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+            "input_embedding_scale": self.input_embedding_scale,
+            "output_multiplier": self.output_multiplier,
+        }
+        if self.final_logit_softcapping is not None:
+            nested["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.version == 2:
+            nested.update({k: getattr(self, k) for k in DFLASH2_KEYS})
+        d: dict[str, Any] = {
+            "architectures": ["DFlash2DraftModel" if self.version == 2 else "DFlashDraftModel"],
+            "model_type": "qwen3", "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu",
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "attention_bias": self.attention_bias, "tie_word_embeddings": False,
+            "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            # `dflash` evaluates build_target_layer_ids(config.num_target_layers, ...) eagerly.
+            "num_target_layers": (self.num_target_layers if self.num_target_layers is not None
+                                  else max(self.target_layer_ids) + 1),
+            "dflash_config": nested,
+        }
+        if self.is_causal is not None:
+            d["is_causal"] = self.is_causal
+        return d
+
+
+def check_fits_target(dcfg: DFlashConfig, target_cfg) -> None:
+    """Raises `ConfigError` naming the key when the drafter cannot run on this target.
+
+    Example:
+        >>> check_fits_target(dcfg, target.cfg)  # doctest: +SKIP
+    """
+    where = "drafter does not fit the target"
+    if dcfg.hidden_size != target_cfg.hidden_size:
+        raise ConfigError(f"{where}: drafter 'hidden_size'={dcfg.hidden_size} but the target's "
+                          f"hidden_size={target_cfg.hidden_size}")
+    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < target_cfg.num_hidden_layers]
+    if bad:
+        raise ConfigError(f"{where}: 'target_layer_ids' {list(dcfg.target_layer_ids)} has ids {bad} "
+                          f"outside the target's {target_cfg.num_hidden_layers} layers")
+    if not 0 <= dcfg.mask_token_id < target_cfg.vocab_size:
+        raise ConfigError(f"{where}: 'mask_token_id'={dcfg.mask_token_id} is outside the target "
+                          f"vocab (vocab_size={target_cfg.vocab_size})")
+    if dcfg.version == 2 and dcfg.vocab_size != target_cfg.vocab_size:
+        raise ConfigError(f"{where}: drafter 'vocab_size'={dcfg.vocab_size} (selector codebooks) but "
+                          f"the target's vocab_size={target_cfg.vocab_size}")
+
+
+def make_block_tokens(anchor_b: jax.Array, dcfg: DFlashConfig, block_size: int | None = None) -> jax.Array:
+    """Block input ids `[B, block]`: the anchor (last committed token) then `mask_token_id`.
+
+    Example:
+        >>> make_block_tokens(jnp.array([7]), dcfg, 4)  # doctest: +SKIP
+        Array([[  7, 120, 120, 120]], dtype=int32)
+    """
+    n = dcfg.block_size if block_size is None else block_size
+    tokens = jnp.full((anchor_b.shape[0], n), dcfg.mask_token_id, anchor_b.dtype)
+    return tokens.at[:, 0].set(anchor_b)
+
+
+def block_embeddings(target_embed_fn: Callable[[jax.Array], jax.Array], block_tokens_bt: jax.Array,
+                     dcfg: DFlashConfig) -> jax.Array:
+    """Raw target embedding rows of the block tokens times `input_embedding_scale`.
+
+    Example:
+        >>> x = block_embeddings(target.embed, make_block_tokens(anchor_b, dcfg), dcfg)  # doctest: +SKIP
+    """
+    return target_embed_fn(block_tokens_bt) * dcfg.input_embedding_scale
+
+
+def transform_draft_logits(logits: jax.Array, dcfg: DFlashConfig) -> jax.Array:
+    """`output_multiplier`, then `tanh(x / c) * c` when `final_logit_softcapping` c is set.
+
+    Example:
+        >>> transform_draft_logits(jnp.ones((1, 4)), dcfg).shape  # doctest: +SKIP
+        (1, 4)
+    """
+    logits = logits * dcfg.output_multiplier
+    if dcfg.final_logit_softcapping is not None:
+        c = dcfg.final_logit_softcapping
+        logits = jnp.tanh(logits / c) * c
+    return logits
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SelectorOutput:
+    """DFlash2 proposal: tokens `[B, L]`, candidate ids `[B, L, k]`, probabilities over the
+    candidates `[B, L, k]` (None for greedy)."""
+    tokens_bl: jax.Array
+    candidates_blk: jax.Array
+    probs_blk: jax.Array | None
+
+
+def grouped_dynamic_conv(x_bth: jax.Array, dyn_btkg: jax.Array, base_kh: jax.Array,
+                         group_size: int, block_len: int | None = None) -> jax.Array:
+    """`out[t, c] = sum_o (base[o, c] + dyn[t, o, g(c)]) * x[t - o, c]`, zero before each block start
+    (blocks of `block_len` rows; the whole sequence when None).
+
+    Example:
+        >>> grouped_dynamic_conv(jnp.ones((1, 4, 8)), jnp.zeros((1, 4, 2, 2)), jnp.ones((2, 8)), 4)[0, :, 0]
+        Array([1., 2., 2., 2.], dtype=float32)
+    """
+    b, t, h = x_bth.shape
+    groups = h // group_size
+    x = x_bth.reshape(b, t, groups, group_size)
+    in_block = jnp.arange(t) % (block_len or t)
+    out = jnp.zeros_like(x)
+    for o in range(base_kh.shape[0]):
+        shifted = x if o == 0 else jnp.pad(x[:, :-o], ((0, 0), (o, 0), (0, 0), (0, 0)))
+        if o and block_len:
+            shifted = jnp.where((in_block >= o)[None, :, None, None], shifted, 0)
+        out = out + base_kh[o].reshape(groups, group_size).astype(x.dtype) * shifted
+        out = out + dyn_btkg[:, :, o, :, None] * shifted
+    return out.reshape(b, t, h)
+
+
+class GroupedDynamicCausalConv(nnx.Module):
+    """DFlash2 conv: `base_kernel [2, K, H]` (input side, output side) and `kernel_projection`
+    `[H, 2*K*G]` predicting both dynamic kernels from the pre-sublayer normed input."""
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int, dtype, rngs: nnx.Rngs):
+        self.kernel_size, self.group_size = kernel_size, group_size
+        groups = hidden // group_size
+        base = jnp.zeros((2, kernel_size, hidden), dtype).at[:, 0].set(1)   # identity at init
+        self.base_kernel = nnx.Param(base, logical_axes=(None, None, "embed"))
+        self.kernel_projection = params.zeros((hidden, 2 * kernel_size * groups), ("embed", None), dtype)
+
+    def prepare(self, h_bth: jax.Array, block_len: int | None = None):
+        """Input-side conv of `h`, and the output-side dynamic kernel `[B, T, K, G]` for `finish`."""
+        b, t, h = h_bth.shape
+        dyn = (h_bth @ self.kernel_projection[...]).reshape(b, t, 2, self.kernel_size, -1)
+        base = self.base_kernel[...]
+        return (grouped_dynamic_conv(h_bth, dyn[:, :, 0], base[0], self.group_size, block_len),
+                dyn[:, :, 1])
+
+    def finish(self, y_bth: jax.Array, dyn_btkg: jax.Array, block_len: int | None = None):
+        return grouped_dynamic_conv(y_bth, dyn_btkg, self.base_kernel[...][1], self.group_size, block_len)
+
+
+class CandidateSelector(nnx.Module):
+    """DFlash2 selector params: codebooks `[V, r]` and `hidden_projection [H, r]`."""
+
+    def __init__(self, dcfg: DFlashConfig, dtype, rngs: nnx.Rngs):
+        v, r = dcfg.vocab_size, dcfg.selector_rank
+        self.predecessor_codebook = params.weight(rngs, (v, r), ("vocab", None), dtype)
+        self.successor_codebook = params.zeros((v, r), ("vocab", None), dtype)
+        self.hidden_projection = params.weight(rngs, (dcfg.hidden_size, r), ("embed", None), dtype)
+
+
+class DFlashLayer(nnx.Module):
+    """One drafter decoder layer (params named as in HF: `self_attn.*`, `mlp.*`, layer norms,
+    and for DFlash2 `attention_conv` / `mlp_conv`)."""
+
+    def __init__(self, dcfg: DFlashConfig, layer: int, dtype, rngs: nnx.Rngs):
+        h = dcfg.hidden_size
+        self.input_layernorm = params.ones((h,), (None,), dtype)
+        self.post_attention_layernorm = params.ones((h,), (None,), dtype)
+        self.self_attn = Attention(dcfg, layer, dtype, rngs)
+        self.mlp = DenseMLP(h, dcfg.intermediate_size, dtype, rngs)
+        if dcfg.version == 2:
+            self.attention_conv = GroupedDynamicCausalConv(h, dcfg.conv_kernel_size,
+                                                           dcfg.conv_group_size, dtype, rngs)
+            self.mlp_conv = GroupedDynamicCausalConv(h, dcfg.conv_kernel_size,
+                                                     dcfg.conv_group_size, dtype, rngs)
+
+
+class DFlashDrafter(nnx.Module):
+    """The DFlash / DFlash2 drafter. All methods are pure functions of params and inputs."""
+
+    def __init__(self, dcfg: DFlashConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = dcfg
+        h = dcfg.hidden_size
+        self.fc = params.weight(rngs, (dcfg.num_context_features, h), (None, "embed"), dtype)
+        self.hidden_norm = params.ones((h,), (None,), dtype)
+        self.layers = nnx.List([DFlashLayer(dcfg, i, dtype, rngs) for i in range(dcfg.num_hidden_layers)])
+        self.norm = params.ones((h,), (None,), dtype)
+        if dcfg.version == 2:
+            self.candidate_selector = CandidateSelector(dcfg, dtype, rngs)
+
+    def project_context(self, features_btf: jax.Array) -> jax.Array:
+        """`hidden_norm(fc(features))` for concatenated target layer outputs `[B, T, n_ctx*H]`.
+
+        Example:
+            >>> ctx_bth = drafter.project_context(jnp.concatenate(out.captured, -1))  # doctest: +SKIP
+        """
+        return rms_norm(features_btf @ self.fc[...], self.hidden_norm[...], self.cfg.rms_norm_eps)
+
+    def context_kv(self, ctx_bth: jax.Array, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-layer K/V `[L, B, T, kv, D]` of context rows at absolute `positions` (k_norm + RoPE).
+
+        Example:
+            >>> k_lbtkd, v_lbtkd = drafter.context_kv(ctx_bth, jnp.arange(5)[None])  # doctest: +SKIP
+        """
+        cos, sin = rope_cos_sin(positions_bt, self.cfg.head_dim, self.cfg.rope_theta, ctx_bth.dtype)
+        ks, vs = [], []
+        for layer in self.layers:
+            _, k, v = layer.self_attn.qkv(ctx_bth, cos, sin)   # q is dead code under jit
+            ks.append(k)
+            vs.append(v)
+        return jnp.stack(ks), jnp.stack(vs)
+
+    def _masks(self, block_positions_bt, ctx_pos_bs, ctx_valid, block_len):
+        """One `[B, T, S+T]` mask per distinct (causal, window) pair among the layers."""
+        b, t = block_positions_bt.shape
+        k_pos = jnp.concatenate([ctx_pos_bs, block_positions_bt], axis=1)
+        per_query_ctx = ctx_valid.ndim == 3
+        key_valid = jnp.concatenate(
+            [jnp.ones(ctx_pos_bs.shape, bool) if per_query_ctx else ctx_valid, jnp.ones((b, t), bool)], 1)
+        extra = None
+        if per_query_ctx or block_len:
+            idx = jnp.arange(t)
+            same_block = (idx[:, None] // block_len == idx[None, :] // block_len) if block_len else (
+                jnp.ones((t, t), bool))
+            ctx_part = ctx_valid if per_query_ctx else jnp.ones((b, t, ctx_pos_bs.shape[1]), bool)
+            extra = jnp.concatenate([ctx_part, jnp.broadcast_to(same_block, (b, t, t))], axis=2)
+        masks = {}
+        for i in range(self.cfg.num_hidden_layers):
+            key = (self.cfg.layer_is_causal(i), self.cfg.layer_window(i))
+            if key not in masks:
+                m = attention_mask(block_positions_bt, k_pos, key_valid, key[0], key[1])
+                masks[key] = m if extra is None else m & extra
+        return masks
+
+    def __call__(self, block_embeds_bth: jax.Array, block_positions_bt: jax.Array,
+                 ctx_k_lbskd: jax.Array, ctx_v_lbskd: jax.Array, ctx_pos_bs: jax.Array,
+                 ctx_valid_bs: jax.Array, *, block_len: int | None = None) -> jax.Array:
+        """Drafter layers over block rows, then the final norm. Returns hidden `[B, T, H]`.
+
+        Keys are the context rows (`ctx_k/v [L, B, S, kv, D]` from `context_kv`, at `ctx_pos`,
+        masked by `ctx_valid [B, S]` or per query `[B, T, S]`) followed by the block rows. With
+        `block_len`, the T rows are T/block_len independent blocks (block keys and the DFlash2 conv
+        never cross a block boundary) -- the training layout; by default T is one block.
+
+        Example:
+            >>> hidden = drafter(embeds, 10 + jnp.arange(8)[None], k, v, pos, valid)  # doctest: +SKIP
+        """
+        cfg = self.cfg
+        x = block_embeds_bth
+        cos, sin = rope_cos_sin(block_positions_bt, cfg.head_dim, cfg.rope_theta, x.dtype)
+        masks = self._masks(block_positions_bt, ctx_pos_bs, ctx_valid_bs, block_len)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_layernorm[...], cfg.rms_norm_eps)
+            if cfg.version == 2:
+                h, attn_dyn = layer.attention_conv.prepare(h, block_len)
+            q, k, v = layer.self_attn.qkv(h, cos, sin)
+            keys = jnp.concatenate([ctx_k_lbskd[i].astype(k.dtype), k], axis=1)
+            values = jnp.concatenate([ctx_v_lbskd[i].astype(v.dtype), v], axis=1)
+            mask = masks[(cfg.layer_is_causal(i), cfg.layer_window(i))]
+            y = layer.self_attn.out(grouped_attention(q, keys, values, mask))
+            if cfg.version == 2:
+                y = layer.attention_conv.finish(y, attn_dyn, block_len)
+            x = x + y
+            h = rms_norm(x, layer.post_attention_layernorm[...], cfg.rms_norm_eps)
+            if cfg.version == 2:
+                h, mlp_dyn = layer.mlp_conv.prepare(h, block_len)
+            y = layer.mlp(h)
+            if cfg.version == 2:
+                y = layer.mlp_conv.finish(y, mlp_dyn, block_len)
+            x = x + y
+        return rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+
+    def draft_logits(self, hidden_bth: jax.Array, target_logits_fn: Callable[[jax.Array], jax.Array]):
+        """Target LM head on drafter hidden states, then `output_multiplier` and softcap.
+
+        Example:
+            >>> logits = drafter.draft_logits(hidden[:, 1:], target.logits)  # doctest: +SKIP
+        """
+        return transform_draft_logits(target_logits_fn(hidden_bth), self.cfg)
+
+    def _selector_inputs(self, hidden_bth, logits_btv):
+        if self.cfg.version != 2:
+            raise ValueError("the candidate selector needs a DFlash2 drafter")
+        sel = self.candidate_selector
+        unary_btk, cand_btk = jax.lax.top_k(logits_btv, self.cfg.selector_top_k)
+        return unary_btk, cand_btk, hidden_bth @ sel.hidden_projection[...]
+
+    def _pair_scores(self, pred_b, proj_br, cand_bk):
+        sel = self.candidate_selector
+        return jnp.einsum("br,bkr->bk", jnp.take(sel.predecessor_codebook[...], pred_b, axis=0) * proj_br,
+                          jnp.take(sel.successor_codebook[...], cand_bk, axis=0))
+
+    def selector_scores(self, hidden_bth: jax.Array, logits_btv: jax.Array,
+                        predecessors_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """DFlash2 candidate scores `[B, L, k]` and candidate ids `[B, L, k]` for given predecessor
+        tokens (teacher forcing: the anchor, then the gold tokens), all slots in parallel.
+
+        Slot j scores its unary top-k as `u + <P[pred_j] * (h_j @ W), S[cand]>`.
+
+        Example:
+            >>> scores, cand = drafter.selector_scores(h[:, 1:], logits, block_tokens[:, :-1])  # doctest: +SKIP
+        """
+        unary_btk, cand_btk, proj_btr = self._selector_inputs(hidden_bth, logits_btv)
+        b, t, k = cand_btk.shape
+        pair = self._pair_scores(predecessors_bt.reshape(-1), proj_btr.reshape(b * t, -1),
+                                 cand_btk.reshape(b * t, k))
+        return unary_btk + pair.reshape(b, t, k), cand_btk
+
+    def select_tokens(self, hidden_bth: jax.Array, logits_btv: jax.Array, anchor_b: jax.Array,
+                      temperature: float | jax.Array = 0.0, key: jax.Array | None = None) -> SelectorOutput:
+        """DFlash2 candidate selector over the proposal slots (block slots 1.., hidden and
+        transformed logits `[B, L, ...]`), walked left to right with `lax.scan`.
+
+        The predecessor of the first slot is `anchor_b`, then of each slot the token chosen before
+        it (scores as in `selector_scores`). A Python `temperature` <= 0 takes the argmax (no
+        probabilities); otherwise (a float or a traced scalar > 0) `key` is required and each slot
+        samples from `softmax(scores / temperature)` over its k candidates, with no top-p/top-k.
+
+        Example:
+            >>> out = drafter.select_tokens(hidden[:, 1:], logits, block_tokens[:, 0])  # doctest: +SKIP
+            >>> out.tokens_bl.shape  # doctest: +SKIP
+            (1, 7)
+        """
+        unary_btk, cand_btk, proj_btr = self._selector_inputs(hidden_bth, logits_btv)
+        greedy = isinstance(temperature, (int, float)) and temperature <= 0
+        if not greedy and key is None:
+            raise ValueError("sampling (temperature > 0) needs a PRNG key")
+        n_slots = hidden_bth.shape[1]
+        keys = jax.random.split(key, n_slots) if not greedy else jnp.zeros((n_slots,), jnp.uint32)
+
+        def step(pred_b, slot):
+            unary_bk, cand_bk, proj_br, slot_key = slot
+            scores = unary_bk + self._pair_scores(pred_b, proj_br, cand_bk)
+            if greedy:
+                index, probs = jnp.argmax(scores, axis=-1), jnp.zeros(scores.shape, jnp.float32)
+            else:
+                scaled = scores.astype(jnp.float32) / temperature
+                probs = jax.nn.softmax(scaled, axis=-1)
+                index = jax.random.categorical(slot_key, scaled, axis=-1)
+            token = jnp.take_along_axis(cand_bk, index[:, None], axis=-1)[:, 0]
+            return token, (token, probs)
+
+        slots = (jnp.moveaxis(unary_btk, 1, 0), jnp.moveaxis(cand_btk, 1, 0),
+                 jnp.moveaxis(proj_btr, 1, 0), keys)
+        _, (tokens_lb, probs_lbk) = jax.lax.scan(step, anchor_b.astype(cand_btk.dtype), slots)
+        return SelectorOutput(jnp.moveaxis(tokens_lb, 0, 1), cand_btk,
+                              None if greedy else jnp.moveaxis(probs_lbk, 0, 1))
+
+    def propose(self, hidden_bth: jax.Array, anchor_b: jax.Array,
+                target_logits_fn: Callable[[jax.Array], jax.Array],
+                temperature: float | jax.Array = 0.0, key: jax.Array | None = None) -> SelectorOutput:
+        """`select_tokens` on `draft_logits(hidden)`, as `DFlash2DraftModel.propose` does.
+
+        Example:
+            >>> out = drafter.propose(hidden[:, 1:], anchor_b, target.logits, 0.7, key)  # doctest: +SKIP
+        """
+        return self.select_tokens(hidden_bth, self.draft_logits(hidden_bth, target_logits_fn),
+                                  anchor_b, temperature, key)

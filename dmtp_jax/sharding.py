@@ -1,0 +1,133 @@
+"""One mesh `("data", "fsdp", "tensor")`, logical-axis rules, and placement of params and caches.
+
+Params carry logical axis names (`logical_axes` metadata); `MeshRules` maps each name to mesh axes.
+A mesh axis that does not divide a dimension is dropped for that array (it is replicated instead),
+so tiny models and odd head counts place on any mesh.
+
+Example:
+    >>> mesh = make_mesh("tensor=1")
+    >>> spec_for(("embed", "mlp"), (32, 64), mesh, DEFAULT_RULES)
+    P()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+class MeshError(ValueError):
+    """A mesh spec that cannot be built on the available devices."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshRules:
+    """Logical axis name -> mesh axes (a name, a tuple of names, or None for replicated)."""
+
+    rules: tuple[tuple[str, Any], ...]
+
+    def lookup(self, name: str | None):
+        if name is None:
+            return ()
+        for key, axes in self.rules:
+            if key == name:
+                if axes is None:
+                    return ()
+                return (axes,) if isinstance(axes, str) else tuple(axes)
+        return ()
+
+
+DEFAULT_RULES = MeshRules((
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("experts", None),
+    ("cache_heads", "tensor"),
+))
+
+
+def parse_mesh_spec(spec: str | None) -> dict[str, int]:
+    """`"tensor=4,data=2"` -> `{"data": 2, "fsdp": 1, "tensor": 4}`; clear errors on bad input."""
+    sizes = {a: 1 for a in MESH_AXES}
+    if not spec:
+        return sizes
+    for part in spec.split(","):
+        name, _, value = part.strip().partition("=")
+        if name not in MESH_AXES:
+            raise MeshError(f"unknown mesh axis '{name}' in '{spec}'; axes are {', '.join(MESH_AXES)}")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise MeshError(f"mesh axis '{name}' needs an integer size, got '{value}'") from None
+        if sizes[name] < 1:
+            raise MeshError(f"mesh axis '{name}' must be >= 1, got {sizes[name]}")
+    return sizes
+
+
+def make_mesh(spec: str | dict[str, int] | None = None, devices=None) -> Mesh:
+    """A mesh over the first `data*fsdp*tensor` devices.
+
+    Example:
+        >>> make_mesh("tensor=1").axis_names
+        ('data', 'fsdp', 'tensor')
+    """
+    sizes = parse_mesh_spec(spec) if not isinstance(spec, dict) else {**parse_mesh_spec(None), **spec}
+    devices = list(jax.devices() if devices is None else devices)
+    need = int(np.prod([sizes[a] for a in MESH_AXES]))
+    if need > len(devices):
+        raise MeshError(f"mesh {sizes} needs {need} devices but only {len(devices)} are visible")
+    grid = np.array(devices[:need]).reshape([sizes[a] for a in MESH_AXES])
+    return Mesh(grid, MESH_AXES)
+
+
+def spec_for(logical_axes, shape, mesh: Mesh, rules: MeshRules = DEFAULT_RULES) -> P:
+    """PartitionSpec for an array with these logical axes; non-dividing mesh axes are dropped."""
+    used: set[str] = set()
+    out = []
+    for name, dim in zip(logical_axes, shape):
+        axes = tuple(a for a in rules.lookup(name) if a not in used and mesh.shape[a] > 1)
+        while axes and dim % int(np.prod([mesh.shape[a] for a in axes])):
+            axes = axes[:-1]
+        used.update(axes)
+        out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def named_sharding(logical_axes, shape, mesh: Mesh, rules: MeshRules = DEFAULT_RULES) -> NamedSharding:
+    return NamedSharding(mesh, spec_for(logical_axes, shape, mesh, rules))
+
+
+def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: MeshRules = DEFAULT_RULES):
+    """NamedSharding tree matching an (abstract) NNX state whose params carry `logical_axes`."""
+    def one(var):
+        axes = var.get_metadata().get("logical_axes") or (None,) * len(var.shape)
+        return var.replace(named_sharding(axes, var.shape, mesh, rules))
+    return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh, shape, batch_axis: int = 0, rules: MeshRules = DEFAULT_RULES) -> NamedSharding:
+    """Shards dimension `batch_axis` over the batch mesh axes (when they divide it)."""
+    axes = [None] * len(shape)
+    axes[batch_axis] = "batch"
+    return named_sharding(axes, shape, mesh, rules)
+
+
+def kv_cache_sharding(mesh: Mesh, shape, rules: MeshRules = DEFAULT_RULES) -> NamedSharding:
+    """`[layers, batch, max_len, kv_heads, head_dim]`: batch over data axes, heads over tensor."""
+    return named_sharding((None, "batch", None, "cache_heads", None), shape, mesh, rules)

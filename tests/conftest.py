@@ -1,0 +1,69 @@
+"""Shared pytest fixtures: tiny random HF checkpoints built with transformers + torch (no download).
+
+Fixtures (session-scoped, built once per test run into a pytest tmp dir):
+
+* ``tiny_qwen3_dir``     -- a ``Qwen3ForCausalLM`` directory (``config.json`` + ``model.safetensors``,
+  fp32), untied LM head.
+* ``tiny_qwen3_moe_dir`` -- a ``Qwen3MoeForCausalLM`` directory, every layer sparse (4 experts, top-2,
+  ``norm_topk_prob=True``), tied word embeddings (so the tied LM-head path is exercised too).
+
+Both: vocab 128, hidden 32, 2 layers, 4 heads, 2 KV heads, head_dim 8, max_position_embeddings 512,
+rope theta 10000, eos id 127, ``initializer_range=0.1`` (logits of order 1, so argmax is not decided by
+rounding noise), and every RMSNorm weight (input / post-attention / q / k / final) drawn from
+U(0.5, 1.5) so that the norms are exercised. Weights come from ``torch.manual_seed(seed)``, hence are
+the same on every run. Use ``build_tiny_checkpoint(out_dir, "qwen3" | "qwen3_moe", seed)`` directly
+for a private copy (e.g. one you intend to modify).
+
+Example:
+    def test_loads(tiny_qwen3_dir):
+        from dmtp_jax.checkpoint.hf import load_target
+        assert load_target(tiny_qwen3_dir).cfg.num_hidden_layers == 2
+"""
+
+from __future__ import annotations
+
+import pytest
+
+TINY_COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1,
+                   eos_token_id=127, bos_token_id=None, pad_token_id=None)
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=True)
+
+
+def build_tiny_checkpoint(out_dir: str, family: str = "qwen3", seed: int = 0) -> str:
+    """Writes a tiny random HF checkpoint of `family` ("qwen3" or "qwen3_moe") to `out_dir`.
+
+    Example:
+        >>> build_tiny_checkpoint("/tmp/tiny-moe", "qwen3_moe")  # doctest: +SKIP
+        '/tmp/tiny-moe'
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY_COMMON, tie_word_embeddings=False))
+    elif family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY_COMMON, **TINY_MOE))
+    else:
+        raise ValueError(f"unknown tiny family '{family}'")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> str:
+    """Path of a tiny dense Qwen3 checkpoint (see module docstring). Treat it as read-only."""
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-qwen3")), "qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> str:
+    """Path of a tiny Qwen3-MoE checkpoint (see module docstring). Treat it as read-only."""
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-qwen3-moe")), "qwen3_moe", seed=1)

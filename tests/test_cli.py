@@ -1,0 +1,44 @@
+"""infer.py end to end, in process: JSON output, defaults, and one-line errors for bad input."""
+
+import json
+
+import pytest
+
+import infer
+from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.decode.ar import ARDecoder
+
+
+def test_generate_json_matches_decoder(tiny_qwen3_dir, tmp_path):
+    out = tmp_path / "gen.json"
+    rc = infer.main(["generate", "--target", tiny_qwen3_dir, "--prompt-ids", "1,2,3", "--prompt-ids", "9,8",
+                     "--max-new-tokens", "6", "--stop-token-ids", "1000", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["prompt_ids"] == [[1, 2, 3], [9, 8]]
+    want = ARDecoder(load_target(tiny_qwen3_dir)).generate([[1, 2, 3], [9, 8]], 6, stop_ids=[127]).output_ids
+    assert data["output_ids"] == want
+    assert data["stats"]["compiles"] == {"prefill": 1, "decode_step": 1}
+
+
+def test_default_tiny_checkpoint_streams_text(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DMTP_JAX_CACHE", str(tmp_path))
+    assert infer.main(["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("def fibonacci(n):")
+    assert (tmp_path / "tiny-qwen3" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--prompt", "hi"], "has no tokenizer"),
+    (["--prompt-ids", "1,2", "--mesh", "tensor=64"], "needs 64 devices"),
+    (["--prompt-ids", "1,2", "--mesh", "model=2"], "unknown mesh axis 'model'"),
+    (["--prompt-ids", "1,500"], "outside the vocabulary"),
+    (["--prompt-ids", "1", "--top-p", "0"], "top_p must be in"),
+    (["--prompt-ids", "1", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--prompt-ids", "1", "--prompt-ids", "2", "--batch-size", "1"], "smaller than the 2 prompts"),
+])
+def test_bad_input_is_one_line(tiny_qwen3_dir, capsys, argv, message):
+    rc = infer.main(["generate", "--target", tiny_qwen3_dir, *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
