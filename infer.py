@@ -2,6 +2,7 @@
 
     python infer.py generate --prompt "def fibonacci(n):"            # tiny random demo checkpoint
     python infer.py generate --target DIR --prompt-ids 1,2,3 --json out.json
+    python infer.py generate --target DIR --draft DFLASH_DIR --prompt "..."   # speculative
     python infer.py compare --target DIR [--dtype float32] [--json report.json]
 
 Every subcommand uses the built-in tiny checkpoint when no `--target` is given.
@@ -34,7 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text (plain decoding for now)")
     common(g)
-    g.add_argument("--method", default="ar", choices=["ar"])
+    g.add_argument("--method", default=None, choices=["ar", "dflash"],
+                   help="ar (plain decoding) or dflash (speculative; needs --draft). Default: dflash "
+                        "when --draft is given, else ar")
+    g.add_argument("--draft", help="DFlash / DFlash2 drafter directory (z-lab format)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="verify slots per round (default: the drafter's block_size)")
+    g.add_argument("--verify", default="rejection", choices=["rejection", "target-only"],
+                   help="sampled verification: rejection sampling with draft probabilities, or "
+                        "matching target samples (greedy is always exact match)")
     g.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable: one per row)")
     g.add_argument("--prompt-ids", action="append", default=[], type=_parse_ids,
                    help="comma-separated token ids (repeatable: one per row); works without a tokenizer")
@@ -80,7 +89,16 @@ def cmd_generate(args) -> int:
     target = load_target(target_dir, args.dtype, make_mesh(args.mesh))
     stops = stop_token_ids(target_dir, target.cfg.eos_token_ids, tokenizer)
     stops = sorted(set(stops) | set(args.stop_token_ids or []))
-    decoder = ARDecoder(target)
+    method = args.method or ("dflash" if args.draft else "ar")
+    if method == "dflash":
+        if not args.draft:
+            raise UserError("--method dflash needs --draft DIR")
+        from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
+        from dmtp_jax.decode.spec import SpecDecoder
+        decoder = SpecDecoder(target, load_drafter(args.draft, target.cfg, args.dtype, target.mesh),
+                              block_size=args.block_size, verify=args.verify)
+    else:
+        decoder = ARDecoder(target)
 
     stream = len(prompts) == 1 and tokenizer is not None and not args.json_path
     def on_tokens(row, toks):
@@ -96,11 +114,14 @@ def cmd_generate(args) -> int:
             text = tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
             print(f"[row {i}] {text}")
     stats = {**result.stats, "compiles": decoder.compile_counts()}
+    acceptance = stats.pop("acceptance_lengths", None)
     print(format_stats(stats), file=sys.stderr)
     if args.json_path:
+        record = {"prompt_ids": result.prompt_ids, "output_ids": result.output_ids, "stats": stats}
+        if acceptance is not None:
+            record["acceptance_lengths"] = acceptance
         with open(args.json_path, "w") as fh:
-            json.dump({"prompt_ids": result.prompt_ids, "output_ids": result.output_ids, "stats": stats},
-                      fh)
+            json.dump(record, fh)
     return 0
 
 
@@ -116,8 +137,15 @@ def cmd_compare(args) -> int:
 
 
 def format_stats(stats: dict) -> str:
-    return ("method={method} new_tokens={new_tokens} target_forwards={target_forwards} "
+    line = ("method={method} new_tokens={new_tokens} target_forwards={target_forwards} "
             "ttft={ttft_s:.3f}s decode={decode_tokens_per_s:.1f} tok/s compiles={compiles}").format(**stats)
+    if "per_verify_acceptance_length" in stats:
+        line += ("\nacceptance: per-request {per_request_acceptance_length:.3f} per-verify "
+                 "{per_verify_acceptance_length:.3f} first-candidate {first_candidate_acceptance:.3f} "
+                 "histogram {histogram}").format(**stats)
+        line += "\nconditional acceptance by position: " + " ".join(
+            f"{p:.2f}" for p in stats["conditional_acceptance"])
+    return line
 
 
 class UserError(Exception):

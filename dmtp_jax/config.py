@@ -45,6 +45,26 @@ def _eos_ids(d: dict) -> tuple[int, ...]:
     return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
 
 
+def validate_decoder_stack(cfg, where: str, extra_positive: tuple[str, ...] = ()) -> None:
+    """Checks shared by every Qwen3-style decoder stack config (target, MTP layer, DFlash drafter):
+    positive sizes, GQA divisibility, even head_dim, one known layer type per layer."""
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim") + tuple(extra_positive):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{where}: '{key}' must be positive, got {getattr(cfg, key)}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(f"{where}: num_attention_heads={cfg.num_attention_heads} is not a multiple"
+                          f" of num_key_value_heads={cfg.num_key_value_heads}")
+    if cfg.head_dim % 2:
+        raise ConfigError(f"{where}: head_dim={cfg.head_dim} must be even for RoPE")
+    if len(cfg.layer_types) != cfg.num_hidden_layers:
+        raise ConfigError(f"{where}: layer_types has {len(cfg.layer_types)} entries for "
+                          f"{cfg.num_hidden_layers} layers")
+    for t in cfg.layer_types:
+        if t not in ("full_attention", "sliding_attention"):
+            raise ConfigError(f"{where}: unknown layer type '{t}' in layer_types")
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """A decoder-only target (Qwen3 dense or Qwen3-MoE).
@@ -83,21 +103,7 @@ class TargetConfig:
         if self.model_type not in SUPPORTED_TARGET_TYPES:
             raise ConfigError(
                 f"unknown model_type '{self.model_type}'; supported: {', '.join(SUPPORTED_TARGET_TYPES)}")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "head_dim"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"{where}: '{key}' must be positive, got {getattr(self, key)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"{where}: num_attention_heads={self.num_attention_heads} is not a multiple"
-                              f" of num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ConfigError(f"{where}: head_dim={self.head_dim} must be even for RoPE")
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"{where}: layer_types has {len(self.layer_types)} entries for "
-                              f"{self.num_hidden_layers} layers")
-        for t in self.layer_types:
-            if t not in ("full_attention", "sliding_attention"):
-                raise ConfigError(f"{where}: unknown layer type '{t}' in layer_types")
+        validate_decoder_stack(self, where, ("vocab_size",))
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ConfigError(f"{where}: sliding_attention layers need a positive 'sliding_window'")
         if self.model_type == "qwen3_moe":

@@ -2,17 +2,18 @@
 
 Fixtures (session-scoped, built once per test run into a pytest tmp dir):
 
-* ``tiny_qwen3_dir``     -- a ``Qwen3ForCausalLM`` directory (``config.json`` + ``model.safetensors``,
-  fp32), untied LM head.
+* ``tiny_qwen3_dir``     -- a ``Qwen3ForCausalLM`` directory (``config.json``, ``model.safetensors``
+  in fp32, ``generation_config.json``); no tokenizer.
 * ``tiny_qwen3_moe_dir`` -- a ``Qwen3MoeForCausalLM`` directory, every layer sparse (4 experts, top-2,
-  ``norm_topk_prob=True``), tied word embeddings (so the tied LM-head path is exercised too).
+  ``norm_topk_prob=True``, ``moe_intermediate_size`` 16).
 
 Both: vocab 128, hidden 32, 2 layers, 4 heads, 2 KV heads, head_dim 8, max_position_embeddings 512,
-rope theta 10000, eos id 127, ``initializer_range=0.1`` (logits of order 1, so argmax is not decided by
-rounding noise), and every RMSNorm weight (input / post-attention / q / k / final) drawn from
+rope theta 10000, eos id 127, untied LM head, ``initializer_range=0.1`` (logits of order 1, so argmax
+is not decided by rounding noise; greedy continuations vary rather than repeat one token, which they
+do with tied embeddings), and every RMSNorm weight (input / post-attention / q / k / final) drawn from
 U(0.5, 1.5) so that the norms are exercised. Weights come from ``torch.manual_seed(seed)``, hence are
-the same on every run. Use ``build_tiny_checkpoint(out_dir, "qwen3" | "qwen3_moe", seed)`` directly
-for a private copy (e.g. one you intend to modify).
+the same on every run. Use ``build_tiny_checkpoint(out_dir, "qwen3" | "qwen3_moe", seed, **overrides)``
+directly for a private copy or a variant (e.g. ``tie_word_embeddings=True``).
 
 Example:
     def test_loads(tiny_qwen3_dir):
@@ -29,11 +30,12 @@ TINY_COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hid
                    max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1,
                    eos_token_id=127, bos_token_id=None, pad_token_id=None)
 TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
-                decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=True)
+                decoder_sparse_step=1, mlp_only_layers=[])
 
 
-def build_tiny_checkpoint(out_dir: str, family: str = "qwen3", seed: int = 0) -> str:
-    """Writes a tiny random HF checkpoint of `family` ("qwen3" or "qwen3_moe") to `out_dir`.
+def build_tiny_checkpoint(out_dir: str, family: str = "qwen3", seed: int = 0, **overrides) -> str:
+    """Writes a tiny random HF checkpoint of `family` ("qwen3" or "qwen3_moe") to `out_dir`;
+    `overrides` replace config fields (e.g. `tie_word_embeddings=True`, `num_hidden_layers=3`).
 
     Example:
         >>> build_tiny_checkpoint("/tmp/tiny-moe", "qwen3_moe")  # doctest: +SKIP
@@ -43,10 +45,11 @@ def build_tiny_checkpoint(out_dir: str, family: str = "qwen3", seed: int = 0) ->
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
+    fields = {**TINY_COMMON, "tie_word_embeddings": False}
     if family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**TINY_COMMON, tie_word_embeddings=False))
+        model = Qwen3ForCausalLM(Qwen3Config(**{**fields, **overrides}))
     elif family == "qwen3_moe":
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY_COMMON, **TINY_MOE))
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**fields, **TINY_MOE, **overrides}))
     else:
         raise ValueError(f"unknown tiny family '{family}'")
     with torch.no_grad():

@@ -42,3 +42,19 @@ def test_bad_input_is_one_line(tiny_qwen3_dir, capsys, argv, message):
     err = capsys.readouterr().err
     assert rc == 2
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_generate_dflash_json_has_acceptance(tiny_qwen3_dir, tmp_path, capsys):
+    from dflash_fixtures import build_reference_drafter
+    draft = str(tmp_path / "draft")
+    build_reference_drafter(draft, seed=1)
+    out = tmp_path / "spec.json"
+    rc = infer.main(["generate", "--target", tiny_qwen3_dir, "--draft", draft, "--prompt-ids", "1,2,3",
+                     "--prompt-ids", "7", "--max-new-tokens", "9", "--stop-token-ids", "1000", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    want = ARDecoder(load_target(tiny_qwen3_dir)).generate([[1, 2, 3], [7]], 9, stop_ids=[127]).output_ids
+    assert data["output_ids"] == want
+    assert [sum(r) >= len(o) - 1 for r, o in zip(data["acceptance_lengths"], data["output_ids"])] == [True, True]
+    assert "per-verify" in capsys.readouterr().err
+    assert infer.main(["generate", "--target", tiny_qwen3_dir, "--method", "dflash", "--prompt-ids", "1"]) == 2

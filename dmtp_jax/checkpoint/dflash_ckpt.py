@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dmtp_jax.checkpoint.hf import export_tensors, load_params
+from dmtp_jax.checkpoint.hf import LoadedModel, export_tensors, load_params
 from dmtp_jax.checkpoint.safetensors_io import CheckpointError, CheckpointReader, write_sharded
 from dmtp_jax.config import read_config_json
 from dmtp_jax.models.dflash import DFlashConfig, DFlashDrafter, check_fits_target
@@ -54,18 +54,7 @@ DFLASH_NAME_RULES_CODEBOOK_WEIGHT = tuple(
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-@dataclasses.dataclass
-class LoadedDrafter:
-    """A drafter ready for jitted functions: `nnx.merge(graphdef, state)` inside the jit."""
-    cfg: DFlashConfig
-    graphdef: nnx.GraphDef
-    state: nnx.State
-    mesh: Mesh
-    model_dir: str | None = None
-
-    @property
-    def state_dtype(self):
-        return jax.tree.leaves(self.state)[0].dtype
+LoadedDrafter = LoadedModel      # cfg: DFlashConfig
 
 
 def load_dflash_config(draft_dir: str) -> DFlashConfig:

@@ -18,7 +18,7 @@ import json
 import os
 import re
 import shutil
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -146,9 +146,10 @@ def export_tensors(state: nnx.State, rules=QWEN3_NAME_RULES, prefix: str = "", d
 
 
 @dataclasses.dataclass
-class LoadedTarget:
-    """A target ready for jitted functions: `nnx.merge(graphdef, state)` inside the jit."""
-    cfg: TargetConfig
+class LoadedModel:
+    """A model (target or drafter) ready for jitted functions: `nnx.merge(graphdef, state)` inside
+    the jit. `cfg` is the model's config dataclass."""
+    cfg: Any
     graphdef: nnx.GraphDef
     state: nnx.State
     mesh: Mesh
@@ -157,6 +158,9 @@ class LoadedTarget:
     @property
     def state_dtype(self):
         return jax.tree.leaves(self.state)[0].dtype
+
+
+LoadedTarget = LoadedModel      # cfg: TargetConfig
 
 
 def abstract_target(cfg: TargetConfig, dtype):

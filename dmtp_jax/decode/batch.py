@@ -35,8 +35,9 @@ class PaddedBatch:
 
 
 def pad_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int,
-                max_positions: int | None = None, batch_bucket: int | None = None) -> PaddedBatch:
-    """Validates and pads prompts.
+                max_positions: int | None = None, batch_bucket: int | None = None,
+                slack: int = VERIFY_SLOTS) -> PaddedBatch:
+    """Validates and pads prompts; the cache keeps `slack` slots past the budget for verify writes.
 
     Example:
         >>> b = pad_prompts([[1, 2, 3], [4]], max_new_tokens=5, vocab_size=10)
@@ -54,7 +55,7 @@ def pad_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int,
         if bad:
             raise RequestError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     longest = max(len(p) for p in prompts)
-    need = longest + max_new_tokens + VERIFY_SLOTS
+    need = longest + max_new_tokens + slack
     if max_positions is not None and longest + max_new_tokens > max_positions:
         raise RequestError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                            f"model's max_position_embeddings ({max_positions})")

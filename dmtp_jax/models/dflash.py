@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dmtp_jax.config import ConfigError, _rope_theta
+from dmtp_jax.config import ConfigError, _rope_theta, validate_decoder_stack
 from dmtp_jax.layers import params
 from dmtp_jax.layers.attention import attention_mask, grouped_attention
 from dmtp_jax.layers.norms import rms_norm
@@ -102,21 +102,7 @@ class DFlashConfig:
         where = f"drafter config (DFlash v{self.version})"
         if self.version not in (1, 2):
             raise ConfigError(f"{where}: 'version' must be 1 or 2")
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "vocab_size", "block_size"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"{where}: '{key}' must be positive, got {getattr(self, key)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"{where}: num_attention_heads={self.num_attention_heads} is not a "
-                              f"multiple of num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ConfigError(f"{where}: head_dim={self.head_dim} must be even for RoPE")
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"{where}: layer_types has {len(self.layer_types)} entries for "
-                              f"{self.num_hidden_layers} layers")
-        for t in self.layer_types:
-            if t not in ("full_attention", "sliding_attention"):
-                raise ConfigError(f"{where}: unknown layer type '{t}' in layer_types")
+        validate_decoder_stack(self, where, ("vocab_size", "block_size"))
         if not self.target_layer_ids:
             raise ConfigError(f"{where}: 'target_layer_ids' is empty")
         if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
@@ -285,6 +271,22 @@ def check_fits_target(dcfg: DFlashConfig, target_cfg) -> None:
                           f"the target's vocab_size={target_cfg.vocab_size}")
 
 
+def context_features(target_out, dcfg: DFlashConfig, num_target_layers: int) -> jax.Array:
+    """Concatenated target features `[B, T, n_ctx*H]` exactly as `dflash` builds them from HF
+    `hidden_states[k+1]`: the raw output of layer k, except for the target's last layer, whose HF
+    entry is the post-final-norm state. `target_out` is the target's output for
+    `capture_layers=dcfg.target_layer_ids` (its `captured` and `hidden_bth`); `Qwen3Target` already
+    captures the last layer post-norm, so this is then a plain concatenation.
+
+    Example:
+        >>> out = target(tokens, positions, cache, capture_layers=dcfg.target_layer_ids)  # doctest: +SKIP
+        >>> feats = context_features(out, dcfg, target_cfg.num_hidden_layers)  # doctest: +SKIP
+    """
+    parts = [target_out.hidden_bth if k == num_target_layers - 1 else x
+             for k, x in zip(dcfg.target_layer_ids, target_out.captured)]
+    return jnp.concatenate(parts, axis=-1)
+
+
 def make_block_tokens(anchor_b: jax.Array, dcfg: DFlashConfig, block_size: int | None = None) -> jax.Array:
     """Block input ids `[B, block]`: the anchor (last committed token) then `mask_token_id`.
 
@@ -439,13 +441,14 @@ class DFlashDrafter(nnx.Module):
             vs.append(v)
         return jnp.stack(ks), jnp.stack(vs)
 
-    def _masks(self, block_positions_bt, ctx_pos_bs, ctx_valid, block_len):
+    def _masks(self, block_positions_bt, ctx_pos_bs, ctx_valid, block_len, block_valid_bt=None):
         """One `[B, T, S+T]` mask per distinct (causal, window) pair among the layers."""
         b, t = block_positions_bt.shape
         k_pos = jnp.concatenate([ctx_pos_bs, block_positions_bt], axis=1)
         per_query_ctx = ctx_valid.ndim == 3
+        block_keys = jnp.ones((b, t), bool) if block_valid_bt is None else block_valid_bt
         key_valid = jnp.concatenate(
-            [jnp.ones(ctx_pos_bs.shape, bool) if per_query_ctx else ctx_valid, jnp.ones((b, t), bool)], 1)
+            [jnp.ones(ctx_pos_bs.shape, bool) if per_query_ctx else ctx_valid, block_keys], 1)
         extra = None
         if per_query_ctx or block_len:
             idx = jnp.arange(t)
@@ -463,13 +466,17 @@ class DFlashDrafter(nnx.Module):
 
     def __call__(self, block_embeds_bth: jax.Array, block_positions_bt: jax.Array,
                  ctx_k_lbskd: jax.Array, ctx_v_lbskd: jax.Array, ctx_pos_bs: jax.Array,
-                 ctx_valid_bs: jax.Array, *, block_len: int | None = None) -> jax.Array:
+                 ctx_valid_bs: jax.Array, *, block_len: int | None = None,
+                 block_valid_bt: jax.Array | None = None) -> jax.Array:
         """Drafter layers over block rows, then the final norm. Returns hidden `[B, T, H]`.
 
         Keys are the context rows (`ctx_k/v [L, B, S, kv, D]` from `context_kv`, at `ctx_pos`,
         masked by `ctx_valid [B, S]` or per query `[B, T, S]`) followed by the block rows. With
         `block_len`, the T rows are T/block_len independent blocks (block keys and the DFlash2 conv
         never cross a block boundary) -- the training layout; by default T is one block.
+        `block_valid [B, T]` (optional) hides block rows as keys: a block cut to its first v rows,
+        as `dflash_generate` cuts the last blocks to the token budget (earlier rows never see later
+        ones through the conv or the selector, only through non-causal attention).
 
         Example:
             >>> hidden = drafter(embeds, 10 + jnp.arange(8)[None], k, v, pos, valid)  # doctest: +SKIP
@@ -477,7 +484,7 @@ class DFlashDrafter(nnx.Module):
         cfg = self.cfg
         x = block_embeds_bth
         cos, sin = rope_cos_sin(block_positions_bt, cfg.head_dim, cfg.rope_theta, x.dtype)
-        masks = self._masks(block_positions_bt, ctx_pos_bs, ctx_valid_bs, block_len)
+        masks = self._masks(block_positions_bt, ctx_pos_bs, ctx_valid_bs, block_len, block_valid_bt)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_layernorm[...], cfg.rms_norm_eps)
             if cfg.version == 2:
@@ -527,7 +534,7 @@ class DFlashDrafter(nnx.Module):
         Slot j scores its unary top-k as `u + <P[pred_j] * (h_j @ W), S[cand]>`.
 
         Example:
-            >>> scores, cand = drafter.selector_scores(h[:, 1:], logits, block_tokens[:, :-1])  # doctest: +SKIP
+            >>> scores, cand = drafter.selector_scores(h[:, 1:], logits, tokens[:, :-1])  # doctest: +SKIP
         """
         unary_btk, cand_btk, proj_btr = self._selector_inputs(hidden_bth, logits_btv)
         b, t, k = cand_btk.shape

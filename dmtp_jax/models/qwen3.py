@@ -3,7 +3,8 @@
 One forward serves prefill, single-token decode, multi-token verify and training: it takes new
 tokens at explicit per-row positions, and either a static KV cache (slot == position) or none (the
 tokens attend only to each other). On request it returns the hidden states after chosen layers
-(HF `hidden_states[k+1]`, the DFlash context features) next to the post-final-norm hidden state
+(HF `hidden_states[k+1]`, the DFlash context features; like HF, the last layer's entry is the
+post-final-norm state) next to the post-final-norm hidden state
 (the MTP input).
 
 Example:
@@ -171,11 +172,13 @@ class Qwen3Target(nnx.Module):
         """
         x = self.embed(tokens_bt) if embeds_bth is None else embeds_bth
         cos, sin = rope_cos_sin(positions_bt, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        captured = []
+        by_layer = {}
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, positions_bt, cos, sin, cache, kv_valid_bt)
             if i in capture_layers:
-                captured.append(x)
-        by_layer = dict(zip([i for i in range(len(self.layers)) if i in capture_layers], captured))
-        return TargetOutput(rms_norm(x, self.norm[...], self.cfg.rms_norm_eps),
-                            tuple(by_layer[i] for i in capture_layers), cache)
+                by_layer[i] = x
+        hidden = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps)
+        last = len(self.layers) - 1
+        if last in by_layer:          # HF's hidden_states[L] is the post-norm state
+            by_layer[last] = hidden
+        return TargetOutput(hidden, tuple(by_layer[i] for i in capture_layers), cache)

@@ -1,0 +1,47 @@
+"""Acceptance statistics, with the paper's definitions, in one place.
+
+An acceptance length is the number of tokens one verify round commits: accepted drafts + the bonus
+(so 1 .. block). With `hist[k]` = rounds that accepted exactly k drafts:
+
+* per-request mean: mean over requests of each request's mean acceptance length;
+* per-verify mean: `1 + sum(k * hist[k]) / sum(hist)` (pooled over all rounds);
+* first-candidate acceptance: `1 - hist[0] / sum(hist)`;
+* cumulative `P(L >= k)`: fraction of rounds that accepted at least k drafts, k = 1..block-1;
+* conditional acceptance at position k: `P(L >= k) / P(L >= k-1)` (with `P(L >= 0) = 1`).
+
+Example:
+    >>> s = acceptance_stats([[3, 1, 8], [2]], block_size=8)
+    >>> s["histogram"][:3], round(s["per_verify_acceptance_length"], 3)
+    ([1, 1, 1], 3.5)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def acceptance_stats(acceptance_lengths: list[list[int]], block_size: int) -> dict:
+    """Statistics of per-row acceptance-length sequences (see module docstring)."""
+    n_draft = block_size - 1
+    hist = np.zeros(block_size, np.int64)
+    for row in acceptance_lengths:
+        for length in row:
+            if not 1 <= length <= block_size:
+                raise ValueError(f"acceptance length {length} outside [1, {block_size}]")
+            hist[length - 1] += 1
+    rounds = int(hist.sum())
+    if rounds == 0:
+        return {"histogram": hist.tolist(), "rounds": 0}
+    at_least = np.array([hist[k:].sum() / rounds for k in range(1, n_draft + 1)])
+    prev = np.concatenate([[1.0], at_least[:-1]])
+    conditional = np.where(prev > 0, at_least / np.maximum(prev, 1e-12), 0.0)
+    per_request = [float(np.mean(r)) for r in acceptance_lengths if r]
+    return {
+        "histogram": hist.tolist(),
+        "rounds": rounds,
+        "per_request_acceptance_length": float(np.mean(per_request)),
+        "per_verify_acceptance_length": float(1 + (np.arange(block_size) * hist).sum() / rounds),
+        "first_candidate_acceptance": float(1 - hist[0] / rounds),
+        "cumulative_acceptance": at_least.tolist(),
+        "conditional_acceptance": conditional.tolist(),
+    }

@@ -1,0 +1,75 @@
+"""Runs one forward and a few greedy `ARDecoder` tokens of a checkpoint on several meshes; prints JSON.
+
+Run in a fresh process so that fake CPU devices can be requested before jax is imported:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python tests/sharded_forward_check.py CKPT_DIR [CKPT_DIR ...] --mesh tensor=1 --mesh fsdp=8
+
+Output: `{ckpt_dir: {mesh_spec: {"logits": [B][T][V] floats (fp32), "greedy": [[int]],
+"specs": {param path: PartitionSpec str}, "devices": {param path: number of devices holding it},
+"num_devices": int}}}`. Tokens are sharded over the batch mesh axes like a real batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from dmtp_jax.checkpoint.hf import load_target  # noqa: E402
+from dmtp_jax.decode.ar import ARDecoder  # noqa: E402
+from dmtp_jax.sharding import batch_sharding, make_mesh  # noqa: E402
+
+BATCH, MAX_LEN, NEW_TOKENS = 8, 40, 5
+
+
+def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=int(n)).tolist() for n in np.linspace(5, MAX_LEN, BATCH)]
+
+
+def run(ckpt: str, spec: str) -> dict:
+    mesh = make_mesh(spec)
+    target = load_target(ckpt, "float32", mesh)
+    batch = prompts(target.cfg.vocab_size)
+    tokens = np.zeros((BATCH, MAX_LEN), np.int32)
+    for i, p in enumerate(batch):
+        tokens[i, :len(p)] = p
+    tokens = jax.device_put(tokens, batch_sharding(mesh, tokens.shape))
+
+    @jax.jit
+    def forward(state, tokens_bt):
+        model = nnx.merge(target.graphdef, state)
+        positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        return model.logits(model(tokens_bt, positions).hidden_bth)
+
+    logits = np.asarray(forward(target.state, tokens))
+    greedy = ARDecoder(target).generate(batch, NEW_TOKENS, stop_ids=[]).output_ids
+    specs, devices = {}, {}
+    for path, var in nnx.to_flat_state(target.state):
+        name = ".".join(str(p) for p in path)
+        specs[name] = str(var.get_value().sharding.spec)
+        devices[name] = len(var.get_value().sharding.device_set)
+    return {"logits": logits.tolist(), "greedy": greedy, "specs": specs, "devices": devices,
+            "num_devices": int(mesh.devices.size)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("ckpts", nargs="+")
+    parser.add_argument("--mesh", action="append", required=True)
+    args = parser.parse_args()
+    print(json.dumps({c: {m: run(c, m) for m in args.mesh} for c in args.ckpts}))
+
+
+if __name__ == "__main__":
+    main()
