@@ -3,7 +3,7 @@
     python infer.py generate --prompt "def fibonacci(n):"            # tiny random demo checkpoint
     python infer.py generate --target DIR --prompt-ids 1,2,3 --json out.json
     python infer.py generate --target DIR --draft DFLASH_DIR --prompt "..."   # speculative
-    python infer.py compare --target DIR [--dtype float32] [--json report.json]
+    python infer.py compare --target DIR [--draft DFLASH_DIR] [--dtype float32] [--json report.json]
 
 Every subcommand uses the built-in tiny checkpoint when no `--target` is given.
 """
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="numerics of JAX vs transformers on the same checkpoint")
     common(c)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--draft", help="also compare this DFlash / DFlash2 drafter with the dflash package")
     return p
 
 
@@ -128,7 +129,8 @@ def cmd_generate(args) -> int:
 def cmd_compare(args) -> int:
     from dmtp_jax.compare import compare_target, format_table
 
-    report = compare_target(resolve_target(args.target), dtype=args.dtype, mesh_spec=args.mesh, seed=args.seed)
+    report = compare_target(resolve_target(args.target), dtype=args.dtype, mesh_spec=args.mesh, seed=args.seed,
+                            draft_dir=args.draft)
     print(format_table(report))
     if args.json_path:
         with open(args.json_path, "w") as fh:

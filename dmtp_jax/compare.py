@@ -160,15 +160,59 @@ def jax_cached_logits(target, tokens_bt, lengths_b, steps: int = DECODE_STEPS) -
     return logits
 
 
+def drafter_checks(target, hf_model, draft_dir: str, prompt: list[int], rtol: float, q: float) -> list[dict]:
+    """`draft_hidden` / `draft_logits`: our DFlash / DFlash2 drafter vs the `dflash` package on one
+    block drafted after `prompt` (context = the prompt's target features, anchor = HF's next token).
+
+    Example:
+        >>> drafter_checks(target, hf_model, "/tmp/tiny-dflash", [1, 2, 3], 1e-4, 1.0)  # doctest: +SKIP
+    """
+    import torch
+    from dflash.model import (DFlash2DraftModel, DFlashDraftModel, _make_cache, _output_head,
+                              extract_context_feature)
+
+    from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
+    from dmtp_jax.models.dflash import block_embeddings, make_block_tokens
+
+    drafter = load_drafter(draft_dir, target.cfg, target.state_dtype, target.mesh)
+    dcfg, n, length = drafter.cfg, drafter.cfg.block_size, len(prompt)
+    ref = (DFlash2DraftModel if dcfg.version == 2 else DFlashDraftModel).from_pretrained(
+        draft_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf_model(torch.tensor([prompt]), output_hidden_states=True)
+        anchor = int(out.logits[0, -1].argmax())
+        block = torch.full((1, n), dcfg.mask_token_id, dtype=torch.long)
+        block[0, 0] = anchor
+        noise = hf_model.get_input_embeddings()(block) * dcfg.input_embedding_scale
+        ref_hidden = ref(target_hidden=extract_context_feature(out.hidden_states, ref.target_layer_ids),
+                         noise_embedding=noise, position_ids=torch.arange(length + n)[None],
+                         past_key_values=_make_cache(ref.config), use_cache=True)
+        ref_logits = ref.compute_logits(ref_hidden[:, 1:], _output_head(hf_model)).numpy()
+        ref_hidden = ref_hidden.numpy()
+    model = nnx.merge(target.graphdef, target.state)
+    dr = nnx.merge(drafter.graphdef, drafter.state)
+    ctx_pos = jnp.arange(length)[None]
+    feats = model(jnp.asarray([prompt]), ctx_pos, capture_layers=dcfg.target_layer_ids).captured
+    k, v = dr.context_kv(dr.project_context(jnp.concatenate(feats, axis=-1)), ctx_pos)
+    embeds = block_embeddings(model.embed, make_block_tokens(jnp.asarray([anchor]), dcfg, n), dcfg)
+    hidden = dr(embeds, length + jnp.arange(n)[None], k, v, ctx_pos, jnp.ones((1, length), bool))
+    logits = np.asarray(dr.draft_logits(hidden[:, 1:], model.logits), np.float32)
+    hidden = np.asarray(hidden, np.float32)
+    return [check("draft_hidden", max_abs_diff(hidden[0], ref_hidden[0], q), scaled_tolerance(rtol, ref_hidden)),
+            check("draft_logits", max_abs_diff(logits[0], ref_logits[0], q), scaled_tolerance(rtol, ref_logits))]
+
+
 def compare_target(model_dir: str, dtype: str = "float32", mesh_spec: str | None = None, seed: int = 0,
-                   num_new_tokens: int = 8, reference_dir: str | None = None) -> dict:
+                   num_new_tokens: int = 8, reference_dir: str | None = None,
+                   draft_dir: str | None = None) -> dict:
     """Compares our JAX target with transformers on `model_dir`; see the module docstring.
 
     Returns `{"ok", "checks": [{"name", "max_abs_diff", "tolerance", "ok"}, ...], "argmax_agreement",
     "greedy": {"ours", "hf"}, "prompt_lengths", "dtype", "float_quantile"}`. `mesh_spec` (e.g.
     `"tensor=4,data=2"`) places our params on that mesh (default: `make_mesh()`). `reference_dir` loads
     the transformers side from another directory (default `model_dir`), e.g. to check a converted or
-    re-exported checkpoint against its original.
+    re-exported checkpoint against its original. `draft_dir` adds the drafter checks
+    (`drafter_checks`) of a DFlash / DFlash2 directory against the `dflash` package.
 
     Example:
         >>> r = compare_target("/tmp/tiny-qwen3", dtype="float32", mesh_spec="tensor=1")  # doctest: +SKIP
@@ -216,6 +260,8 @@ def compare_target(model_dir: str, dtype: str = "float32", mesh_spec: str | None
     mismatched = sum(sum(a != b for a, b in zip(o, h)) + abs(len(o) - len(h))
                      for o, h in zip(result.output_ids, hf_gen))
     checks.append(check("greedy_continuation", mismatched / (num_new_tokens * len(prompts)), greedy_tol))
+    if draft_dir:
+        checks += drafter_checks(target, hf_model, draft_dir, prompts[1], rtol, q)
     return {"ok": all(c["ok"] for c in checks), "checks": checks, "argmax_agreement": agree,
             "greedy": {"ours": result.output_ids, "hf": hf_gen},
             "prompt_lengths": lengths.tolist(), "dtype": dtype, "float_quantile": q}

@@ -58,3 +58,15 @@ def test_generate_dflash_json_has_acceptance(tiny_qwen3_dir, tmp_path, capsys):
     assert [sum(r) >= len(o) - 1 for r, o in zip(data["acceptance_lengths"], data["output_ids"])] == [True, True]
     assert "per-verify" in capsys.readouterr().err
     assert infer.main(["generate", "--target", tiny_qwen3_dir, "--method", "dflash", "--prompt-ids", "1"]) == 2
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_compare_with_drafter(tiny_qwen3_dir, tmp_path, version):
+    from dflash_fixtures import build_reference_drafter
+    draft = str(tmp_path / "draft")
+    build_reference_drafter(draft, seed=2, version=version, is_causal=False if version == 2 else None)
+    out = tmp_path / "cmp.json"
+    assert infer.main(["compare", "--target", tiny_qwen3_dir, "--draft", draft, "--json", str(out)]) == 0
+    checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+    assert checks["draft_hidden"]["ok"] and checks["draft_logits"]["ok"]
+    assert checks["draft_logits"]["max_abs_diff"] < 1e-4
