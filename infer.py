@@ -1,9 +1,10 @@
-"""dmtp-jax inference CLI: generate | compare.
+"""dmtp-jax inference CLI: generate | compare | bench.
 
     python infer.py generate --prompt "def fibonacci(n):"            # tiny random demo checkpoint
     python infer.py generate --target DIR --prompt-ids 1,2,3 --json out.json
     python infer.py generate --target DIR --draft DFLASH_DIR --prompt "..."   # speculative
     python infer.py compare --target DIR [--draft DFLASH_DIR] [--dtype float32] [--json report.json]
+    python infer.py bench --target DIR --draft DIR --methods ar,dflash --workload gsm8k --plot acc.png
 
 Every subcommand uses the built-in tiny checkpoint when no `--target` is given.
 """
@@ -22,7 +23,21 @@ def _parse_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids expects comma-separated integers, got '{text}'") from None
 
 
+def method_args(sp):
+    """The flags that choose the models and shape of the speculative methods (generate, bench)."""
+    sp.add_argument("--draft", help="DFlash / DFlash2 / DMTP drafter directory (dflash, dmtp*)")
+    sp.add_argument("--mtp", default=None, help="directory with the native MTP head (mtp, dmtp*; "
+                                                "default: the target directory)")
+    sp.add_argument("--mtp-steps", type=int, default=None, help="chain length of mtp (default 4: MTP415)")
+    sp.add_argument("--block-size", type=int, default=None,
+                    help="verify slots per round (default: the drafter's block_size)")
+    sp.add_argument("--verify", default="rejection", choices=["rejection", "target-only"],
+                    help="sampled verification: rejection sampling with the proposers' probabilities, or "
+                         "matching target samples (greedy is always exact match)")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from dmtp_jax.decode import METHODS
     p = argparse.ArgumentParser(prog="infer.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -33,17 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--mesh", default=None, help="mesh axes, e.g. tensor=4,data=2 (default: 1 device)")
         sp.add_argument("--json", dest="json_path", help="write the result as JSON to this file")
 
-    g = sub.add_parser("generate", help="generate text (plain decoding for now)")
+    g = sub.add_parser("generate", help="generate text with any method (plain or speculative)")
     common(g)
-    g.add_argument("--method", default=None, choices=["ar", "dflash"],
-                   help="ar (plain decoding) or dflash (speculative; needs --draft). Default: dflash "
-                        "when --draft is given, else ar")
-    g.add_argument("--draft", help="DFlash / DFlash2 drafter directory (z-lab format)")
-    g.add_argument("--block-size", type=int, default=None,
-                   help="verify slots per round (default: the drafter's block_size)")
-    g.add_argument("--verify", default="rejection", choices=["rejection", "target-only"],
-                   help="sampled verification: rejection sampling with draft probabilities, or "
-                        "matching target samples (greedy is always exact match)")
+    g.add_argument("--method", default=None, choices=METHODS,
+                   help="ar (plain), mtp (native MTP chained --mtp-steps), dflash, dmtp (main: MTP's T1 + "
+                        "DFlash with two anchors) or a DMTP ablation. Default: dflash with --draft, else ar")
+    method_args(g)
     g.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable: one per row)")
     g.add_argument("--prompt-ids", action="append", default=[], type=_parse_ids,
                    help="comma-separated token ids (repeatable: one per row); works without a tokenizer")
@@ -61,12 +71,32 @@ def build_parser() -> argparse.ArgumentParser:
     common(c)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--draft", help="also compare this DFlash / DFlash2 drafter with the dflash package")
+
+    b = sub.add_parser("bench", help="the paper's benchmark: acceptance and speed of methods over a workload")
+    common(b)
+    method_args(b)
+    b.add_argument("--methods", default=None,
+                   help="comma-separated methods (default: ar,dflash with --draft, else ar)")
+    b.add_argument("--workload", default="gsm8k",
+                   help="gsm8k|math500|humaneval|mt_bench|alpaca_eval|spec_bench|bfcl, or a .jsonl of "
+                        '{"prompt": ...} / {"turns": [...]} / {"prompt_ids": [...]} records')
+    b.add_argument("--data-dir", default=None, help="shared data directory (default: $DMTP_JAX_DATA, "
+                                                    "else <repo>/../shared/data)")
+    b.add_argument("--num-prompts", type=int, default=8, help="first N records of the workload")
+    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--top-k", type=int, default=0, help="0 = off")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--plot", default=None, help="write the cumulative acceptance plot (PNG) here")
+    b.add_argument("--outputs", default=None, help="write every generation (ids, text) as JSONL here")
     return p
 
 
 def cmd_generate(args) -> int:
     from dmtp_jax.checkpoint.hf import load_target
-    from dmtp_jax.decode.ar import ARDecoder
+    from dmtp_jax.decode.loading import load_method_models, make_decoders
     from dmtp_jax.decode.sampling import SamplingParams
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tokenizer import load_tokenizer, stop_token_ids
@@ -91,15 +121,8 @@ def cmd_generate(args) -> int:
     stops = stop_token_ids(target_dir, target.cfg.eos_token_ids, tokenizer)
     stops = sorted(set(stops) | set(args.stop_token_ids or []))
     method = args.method or ("dflash" if args.draft else "ar")
-    if method == "dflash":
-        if not args.draft:
-            raise UserError("--method dflash needs --draft DIR")
-        from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
-        from dmtp_jax.decode.spec import SpecDecoder
-        decoder = SpecDecoder(target, load_drafter(args.draft, target.cfg, args.dtype, target.mesh),
-                              block_size=args.block_size, verify=args.verify)
-    else:
-        decoder = ARDecoder(target)
+    decoder = make_decoders([method], target, load_method_models(args, target, [method]),
+                            block_size=args.block_size, verify=args.verify, mtp_steps=args.mtp_steps)[method]
 
     stream = len(prompts) == 1 and tokenizer is not None and not args.json_path
     def on_tokens(row, toks):
@@ -138,6 +161,56 @@ def cmd_compare(args) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_bench(args) -> int:
+    from dmtp_jax.bench import report as rep
+    from dmtp_jax.bench.runner import run_benchmark
+    from dmtp_jax.decode.loading import load_method_models, make_decoders
+    from dmtp_jax.bench.workloads import check_tokenizer, load_workload
+    from dmtp_jax.checkpoint.hf import load_target
+    from dmtp_jax.decode import METHODS
+    from dmtp_jax.decode.sampling import SamplingParams
+    from dmtp_jax.sharding import make_mesh
+    from dmtp_jax.tokenizer import load_tokenizer, stop_token_ids
+
+    target_dir = resolve_target(args.target)
+    methods = [m.strip() for m in (args.methods or ("ar,dflash" if args.draft else "ar")).split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise UserError(f"unknown method(s) {unknown or methods}; available: {', '.join(METHODS)}")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
+    workload = load_workload(args.workload, args.data_dir, args.num_prompts)
+    tokenizer = load_tokenizer(target_dir)
+    check_tokenizer(workload, tokenizer, target_dir)
+    target = load_target(target_dir, args.dtype, make_mesh(args.mesh))
+    stops = stop_token_ids(target_dir, target.cfg.eos_token_ids, tokenizer)
+    decoders = make_decoders(methods, target, load_method_models(args, target, methods),
+                             block_size=args.block_size, mtp_steps=args.mtp_steps, verify=args.verify)
+    runs = run_benchmark(decoders, workload, tokenizer, max_new_tokens=args.max_new_tokens,
+                         batch_size=args.batch_size, sampling=sampling, seed=args.seed, stop_ids=stops,
+                         max_positions=target.cfg.max_position_embeddings, progress=True)
+    config = {"target": target_dir, "draft": args.draft, "methods": methods, "workload": workload.name,
+              "source": workload.source, "requests": len(workload.requests),
+              "generations": workload.num_generations, "batch_size": args.batch_size,
+              "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "mtp": args.mtp,
+              "mtp_steps": args.mtp_steps, "verify": args.verify,
+              "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+              "dtype": args.dtype, "mesh": args.mesh, "stop_ids": stops}
+    report = rep.build_report(runs, config)
+    print(f"workload {workload.name}: {len(workload.requests)} requests, {workload.num_generations} generations, "
+          f"batch {args.batch_size}, max_new_tokens {args.max_new_tokens}, temperature {args.temperature}")
+    print(rep.format_table(report))
+    print(rep.format_footer(report))
+    if args.json_path:
+        rep.write_json(report, args.json_path)
+    if args.plot:
+        rep.plot_cumulative(report, args.plot)
+    if args.outputs:
+        rep.write_outputs(runs, args.outputs, tokenizer)
+    return 0
+
+
 def format_stats(stats: dict) -> str:
     line = ("method={method} new_tokens={new_tokens} target_forwards={target_forwards} "
             "ttft={ttft_s:.3f}s decode={decode_tokens_per_s:.1f} tok/s compiles={compiles}").format(**stats)
@@ -165,7 +238,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from dmtp_jax.errors import USER_ERRORS
     try:
-        return {"generate": cmd_generate, "compare": cmd_compare}[args.command](args)
+        return {"generate": cmd_generate, "compare": cmd_compare, "bench": cmd_bench}[args.command](args)
     except (UserError, *USER_ERRORS) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,8 @@ comparison becomes one check `{"name", "max_abs_diff", "tolerance", "ok"}`:
                         single-token decode steps vs the full (cache-free) forward, all n positions.
 * `greedy_continuation` fraction of tokens where our `ARDecoder` greedy continuation differs from
                         `model.generate(do_sample=False)` with EOS stopping disabled.
+* `mtp`                 (targets carrying `mtp.*`) our MTP head's logits vs transformers' `MtpModel`.
+* `draft_hidden`, `draft_logits`  (with a drafter) our DFlash / DFlash2 block vs the `dflash` package.
 
 Tolerances (`TOLERANCES`). Float checks are relative to the reference's magnitude:
 `tol = rtol * max(1, max |reference|)`, the reference being the HF logits (`logits`, and
@@ -202,6 +204,59 @@ def drafter_checks(target, hf_model, draft_dir: str, prompt: list[int], rtol: fl
             check("draft_logits", max_abs_diff(logits[0], ref_logits[0], q), scaled_tolerance(rtol, ref_logits))]
 
 
+MTP_RENAMES = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+               "norm": "post_norm"}
+
+
+def reference_mtp_model(hf_model, model_dir: str):
+    """transformers' generic `MtpModel` on `hf_model`, filled from `model_dir`'s `mtp.*` tensors
+    (Qwen3.5 names -> `layers.0.{eh_proj, enorm, hnorm, post_norm, mtp_block.*}`).
+
+    Example:
+        >>> ref = reference_mtp_model(AutoModelForCausalLM.from_pretrained(d), d)  # doctest: +SKIP
+    """
+    import torch
+    from transformers.modeling_layers import MtpModel
+
+    from dmtp_jax.checkpoint.safetensors_io import CheckpointReader
+
+    hf_model.config.num_mtp_layers, hf_model.config.mtp_layer_types = 1, ["full_attention"]
+    ref = MtpModel(hf_model, 1).eval()
+    reader = CheckpointReader(model_dir)
+    state = {}
+    for key in reader.keys():
+        if key.startswith("mtp."):
+            head, _, rest = key[4:].partition(".")
+            name = (f"layers.0.{MTP_RENAMES[head]}.{rest}" if head in MTP_RENAMES
+                    else f"layers.0.mtp_block.{rest.partition('.')[2]}")
+            state[name] = torch.tensor(np.array(reader.array(key), np.float32))
+    missing = ref.load_state_dict(state, strict=False).missing_keys
+    if sorted(missing) != ["embed_tokens.weight", "shared_head.weight"]:
+        raise ValueError(f"{model_dir}: MtpModel weights not covered by mtp.*: {missing}")
+    return ref
+
+
+def mtp_check(target, hf_model, model_dir: str, prompt: list[int], rtol: float, q: float) -> dict:
+    """`mtp`: our MTP head's logits vs `MtpModel` over rows (h_t, x_{t+1}) of `prompt`."""
+    import torch
+
+    from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
+
+    mtp = load_mtp(model_dir, target.cfg, target.state_dtype, target.mesh)
+    ref = reference_mtp_model(hf_model, model_dir)
+    ids = torch.tensor([prompt])
+    n = len(prompt)
+    with torch.no_grad():
+        hidden = hf_model(ids, output_hidden_states=True).hidden_states[-1]
+        want = ref._project_to_logits(ref.forward_layer(0, hidden[:, :-1], torch.arange(1, n)[None], None,
+                                                        input_ids=ids[:, 1:])).numpy()
+    model, head = nnx.merge(target.graphdef, target.state), nnx.merge(mtp.graphdef, mtp.state)
+    h, _ = head(model.embed(jnp.asarray([prompt[1:]])), jnp.asarray(hidden[:, :-1].numpy(), target.state_dtype),
+                jnp.arange(1, n)[None])
+    got = np.asarray(model.logits(head.post_norm(h)), np.float32)
+    return check("mtp", max_abs_diff(got[0], want[0], q), scaled_tolerance(rtol, want))
+
+
 def compare_target(model_dir: str, dtype: str = "float32", mesh_spec: str | None = None, seed: int = 0,
                    num_new_tokens: int = 8, reference_dir: str | None = None,
                    draft_dir: str | None = None) -> dict:
@@ -260,6 +315,9 @@ def compare_target(model_dir: str, dtype: str = "float32", mesh_spec: str | None
     mismatched = sum(sum(a != b for a, b in zip(o, h)) + abs(len(o) - len(h))
                      for o, h in zip(result.output_ids, hf_gen))
     checks.append(check("greedy_continuation", mismatched / (num_new_tokens * len(prompts)), greedy_tol))
+    from dmtp_jax.checkpoint.mtp_ckpt import has_mtp
+    if has_mtp(model_dir):
+        checks.append(mtp_check(target, hf_model, model_dir, prompts[1], rtol, q))
     if draft_dir:
         checks += drafter_checks(target, hf_model, draft_dir, prompts[1], rtol, q)
     return {"ok": all(c["ok"] for c in checks), "checks": checks, "argmax_agreement": agree,

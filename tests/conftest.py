@@ -70,3 +70,44 @@ def tiny_qwen3_dir(tmp_path_factory) -> str:
 def tiny_qwen3_moe_dir(tmp_path_factory) -> str:
     """Path of a tiny Qwen3-MoE checkpoint (see module docstring). Treat it as read-only."""
     return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-qwen3-moe")), "qwen3_moe", seed=1)
+
+
+BOOSTED_ROWS = (10, 11, 12, 13, 14, 15)
+
+
+@pytest.fixture(scope="session")
+def peaked_target_dir(tiny_qwen3_dir, tmp_path_factory) -> str:
+    """The tiny Qwen3 target with a few LM-head rows scaled up, so that target and drafters (which
+    share the head) often agree: acceptance is partial, neither always 0 nor always full."""
+    import os
+    import shutil
+
+    import numpy as np
+
+    from dmtp_jax.checkpoint.safetensors_io import CheckpointReader, write_safetensors
+
+    d = str(tmp_path_factory.mktemp("peaked") / "target")
+    shutil.copytree(tiny_qwen3_dir, d)
+    reader = CheckpointReader(d)
+    tensors = {k: np.array(reader.array(k)) for k in reader.keys()}
+    del reader
+    tensors["lm_head.weight"][list(BOOSTED_ROWS)] *= 6.0
+    write_safetensors(os.path.join(d, "model.safetensors"), tensors)
+    return d
+
+
+@pytest.fixture(scope="session")
+def mtp_target_dir(peaked_target_dir, tmp_path_factory) -> str:
+    """`peaked_target_dir` plus a random native MTP head (`mtp.*` tensors, Qwen3.5 names; the
+    decoder layer is a Qwen3 layer, as transformers' `MtpModel` builds it for a Qwen3 target)."""
+    from dmtp_jax.checkpoint.hf import load_target, save_target
+    from dmtp_jax.checkpoint.mtp_ckpt import init_mtp, mtp_tensors
+
+    d = str(tmp_path_factory.mktemp("mtp") / "target")
+    target = load_target(peaked_target_dir)
+    mtp = init_mtp(target.cfg, seed=11)
+    import jax
+    # spread the random head's weights so its first-candidate guesses are varied, not constant
+    mtp.state = jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, mtp.state)
+    save_target(target, d, extra_tensors=mtp_tensors(mtp))
+    return d

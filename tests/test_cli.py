@@ -70,3 +70,19 @@ def test_compare_with_drafter(tiny_qwen3_dir, tmp_path, version):
     checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
     assert checks["draft_hidden"]["ok"] and checks["draft_logits"]["ok"]
     assert checks["draft_logits"]["max_abs_diff"] < 1e-4
+
+
+def test_generate_dmtp_from_a_plain_dflash_drafter(mtp_target_dir, tmp_path):
+    """A DFlash directory loads as a DMTP drafter with a zero fusion; output still equals `ar`."""
+    from dflash_fixtures import build_reference_drafter
+    draft = str(tmp_path / "draft")
+    build_reference_drafter(draft, seed=1)
+    outs = {}
+    for method in ("ar", "mtp", "dmtp"):
+        path = tmp_path / f"{method}.json"
+        argv = ["generate", "--target", mtp_target_dir, "--method", method, "--prompt-ids", "1,2,3",
+                "--prompt-ids", "7", "--max-new-tokens", "10", "--json", str(path)]
+        assert infer.main(argv + (["--draft", draft] if method == "dmtp" else [])) == 0
+        outs[method] = json.loads(path.read_text())
+    assert outs["mtp"]["output_ids"] == outs["ar"]["output_ids"] == outs["dmtp"]["output_ids"]
+    assert len(outs["dmtp"]["acceptance_lengths"]) == 2

@@ -2,45 +2,25 @@
 and the `dflash` reference (tokens and acceptance lengths), one compile per bucket, and sampled
 decoding that reproduces the target's distribution."""
 
-import os
-import shutil
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
-from flax import nnx
 
 from dflash_fixtures import build_reference_drafter
+from stat_checks import assert_matches_target_joint
 from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
 from dmtp_jax.checkpoint.hf import load_target
-from dmtp_jax.checkpoint.safetensors_io import CheckpointReader, write_safetensors
 from dmtp_jax.decode.ar import ARDecoder
-from dmtp_jax.decode.sampling import SamplingParams, filtered_probs
+from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.decode.spec import SpecDecoder
 
 PROMPTS = [[5, 9, 31, 4, 77, 2, 18], [3], [100, 101, 7, 66, 12, 9, 43, 8, 8, 1, 60, 21, 94], [42, 17]]
-BOOSTED_ROWS = (10, 11, 12, 13, 14, 15)
 DRAFTERS = {
     "dflash-sliding+full": dict(version=1, layer_types=("sliding_attention", "full_attention"), sliding_window=6),
     "dflash-causal": dict(version=1, is_causal=True),
     "dflash2-noncausal-sliding": dict(version=2, is_causal=False,
                                       layer_types=("sliding_attention", "sliding_attention"), sliding_window=6),
 }
-
-
-@pytest.fixture(scope="module")
-def peaked_target_dir(tiny_qwen3_dir, tmp_path_factory):
-    """The tiny target with a few LM-head rows scaled up, so that target and drafters (which share
-    the head) often agree: acceptance is partial, neither always 0 nor always full."""
-    d = str(tmp_path_factory.mktemp("peaked") / "target")
-    shutil.copytree(tiny_qwen3_dir, d)
-    reader = CheckpointReader(d)
-    tensors = {k: np.array(reader.array(k)) for k in reader.keys()}
-    del reader
-    tensors["lm_head.weight"][list(BOOSTED_ROWS)] *= 6.0
-    write_safetensors(os.path.join(d, "model.safetensors"), tensors)
-    return d
 
 
 _PAIRS = {}
@@ -99,52 +79,11 @@ def test_finished_rows_do_no_harm(pair):
         assert spec[row] == free[row][:cut]
 
 
-def exact_joint(target, prompt, sp, depth=3):
-    """Exact target distribution of the first `depth` sampled tokens, by enumerating the support."""
-    model = nnx.merge(target.graphdef, target.state)
-
-    def next_probs(seqs):
-        ids = jnp.asarray(seqs)
-        out = model(ids, jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape))
-        return np.asarray(filtered_probs(model.logits(out.hidden_bth[:, -1]), sp), np.float64)
-
-    joint = {(): 1.0}
-    for _ in range(depth):
-        prefixes = list(joint)
-        probs = next_probs([prompt + list(p) for p in prefixes])
-        joint = {p + (t,): joint[p] * probs[i, t] for i, p in enumerate(prefixes)
-                 for t in np.nonzero(probs[i])[0].tolist()}
-    return joint
-
-
 @pytest.mark.parametrize("name,verify", [("dflash-sliding+full", "rejection"),
                                          ("dflash-sliding+full", "target-only"),
                                          ("dflash2-noncausal-sliding", "rejection")])
 def test_sampled_decoding_reproduces_target_distribution(name, verify, peaked_target_dir, tmp_path_factory):
     """Chi-square of 4096 sampled 3-token continuations against the exact target joint."""
-    from scipy.stats import chisquare
     target, drafter, _, _ = make_pair(name, peaked_target_dir, tmp_path_factory)
-    sp = SamplingParams.make(temperature=1.0, top_k=3)
-    prompt = PROMPTS[0]
-    joint = exact_joint(target, prompt, sp)
-    engine = SpecDecoder(target, drafter, verify=verify)
-    counts = dict.fromkeys(joint, 0)
-    accepted_drafts = 0
-    for seed in range(16):
-        res = engine.generate([prompt] * 256, max_new_tokens=3, sampling=sp, seed=seed, stop_ids=[])
-        for out in res.output_ids:
-            counts[tuple(out)] += 1
-        accepted_drafts += sum(k * n for k, n in enumerate(res.stats["histogram"]))
-    assert accepted_drafts > 0
-    keys = sorted(joint, key=lambda k: -joint[k])
-    expected = np.array([joint[k] for k in keys]) * 4096
-    observed = np.array([counts[k] for k in keys], float)
-    big = expected >= 5
-    exp_cells = np.append(expected[big], expected[~big].sum())
-    obs_cells = np.append(observed[big], observed[~big].sum())
-    assert chisquare(obs_cells, exp_cells * obs_cells.sum() / exp_cells.sum()).pvalue > 1e-3
-    # the same test rejects a different distribution (a colder target)
-    cold = exact_joint(target, prompt, SamplingParams.make(temperature=0.5, top_k=3))
-    cold_exp = np.array([cold.get(k, 0.0) for k in keys]) * 4096
-    cold_cells = np.append(cold_exp[big], cold_exp[~big].sum()) + 1e-9
-    assert chisquare(obs_cells, cold_cells * obs_cells.sum() / cold_cells.sum()).pvalue < 1e-6
+    assert_matches_target_joint(SpecDecoder(target, drafter, verify=verify), target, PROMPTS[0],
+                                SamplingParams.make(temperature=1.0, top_k=3))

@@ -52,6 +52,8 @@ DFLASH_NAME_RULES_CODEBOOK_WEIGHT = tuple(
     (p, t + ".weight", how) if p.startswith(r"candidate_selector\.(pred") else (p, t, how)
     for p, t, how in DFLASH_NAME_RULES)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Tensors other modules keep beside a drafter (DMTP fusion: dmtp_jax.checkpoint.dmtp_ckpt).
+DRAFTER_SIDECAR_PREFIXES = ("fusion.",)
 
 
 LoadedDrafter = LoadedModel      # cfg: DFlashConfig
@@ -96,7 +98,8 @@ def load_drafter(draft_dir: str, target_cfg, dtype="float32", mesh: Mesh | None 
     if "candidate_selector.predecessor_codebook.weight" in reader:
         rules = DFLASH_NAME_RULES_CODEBOOK_WEIGHT
     state, used = load_params(abstract, reader, mesh, dtype, rules=rules, mesh_rules=mesh_rules)
-    unexpected = [k for k in reader.keys() if k not in used and not k.endswith(IGNORED_SUFFIXES)]
+    unexpected = [k for k in reader.keys() if k not in used and not k.endswith(IGNORED_SUFFIXES)
+                  and not k.startswith(DRAFTER_SIDECAR_PREFIXES)]
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
         kind = "DFlash2DraftModel" if dcfg.version == 2 else "DFlashDraftModel"
@@ -121,17 +124,20 @@ def init_drafter(dcfg: DFlashConfig, dtype="float32", mesh: Mesh | None = None, 
     return LoadedDrafter(dcfg, graphdef, make(), mesh)
 
 
-def save_drafter(loaded: LoadedDrafter, out_dir: str, dtype=None, max_shard_bytes: int = 2 << 30):
+def save_drafter(loaded: LoadedDrafter, out_dir: str, dtype=None, max_shard_bytes: int = 2 << 30,
+                 extra_tensors: dict | None = None, extra_config: dict | None = None):
     """Writes `config.json` (nested `dflash_config` layout) + safetensors that
-    `dflash.model.DFlashDraftModel` / `DFlash2DraftModel.from_pretrained` load.
+    `dflash.model.DFlashDraftModel` / `DFlash2DraftModel.from_pretrained` load. `extra_tensors` and
+    `extra_config` carry sidecars such as DMTP's `fusion.*` tensors and `dmtp_config` block.
 
     Example:
         >>> save_drafter(drafter, "/tmp/my-dflash")  # doctest: +SKIP
     """
     tensors = export_tensors(loaded.state, rules=DFLASH_NAME_RULES, dtype=dtype)
+    tensors.update(extra_tensors or {})
     os.makedirs(out_dir, exist_ok=True)
     write_sharded(out_dir, tensors, max_shard_bytes)
-    hf_cfg = loaded.cfg.to_hf_dict()
+    hf_cfg = {**loaded.cfg.to_hf_dict(), **(extra_config or {})}
     hf_cfg["dtype"] = np.dtype(jnp.dtype(dtype or loaded.state_dtype)).name
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
         json.dump(hf_cfg, fh, indent=2)

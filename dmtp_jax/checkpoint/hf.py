@@ -44,7 +44,7 @@ QWEN3_NAME_RULES = (
     (r"layers\.(\d+)\.mlp\.router", r"model.layers.\1.mlp.gate.weight", "T"),
     (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj", r"model.layers.\1.mlp.\2_proj.weight", "T"),
 )
-EXPERT_TEMPLATE = re.compile(r"^(model\.layers\.\d+\.mlp\.)(gate|up|down)_proj\.weight$")
+EXPERT_TEMPLATE = re.compile(r"^(.*layers\.\d+\.mlp\.)(gate|up|down)_proj\.weight$")
 # Tensors a target directory may carry that the target itself does not use.
 IGNORED_PREFIXES = ("mtp.",)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -1,0 +1,41 @@
+"""Decoding: plain (`ar`) and speculative methods behind one factory.
+
+Example:
+    >>> dec = make_decoder("dflash", target, drafter=drafter)  # doctest: +SKIP
+    >>> dec.generate([[1, 2, 3]], max_new_tokens=16).stats["per_verify_acceptance_length"]  # doctest: +SKIP
+"""
+
+from dmtp_jax.models.fusion import DMTP_METHODS
+
+METHODS = ("ar", "mtp", "dflash") + tuple(DMTP_METHODS)
+
+
+def method_needs(method: str) -> dict[str, bool]:
+    """Which models a method uses: `{"drafter", "mtp", "fusion"}`.
+
+    Example:
+        >>> method_needs("dmtp")
+        {'drafter': True, 'mtp': True, 'fusion': True}
+    """
+    return {"drafter": method == "dflash" or method in DMTP_METHODS,
+            "mtp": method == "mtp" or method in DMTP_METHODS,
+            "fusion": method in DMTP_METHODS}
+
+
+def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, block_size: int | None = None,
+                 mtp_steps: int = 4, verify: str = "rejection"):
+    """The decoder for `method` in `METHODS`; every decoder has `.generate(...)` -> GenerationResult
+    and `.compile_counts()`. `drafter` is a `LoadedDrafter` (dflash, dmtp*), `mtp` the native MTP
+    head (`checkpoint.mtp_ckpt.load_mtp`; mtp, dmtp*), `fusion` the DMTP fusion
+    (`checkpoint.dmtp_ckpt.load_dmtp_drafter`; dmtp*). `mtp_steps` is the chain length of `mtp`
+    (MTP415 = 4 steps, 5 verify slots)."""
+    from dmtp_jax.decode.batch import RequestError
+
+    if method == "ar":
+        from dmtp_jax.decode.ar import ARDecoder
+        return ARDecoder(target)
+    if method not in METHODS:
+        raise RequestError(f"unknown method '{method}'; available: {', '.join(METHODS)}")
+    from dmtp_jax.decode.spec import SpecDecoder
+    return SpecDecoder(target, drafter, method=method, mtp=mtp, fusion=fusion, block_size=block_size,
+                       mtp_steps=mtp_steps, verify=verify)

@@ -1,17 +1,22 @@
-"""The speculative decode engine: one jitted round over fixed buffers (DFlash / DFlash2 drafters).
+"""The speculative decode engine: one jitted round over fixed buffers, for every drafting method.
 
-State per batch row: the target KV cache and the drafter's context K/V cache (both slot ==
-position), the committed length `L` (tokens in the target KV) and the pending token `A` (the last
-committed token, not yet run by the target). One round:
+State per batch row: the target KV cache, the DFlash context K/V cache and the MTP's private KV
+cache (all slot == position), the committed length `L` (tokens in the target KV), the pending token
+`A` (last committed, not yet run by the target) and, with MTP, the cached MTP hidden state `h` that
+predicts the next first candidate. One round with `n` verify slots:
 
-    propose  : drafter on [A, MASK x (n-1)] at positions L.. with the cached context -> n-1 drafts
-    verify   : target on [A, d1..d(n-1)] at positions L.. (writes KV, captures context features)
-    accept   : greedy exact match, or lossless sampling (rejection with q, or target-only)
-    commit   : L += accepted + 1; the context K/V of the verify rows are written at their
-               positions (rows past the accepted prefix stay beyond L: never read, overwritten
-               later); the bonus becomes the next A. Finished rows keep their state.
+    propose : T1 = head(mtp.norm(h)) (mtp / dmtp*); mtp chains T2..Tk through its own cache;
+              the drafter runs its block (`models/fusion.py`: dflash `[A, MASK..]`, dmtp
+              `[A, T1+Δ, MASK..]`, single-anchor `[T1, MASK..]`) over the cached context
+    verify  : target on [A, T1..T(n-1)] at positions L.. (writes KV, captures context features)
+    accept  : greedy exact match, or lossless sampling (rejection with the proposers' q -- MTP's
+              for T1, DFlash's / the DFlash2 selector's for the rest -- or target-only)
+    commit  : L += accepted + 1; the drafter's context K/V of the verify rows are written at their
+              positions; MTP advances over at most n rows (h_{L+j}, next token) with rows past the
+              accepted prefix sent to scratch; rows beyond a row's length are never read and get
+              overwritten later. Finished rows keep their state.
 
-The round compiles once per (batch bucket, cache length, block size, verification mode).
+The round compiles once per (batch bucket, cache length, method, greedy/sampled).
 
 Example:
     >>> engine = SpecDecoder(target, drafter)  # doctest: +SKIP
@@ -30,8 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dmtp_jax.checkpoint.dflash_ckpt import LoadedDrafter
-from dmtp_jax.checkpoint.hf import LoadedTarget
+from dmtp_jax.checkpoint.hf import LoadedModel
 from dmtp_jax.decode.ar import GenerationResult, TargetCaches, gather_rows
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
 from dmtp_jax.decode.sampling import SamplingParams, filtered_probs, sample_from_probs, sample_tokens
@@ -39,18 +43,21 @@ from dmtp_jax.decode.stats import acceptance_stats
 from dmtp_jax.decode.verify import (candidate_probs_to_dense, verify_greedy, verify_rejection,
                                     verify_target_only)
 from dmtp_jax.layers.kv_cache import KVCache, write_layer
-from dmtp_jax.models.dflash import block_embeddings, make_block_tokens
+from dmtp_jax.models.fusion import DMTP_METHODS, block_layout, draft_block_embeds
 from dmtp_jax.sharding import kv_cache_sharding, replicated
 
 DEFAULT_CONTEXT_WINDOW = 4096
 VERIFY_MODES = ("rejection", "target-only")
+SPEC_METHODS = ("dflash", "mtp") + tuple(DMTP_METHODS)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SpecState:
     target_cache: KVCache
-    ctx_cache: KVCache          # drafter context K/V, [draft_layers, B, S, kv, D]
+    ctx_cache: KVCache | None   # drafter context K/V, [draft_layers, B, S, kv, D]
+    mtp_cache: KVCache | None   # MTP private K/V, [1, B, S, kv, D]
+    mtp_h_bh: jax.Array | None  # MTP pre-norm hidden that predicts the next T1
     lengths_b: jax.Array        # committed tokens in the target KV == position of the pending token
     pending_b: jax.Array        # last committed token (A), not yet run by the target
 
@@ -71,55 +78,96 @@ def context_window(cache_lbskd: jax.Array, lengths_b: jax.Array, window: int):
     return rows(cache_lbskd, start_b), start_b[:, None] + jnp.arange(w)
 
 
-class SpecDecoder:
-    """Speculative decoding of a target with a DFlash / DFlash2 drafter.
+def _pin(x, sharding):
+    return None if x is None else jax.lax.with_sharding_constraint(x, sharding)
 
-    `verify` chooses sampled verification: "rejection" (with the drafter's probabilities) or
-    "target-only" (match target samples). Greedy (temperature 0) is always exact match.
+
+class SpecDecoder:
+    """Speculative decoding of a target with `method` in `SPEC_METHODS`.
+
+    `drafter` (DFlash / DFlash2) serves dflash and dmtp*; `mtp` (the native MTP head) serves mtp and
+    dmtp*; `fusion` (from `checkpoint.dmtp_ckpt`) the dmtp* methods. `verify` chooses sampled
+    verification: "rejection" (with the proposers' probabilities) or "target-only" (match target
+    samples). Greedy (temperature 0) is always exact match.
     """
 
-    def __init__(self, target: LoadedTarget, drafter: LoadedDrafter, block_size: int | None = None,
-                 verify: str = "rejection", context_window: int = DEFAULT_CONTEXT_WINDOW):
+    def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None, *, method: str = "dflash",
+                 mtp: LoadedModel | None = None, fusion: LoadedModel | None = None,
+                 block_size: int | None = None, mtp_steps: int = 4, verify: str = "rejection",
+                 context_window: int = DEFAULT_CONTEXT_WINDOW):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got '{verify}'")
-        self.block_size = block_size or drafter.cfg.block_size
-        if not 2 <= self.block_size <= 64:
-            raise RequestError(f"block size must be in [2, 64], got {self.block_size}")
-        self.target, self.drafter, self.verify_mode = target, drafter, verify
-        self.context_window = context_window
+        if method not in SPEC_METHODS:
+            raise RequestError(f"unknown speculative method '{method}'; known: {', '.join(SPEC_METHODS)}")
+        self.uses_drafter = method != "mtp"
+        self.uses_mtp = method != "dflash"
+        if self.uses_drafter and drafter is None:
+            raise RequestError(f"method '{method}' needs a DFlash drafter (--draft DIR)")
+        if self.uses_mtp and mtp is None:
+            raise RequestError(f"method '{method}' needs the target's native MTP head")
+        if method in DMTP_METHODS and fusion is None:
+            raise RequestError(f"method '{method}' needs its fusion (load the drafter with load_dmtp_drafter)")
+        if method == "mtp":
+            if not 1 <= mtp_steps <= 15:
+                raise RequestError(f"--mtp-steps must be in [1, 15], got {mtp_steps}")
+            self.slots = mtp_steps + 1
+        else:
+            self.slots = block_size or drafter.cfg.block_size
+            if not 3 <= self.slots <= 64:
+                raise RequestError(f"block size must be in [3, 64], got {self.slots}")
+        self.block_size = self.slots
+        self.target, self.drafter, self.mtp, self.fusion = target, drafter, mtp, fusion
+        self.method, self.verify_mode, self.context_window = method, verify, context_window
         self.caches = TargetCaches(target)
-        self._ctx_makers: dict = {}
+        self._makers: dict = {}
         self.prefill = jax.jit(self._prefill, donate_argnames=("state",))
         self.round = jax.jit(self._round, donate_argnames=("state",), static_argnames=("greedy",))
+        self.last_state: SpecState | None = None
 
     # ---- state -------------------------------------------------------------------------------
-    def _ctx_shape(self, batch, max_len):
-        d = self.drafter.cfg
-        return (d.num_hidden_layers, batch, max_len, d.num_key_value_heads, d.head_dim)
+    def _zeros_cache(self, layers, kv, hd, batch, max_len, dtype) -> KVCache:
+        shape = (layers, batch, max_len, kv, hd)
+        if shape not in self._makers:
+            s = kv_cache_sharding(self.target.mesh, shape)
+            self._makers[shape] = jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
+                                          out_shardings=KVCache(s, s))
+        return self._makers[shape]()
+
+    def new_state(self, batch: int, max_len: int) -> SpecState:
+        zeros = np.zeros(batch, np.int32)
+        ctx = mtp_cache = mtp_h = None
+        if self.uses_drafter:
+            d = self.drafter.cfg
+            ctx = self._zeros_cache(d.num_hidden_layers, d.num_key_value_heads, d.head_dim, batch, max_len,
+                                    self.drafter.state_dtype)
+        if self.uses_mtp:
+            c = self.target.cfg
+            mtp_cache = self._zeros_cache(1, c.num_key_value_heads, c.head_dim, batch, max_len,
+                                          self.mtp.state_dtype)
+            mtp_h = np.zeros((batch, c.hidden_size), self.mtp.state_dtype)
+        return SpecState(self.caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros, zeros)
 
     def _constrain(self, st: SpecState) -> SpecState:
         mesh = self.target.mesh
-        ctx_s = kv_cache_sharding(mesh, st.ctx_cache.k_lbskd.shape)
-        ctx = KVCache(jax.lax.with_sharding_constraint(st.ctx_cache.k_lbskd, ctx_s),
-                      jax.lax.with_sharding_constraint(st.ctx_cache.v_lbskd, ctx_s))
         rep = replicated(mesh)
-        return SpecState(self.caches.constrain(st.target_cache), ctx,
-                         jax.lax.with_sharding_constraint(st.lengths_b, rep),
-                         jax.lax.with_sharding_constraint(st.pending_b, rep))
 
-    def new_state(self, batch: int, max_len: int) -> SpecState:
-        key = (batch, max_len)
-        if key not in self._ctx_makers:
-            shape = self._ctx_shape(batch, max_len)
-            s = kv_cache_sharding(self.target.mesh, shape)
-            dtype = self.drafter.state_dtype
-            self._ctx_makers[key] = jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
-                                            out_shardings=KVCache(s, s))
-        zeros = np.zeros(batch, np.int32)
-        return SpecState(self.caches.new(batch, max_len), self._ctx_makers[key](), zeros, zeros)
+        def kv(c):
+            if c is None:
+                return None
+            s = kv_cache_sharding(mesh, c.k_lbskd.shape)
+            return KVCache(_pin(c.k_lbskd, s), _pin(c.v_lbskd, s))
+        return SpecState(self.caches.constrain(st.target_cache), kv(st.ctx_cache), kv(st.mtp_cache),
+                         _pin(st.mtp_h_bh, rep), _pin(st.lengths_b, rep), _pin(st.pending_b, rep))
 
-    def _models(self, t_state, d_state):
-        return nnx.merge(self.target.graphdef, t_state), nnx.merge(self.drafter.graphdef, d_state)
+    def _models(self, states):
+        t_state, d_state, m_state, f_state = states
+        merge = lambda loaded, s: None if loaded is None else nnx.merge(loaded.graphdef, s)  # noqa: E731
+        return (merge(self.target, t_state), merge(self.drafter, d_state), merge(self.mtp, m_state),
+                merge(self.fusion, f_state))
+
+    def _states(self):
+        pick = lambda loaded: None if loaded is None else loaded.state  # noqa: E731
+        return (self.target.state, pick(self.drafter), pick(self.mtp), pick(self.fusion))
 
     def _write_context(self, drafter, st_ctx: KVCache, captured, positions_bt) -> KVCache:
         ctx = drafter.project_context(jnp.concatenate(captured, axis=-1))
@@ -127,54 +175,112 @@ class SpecDecoder:
         return KVCache(write_all_layers(st_ctx.k_lbskd, k, positions_bt),
                        write_all_layers(st_ctx.v_lbskd, v, positions_bt))
 
+    def _capture(self, drafter):
+        return drafter.cfg.target_layer_ids if drafter is not None else ()
+
     # ---- jitted entry points -----------------------------------------------------------------
-    def _prefill(self, t_state, d_state, tokens_bt, lengths_b, state: SpecState, sp, key):
-        """Prompt through the target (KV + context features); samples the first token."""
-        target, drafter = self._models(t_state, d_state)
+    def _prefill(self, states, tokens_bt, lengths_b, state: SpecState, sp, key):
+        """Prompt through the target (KV + context features) and the MTP; samples the first token."""
+        target, drafter, mtp, _ = self._models(states)
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        out = target(tokens_bt, positions, state.target_cache, capture_layers=drafter.cfg.target_layer_ids)
+        out = target(tokens_bt, positions, state.target_cache, capture_layers=self._capture(drafter))
         first = sample_tokens(target.logits(gather_rows(out.hidden_bth, lengths_b - 1)), sp, key)
-        ctx = self._write_context(drafter, state.ctx_cache, out.captured, positions)
-        return self._constrain(SpecState(out.cache, ctx, lengths_b.astype(jnp.int32), first))
+        ctx = mtp_cache = mtp_h = None
+        if drafter is not None:
+            ctx = self._write_context(drafter, state.ctx_cache, out.captured, positions)
+        if mtp is not None:
+            # rows (h_i, x_{i+1}) at positions i+1; the last real row pairs h_{P-1} with the first token
+            row = jnp.arange(tokens_bt.shape[1])[None]
+            nxt = jnp.concatenate([tokens_bt[:, 1:], tokens_bt[:, :1]], axis=1)
+            nxt = jnp.where(row == lengths_b[:, None] - 1, first[:, None], nxt)
+            mtp_pos = jnp.where(row < lengths_b[:, None], row + 1, state.mtp_cache.max_len)
+            h, mtp_cache = mtp(target.embed(nxt), out.hidden_bth, mtp_pos, state.mtp_cache)
+            mtp_h = gather_rows(h, lengths_b - 1)
+        return self._constrain(SpecState(out.cache, ctx, mtp_cache, mtp_h, lengths_b.astype(jnp.int32), first))
 
-    def _propose(self, target, drafter, st: SpecState, limits_b, sp, key, greedy: bool):
-        """Drafts `[B, n-1]` and, when sampling, their probabilities `[B, n-1, V]`.
-
-        Like `dflash_generate`, the block is cut to the budget: only its first
-        `limits_b - lengths_b` rows (prompt + max_new_tokens - L, at least 1) are keys. Drafts in
-        those slots are exactly the reference's (with in-block non-causal attention, the extra MASK
-        rows would change them); drafts past the budget are still made but never kept.
-        """
-        n = self.block_size
-        positions = st.lengths_b[:, None] + jnp.arange(n)
-        block_valid = jnp.arange(n)[None] < jnp.clip(limits_b - st.lengths_b, 1, n)[:, None]
-        embeds = block_embeddings(target.embed, make_block_tokens(st.pending_b, drafter.cfg, n), drafter.cfg)
-        ctx_k, ctx_pos = context_window(st.ctx_cache.k_lbskd, st.lengths_b, self.context_window)
-        ctx_v, _ = context_window(st.ctx_cache.v_lbskd, st.lengths_b, self.context_window)
-        hidden = drafter(embeds, positions, ctx_k, ctx_v, ctx_pos, ctx_pos < st.lengths_b[:, None],
-                         block_valid_bt=block_valid)[:, 1:]
-        if drafter.cfg.version == 2:
-            sel = drafter.propose(hidden, st.pending_b, target.logits, 0.0 if greedy else sp.temperature, key)
-            q = None if greedy else candidate_probs_to_dense(sel.candidates_blk, sel.probs_blk,
-                                                             target.cfg.vocab_size)
-            return sel.tokens_bl.astype(jnp.int32), q
-        logits = drafter.draft_logits(hidden, target.logits)
+    def _mtp_first(self, target, mtp, st: SpecState, sp, key, greedy):
+        """T1 (and its q when sampling) from the cached MTP hidden."""
+        y = mtp.post_norm(st.mtp_h_bh)
+        logits = target.logits(y)
         if greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, y
         q = filtered_probs(logits, sp)
-        return sample_from_probs(q, key), q
+        return sample_from_probs(q, key), q, y
 
-    def _round(self, t_state, d_state, state: SpecState, active_b, limits_b, sp, key, greedy: bool):
+    def _propose(self, models, st: SpecState, sp, key, greedy: bool, limits_b):
+        """Drafts `[B, n-1]`, their probabilities `[B, n-1, V]` when sampling, and the MTP cache
+        (chained mtp steps write speculative rows into it)."""
+        target, drafter, mtp, fusion = models
+        keys = jax.random.split(key, self.slots)
+        drafts, qs, mtp_cache = [], [], st.mtp_cache
+        if mtp is not None:
+            t1, q1, y = self._mtp_first(target, mtp, st, sp, keys[0], greedy)
+            drafts.append(t1)
+            qs.append(q1)
+        if self.method == "mtp":
+            for j in range(2, self.slots):
+                pos = (st.lengths_b + j - 1)[:, None]
+                h, mtp_cache = mtp(target.embed(drafts[-1][:, None]), y[:, None], pos, mtp_cache)
+                y = mtp.post_norm(h[:, 0])
+                logits = target.logits(y)
+                if greedy:
+                    drafts.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+                else:
+                    qs.append(filtered_probs(logits, sp))
+                    drafts.append(sample_from_probs(qs[-1], keys[j - 1]))
+        else:
+            offsets, first_row = block_layout(self.method, self.slots)
+            positions = st.lengths_b[:, None] + jnp.asarray(offsets)
+            embeds = draft_block_embeds(self.method, self.slots, target.embed, drafter.cfg, fusion,
+                                        st.pending_b, drafts[0] if drafts else None, st.mtp_h_bh)
+            ctx_k, ctx_pos = context_window(st.ctx_cache.k_lbskd, st.lengths_b, self.context_window)
+            ctx_v, _ = context_window(st.ctx_cache.v_lbskd, st.lengths_b, self.context_window)
+            # rows past the token budget are hidden, as the reference shortens its last blocks
+            block_valid = positions < jnp.maximum(limits_b, st.lengths_b + 1)[:, None]
+            hidden = drafter(embeds, positions, ctx_k, ctx_v, ctx_pos, ctx_pos < st.lengths_b[:, None],
+                             block_valid_bt=block_valid)[:, first_row:]
+            predecessor = drafts[0] if drafts else st.pending_b
+            if drafter.cfg.version == 2:
+                sel = drafter.propose(hidden, predecessor, target.logits, 0.0 if greedy else sp.temperature,
+                                      keys[-1])
+                drafts += list(jnp.moveaxis(sel.tokens_bl.astype(jnp.int32), 1, 0))
+                if not greedy:
+                    q = candidate_probs_to_dense(sel.candidates_blk, sel.probs_blk, target.cfg.vocab_size)
+                    qs += list(jnp.moveaxis(q, 1, 0))
+            else:
+                logits = drafter.draft_logits(hidden, target.logits)
+                if greedy:
+                    drafts += list(jnp.moveaxis(jnp.argmax(logits, axis=-1).astype(jnp.int32), 1, 0))
+                else:
+                    q = filtered_probs(logits, sp)
+                    drafts += list(jnp.moveaxis(sample_from_probs(q, keys[-1]), 1, 0))
+                    qs += list(jnp.moveaxis(q, 1, 0))
+        q_all = None if greedy else jnp.stack(qs, axis=1)
+        return jnp.stack(drafts, axis=1), q_all, mtp_cache
+
+    def _mtp_advance(self, target, mtp, st: SpecState, mtp_cache, verify_tokens, hidden_bnh, acc, bonus, active_b):
+        """MTP over rows (h_{L+j}, next committed token) at L+j+1 for j <= accepted; the rest go
+        to scratch. Returns the cache and the hidden that predicts the next T1."""
+        n = verify_tokens.shape[1]
+        j = jnp.arange(n)[None]
+        shifted = jnp.concatenate([verify_tokens[:, 1:], verify_tokens[:, :1]], axis=1)
+        nxt = jnp.where(j < acc[:, None], shifted, bonus[:, None])
+        valid = (j <= acc[:, None]) & active_b[:, None]
+        pos = jnp.where(valid, st.lengths_b[:, None] + j + 1, mtp_cache.max_len)
+        h, mtp_cache = mtp(target.embed(nxt), hidden_bnh, pos, mtp_cache)
+        return mtp_cache, jnp.where(active_b[:, None], gather_rows(h, acc), st.mtp_h_bh)
+
+    def _round(self, states, state: SpecState, active_b, limits_b, sp, key, greedy: bool):
         """One propose / verify / accept / commit round. Returns `(state, tokens [B, n], accepted [B])`
-        where a row's committed tokens are `tokens[:accepted + 1]` (the bonus sits at `accepted`).
-        `limits_b`: prompt length + max_new_tokens per row (the budget end, see `_propose`)."""
-        target, drafter = self._models(t_state, d_state)
+        where a row's committed tokens are `tokens[:accepted + 1]` (the bonus sits at `accepted`)."""
+        models = self._models(states)
+        target, drafter, mtp, _ = models
         k_draft, k_verify = jax.random.split(key)
-        drafts, q = self._propose(target, drafter, state, limits_b, sp, k_draft, greedy)
-        n = self.block_size
+        drafts, q, mtp_cache = self._propose(models, state, sp, k_draft, greedy, limits_b)
+        n = self.slots
         positions = state.lengths_b[:, None] + jnp.arange(n)
         verify_tokens = jnp.concatenate([state.pending_b[:, None], drafts], axis=1)
-        out = target(verify_tokens, positions, state.target_cache, capture_layers=drafter.cfg.target_layer_ids)
+        out = target(verify_tokens, positions, state.target_cache, capture_layers=self._capture(drafter))
         logits = target.logits(out.hidden_bth)
         if greedy:
             acc, bonus = verify_greedy(logits, drafts)
@@ -182,15 +288,20 @@ class SpecDecoder:
             acc, bonus = verify_target_only(filtered_probs(logits, sp), drafts, k_verify)
         else:
             acc, bonus = verify_rejection(filtered_probs(logits, sp), q, drafts, k_verify)
-        ctx = self._write_context(drafter, state.ctx_cache, out.captured, positions)
+        ctx, mtp_h = state.ctx_cache, state.mtp_h_bh
+        if drafter is not None:
+            ctx = self._write_context(drafter, ctx, out.captured, positions)
+        if mtp is not None:
+            mtp_cache, mtp_h = self._mtp_advance(target, mtp, state, mtp_cache, verify_tokens, out.hidden_bth,
+                                                 acc, bonus, active_b)
         slot = jnp.arange(n)[None]
         tokens = jnp.where(slot < acc[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
                            bonus[:, None])
-        new = SpecState(out.cache, ctx, jnp.where(active_b, state.lengths_b + acc + 1, state.lengths_b),
+        new = SpecState(out.cache, ctx, mtp_cache, mtp_h,
+                        jnp.where(active_b, state.lengths_b + acc + 1, state.lengths_b),
                         jnp.where(active_b, bonus, state.pending_b))
         rep = replicated(self.target.mesh)
-        return (self._constrain(new), jax.lax.with_sharding_constraint(tokens, rep),
-                jax.lax.with_sharding_constraint(acc, rep))
+        return self._constrain(new), _pin(tokens, rep), _pin(acc, rep)
 
     # ---- host loop ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None = None,
@@ -206,29 +317,30 @@ class SpecDecoder:
         greedy = sp.is_greedy
         stop_ids = cfg.eos_token_ids if stop_ids is None else stop_ids
         batch = pad_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings,
-                            slack=self.block_size)
+                            slack=self.slots)
         rows = batch.tokens_bt.shape[0]
         tracker = StopTracker(batch.num_rows, max_new_tokens, stop_ids)
         base_key = jax.random.key(seed)
         acceptance: list[list[int]] = [[] for _ in range(batch.num_rows)]
+        limits = (batch.lengths_b + max_new_tokens).astype(np.int32)
 
         t0 = time.perf_counter()
-        state = self.prefill(self.target.state, self.drafter.state, batch.tokens_bt, batch.lengths_b,
-                             self.new_state(rows, batch.max_len), sp, jax.random.fold_in(base_key, 0))
+        states = self._states()
+        state = self.prefill(states, batch.tokens_bt, batch.lengths_b, self.new_state(rows, batch.max_len),
+                             sp, jax.random.fold_in(base_key, 0))
         first = np.asarray(state.pending_b)
         ttft = time.perf_counter() - t0
         for row in range(batch.num_rows):
             kept = tracker.add(row, [first[row]])
             if kept and on_tokens:
                 on_tokens(row, kept)
-        limits = (np.asarray(batch.lengths_b) + max_new_tokens).astype(np.int32)
         rounds = 0
         t1 = time.perf_counter()
         while not tracker.all_done:
             rounds += 1
             active = np.zeros(rows, bool)
             active[:batch.num_rows] = ~tracker.done
-            state, tokens, acc = self.round(self.target.state, self.drafter.state, state, active, limits, sp,
+            state, tokens, acc = self.round(states, state, active, limits, sp,
                                             jax.random.fold_in(base_key, rounds), greedy=greedy)
             tokens, acc = np.asarray(tokens), np.asarray(acc)
             for row in range(batch.num_rows):
@@ -239,14 +351,18 @@ class SpecDecoder:
                 if kept and on_tokens:
                     on_tokens(row, kept)
         decode_s = time.perf_counter() - t1
+        self.last_state = state
         new_tokens = sum(len(o) for o in tracker.outputs)
+        name = self.method
+        if name == "dflash" and self.drafter.cfg.version == 2:
+            name = "dflash2"
         stats = {
-            "method": "dflash2" if self.drafter.cfg.version == 2 else "dflash",
-            "ttft_s": ttft, "decode_s": decode_s, "target_forwards": rounds + 1, "new_tokens": new_tokens,
+            "method": name, "ttft_s": ttft, "decode_s": decode_s, "target_forwards": rounds + 1,
+            "new_tokens": new_tokens,
             "decode_tokens_per_s": (new_tokens - batch.num_rows) / decode_s if decode_s > 0 else 0.0,
-            "batch_bucket": rows, "max_len": batch.max_len, "block_size": self.block_size,
+            "batch_bucket": rows, "max_len": batch.max_len, "block_size": self.slots,
             "acceptance_lengths": acceptance,
-            **acceptance_stats(acceptance, self.block_size),
+            **acceptance_stats(acceptance, self.slots),
         }
         return GenerationResult([list(map(int, p)) for p in prompts], tracker.outputs, stats)
 

@@ -1,0 +1,204 @@
+"""The benchmark report: pooled statistics per method, the paper-style table, the JSON and the PNG.
+
+Acceptance statistics are pooled over the whole workload with `dmtp_jax.decode.stats.acceptance_stats`
+(every generation of every batch is one "request"). Plain decoding (`ar`, or any method whose
+results carry no `acceptance_lengths`) is treated as a block of size 1: every round commits one
+token, so its per-request and per-verify acceptance lengths are 1.0, its first-candidate acceptance
+is 0.0 (there is no candidate) and its conditional / cumulative acceptance lists are empty.
+
+`mean_round_s` is the engine's decode time per loop iteration (one verify round, or one AR step)
+of the whole batch: the ratio of two methods' values is their round-time ratio (e.g. dmtp / dflash).
+
+Throughput: `tokens_per_second` = new tokens / wall time of the timed generate calls (prefill
+included, compiles excluded); `speedup_vs_ar` is its ratio to `ar`'s (null without an `ar` run).
+`decode_tokens_per_second` (prefill and each row's first token excluded, the engines' own decode
+timer) and `decode_speedup_vs_ar` are given alongside.
+
+JSON layout::
+
+    {"methods": {"<name>": {"per_request_acceptance_length", "per_verify_acceptance_length",
+                            "first_candidate_acceptance", "conditional_acceptance": [...],
+                            "cumulative_acceptance": [...], "tokens_per_second", "speedup_vs_ar",
+                            ... extra fields: histogram, rounds, block_size, new_tokens, ...}},
+     "config": {...}}
+
+Example:
+    >>> rep = build_report({"ar": MethodRun("ar", new_tokens=10, wall_s=1.0)}, {"workload": "x"})
+    >>> rep["methods"]["ar"]["per_verify_acceptance_length"], rep["methods"]["ar"]["speedup_vs_ar"]
+    (1.0, 1.0)
+"""
+
+from __future__ import annotations
+
+import json
+
+from dmtp_jax.bench.runner import MethodRun
+from dmtp_jax.decode.stats import acceptance_stats
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def summarize_run(run: MethodRun) -> dict:
+    """The JSON entry of one method (speedups are filled in by `build_report`).
+
+    Example:
+        >>> s = summarize_run(MethodRun("ar", new_tokens=8, wall_s=2.0))
+        >>> s["tokens_per_second"], s["conditional_acceptance"], s["first_candidate_acceptance"]
+        (4.0, [], 0.0)
+    """
+    if run.speculative:
+        rows, block = [g.acceptance_lengths or [] for g in run.generations], run.block_size
+    else:   # plain decoding: one token per round after the prefill's first
+        rows, block = [[1] * max(0, len(g.output_ids) - 1) for g in run.generations], 1
+    st = acceptance_stats(rows, block)
+    empty = st["rounds"] == 0
+    first_tokens = len(run.generations)
+    return {
+        "per_request_acceptance_length": 1.0 if empty else st["per_request_acceptance_length"],
+        "per_verify_acceptance_length": 1.0 if empty else st["per_verify_acceptance_length"],
+        "first_candidate_acceptance": 0.0 if empty else st["first_candidate_acceptance"],
+        "conditional_acceptance": [] if empty else st["conditional_acceptance"],
+        "cumulative_acceptance": [] if empty else st["cumulative_acceptance"],
+        "tokens_per_second": run.new_tokens / run.wall_s if run.wall_s > 0 else 0.0,
+        "speedup_vs_ar": None,
+        "decode_tokens_per_second": (run.new_tokens - first_tokens) / run.decode_s if run.decode_s > 0 else 0.0,
+        "decode_speedup_vs_ar": None,
+        "histogram": st["histogram"],
+        "rounds": st["rounds"],
+        "block_size": block,
+        "generations": len(run.generations),
+        "new_tokens": run.new_tokens,
+        "wall_s": run.wall_s,
+        "decode_s": run.decode_s,
+        "mean_ttft_s": sum(run.ttft_s) / len(run.ttft_s) if run.ttft_s else None,
+        "mean_round_s": run.decode_s / run.loop_steps if run.loop_steps else None,
+        "calls": run.calls,
+        "retimed_calls": run.retimed_calls,
+        "skipped": len(run.skipped),
+        "compiles": run.compiles,
+    }
+
+
+def build_report(runs: dict[str, MethodRun], config: dict) -> dict:
+    """`{"methods": {name: summary}, "config": config}` with speedups over `ar` when it ran.
+
+    Example:
+        >>> runs = {"ar": MethodRun("ar", new_tokens=10, wall_s=1.0), "x": MethodRun("x", new_tokens=10, wall_s=0.5)}
+        >>> build_report(runs, {})["methods"]["x"]["speedup_vs_ar"]
+        2.0
+    """
+    methods = {name: summarize_run(run) for name, run in runs.items()}
+    ar = methods.get("ar")
+    for m in methods.values():
+        if ar is not None:
+            m["speedup_vs_ar"] = _ratio(m["tokens_per_second"], ar["tokens_per_second"])
+            m["decode_speedup_vs_ar"] = _ratio(m["decode_tokens_per_second"], ar["decode_tokens_per_second"])
+    return {"methods": methods, "config": dict(config)}
+
+
+def _fmt(x, spec=".3f", width=7):
+    return f"{'-':>{width}}" if x is None else f"{x:>{width}{spec}}"
+
+
+def format_table(report: dict) -> str:
+    """The paper-style table: acceptance lengths (per request, per verify), first-candidate and
+    conditional acceptance T1..Tn, tokens/s and speedup over `ar`.
+
+    Example:
+        >>> print(format_table(build_report({"ar": MethodRun("ar", new_tokens=10, wall_s=1.0)}, {})))
+        ... # doctest: +NORMALIZE_WHITESPACE
+        method  tau/req tau/ver   first |  tok/s speedup
+        ar        1.000   1.000   0.000 |   10.0   1.00x
+    """
+    methods = report["methods"]
+    n_pos = max([len(m["conditional_acceptance"]) for m in methods.values()] + [0])
+    width = max([len(n) for n in methods] + [6])
+    head = f"{'method':<{width}} {'tau/req':>7} {'tau/ver':>7} {'first':>7}"
+    head += "".join(f" {'T' + str(k + 1):>5}" for k in range(n_pos)) + f" | {'tok/s':>6} {'speedup':>7}"
+    lines = [head]
+    for name, m in methods.items():
+        cond = m["conditional_acceptance"]
+        line = (f"{name:<{width}} {_fmt(m['per_request_acceptance_length'])} "
+                f"{_fmt(m['per_verify_acceptance_length'])} {_fmt(m['first_candidate_acceptance'])}")
+        line += "".join(f" {cond[k]:>5.2f}" if k < len(cond) else f" {'-':>5}" for k in range(n_pos))
+        speed = m["speedup_vs_ar"]
+        line += f" | {m['tokens_per_second']:>6.1f} " + (f"{speed:>6.2f}x" if speed is not None else f"{'-':>7}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def format_footer(report: dict) -> str:
+    """One line per method: generations, tokens, decode-only tokens/s, TTFT, rounds, skips."""
+    out = []
+    for name, m in report["methods"].items():
+        ttft = m["mean_ttft_s"]
+        dec = m["decode_speedup_vs_ar"]
+        out.append(f"{name}: {m['generations']} generations, {m['new_tokens']} tokens in {m['wall_s']:.2f}s; "
+                   f"decode-only {m['decode_tokens_per_second']:.1f} tok/s"
+                   + (f" ({dec:.2f}x ar)" if dec is not None else "")
+                   + (f", mean TTFT {ttft * 1e3:.1f} ms" if ttft is not None else "")
+                   + (f", {m['mean_round_s'] * 1e3:.2f} ms/round" if m["mean_round_s"] else "")
+                   + f", {m['rounds']} rounds, histogram {m['histogram']}"
+                   + (f", {m['skipped']} skipped (too long)" if m["skipped"] else ""))
+    return "\n".join(out)
+
+
+def write_json(report: dict, path: str) -> None:
+    """Writes the report as indented JSON."""
+    with open(path, "w") as fh:
+        json.dump(report, fh, indent=2)
+
+
+def write_outputs(runs: dict[str, MethodRun], path: str, tokenizer=None) -> None:
+    """Every generation as JSONL: `{"method", "request_id", "turn", "prompt_ids", "output_ids",
+    "acceptance_lengths", "text"?}` (`text` when a tokenizer is given), methods in order.
+
+    Example:
+        >>> write_outputs(runs, "/tmp/outputs.jsonl", tokenizer)  # doctest: +SKIP
+    """
+    with open(path, "w") as fh:
+        for name, run in runs.items():
+            for g in run.generations:
+                rec = {"method": name, "request_id": g.request_id, "turn": g.turn, "prompt_ids": g.prompt_ids,
+                       "output_ids": g.output_ids, "acceptance_lengths": g.acceptance_lengths}
+                if tokenizer is not None:
+                    rec["text"] = tokenizer.decode(g.output_ids, skip_special_tokens=True)
+                fh.write(json.dumps(rec) + "\n")
+
+
+def plot_cumulative(report: dict, path: str, title: str | None = None) -> None:
+    """PNG of the cumulative acceptance `P(L >= k)` by draft position k, one line per method
+    (methods without drafts have no points and are listed in the legend as such). Agg backend,
+    no global matplotlib state.
+
+    Example:
+        >>> plot_cumulative(report, "/tmp/acceptance.png")  # doctest: +SKIP
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.2), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    n_pos = 1
+    for name, m in report["methods"].items():
+        cum = m["cumulative_acceptance"]
+        if cum:
+            ks = list(range(1, len(cum) + 1))
+            ax.plot(ks, cum, marker="o", label=f"{name} (tau/ver {m['per_verify_acceptance_length']:.2f})")
+            n_pos = max(n_pos, len(cum))
+        else:
+            ax.plot([], [], linestyle="none", label=f"{name} (no drafts)")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(L >= k)")
+    ax.set_xticks(list(range(1, n_pos + 1)))
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    cfg = report.get("config", {})
+    ax.set_title(title or f"cumulative acceptance - {cfg.get('workload', '')} "
+                          f"(T={cfg.get('temperature', 0)})")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png")

@@ -1,0 +1,185 @@
+"""Runs decode methods over a workload: batches, multi-turn prompts, timing without compiles.
+
+For each method (one after the other, each with its own progress bar):
+
+1. **warm-up**: one generate on the first batch's first-turn prompts (the shape bucket the timed run
+   starts with), not timed, its output dropped;
+2. **timed run**: the requests in batches of `batch_size`, turn by turn (turn k+1's prompts carry the
+   model's own decoded answers to turns 1..k, see `workloads.render_prompt`). Each generate call is
+   timed with a wall clock around `decoder.generate` (prefill included). When a call compiled
+   something (`decoder.compile_counts()` changed: a new batch / prompt / cache-length bucket) it is
+   run again with the same seed and the second run is timed, so no compile time is ever counted.
+
+A generation whose prompt + `max_new_tokens` exceeds the target's `max_position_embeddings` is
+skipped (with its later turns) and listed in `MethodRun.skipped`; skips depend only on the prompt,
+so every method skips the same generations under greedy decoding.
+
+Models for the methods come from `dmtp_jax.decode.loading.load_method_models` (the one place that knows which model a
+method needs: add a model kind there) and decoders from `make_decoders` (the factory
+`dmtp_jax.decode.make_decoder`, given only the keywords it accepts).
+
+Example:
+    >>> decoders = make_decoders(["ar", "dflash"], target, {"dflash": {"drafter": drafter}})  # doctest: +SKIP
+    >>> runs = run_benchmark(decoders, load_workload("gsm8k", num_prompts=4), tokenizer,
+    ...                      max_new_tokens=64, stop_ids=[151645])  # doctest: +SKIP
+    >>> runs["dflash"].generations[0].output_ids == runs["ar"].generations[0].output_ids  # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from dmtp_jax.bench.workloads import Request, Workload, check_tokenizer, render_prompt
+from dmtp_jax.decode.batch import RequestError
+
+
+@dataclasses.dataclass
+class Generation:
+    """One generate row: a request's turn, its prompt and output ids, and (speculative methods) the
+    tokens committed by each verify round."""
+    request_id: str
+    turn: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    acceptance_lengths: list[int] | None = None
+
+
+@dataclasses.dataclass
+class MethodRun:
+    """Everything measured for one method over the workload (timed calls only)."""
+    method: str
+    generations: list[Generation] = dataclasses.field(default_factory=list)
+    block_size: int | None = None        # verify slots per round; None for plain decoding
+    wall_s: float = 0.0                  # sum of timed generate calls
+    decode_s: float = 0.0                # sum of the engines' decode time (prefill excluded)
+    new_tokens: int = 0
+    calls: int = 0
+    loop_steps: int = 0                  # decode-loop iterations (rounds / AR steps) over all calls
+    retimed_calls: int = 0               # calls re-run because they compiled
+    ttft_s: list[float] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[str, int]] = dataclasses.field(default_factory=list)   # (request id, turn)
+    compiles: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def speculative(self) -> bool:
+        return self.block_size is not None
+
+
+# ---- running ----------------------------------------------------------------------------------
+def _counts(decoder):
+    fn = getattr(decoder, "compile_counts", None)
+    return fn() if fn else None
+
+
+def timed_generate(decoder, prompts, max_new_tokens, sampling, seed, stop_ids, retime: bool = True):
+    """`(result, wall_s, retimed)`: one generate call timed; re-run (same seed) if it compiled."""
+    before = _counts(decoder)
+    t0 = time.perf_counter()
+    result = decoder.generate(prompts, max_new_tokens, sampling, seed, stop_ids)
+    wall = time.perf_counter() - t0
+    if retime and before is not None and _counts(decoder) != before:
+        t0 = time.perf_counter()
+        result = decoder.generate(prompts, max_new_tokens, sampling, seed, stop_ids)
+        return result, time.perf_counter() - t0, True
+    return result, wall, False
+
+
+def _decode_answer(tokenizer, output_ids, stop_ids) -> str:
+    ids = [t for t in output_ids if t not in stop_ids]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def run_method(name: str, decoder, workload: Workload, tokenizer, *, max_new_tokens: int,
+               batch_size: int = 1, sampling=None, seed: int = 0, stop_ids=(), max_positions: int | None = None,
+               retime: bool = True, progress: bool = False) -> MethodRun:
+    """Runs one decoder over the workload (see module docstring) and returns its `MethodRun`.
+
+    Example:
+        >>> run = run_method("ar", ARDecoder(target), wl, None, max_new_tokens=8)  # doctest: +SKIP
+        >>> run.generations[0].output_ids  # doctest: +SKIP
+    """
+    from tqdm import tqdm
+
+    if batch_size < 1:
+        raise RequestError(f"--batch-size must be >= 1, got {batch_size}")
+    check_tokenizer(workload, tokenizer)
+    stop_ids = sorted(set(int(s) for s in stop_ids))
+    run = MethodRun(name)
+    requests = list(workload.requests)
+    batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    fits = (lambda p: True) if max_positions is None else (lambda p: len(p) + max_new_tokens <= max_positions)
+
+    warm = [p for p in (render_prompt(r, tokenizer, []) for r in batches[0]) if fits(p)]
+    if warm:
+        decoder.generate(warm, max_new_tokens, sampling, seed, stop_ids)
+
+    bar = tqdm(total=workload.num_generations, desc=f"bench {name}", unit="gen", disable=not progress,
+               leave=False)
+    try:
+        for batch in batches:
+            _run_batch(run, decoder, batch, tokenizer, fits, max_new_tokens, sampling, seed, stop_ids,
+                       retime, bar)
+    finally:
+        bar.close()
+    run.compiles = _counts(decoder) or {}
+    return run
+
+
+def _run_batch(run: MethodRun, decoder, batch: list[Request], tokenizer, fits, max_new_tokens, sampling,
+               seed, stop_ids, retime, bar) -> None:
+    answers: dict[int, list[str]] = {i: [] for i in range(len(batch))}
+    alive = set(range(len(batch)))
+    for turn in range(max(r.num_turns for r in batch)):
+        rows, prompts = [], []
+        for i, req in enumerate(batch):
+            if turn >= req.num_turns:
+                continue
+            if i not in alive:
+                run.skipped.append((req.id, turn))
+                bar.update(1)
+                continue
+            prompt = render_prompt(req, tokenizer, answers[i])
+            if not fits(prompt):
+                run.skipped.append((req.id, turn))
+                alive.discard(i)
+                bar.update(1)
+                continue
+            rows.append(i)
+            prompts.append(prompt)
+        if not rows:
+            continue
+        try:
+            result, wall, retimed = timed_generate(decoder, prompts, max_new_tokens, sampling,
+                                                   seed + run.calls, stop_ids, retime)
+        except RequestError as e:
+            raise RequestError(f"requests {[batch[i].id for i in rows]} turn {turn + 1}: {e}") from None
+        stats = result.stats
+        acceptance = stats.get("acceptance_lengths")
+        if acceptance is not None:
+            run.block_size = int(stats.get("block_size") or len(stats["histogram"]))
+        run.calls += 1
+        run.retimed_calls += int(retimed)
+        run.wall_s += wall
+        run.decode_s += float(stats.get("decode_s", 0.0))
+        run.loop_steps += max(0, int(stats.get("target_forwards", 1)) - 1)
+        run.ttft_s.append(float(stats.get("ttft_s", 0.0)))
+        for j, i in enumerate(rows):
+            out = list(map(int, result.output_ids[j]))
+            run.generations.append(Generation(batch[i].id, turn, list(map(int, prompts[j])), out,
+                                              None if acceptance is None else list(acceptance[j])))
+            run.new_tokens += len(out)
+            if batch[i].is_text and turn + 1 < batch[i].num_turns:
+                answers[i].append(_decode_answer(tokenizer, out, stop_ids))
+        bar.update(len(rows))
+
+
+def run_benchmark(decoders: dict, workload: Workload, tokenizer, **kwargs) -> dict[str, MethodRun]:
+    """`{method: MethodRun}`: `run_method` for every decoder, in order; `kwargs` go to `run_method`.
+
+    Example:
+        >>> runs = run_benchmark({"ar": ARDecoder(target)}, wl, tok, max_new_tokens=16)  # doctest: +SKIP
+    """
+    check_tokenizer(workload, tokenizer)
+    return {name: run_method(name, dec, workload, tokenizer, **kwargs) for name, dec in decoders.items()}

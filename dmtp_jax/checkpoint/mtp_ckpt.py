@@ -1,0 +1,72 @@
+"""`mtp.*` tensors <-> the MTP head: read from a target directory (or a separate one), written
+next to the target's tensors.
+
+Example:
+    >>> mtp = load_mtp("/path/to/target-with-mtp", target.cfg, "float32", target.mesh)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from dmtp_jax.checkpoint.hf import QWEN3_NAME_RULES, LoadedModel, export_tensors, load_params
+from dmtp_jax.checkpoint.safetensors_io import CheckpointError, CheckpointReader
+from dmtp_jax.config import TargetConfig
+from dmtp_jax.models.mtp import MtpHead, mtp_config_for
+from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, make_mesh, state_shardings
+
+MTP_PREFIX = "mtp."
+MTP_NAME_RULES = (
+    (r"pre_fc_norm_(embedding|hidden)", r"pre_fc_norm_\1.weight", "copy"),
+    (r"fc", "fc.weight", "T"),
+    (r"norm", "norm.weight", "copy"),
+) + tuple((pattern, template.replace("model.layers", "layers"), how)
+          for pattern, template, how in QWEN3_NAME_RULES if pattern.startswith("layers"))
+
+
+class MissingMtpError(CheckpointError):
+    """The target carries no `mtp.*` tensors but an MTP method was asked for."""
+
+
+def has_mtp(model_dir: str) -> bool:
+    """Whether `model_dir`'s safetensors carry an MTP head (`mtp.fc.weight`)."""
+    return f"{MTP_PREFIX}fc.weight" in CheckpointReader(model_dir)
+
+
+def abstract_mtp(target_cfg: TargetConfig, dtype):
+    model = nnx.eval_shape(lambda: MtpHead(mtp_config_for(target_cfg), dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def load_mtp(model_dir: str, target_cfg: TargetConfig, dtype="float32", mesh: Mesh | None = None,
+             mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedModel:
+    """The MTP head stored as `mtp.*` in `model_dir` (a target directory or an MTP-only one)."""
+    reader = CheckpointReader(model_dir)
+    if f"{MTP_PREFIX}fc.weight" not in reader:
+        raise MissingMtpError(f"{model_dir} has no native MTP head (no 'mtp.*' tensors); the methods "
+                              "mtp / dmtp need a target that carries one, or --mtp DIR")
+    mesh = mesh or make_mesh()
+    graphdef, abstract = abstract_mtp(target_cfg, dtype)
+    state, _ = load_params(abstract, reader, mesh, dtype, rules=MTP_NAME_RULES, prefix=MTP_PREFIX,
+                           mesh_rules=mesh_rules)
+    return LoadedModel(mtp_config_for(target_cfg), graphdef, state, mesh, model_dir)
+
+
+def init_mtp(target_cfg: TargetConfig, dtype="float32", mesh: Mesh | None = None, seed: int = 0,
+             mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedModel:
+    """A random MTP head placed at its shardings (tests, pretraining)."""
+    mesh = mesh or make_mesh()
+    graphdef, abstract = abstract_mtp(target_cfg, dtype)
+    make = jax.jit(lambda: nnx.split(MtpHead(mtp_config_for(target_cfg), dtype=jnp.dtype(dtype),
+                                             rngs=nnx.Rngs(seed)))[1],
+                   out_shardings=state_shardings(abstract, mesh, mesh_rules))
+    return LoadedModel(mtp_config_for(target_cfg), graphdef, make(), mesh)
+
+
+def mtp_tensors(mtp: LoadedModel, dtype=None) -> dict[str, np.ndarray]:
+    """HF-named `mtp.*` tensors, for `save_target(..., extra_tensors=mtp_tensors(mtp))`."""
+    return export_tensors(mtp.state, rules=MTP_NAME_RULES, prefix=MTP_PREFIX, dtype=dtype)

@@ -1,0 +1,82 @@
+"""Loading the models a decoding method needs, from CLI-style arguments (`generate` and `bench`).
+
+Example:
+    >>> models = load_method_models(args, target, ["ar", "dmtp"])  # doctest: +SKIP
+    >>> decoders = make_decoders(["ar", "dmtp"], target, models, block_size=None)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dmtp_jax.decode import method_needs
+
+
+def _load_drafter(args, target, method):
+    if not getattr(args, "draft", None):
+        return None             # the factory then says which method needs --draft
+    from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
+    return load_drafter(args.draft, target.cfg, args.dtype, target.mesh)
+
+
+def _load_mtp(args, target, method):
+    from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
+    return load_mtp(getattr(args, "mtp", None) or target.model_dir, target.cfg, args.dtype, target.mesh)
+
+
+def _load_fusion(args, target, method):
+    if not getattr(args, "draft", None):
+        return None
+    from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
+    return load_dmtp_drafter(args.draft, target.cfg, method, args.dtype, target.mesh)[1]
+
+
+# make_decoder keyword -> (loader(args, target, method) -> model or None, one model per method?).
+# Only the kinds `method_needs(method)` asks for are loaded. A new model kind is one line here.
+MODEL_LOADERS = {
+    "drafter": (_load_drafter, False),
+    "mtp": (_load_mtp, False),          # native MTP head: --mtp DIR, else the target directory
+    "fusion": (_load_fusion, True),     # DMTP fusion of --draft (zero fusion for a plain DFlash dir)
+}
+
+
+def load_method_models(args, target, methods) -> dict[str, dict]:
+    """`{method: {make_decoder keyword: model}}`: the models each method needs (per
+    `dmtp_jax.decode.method_needs`), loaded once and shared between methods.
+
+    `args` carries the paths (`draft`, ...) and `dtype`; the target carries its mesh. A model kind
+    with no path given is left out, so the factory raises its own one-line error for the method
+    that needs it. Add a model kind with one line in `MODEL_LOADERS`.
+
+    Example:
+        >>> load_method_models(argparse.Namespace(draft="d", dtype="float32"), target, ["ar", "dflash"])
+        ... # doctest: +SKIP
+        {'ar': {}, 'dflash': {'drafter': LoadedDrafter(...)}}
+    """
+    loaded: dict = {}
+    out = {}
+    for method in methods:
+        needs = method_needs(method)
+        out[method] = {}
+        for kind, (loader, per_method) in MODEL_LOADERS.items():
+            if not needs.get(kind):
+                continue
+            key = (kind, method if per_method else None)
+            if key not in loaded:
+                loaded[key] = loader(args, target, method)
+            if loaded[key] is not None:
+                out[method][kind] = loaded[key]
+    return out
+
+
+def make_decoders(methods, target, models: dict[str, dict], **options) -> dict:
+    """`{method: decoder}` from `dmtp_jax.decode.make_decoder`, passing each method's models (from
+    `load_method_models`) and the options (`block_size`, `verify`, `mtp_steps`); None options are
+    left out. Unknown methods and missing models raise the factory's one-line errors.
+
+    Example:
+        >>> make_decoders(["ar"], target, {})  # doctest: +SKIP
+        {'ar': <dmtp_jax.decode.ar.ARDecoder ...>}
+    """
+    from dmtp_jax.decode import make_decoder
+
+    options = {k: v for k, v in options.items() if v is not None}
+    return {m: make_decoder(m, target, **models.get(m, {}), **options) for m in methods}

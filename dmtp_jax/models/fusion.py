@@ -1,0 +1,129 @@
+"""DMTP's first-candidate fusion: how MTP's T1 and the MTP hidden state that predicted it enter the
+DFlash block. One module, one variant per method (the seed's section 3):
+
+| method                | block rows (positions)            | T1 slot input                                   |
+| --------------------- | --------------------------------- | ----------------------------------------------- |
+| `dmtp` (main)         | `[A, T1, MASK x6]` (L .. L+7)     | `E(T1) + W [RMS_e(E(T1)); RMS_m(h)]`, W = 0 init |
+| `dmtp-single`         | `[T1, MASK x6]` (L+1 .. L+7)      | `W [RMS_e(E(T1)); RMS_m(h)]`, W = [I; 0] init   |
+| `dmtp-candidate`      | `[T1, MASK x6]`                   | `E(T1)` (no fusion params)                      |
+| `dmtp-lowrank`        | `[T1, MASK x6]`                   | `E(T1) + U V RMS_m(h)`, U = 0 init, rank r      |
+| `dmtp-mask-residual`  | `[T1, MASK x6]`                   | `E(T1)`; every MASK row gets `+ W RMS_m(h)`, W = 0 |
+
+`h` is the MTP's pre-norm output that predicts T1 (T1 = head(mtp.norm(h))), always detached. With
+the zero inits, `dmtp` starts as "DFlash conditioned on MTP's T1 with two anchors" and the residual
+variants as candidate-only drafting, so an existing DFlash checkpoint continues training from
+exactly its own behaviour.
+
+Example:
+    >>> fusion = T1Fusion("dmtp", hidden=32, rank=0, eps=1e-6, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    >>> e = jnp.ones((2, 32)); fusion.t1_input(e, e).shape
+    (2, 32)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dmtp_jax.layers import params
+from dmtp_jax.layers.norms import rms_norm
+
+# method -> (anchors: 2 = [A, T1, ...], 1 = [T1, ...]; fusion variant)
+DMTP_METHODS = {
+    "dmtp": (2, "t1-residual"),
+    "dmtp-single": (1, "t1-replace"),
+    "dmtp-candidate": (1, None),
+    "dmtp-lowrank": (1, "t1-lowrank"),
+    "dmtp-mask-residual": (1, "mask-residual"),
+}
+DEFAULT_LOWRANK = 64
+
+
+class T1Fusion(nnx.Module):
+    """Params by variant: `norm_embedding`, `norm_hidden`, `proj [2H, H]` (t1-residual, t1-replace);
+    `norm_hidden`, `down [H, r]`, `up [r, H]` (t1-lowrank); `norm_hidden`, `proj [H, H]`
+    (mask-residual); none for candidate-only."""
+
+    def __init__(self, method: str, *, hidden: int, rank: int, eps: float, dtype, rngs: nnx.Rngs):
+        if method not in DMTP_METHODS:
+            raise ValueError(f"unknown DMTP method '{method}'; known: {', '.join(DMTP_METHODS)}")
+        self.method, self.eps = method, eps
+        self.anchors, self.variant = DMTP_METHODS[method]
+        if self.variant is None:
+            return
+        self.norm_hidden = params.ones((hidden,), (None,), dtype)
+        if self.variant in ("t1-residual", "t1-replace"):
+            self.norm_embedding = params.ones((hidden,), (None,), dtype)
+            proj = jnp.zeros((2 * hidden, hidden), dtype)
+            if self.variant == "t1-replace":
+                proj = proj.at[:hidden].set(jnp.eye(hidden, dtype=dtype))
+            self.proj = nnx.Param(proj, logical_axes=(None, "embed"))
+        elif self.variant == "t1-lowrank":
+            self.down = params.weight(rngs, (hidden, rank or DEFAULT_LOWRANK), ("embed", None), dtype)
+            self.up = params.zeros((rank or DEFAULT_LOWRANK, hidden), (None, "embed"), dtype)
+        else:
+            self.proj = params.zeros((hidden, hidden), (None, "embed"), dtype)
+
+    def _hidden(self, mtp_h):
+        return rms_norm(jax.lax.stop_gradient(mtp_h), self.norm_hidden[...], self.eps)
+
+    def t1_input(self, t1_embed_bh: jax.Array, mtp_h_bh: jax.Array) -> jax.Array:
+        """The block input of the T1 slot."""
+        if self.variant in ("t1-residual", "t1-replace"):
+            fused = jnp.concatenate([rms_norm(t1_embed_bh, self.norm_embedding[...], self.eps),
+                                     self._hidden(mtp_h_bh)], axis=-1) @ self.proj[...]
+            return t1_embed_bh + fused if self.variant == "t1-residual" else fused
+        if self.variant == "t1-lowrank":
+            return t1_embed_bh + (self._hidden(mtp_h_bh) @ self.down[...]) @ self.up[...]
+        return t1_embed_bh
+
+    def mask_residual(self, mtp_h_bh: jax.Array) -> jax.Array | None:
+        """What every MASK row adds (mask-residual only), else None."""
+        if self.variant != "mask-residual":
+            return None
+        return self._hidden(mtp_h_bh) @ self.proj[...]
+
+
+def block_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
+    """(position offsets of the drafter's block rows relative to the pending token's position L,
+    index of the first block row whose output is a draft). `slots` = verify slots (A + candidates).
+
+    Example:
+        >>> block_layout("dflash", 8)
+        ((0, 1, 2, 3, 4, 5, 6, 7), 1)
+        >>> block_layout("dmtp", 8)[1], block_layout("dmtp-single", 8)
+        (2, ((1, 2, 3, 4, 5, 6, 7), 1))
+    """
+    if method == "dflash":
+        return tuple(range(slots)), 1
+    anchors = DMTP_METHODS[method][0]
+    if anchors == 2:
+        return tuple(range(slots)), 2
+    return tuple(range(1, slots)), 1
+
+
+def draft_block_embeds(method: str, slots: int, embed_fn, dcfg, fusion: T1Fusion | None,
+                       pending_b: jax.Array, t1_b: jax.Array | None, mtp_h_bh: jax.Array | None) -> jax.Array:
+    """The drafter's block input `[B, rows, H]` for `method` (see the module table); shared by the
+    decode round and the trainer so both build exactly the same block.
+
+    `embed_fn` is the target's raw embedding lookup; every row is scaled by the drafter's
+    `input_embedding_scale` before the fusion acts on the T1 row.
+    """
+    b = pending_b.shape[0]
+    offsets, _ = block_layout(method, slots)
+    tokens = jnp.full((b, len(offsets)), dcfg.mask_token_id, jnp.int32)
+    if method == "dflash":
+        tokens = tokens.at[:, 0].set(pending_b)
+        return embed_fn(tokens) * dcfg.input_embedding_scale
+    t1_row = 1 if fusion.anchors == 2 else 0
+    if fusion.anchors == 2:
+        tokens = tokens.at[:, 0].set(pending_b)
+    tokens = tokens.at[:, t1_row].set(t1_b)
+    embeds = embed_fn(tokens) * dcfg.input_embedding_scale
+    embeds = embeds.at[:, t1_row].set(fusion.t1_input(embeds[:, t1_row], mtp_h_bh).astype(embeds.dtype))
+    residual = fusion.mask_residual(mtp_h_bh)
+    if residual is not None:
+        embeds = embeds.at[:, t1_row + 1:].add(residual[:, None].astype(embeds.dtype))
+    return embeds

@@ -1,0 +1,89 @@
+"""Native MTP head (Qwen3.5 / Qwen3-Next / Qwen3.6 `mtp.*` format) for a Qwen3-family target.
+
+One MTP step predicts token t+2 from the target's post-final-norm hidden state at t and the token at
+t+1 (the row sits at position t+1, transformers' `MtpModel` convention):
+
+    u = fc([RMS_e(embed(x_{t+1})) ; RMS_h(h_t)])        # embedding first
+    h = decoder_layer(u)                               # the target's own layer type, own KV cache
+    y = norm(h);  logits = target.lm_head(y)
+
+Chained steps feed `y` back as the next step's hidden input. On a Qwen3 target the norms are plain
+RMSNorm and the layer is a Qwen3 decoder layer, exactly as `transformers.modeling_layers.MtpModel`
+builds it; `zero_centred=True` selects the Qwen3.5 `(1 + w)` norms for the MTP's own three norms.
+
+Example:
+    >>> head = MtpHead(mtp_config_for(cfg), dtype=jnp.float32, rngs=nnx.Rngs(0))  # doctest: +SKIP
+    >>> h, cache = head(embeds_bth, hidden_bth, positions_bt, cache)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dmtp_jax.config import TargetConfig
+from dmtp_jax.layers import params
+from dmtp_jax.layers.kv_cache import KVCache
+from dmtp_jax.layers.norms import rms_norm
+from dmtp_jax.layers.rope import rope_cos_sin
+from dmtp_jax.models.qwen3 import DecoderLayer
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpConfig:
+    """The MTP head of a target: its decoder layer is a 1-layer, full-attention copy of the target's
+    layer config."""
+    layer_cfg: TargetConfig
+    zero_centred: bool = False
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer_cfg.hidden_size
+
+
+def mtp_config_for(target_cfg: TargetConfig) -> MtpConfig:
+    """The MTP config of a Qwen3 / Qwen3-MoE target (layer 0 takes the sparse MLP when the
+    target's last layer is sparse, as `MtpModel` copies the last layer's class)."""
+    last = target_cfg.num_hidden_layers - 1
+    layer_cfg = dataclasses.replace(
+        target_cfg, num_hidden_layers=1, layer_types=("full_attention",),
+        mlp_only_layers=() if target_cfg.is_moe_layer(last) else (0,), decoder_sparse_step=1)
+    return MtpConfig(layer_cfg, zero_centred=False)
+
+
+class MtpHead(nnx.Module):
+    """Params: `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc` `[2H, H]`, `layers[0]`, `norm`."""
+
+    def __init__(self, mcfg: MtpConfig, *, dtype, rngs: nnx.Rngs):
+        self.mcfg = mcfg
+        h = mcfg.hidden_size
+        norm_init = params.zeros if mcfg.zero_centred else params.ones
+        self.pre_fc_norm_embedding = norm_init((h,), (None,), dtype)
+        self.pre_fc_norm_hidden = norm_init((h,), (None,), dtype)
+        self.fc = params.weight(rngs, (2 * h, h), (None, "embed"), dtype)
+        self.layers = nnx.List([DecoderLayer(mcfg.layer_cfg, 0, dtype, rngs)])
+        self.norm = norm_init((h,), (None,), dtype)
+
+    def _norm(self, x, w):
+        return rms_norm(x, w[...], self.mcfg.layer_cfg.rms_norm_eps, self.mcfg.zero_centred)
+
+    def __call__(self, embeds_bth: jax.Array, hidden_bth: jax.Array, positions_bt: jax.Array,
+                 cache: KVCache | None = None, kv_valid_bt: jax.Array | None = None):
+        """One MTP step over rows `(hidden at t, embedding of x_{t+1})` at positions t+1.
+
+        Returns the pre-norm output `h [B, T, H]` and the cache (slot == position; positions
+        `>= max_len` are scratch: not written). Use `post_norm(h)` for logits and chaining.
+        """
+        x = jnp.concatenate([self._norm(embeds_bth, self.pre_fc_norm_embedding),
+                             self._norm(hidden_bth, self.pre_fc_norm_hidden)], axis=-1) @ self.fc[...]
+        cfg = self.mcfg.layer_cfg
+        cos, sin = rope_cos_sin(positions_bt, cfg.head_dim, cfg.rope_theta, x.dtype)
+        h, cache = self.layers[0](x, positions_bt, cos, sin, cache, kv_valid_bt)
+        return h, cache
+
+    def post_norm(self, h_bth: jax.Array) -> jax.Array:
+        """`mtp.norm`: the state that feeds the LM head and the next chained step."""
+        return self._norm(h_bth, self.norm)

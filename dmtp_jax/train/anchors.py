@@ -1,0 +1,55 @@
+"""Anchor sampling (SpecForge's rule, static shapes).
+
+A position `a` is a valid anchor when `loss_mask[a] == loss_mask[a+1] == 1` and a full block fits
+(`a + block_size <= L`). Each step draws, per sequence, up to `num_anchors` distinct valid anchors
+uniformly without replacement (random keys, invalid ones pushed last, argsort), sorted by position;
+missing ones are padding: anchor 0 with `keep` False. Blocks may overlap.
+
+Example:
+    >>> a, keep = sample_anchors(jax.random.key(0), jnp.ones((1, 6), jnp.int32), 2, 4)
+    >>> a.shape, bool(keep.all())
+    ((1, 2), True)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def valid_anchor_mask(loss_mask_bt: jax.Array, block_size: int) -> jax.Array:
+    """`[B, L]` bool: positions that may start a block.
+
+    Example:
+        >>> valid_anchor_mask(jnp.array([[0, 1, 1, 1, 1]]), 3).tolist()
+        [[False, True, True, False, False]]
+    """
+    lm = loss_mask_bt.astype(bool)
+    nxt = jnp.pad(lm[:, 1:], ((0, 0), (0, 1)))
+    fits = jnp.arange(lm.shape[1]) <= lm.shape[1] - block_size
+    return lm & nxt & fits[None]
+
+
+def sample_anchors(key: jax.Array, loss_mask_bt: jax.Array, num_anchors: int, block_size: int):
+    """`(anchors_bn int32, keep_bn bool)`: up to `num_anchors` sorted anchors per row.
+
+    Example:
+        >>> a, keep = sample_anchors(jax.random.key(1), jnp.array([[1, 1, 1, 0, 0, 0]]), 3, 2)
+        >>> a.tolist(), keep.tolist()
+        ([[0, 1, 0]], [[True, True, False]])
+    """
+    valid_bl = valid_anchor_mask(loss_mask_bt, block_size)
+    length = loss_mask_bt.shape[1]
+    n = min(num_anchors, length)
+    noise_bl = jax.random.uniform(key, valid_bl.shape)
+    order_bl = jnp.argsort(jnp.where(valid_bl, noise_bl, 2.0), axis=1)[:, :n]
+    keep_bn = jnp.take_along_axis(valid_bl, order_bl, axis=1)
+    # sort kept anchors by position, padding last
+    sort_key = jnp.where(keep_bn, order_bl, length + jnp.arange(n))
+    perm = jnp.argsort(sort_key, axis=1)
+    anchors_bn = jnp.take_along_axis(jnp.where(keep_bn, order_bl, 0), perm, axis=1)
+    keep_bn = jnp.take_along_axis(keep_bn, perm, axis=1)
+    if n < num_anchors:
+        pad = ((0, 0), (0, num_anchors - n))
+        anchors_bn, keep_bn = jnp.pad(anchors_bn, pad), jnp.pad(keep_bn, pad)
+    return anchors_bn.astype(jnp.int32), keep_bn

@@ -1,0 +1,284 @@
+"""Training data: records -> fixed-length token rows with a loss mask -> global batches (grain).
+
+Records (one JSON object per line of a `.jsonl` file, or rows of a `.parquet` file with pyarrow):
+
+* `{"input_ids": [...], "loss_mask": [...]}` -- used as is (no tokenizer needed; `loss_mask`
+  defaults to all ones);
+* `{"messages": [{"role": ..., "content": ...}, ...]}` -- the target's chat template; the loss
+  mask is 1 on assistant turns (see `encode_messages`);
+* `{"text": "..."}` -- plain text, every token supervised.
+
+Layout: **padding, not packing**. Each record becomes one row of `seq_len` tokens: truncated to
+its first `seq_len` tokens, right-padded with `pad_id` and loss mask 0. A malformed record (bad
+JSON, unknown layout, ids outside the vocabulary, ...) is counted and replaced by an all-padding
+row with loss mask 0, with a warning: it never crashes a run and never shifts the other records
+(the batch of step s is the same whatever the malformed records are).
+
+Sharding by JAX process: the grain pipeline shuffles record *indices* (a new order each epoch)
+and batches them into global batches of `global_batch` indices; every process runs the same
+index pipeline and reads and encodes only the rows of each global batch that its devices hold
+(`process_rows`). The iterator state is grain's (`{"next_index": ...}`), JSON-serialisable and
+restored with `set_state`.
+
+Example:
+    >>> ds = TokenDataset.from_records([{"input_ids": [1, 2, 3]}], seq_len=4)
+    >>> ds.encode(0)
+    (array([1, 2, 3, 0], dtype=int32), array([1, 1, 1, 0], dtype=int32), False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+MAX_WARNINGS = 20
+
+
+class MalformedRecord(ValueError):
+    """A record that cannot be turned into tokens (skipped, never fatal)."""
+
+
+def read_records(path: str) -> list[Any]:
+    """Raw records of a `.jsonl` / `.json` (one object per line) or `.parquet` file, unparsed for
+    JSONL (a line is parsed when it is used, so one bad line only spoils itself).
+
+    Example:
+        >>> read_records("/data/train.jsonl")[:1]  # doctest: +SKIP
+        ['{"text": "hello"}']
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file not found: {path}")
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+        return pq.read_table(path).to_pylist()
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        lines = [line for line in fh.read().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"data file {path} has no records")
+    return lines
+
+
+def parse_record(raw: Any) -> dict:
+    """A record as a dict (JSON lines are parsed here); raises `MalformedRecord`."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise MalformedRecord(f"bad JSON ({e.msg})") from None
+    if not isinstance(raw, dict):
+        raise MalformedRecord(f"a record must be an object, got {type(raw).__name__}")
+    return raw
+
+
+def _segments_for_messages(messages, tokenizer) -> list[tuple[str, int]]:
+    """(text, supervised) segments of a rendered conversation, assistant turns supervised.
+
+    Renders each prefix with the chat template; when a later render does not extend the previous
+    one (templates that rewrite earlier turns, e.g. Qwen3 dropping old thinking), only the final
+    assistant turn is supervised.
+    """
+    def render(msgs, gen):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    full = render(messages, False)
+    segments, done = [], ""
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, after = render(messages[:i], True), render(messages[:i + 1], False)
+        if not (before.startswith(done) and after.startswith(before) and full.startswith(after)):
+            last = max(j for j, mm in enumerate(messages) if mm["role"] == "assistant")
+            before = render(messages[:last], True)
+            if not full.startswith(before):
+                raise MalformedRecord("the chat template does not render a prefix of the conversation")
+            return [(before, 0), (full[len(before):], 1)]
+        segments += [(before[len(done):], 0), (after[len(before):], 1)]
+        done = after
+    segments.append((full[len(done):], 0))
+    return [(t, s) for t, s in segments if t]
+
+
+def encode_messages(messages, tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask (1 on assistant turns) of a conversation with the chat template.
+
+    Example:
+        >>> ids, mask = encode_messages([{"role": "user", "content": "hi"},
+        ...                              {"role": "assistant", "content": "yo"}], tok)  # doctest: +SKIP
+    """
+    if not isinstance(messages, list) or not messages:
+        raise MalformedRecord("'messages' must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise MalformedRecord("each message needs string 'role' and 'content'")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise MalformedRecord("no assistant turn to supervise")
+    ids, mask = [], []
+    for text, supervised in _segments_for_messages(messages, tokenizer):
+        part = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += part
+        mask += [supervised] * len(part)
+    return ids, mask
+
+
+def encode_record(record: dict, tokenizer=None, vocab_size: int | None = None) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one parsed record; raises `MalformedRecord`.
+
+    Example:
+        >>> encode_record({"input_ids": [4, 5], "loss_mask": [0, 1]})
+        ([4, 5], [0, 1])
+    """
+    if "input_ids" in record:
+        ids = record["input_ids"]
+        mask = record.get("loss_mask", [1] * len(ids) if isinstance(ids, list) else None)
+        if not isinstance(ids, list) or not isinstance(mask, list):
+            raise MalformedRecord("'input_ids' and 'loss_mask' must be lists")
+        if len(ids) != len(mask):
+            raise MalformedRecord(f"'input_ids' ({len(ids)}) and 'loss_mask' ({len(mask)}) differ in length")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise MalformedRecord("'input_ids' must be integers")
+        if not all(m in (0, 1, True, False) for m in mask):
+            raise MalformedRecord("'loss_mask' must be 0/1")
+        out = list(ids), [int(m) for m in mask]
+    elif "messages" in record or "text" in record:
+        if tokenizer is None:
+            raise MalformedRecord("'messages' / 'text' records need a target with a tokenizer")
+        if "messages" in record:
+            out = encode_messages(record["messages"], tokenizer)
+        else:
+            if not isinstance(record["text"], str):
+                raise MalformedRecord("'text' must be a string")
+            ids = tokenizer(record["text"], add_special_tokens=False)["input_ids"]
+            out = list(ids), [1] * len(ids)
+    else:
+        raise MalformedRecord(f"unknown record layout (keys {sorted(record)[:5]}); expected "
+                              "'input_ids', 'messages' or 'text'")
+    if not out[0]:
+        raise MalformedRecord("the record has no tokens")
+    if vocab_size is not None and not all(0 <= t < vocab_size for t in out[0]):
+        raise MalformedRecord(f"token ids outside the vocabulary [0, {vocab_size})")
+    return out
+
+
+def pad_row(ids: Sequence[int], mask: Sequence[int], seq_len: int, pad_id: int = 0):
+    """Truncates / right-pads to `seq_len`: `(tokens_l int32, loss_mask_l int32)`.
+
+    Example:
+        >>> pad_row([7, 8], [0, 1], 4)
+        (array([7, 8, 0, 0], dtype=int32), array([0, 1, 0, 0], dtype=int32))
+    """
+    tokens = np.full((seq_len,), pad_id, np.int32)
+    loss_mask = np.zeros((seq_len,), np.int32)
+    n = min(len(ids), seq_len)
+    tokens[:n] = np.asarray(ids[:n], np.int32)
+    loss_mask[:n] = np.asarray(mask[:n], np.int32)
+    return tokens, loss_mask
+
+
+@dataclasses.dataclass
+class TokenDataset:
+    """Random access to encoded rows: `encode(i) -> (tokens_l, loss_mask_l, malformed)`."""
+
+    records: list[Any]
+    seq_len: int
+    tokenizer: Any = None
+    vocab_size: int | None = None
+    pad_id: int = 0
+    malformed: int = 0          # malformed records seen by this process (counted per use)
+    _warned: int = 0
+
+    @classmethod
+    def from_records(cls, records, seq_len: int, **kw) -> "TokenDataset":
+        return cls(list(records), seq_len, **kw)
+
+    @classmethod
+    def from_file(cls, path: str, seq_len: int, tokenizer=None, vocab_size=None) -> "TokenDataset":
+        pad = 0
+        if tokenizer is not None:
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        return cls(read_records(path), seq_len, tokenizer, vocab_size, int(pad))
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def encode(self, index: int):
+        try:
+            ids, mask = encode_record(parse_record(self.records[index]), self.tokenizer, self.vocab_size)
+            return (*pad_row(ids, mask, self.seq_len, self.pad_id), False)
+        except MalformedRecord as e:
+            self.malformed += 1
+            if self._warned < MAX_WARNINGS:
+                self._warned += 1
+                log.warning("skipping malformed record %d: %s%s", index, e,
+                            " (further warnings suppressed)" if self._warned == MAX_WARNINGS else "")
+            return (*pad_row([], [], self.seq_len, self.pad_id), True)
+
+
+def index_pipeline(num_records: int, global_batch: int, seed: int):
+    """grain pipeline of global batches of record indices: shuffled, a new order each epoch,
+    infinite. Its iterator's `get_state()` / `set_state()` is the data checkpoint.
+
+    Example:
+        >>> it = iter(index_pipeline(10, 4, seed=0))
+        >>> next(it).shape
+        (4,)
+    """
+    import grain.python as grain
+    ds = grain.MapDataset.range(num_records).shuffle(seed=seed).repeat(None).batch(global_batch)
+    return ds.to_iter_dataset()
+
+
+def process_rows(sharding, global_shape) -> tuple[int, int]:
+    """The `[lo, hi)` batch rows held by this process's devices under `sharding` (contiguous).
+
+    Example:
+        >>> process_rows(batch_sharding(mesh, (8, 64)), (8, 64))  # doctest: +SKIP
+        (0, 8)
+    """
+    rows = set()
+    for index in sharding.addressable_devices_indices_map(tuple(global_shape)).values():
+        sl = index[0]
+        rows.update(range(*sl.indices(global_shape[0])))
+    lo, hi = min(rows), max(rows) + 1
+    if len(rows) != hi - lo:
+        raise ValueError("this process's batch rows are not contiguous; use a mesh whose data axes "
+                         "follow the process order")
+    return lo, hi
+
+
+class BatchIterator:
+    """Global batches for the train step, this process's rows only.
+
+    `next()` returns `{"tokens_bt": int32 [rows, L], "loss_mask_bt": int32 [rows, L],
+    "malformed": int}`; `get_state()` / `set_state()` checkpoint the position.
+
+    Example:
+        >>> it = BatchIterator(TokenDataset.from_records([{"input_ids": [1, 2]}] * 4, 8), 2, (0, 2))
+        >>> it.next()["tokens_bt"].shape
+        (2, 8)
+    """
+
+    def __init__(self, dataset: TokenDataset, global_batch: int, rows: tuple[int, int], seed: int = 0):
+        self.dataset, self.rows = dataset, rows
+        self._it = iter(index_pipeline(len(dataset), global_batch, seed))
+
+    def next(self) -> dict:
+        indices = np.asarray(next(self._it))[self.rows[0]:self.rows[1]]
+        encoded = [self.dataset.encode(int(i)) for i in indices]
+        return {"tokens_bt": np.stack([e[0] for e in encoded]),
+                "loss_mask_bt": np.stack([e[1] for e in encoded]),
+                "malformed": int(sum(e[2] for e in encoded))}
+
+    def get_state(self) -> dict:
+        return dict(self._it.get_state())
+
+    def set_state(self, state: dict) -> None:
+        self._it.set_state(state)

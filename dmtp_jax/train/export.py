@@ -1,0 +1,45 @@
+"""`export`: a run's latest (or chosen) checkpoint -> an HF-format drafter directory.
+
+The directory is what `save_drafter` writes (`config.json` with the nested `dflash_config` +
+safetensors), so `load_drafter` / `infer.py --draft` and `dflash.model.DFlashDraftModel.from_pretrained`
+load it.
+
+Example:
+    >>> export_run("/tmp/run", "/tmp/my-drafter")  # doctest: +SKIP
+    {'step': 100, 'out': '/tmp/my-drafter'}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from dmtp_jax.train.loop import RUN_CONFIG, restore_params
+
+
+def read_run_config(run_dir: str) -> dict:
+    path = os.path.join(run_dir, RUN_CONFIG)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{run_dir} is not a training run directory (no {RUN_CONFIG})")
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def export_run(run_dir: str, out_dir: str, step: int | None = None, dtype: str | None = None) -> dict:
+    """Writes the drafter of `run_dir` at `step` (default: latest) to `out_dir` in `dtype`
+    (default: float32, the master params).
+
+    Example:
+        >>> export_run("/tmp/run", "/tmp/d", dtype="bfloat16")  # doctest: +SKIP
+    """
+    from dmtp_jax.checkpoint.dflash_ckpt import LoadedDrafter, save_drafter
+    from dmtp_jax.models.dflash import DFlashConfig
+    from dmtp_jax.sharding import make_mesh
+
+    run = read_run_config(run_dir)
+    dcfg = DFlashConfig.from_hf_dict(run["drafter"])
+    params, got_step = restore_params(run_dir, dcfg, step)
+    from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
+    graphdef, _ = abstract_drafter(dcfg, "float32")
+    save_drafter(LoadedDrafter(dcfg, graphdef, params, make_mesh()), out_dir, dtype=dtype)
+    return {"step": int(got_step), "out": out_dir}

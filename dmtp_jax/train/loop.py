@@ -1,0 +1,386 @@
+"""The training loop: config, drafter set-up, orbax checkpoints, metrics, progress bar.
+
+Run directory layout (`--out DIR`):
+
+* `run_config.json` -- the `TrainConfig` and the drafter's HF config (what `export` needs);
+* `checkpoints/<step>/` -- orbax: `params` (drafter, fp32), `opt` (optimizer state), `meta` (step,
+  data iterator state); written every `checkpoint_every` steps and at exit (async, atomic: a run
+  killed with SIGKILL resumes from the last complete one and loses only the steps after it);
+* `metrics.jsonl` -- one line per step (process 0): loss, acceptance proxy, tokens/s, lr, ...
+
+`resume=True` restores params, optimizer, step and the data iterator, so the loss sequence equals
+an uninterrupted run's bit for bit (the step is a pure function of state, batch and step).
+
+Example:
+    >>> cfg = TrainConfig(target="/tmp/tiny", data="d.jsonl", out="/tmp/run", steps=20,
+    ...                   batch_size=4, seq_len=64)
+    >>> summary = run_training(cfg)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+RUN_CONFIG = "run_config.json"
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a run needs (CLI flags and `configs/*.py` `get_config()` fill it)."""
+    target: str = ""
+    data: str = ""
+    out: str = ""
+    method: str = "dflash"
+    steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 512
+    init_from: str | None = None
+    resume: bool = False
+    # drafter (fresh init): layer shapes follow the target unless set
+    draft_layers: int = 1
+    block_size: int = 8
+    mask_token_id: int | None = None
+    target_layer_ids: tuple[int, ...] | None = None
+    draft_intermediate_size: int | None = None
+    # objective
+    num_anchors: int = 16
+    gamma: float | None = None          # None: SpecForge's per-block-size default (7 / 5 / 4)
+    # optimisation
+    lr: float = 6e-4
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    grad_accum: int = 1
+    compute_dtype: str = "bfloat16"
+    target_dtype: str | None = None     # default: compute_dtype (the frozen target is stored so)
+    # run
+    mesh: str | None = None
+    seed: int = 0
+    checkpoint_every: int = 100
+    stop_at: int | None = None          # stop (with a checkpoint) after this step; schedule spans `steps`
+    keep_checkpoints: int = 3
+    progress: bool = True
+
+    def resolved_gamma(self) -> float:
+        if self.gamma is not None:
+            return float(self.gamma)
+        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, max(1.0, self.block_size * 7 / 16))
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids) if self.target_layer_ids else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown training config keys: {', '.join(unknown)}")
+        d = dict(d)
+        if d.get("target_layer_ids") is not None:
+            d["target_layer_ids"] = tuple(int(i) for i in d["target_layer_ids"])
+        return cls(**d)
+
+    def validate(self) -> None:
+        for name in ("target", "data", "out"):
+            if not getattr(self, name):
+                raise ValueError(f"--{name} is required")
+        for name in ("steps", "batch_size", "seq_len", "draft_layers", "num_anchors", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 2 <= self.block_size <= 64:
+            raise ValueError(f"--block-size must be in [2, 64], got {self.block_size}")
+        if self.seq_len < self.block_size + 1:
+            raise ValueError(f"--seq-len {self.seq_len} is shorter than a block ({self.block_size}) + 1")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"--batch-size {self.batch_size} is not a multiple of --grad-accum {self.grad_accum}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+
+
+def default_layer_ids(num_target_layers: int, draft_layers: int) -> tuple[int, ...]:
+    """`dflash`'s default capture layers, or evenly spaced ones for very shallow targets.
+
+    Example:
+        >>> default_layer_ids(36, 5), default_layer_ids(2, 2)
+        ((1, 9, 17, 25, 33), (0, 1))
+    """
+    from dmtp_jax.models.dflash import build_target_layer_ids
+    ids = build_target_layer_ids(num_target_layers, draft_layers)
+    if all(0 <= i < num_target_layers for i in ids) and len(set(ids)) == len(ids):
+        return ids
+    return tuple(sorted(set(int(round(x)) for x in np.linspace(0, num_target_layers - 1, draft_layers))))
+
+
+def default_mask_token(target_cfg, tokenizer=None) -> int:
+    """The tokenizer's mask token, else the highest id that is not an EOS id."""
+    if tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    i = target_cfg.vocab_size - 1
+    while i in set(target_cfg.eos_token_ids):
+        i -= 1
+    return i
+
+
+def fresh_drafter_config(cfg: TrainConfig, target_cfg, tokenizer=None):
+    """A DFlash (v1) drafter config shaped like the target (hidden, heads, head_dim, vocab).
+
+    Example:
+        >>> dcfg = fresh_drafter_config(TrainConfig(draft_layers=2), target.cfg)  # doctest: +SKIP
+    """
+    from dmtp_jax.models.dflash import DFlashConfig
+    ids = cfg.target_layer_ids or default_layer_ids(target_cfg.num_hidden_layers, cfg.draft_layers)
+    mask = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token(target_cfg, tokenizer)
+    return DFlashConfig.from_hf_dict({
+        "architectures": ["DFlashDraftModel"], "hidden_size": target_cfg.hidden_size,
+        "intermediate_size": cfg.draft_intermediate_size or target_cfg.intermediate_size,
+        "num_hidden_layers": cfg.draft_layers, "num_attention_heads": target_cfg.num_attention_heads,
+        "num_key_value_heads": target_cfg.num_key_value_heads, "head_dim": target_cfg.head_dim,
+        "vocab_size": target_cfg.vocab_size, "rms_norm_eps": target_cfg.rms_norm_eps,
+        "rope_theta": target_cfg.rope_theta, "num_target_layers": target_cfg.num_hidden_layers,
+        "dflash_config": {"block_size": cfg.block_size, "mask_token_id": mask,
+                          "target_layer_ids": list(ids)}})
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+def checkpoint_manager(out_dir: str, keep: int):
+    import orbax.checkpoint as ocp
+    return ocp.CheckpointManager(
+        os.path.abspath(os.path.join(out_dir, "checkpoints")),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        item_names=("params", "opt", "meta"))
+
+
+def save_checkpoint(mngr, state, meta: dict) -> None:
+    import orbax.checkpoint as ocp
+    step = int(meta["step"])
+    mngr.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(jax.tree.leaves(state.params)),
+        opt=ocp.args.StandardSave(jax.tree.leaves((state.opt_state, state.step))),
+        meta=ocp.args.JsonSave(meta)), force=True)
+
+
+def restore_checkpoint(mngr, trainer, step: int | None = None):
+    """`(TrainState, meta)` of checkpoint `step` (default: the latest)."""
+    import orbax.checkpoint as ocp
+    from dmtp_jax.train.step import TrainState
+    step = mngr.latest_step() if step is None else step
+    abstract = trainer.abstract_state()
+    p_leaves, p_def = jax.tree.flatten(abstract.params)
+    o_leaves, o_def = jax.tree.flatten((abstract.opt_state, abstract.step))
+    got = mngr.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(p_leaves), opt=ocp.args.StandardRestore(o_leaves),
+        meta=ocp.args.JsonRestore()))
+    opt_state, step_arr = jax.tree.unflatten(o_def, list(got["opt"]))
+    return TrainState(jax.tree.unflatten(p_def, list(got["params"])), opt_state, step_arr), got["meta"]
+
+
+def restore_params(run_dir: str, dcfg, step: int | None = None):
+    """The drafter params (fp32 nnx.State) of a run's checkpoint (default: the latest)."""
+    import orbax.checkpoint as ocp
+    from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
+    mngr = checkpoint_manager(run_dir, 1000)
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"{run_dir} has no checkpoint")
+    _, abstract = abstract_drafter(dcfg, "float32")
+    leaves, treedef = jax.tree.flatten(abstract)
+    rep = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    got = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(
+        [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep) for x in leaves])))
+    return jax.tree.unflatten(treedef, list(got["params"])), step
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+def step_record(step: int, metrics: dict, tokens: int, seconds: float, malformed: int, known: int = 1) -> dict:
+    """The metrics line of one step (host values)."""
+    from dmtp_jax.train.loss import acceptance_proxy
+    acc_k, acc, accept_len = acceptance_proxy(np.asarray(metrics["correct_k"]).tolist(),
+                                              np.asarray(metrics["count_k"]).tolist(), known)
+    return {"step": step, "loss": float(metrics["loss"]), "acc": acc, "acc_k": acc_k,
+            "accept_len_proxy": accept_len, "grad_norm": float(metrics["grad_norm"]),
+            "lr": float(metrics["lr"]), "weight_sum": float(metrics["weight_sum"]),
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "step_s": seconds,
+            "malformed": malformed}
+
+
+def _truncate_metrics(path: str, last_step: int) -> None:
+    """Drops lines of steps after `last_step` (a resumed run rewrites them)."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as fh:
+        keep = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    with open(path, "w") as fh:
+        fh.writelines(keep)
+
+
+class _Tensorboard:
+    def __init__(self, out_dir: str, enabled: bool):
+        self.writer = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.writer = SummaryWriter(os.path.join(out_dir, "tb"))
+            except Exception:   # tensorboard not installed: JSONL only
+                self.writer = None
+
+    def add(self, rec: dict) -> None:
+        if self.writer is not None:
+            for k in ("loss", "acc", "accept_len_proxy", "grad_norm", "lr", "tokens_per_s"):
+                self.writer.add_scalar(k, rec[k], rec["step"])
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+# ---- the run ------------------------------------------------------------------------------------
+def setup(cfg: TrainConfig):
+    """Loads the target, builds the drafter config, the trainer and the data iterator."""
+    import jax.numpy as jnp
+    from dmtp_jax.checkpoint.dflash_ckpt import init_drafter, load_drafter
+    from dmtp_jax.checkpoint.hf import load_target
+    from dmtp_jax.sharding import make_mesh
+    from dmtp_jax.tokenizer import load_tokenizer
+    from dmtp_jax.train.data import BatchIterator, TokenDataset, process_rows
+    from dmtp_jax.train.step import OptimConfig, StepConfig, Trainer
+
+    cfg.validate()
+    if cfg.method != "dflash":
+        from dmtp_jax.train.loss import block_inputs
+        block_inputs(cfg.method, *([None] * 4), cfg.block_size, mask_token_id=0, gamma=None)  # raises
+    mesh = make_mesh(cfg.mesh)
+    target = load_target(cfg.target, dtype=cfg.target_dtype or cfg.compute_dtype, mesh=mesh)
+    tokenizer = load_tokenizer(cfg.target)
+    if cfg.init_from:
+        drafter = load_drafter(cfg.init_from, target.cfg, "float32", mesh)
+        dcfg = drafter.cfg
+        if dcfg.block_size != cfg.block_size:
+            dcfg = dataclasses.replace(dcfg, block_size=cfg.block_size)
+            drafter = dataclasses.replace(drafter, cfg=dcfg)
+    else:
+        dcfg = fresh_drafter_config(cfg, target.cfg, tokenizer)
+        drafter = init_drafter(dcfg, "float32", mesh, seed=cfg.seed)
+    scfg = StepConfig(method=cfg.method, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
+                      gamma=cfg.resolved_gamma(), grad_accum=cfg.grad_accum,
+                      compute_dtype=cfg.compute_dtype, seed=cfg.seed)
+    ocfg = OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+                       min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
+                       max_grad_norm=cfg.max_grad_norm)
+    trainer = Trainer(target, dcfg, scfg, ocfg, mesh)
+    shape = (cfg.batch_size, cfg.seq_len)
+    dataset = TokenDataset.from_file(cfg.data, cfg.seq_len, tokenizer, target.cfg.vocab_size)
+    batches = BatchIterator(dataset, cfg.batch_size, process_rows(trainer.batch_sharding(shape), shape),
+                            seed=cfg.seed)
+    del jnp
+    return target, drafter, trainer, batches
+
+
+def write_run_config(cfg: TrainConfig, dcfg) -> None:
+    if jax.process_index() != 0:
+        return
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, RUN_CONFIG), "w") as fh:
+        json.dump({"train": cfg.to_json(), "drafter": dcfg.to_hf_dict()}, fh, indent=2)
+
+
+def run_training(cfg: TrainConfig) -> dict:
+    """Trains `cfg.steps` optimizer steps (resuming when asked); returns a summary dict
+    (`first_loss`, `last_loss`, `steps_run`, `compile_count`, `tokens_per_s`, `last_checkpoint`).
+
+    Example:
+        >>> run_training(TrainConfig(target=t, data=d, out=o, steps=10, batch_size=4, seq_len=64))  # doctest: +SKIP
+    """
+    from tqdm.auto import tqdm
+    target, drafter, trainer, batches = setup(cfg)
+    mngr = checkpoint_manager(cfg.out, cfg.keep_checkpoints)
+    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+    lead = jax.process_index() == 0
+    if mngr.latest_step() is not None and not cfg.resume:
+        raise ValueError(f"{cfg.out} already has checkpoints; pass --resume to continue or use a new --out")
+    if cfg.resume and mngr.latest_step() is not None:
+        state, meta = restore_checkpoint(mngr, trainer)
+        batches.set_state(meta["data"])
+        start = int(meta["step"])
+        if lead:
+            _truncate_metrics(metrics_path, start)
+    else:
+        state, start = trainer.init_state(drafter.state), 0
+        if lead and os.path.isfile(metrics_path):
+            os.remove(metrics_path)
+    write_run_config(cfg, trainer.dcfg)
+    del drafter
+    shape = (cfg.batch_size, cfg.seq_len)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    tb = _Tensorboard(cfg.out, lead)
+    bar = tqdm(total=cfg.steps, initial=start, disable=not (cfg.progress and lead), unit="step",
+               dynamic_ncols=True)
+    records, last_saved, step = [], start, start
+    pending = None          # (step, metrics, malformed, t_dispatch): logged one step behind
+    t_prev = time.perf_counter()
+    malformed_total = 0
+    data_state = batches.get_state()
+
+    def flush(pending_item, now):
+        nonlocal t_prev
+        s, metrics, malformed, _ = pending_item
+        metrics = jax.device_get(metrics)
+        now = time.perf_counter()
+        rec = step_record(s, metrics, tokens_per_step, now - t_prev, malformed)
+        t_prev = now
+        records.append(rec)
+        if lead:
+            with open(metrics_path, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+            tb.add(rec)
+        bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}",
+                        tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+        bar.update(1)
+
+    try:
+        end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
+        while step < end:
+            local = batches.next()
+            malformed_total += local["malformed"]
+            tokens_bt, loss_mask_bt = trainer.global_batch(local, shape)
+            state, metrics = trainer.step(state, target.state, tokens_bt, loss_mask_bt)
+            step += 1
+            data_state = batches.get_state()        # the iterator position that matches `state`
+            if pending is not None:
+                flush(pending, time.perf_counter())   # waits for the previous step only
+            pending = (step, metrics, local["malformed"], None)
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < end:
+                save_checkpoint(mngr, state, {"step": step, "data": data_state})
+                last_saved = step
+        if pending is not None:
+            flush(pending, time.perf_counter())
+            pending = None
+    finally:
+        leaves = jax.tree.leaves(state)
+        if step > last_saved and not any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+            save_checkpoint(mngr, state, {"step": step, "data": data_state})
+            last_saved = step
+        mngr.wait_until_finished()
+        mngr.close()
+        bar.close()
+        tb.close()
+    if malformed_total:
+        log.warning("%d malformed records were skipped", malformed_total)
+    timed = [r["tokens_per_s"] for r in records[1:]] or [r["tokens_per_s"] for r in records]
+    return {"first_loss": records[0]["loss"] if records else None,
+            "last_loss": records[-1]["loss"] if records else None,
+            "losses": [r["loss"] for r in records], "steps_run": len(records), "start_step": start,
+            "compile_count": trainer.compile_count(), "last_checkpoint": last_saved,
+            "tokens_per_s": float(np.median(timed)) if timed else 0.0, "malformed": malformed_total,
+            "records": records}

@@ -1,0 +1,152 @@
+"""Block inputs per method, the drafter's training forward and the position-decayed CE.
+
+Training layout (SpecForge, `dflash_recipe.md` section 3): for each of the N anchors `a` of a
+sequence, one block of `block_size` rows at positions `a .. a+B-1`; the N blocks are independent
+(`block_len`): a block sees the context features strictly before its anchor and its own rows.
+Slot k of the block is labelled with the data token at `a+k`; the known slots (slot 0 for
+`dflash`) get no loss, predicted slots get `w_k = exp(-(k-1)/gamma)` times the loss mask.
+
+The loss is returned as sums (`loss_sum`, `weight_sum`) so that the train step normalises by the
+summed weights of the whole optimiser step (all micro-batches, all devices).
+
+Example:
+    >>> b = block_inputs("dflash", jnp.array([[5, 6, 7, 8]]), jnp.ones((1, 4), jnp.int32),
+    ...                  jnp.array([[1]]), jnp.array([[True]]), 3, mask_token_id=0, gamma=None)
+    >>> b.tokens_bnk.tolist(), b.labels_bnk.tolist(), b.weights_bnk.tolist()
+    ([[[6, 0, 0]]], [[[6, 7, 8]]], [[[0.0, 1.0, 1.0]]])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dmtp_jax.models.dflash import block_embeddings
+
+METHODS = ("dflash", "dmtp", "dmtp-single")
+KNOWN_SLOTS = {"dflash": 1, "dmtp": 2, "dmtp-single": 2}   # anchor (+ T1 for the DMTP variants)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class BlockInputs:
+    """Per block (`[B, N, K]`, K = block size): input ids, positions, labels, loss weights (decay x
+    validity) and validity of the predicted slots (for the accuracy proxy)."""
+    tokens_bnk: jax.Array
+    positions_bnk: jax.Array
+    labels_bnk: jax.Array
+    weights_bnk: jax.Array
+    valid_bnk: jax.Array
+
+
+def slot_decay(block_size: int, known_slots: int, gamma: float | None) -> jax.Array:
+    """`[K]` weights: 0 on known slots, `exp(-(k-known)/gamma)` after (1 without decay).
+
+    Example:
+        >>> [round(float(w), 3) for w in slot_decay(4, 1, 1.0)]
+        [0.0, 1.0, 0.368, 0.135]
+    """
+    k = jnp.arange(block_size, dtype=jnp.float32)
+    w = jnp.exp(-(k - known_slots) / gamma) if gamma else jnp.ones((block_size,), jnp.float32)
+    return jnp.where(k >= known_slots, w, 0.0)
+
+
+def block_inputs(method: str, tokens_bt: jax.Array, loss_mask_bt: jax.Array, anchors_bn: jax.Array,
+                 keep_bn: jax.Array, block_size: int, *, mask_token_id: int,
+                 gamma: float | None) -> BlockInputs:
+    """The blocks of `method` for these anchors (see the module docstring).
+
+    `dflash`: `[A, MASK x (K-1)]`, A the data token at the anchor; padded blocks are all MASK.
+    The DMTP variants (`[A, E(T1)+delta, MASK...]`, T1 from the data, no loss on the T1 slot) need
+    the frozen MTP module and arrive with it.
+
+    Example:
+        >>> block_inputs("dmtp", *([None] * 4), 8, mask_token_id=0, gamma=7.0)
+        Traceback (most recent call last):
+        NotImplementedError: method 'dmtp' arrives with the MTP module
+    """
+    if method in ("dmtp", "dmtp-single"):
+        raise NotImplementedError(f"method '{method}' arrives with the MTP module")
+    if method != "dflash":
+        raise ValueError(f"unknown training method '{method}'; available: {', '.join(METHODS)}")
+    b, length = tokens_bt.shape
+    n = anchors_bn.shape[1]
+    k = jnp.arange(block_size)
+    positions_bnk = anchors_bn[:, :, None] + k
+    flat = jnp.clip(positions_bnk, 0, length - 1).reshape(b, n * block_size)
+    labels_bnk = jnp.take_along_axis(tokens_bt, flat, axis=1).reshape(b, n, block_size)
+    lm_bnk = jnp.take_along_axis(loss_mask_bt, flat, axis=1).reshape(b, n, block_size).astype(bool)
+    known = KNOWN_SLOTS[method]
+    valid_bnk = keep_bn[:, :, None] & (k >= known) & (positions_bnk < length) & lm_bnk
+    weights_bnk = valid_bnk * slot_decay(block_size, known, gamma)
+    tokens_bnk = jnp.where((k == 0) & keep_bn[:, :, None], labels_bnk, mask_token_id)
+    return BlockInputs(tokens_bnk.astype(jnp.int32), positions_bnk.astype(jnp.int32), labels_bnk,
+                       weights_bnk, valid_bnk)
+
+
+def drafter_block_logits(drafter, target, feats_btf: jax.Array, valid_bt: jax.Array,
+                         blocks: BlockInputs, anchors_bn: jax.Array) -> jax.Array:
+    """Draft logits `[B, N*K, V]` of all blocks in one drafter call (training layout).
+
+    Context rows are the target features at positions `0..L-1`; block row of anchor `a` sees the
+    context rows `< a` (and `valid`), and its own block.
+
+    Example:
+        >>> logits = drafter_block_logits(drafter, target, feats, valid, blocks, anchors)  # doctest: +SKIP
+    """
+    dcfg = drafter.cfg
+    b, n, kk = blocks.tokens_bnk.shape
+    length = feats_btf.shape[1]
+    dtype = drafter.fc[...].dtype
+    ctx_bth = drafter.project_context(feats_btf.astype(dtype))
+    ctx_pos_bs = jnp.broadcast_to(jnp.arange(length), (b, length))
+    ctx_k, ctx_v = drafter.context_kv(ctx_bth, ctx_pos_bs)
+    anchor_bt = jnp.repeat(anchors_bn, kk, axis=1)
+    ctx_valid_bts = (jnp.arange(length)[None, None, :] < anchor_bt[:, :, None]) & valid_bt[:, None, :]
+    embeds = block_embeddings(target.embed, blocks.tokens_bnk.reshape(b, n * kk), dcfg).astype(dtype)
+    hidden = drafter(embeds, blocks.positions_bnk.reshape(b, n * kk), ctx_k, ctx_v, ctx_pos_bs,
+                     ctx_valid_bts, block_len=kk)
+    return drafter.draft_logits(hidden, lambda h: target.logits(h.astype(target.dtype)).astype(dtype))
+
+
+def decayed_ce_sums(logits_btv: jax.Array, blocks: BlockInputs) -> dict:
+    """Weighted CE sums and per-slot top-1 counts (fp32).
+
+    Returns `loss_sum` (sum of w*CE), `weight_sum` (sum of w), `correct_k` / `count_k` `[K]`
+    (top-1 hits and valid predicted slots per block slot: the acceptance proxy).
+
+    Example:
+        >>> s = decayed_ce_sums(jnp.zeros((1, 2, 4)), BlockInputs(*(jnp.zeros((1, 1, 2), jnp.int32),) * 3,
+        ...     jnp.array([[[0.0, 1.0]]]), jnp.array([[[False, True]]])))
+        >>> round(float(s["loss_sum"]), 4), s["count_k"].tolist()
+        (1.3863, [0, 1])
+    """
+    b, n, kk = blocks.labels_bnk.shape
+    logits = logits_btv.astype(jnp.float32).reshape(b, n, kk, -1)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    gold = jnp.take_along_axis(logits, blocks.labels_bnk[..., None], axis=-1)[..., 0]
+    ce = lse - gold
+    hit = (jnp.argmax(logits, axis=-1) == blocks.labels_bnk) & blocks.valid_bnk
+    return {"loss_sum": jnp.sum(blocks.weights_bnk * ce), "weight_sum": jnp.sum(blocks.weights_bnk),
+            "correct_k": jnp.sum(hit, axis=(0, 1)).astype(jnp.int32),
+            "count_k": jnp.sum(blocks.valid_bnk, axis=(0, 1)).astype(jnp.int32)}
+
+
+def acceptance_proxy(correct_k, count_k, known_slots: int = 1) -> tuple[list[float], float, float]:
+    """Per-slot top-1 accuracy, their mean (pooled) and the implied acceptance length
+    `known + sum_k prod_{j<=k} acc_j` (host-side, from summed counts).
+
+    Example:
+        >>> acceptance_proxy([0, 5, 2], [0, 10, 10])
+        ([0.5, 0.2], 0.35, 1.6)
+    """
+    accs = [c / n if n else 0.0 for c, n in zip(list(correct_k)[known_slots:], list(count_k)[known_slots:])]
+    total = sum(count_k[known_slots:])
+    mean = float(sum(correct_k[known_slots:]) / total) if total else 0.0
+    length, run = float(known_slots), 1.0
+    for a in accs:
+        run *= a
+        length += run
+    return [round(float(a), 6) for a in accs], round(mean, 6), round(length, 6)

@@ -1,0 +1,216 @@
+"""The optimiser and the ONE jitted train step (sharded, donated, one compile).
+
+`TrainState = (params fp32, opt_state, step)`. The step takes the frozen target state as a plain
+input (never differentiated: gradients are taken w.r.t. the drafter params only, and the features
+are under `stop_gradient`), draws anchors from `fold_in(key(seed), step)`, splits the global batch
+into `grad_accum` micro-batches (a `lax.scan`), sums the gradients of the weighted CE numerator,
+divides by the summed weights of the whole step (SpecForge's normalisation), clips, and applies
+AdamW with warmup + cosine. Compute runs in `compute_dtype` (params cast in the step; master
+params and optimizer state stay fp32).
+
+Example:
+    >>> trainer = Trainer(target, drafter_cfg, StepConfig(), OptimConfig(total_steps=100), mesh)  # doctest: +SKIP
+    >>> state = trainer.init_state(drafter.state)  # doctest: +SKIP
+    >>> state, metrics = trainer.step(state, target.state, tokens_bt, loss_mask_bt)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
+from dmtp_jax.models.dflash import DFlashConfig
+from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, batch_sharding, replicated, state_shardings
+from dmtp_jax.train.anchors import sample_anchors
+from dmtp_jax.train.features import target_features
+from dmtp_jax.train.loss import (KNOWN_SLOTS, block_inputs, decayed_ce_sums, drafter_block_logits)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What one step computes. `gamma` None or 0 = no decay; `block_size` None = the drafter's."""
+    method: str = "dflash"
+    block_size: int | None = None
+    num_anchors: int = 16
+    gamma: float | None = 7.0
+    grad_accum: int = 1
+    compute_dtype: str = "bfloat16"
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW + linear warmup + cosine decay to `lr * min_lr_ratio`, global-norm clipping."""
+    lr: float = 6e-4
+    total_steps: int = 1000
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    max_grad_norm: float = 1.0
+
+
+def lr_schedule(ocfg: OptimConfig) -> optax.Schedule:
+    """Warmup (at most the run length) then cosine.
+
+    Example:
+        >>> float(lr_schedule(OptimConfig(lr=1.0, total_steps=10, warmup_steps=2))(2))
+        1.0
+    """
+    warmup = min(ocfg.warmup_steps, max(ocfg.total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(0.0, ocfg.lr, warmup, max(ocfg.total_steps, warmup + 1),
+                                              ocfg.lr * ocfg.min_lr_ratio)
+
+
+def make_optimizer(ocfg: OptimConfig) -> optax.GradientTransformation:
+    """`clip_by_global_norm` then AdamW on the schedule.
+
+    Example:
+        >>> tx = make_optimizer(OptimConfig())
+    """
+    return optax.chain(optax.clip_by_global_norm(ocfg.max_grad_norm),
+                       optax.adamw(lr_schedule(ocfg), b1=ocfg.b1, b2=ocfg.b2, weight_decay=ocfg.weight_decay))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    params: nnx.State         # drafter params, fp32 master copy
+    opt_state: optax.OptState
+    step: jax.Array           # int32 scalar: optimizer steps done
+
+
+def loss_sums(params, drafter_graphdef, target_graphdef, target_state, tokens_bt, loss_mask_bt, key,
+              scfg: StepConfig, compute_dtype) -> tuple[jax.Array, dict]:
+    """`(loss_sum, sums)` of one micro-batch: features, anchors, blocks, drafter, decayed CE.
+
+    Example:
+        >>> num, sums = loss_sums(params, gd, tgd, t_state, tokens, mask, key, scfg, jnp.float32)  # doctest: +SKIP
+    """
+    target = nnx.merge(target_graphdef, jax.lax.stop_gradient(target_state))   # frozen: no gradient
+    cparams = jax.tree.map(lambda x: x.astype(compute_dtype), params)
+    drafter = nnx.merge(drafter_graphdef, cparams)
+    dcfg: DFlashConfig = drafter.cfg
+    block_size = scfg.block_size or dcfg.block_size
+    valid_bt = loss_mask_bt >= 0   # every row position is a real key; padding only trails (causal)
+    feats_btf, _hidden_bth = target_features(target, tokens_bt, valid_bt, dcfg)
+    anchors_bn, keep_bn = sample_anchors(key, loss_mask_bt, scfg.num_anchors, block_size)
+    blocks = block_inputs(scfg.method, tokens_bt, loss_mask_bt, anchors_bn, keep_bn, block_size,
+                          mask_token_id=dcfg.mask_token_id, gamma=scfg.gamma)
+    logits = drafter_block_logits(drafter, target, feats_btf, valid_bt, blocks, anchors_bn)
+    sums = decayed_ce_sums(logits, blocks)
+    return sums["loss_sum"], sums
+
+
+class Trainer:
+    """Builds the optimizer, the shardings and the jitted step for one (target, drafter config).
+
+    `step(state, target_state, tokens_bt, loss_mask_bt) -> (state, metrics)`; `state` is donated.
+    Metrics (replicated scalars / `[K]` vectors): loss, weight_sum, correct_k, count_k, grad_norm,
+    lr.
+    """
+
+    def __init__(self, target, dcfg: DFlashConfig, scfg: StepConfig, ocfg: OptimConfig, mesh,
+                 mesh_rules: MeshRules = DEFAULT_RULES):
+        if scfg.method not in KNOWN_SLOTS:
+            raise ValueError(f"unknown training method '{scfg.method}'; available: {', '.join(KNOWN_SLOTS)}")
+        if scfg.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {scfg.grad_accum}")
+        self.target, self.dcfg, self.scfg, self.ocfg, self.mesh = target, dcfg, scfg, ocfg, mesh
+        self.tx = make_optimizer(ocfg)
+        self.graphdef, abstract = abstract_drafter(dcfg, "float32")
+        self.param_shardings = state_shardings(abstract, mesh, mesh_rules)
+        self.abstract_params = abstract
+        opt_abstract = jax.eval_shape(self.tx.init, abstract)
+        rep = replicated(mesh)
+        self.opt_shardings = optax.tree_map_params(
+            self.tx, lambda _, sh: sh, opt_abstract, self.param_shardings,
+            transform_non_params=lambda _: rep)
+        self.state_shardings = TrainState(self.param_shardings, self.opt_shardings, rep)
+        self.target_shardings = jax.tree.map(lambda x: x.sharding, target.state)
+        self._init = jax.jit(lambda p: TrainState(p, self.tx.init(p), jnp.zeros((), jnp.int32)),
+                             in_shardings=(self.param_shardings,), out_shardings=self.state_shardings)
+        self._steps: dict = {}
+
+    # ---- state ---------------------------------------------------------------------------------
+    def init_state(self, drafter_state: nnx.State) -> TrainState:
+        """Fresh optimizer state around fp32 copies of `drafter_state`."""
+        params = jax.tree.map(lambda x: x.astype(jnp.float32), drafter_state)
+        return self._init(jax.device_put(params, self.param_shardings))
+
+    def abstract_state(self) -> TrainState:
+        """ShapeDtypeStructs (with shardings) of the train state, for restoring checkpoints."""
+        shapes = jax.eval_shape(lambda p: TrainState(p, self.tx.init(p), jnp.zeros((), jnp.int32)),
+                                self.abstract_params)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_shardings)
+
+    def batch_sharding(self, global_shape):
+        return batch_sharding(self.mesh, tuple(global_shape))
+
+    # ---- the step ------------------------------------------------------------------------------
+    def _step(self, state: TrainState, target_state, tokens_bt, loss_mask_bt):
+        scfg = self.scfg
+        compute_dtype = jnp.dtype(scfg.compute_dtype)
+        m = scfg.grad_accum
+        b, length = tokens_bt.shape
+        # micro-batch j = rows j, j+m, ... (each micro-batch spans every data shard)
+        micro_tokens = tokens_bt.reshape(b // m, m, length).swapaxes(0, 1)
+        micro_mask = loss_mask_bt.reshape(b // m, m, length).swapaxes(0, 1)
+        key = jax.random.fold_in(jax.random.key(scfg.seed), state.step)
+        grad_fn = jax.grad(loss_sums, has_aux=True)
+
+        def micro(carry, xs):
+            grads_acc, sums_acc = carry
+            j, toks, lm = xs
+            grads, sums = grad_fn(state.params, self.graphdef, self.target.graphdef, target_state, toks, lm,
+                                  jax.random.fold_in(key, j), scfg, compute_dtype)
+            return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
+
+        kk = scfg.block_size or self.dcfg.block_size
+        zeros_sums = {"loss_sum": jnp.zeros((), jnp.float32), "weight_sum": jnp.zeros((), jnp.float32),
+                      "correct_k": jnp.zeros((kk,), jnp.int32), "count_k": jnp.zeros((kk,), jnp.int32)}
+        zero_grads = jax.tree.map(jnp.zeros_like, state.params)
+        (grads, sums), _ = jax.lax.scan(micro, (zero_grads, zeros_sums),
+                                        (jnp.arange(m), micro_tokens, micro_mask))
+        denom = jnp.where(sums["weight_sum"] > 0, sums["weight_sum"], 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": sums["loss_sum"] / denom, "weight_sum": sums["weight_sum"],
+                   "correct_k": sums["correct_k"], "count_k": sums["count_k"],
+                   "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(self.ocfg)(state.step)}
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    def step_fn(self, global_shape):
+        """The jitted step for this global batch shape (built once; one compile)."""
+        key = tuple(global_shape)
+        if key not in self._steps:
+            if key[0] % self.scfg.grad_accum:
+                raise ValueError(f"batch size {key[0]} is not a multiple of grad_accum={self.scfg.grad_accum}")
+            bs = self.batch_sharding(key)
+            self._steps[key] = jax.jit(
+                self._step, donate_argnums=(0,),
+                in_shardings=(self.state_shardings, self.target_shardings, bs, bs),
+                out_shardings=(self.state_shardings, replicated(self.mesh)))
+        return self._steps[key]
+
+    def step(self, state: TrainState, target_state, tokens_bt, loss_mask_bt):
+        """One optimizer step on global arrays `[B, L]` (see `global_batch`)."""
+        return self.step_fn(tokens_bt.shape)(state, target_state, tokens_bt, loss_mask_bt)
+
+    def global_batch(self, local: dict, global_shape):
+        """Global `[B, L]` arrays from this process's rows (`make_array_from_process_local_data`)."""
+        bs = self.batch_sharding(global_shape)
+        return tuple(jax.make_array_from_process_local_data(bs, local[name], tuple(global_shape))
+                     for name in ("tokens_bt", "loss_mask_bt"))
+
+    def compile_count(self) -> int:
+        """Compiled variants of the train step (1 after any number of same-shape steps)."""
+        return sum(f._cache_size() for f in self._steps.values())

@@ -1,0 +1,198 @@
+"""Native MTP and the DMTP methods: MTP parity with transformers' MtpModel, greedy output equal to
+`ar` for every method, the W = 0 identity, MTP history equal to a from-scratch pass, one compile per
+bucket, and lossless sampling for mtp and dmtp."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from dflash_fixtures import build_reference_drafter
+from stat_checks import assert_matches_target_joint
+from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter, save_dmtp_drafter
+from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.checkpoint.mtp_ckpt import MissingMtpError, load_mtp
+from dmtp_jax.decode import make_decoder
+from dmtp_jax.decode.ar import ARDecoder
+from dmtp_jax.decode.sampling import SamplingParams
+from dmtp_jax.models.fusion import DMTP_METHODS
+
+PROMPTS = [[5, 9, 31, 4, 77, 2, 18], [3], [100, 101, 7, 66, 12, 9, 43, 8, 8, 1, 60, 21, 94], [42, 17]]
+
+
+@pytest.fixture(scope="module")
+def models(mtp_target_dir):
+    target = load_target(mtp_target_dir)
+    return target, load_mtp(mtp_target_dir, target.cfg)
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("dflash") / "d")
+    build_reference_drafter(d, seed=3, layer_types=("sliding_attention", "full_attention"), sliding_window=6)
+    return d
+
+
+def randomized(fusion, seed):
+    """The fusion with every weight replaced by noise (so the fusion really acts)."""
+    leaves, treedef = jax.tree.flatten(fusion.state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    fusion.state = jax.tree.unflatten(treedef, [0.3 * jax.random.normal(k, x.shape, x.dtype) + (x.ndim == 1)
+                                                for k, x in zip(keys, leaves)])
+    return fusion
+
+
+@pytest.fixture(scope="module")
+def dmtp_dirs(models, dflash_dir, tmp_path_factory):
+    """A saved DMTP drafter directory per method, with non-zero fusion weights."""
+    target, _ = models
+    out = {}
+    for i, method in enumerate(DMTP_METHODS):
+        drafter, fusion = load_dmtp_drafter(dflash_dir, target.cfg, method)
+        d = str(tmp_path_factory.mktemp("dmtp") / method)
+        save_dmtp_drafter(drafter, randomized(fusion, i), d)
+        out[method] = d
+    return out
+
+
+def engine_for(method, models, dmtp_dirs, **options):
+    """The engine of `method` on the MTP target, with the saved DMTP drafter of that method."""
+    target, mtp = models
+    drafter = fusion = None
+    if method != "mtp":
+        drafter, fusion = load_dmtp_drafter(dmtp_dirs[method], target.cfg)
+    return make_decoder(method, target, drafter, mtp=mtp, fusion=fusion, **options)
+
+
+def test_mtp_matches_transformers_mtp_model(models, mtp_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    from dmtp_jax.compare import reference_mtp_model
+    target, mtp = models
+    hf = AutoModelForCausalLM.from_pretrained(mtp_target_dir, dtype=torch.float32).eval()
+    ref = reference_mtp_model(hf, mtp_target_dir)
+    ids = torch.tensor([PROMPTS[2]])
+    n = ids.shape[1]
+    with torch.no_grad():
+        hidden = hf(ids, output_hidden_states=True).hidden_states[-1]
+        y = ref.forward_layer(0, hidden[:, :-1], torch.arange(1, n)[None], None, input_ids=ids[:, 1:])
+        want = ref._project_to_logits(y).numpy()
+    model, head = nnx.merge(target.graphdef, target.state), nnx.merge(mtp.graphdef, mtp.state)
+    h, _ = head(model.embed(jnp.asarray(ids[:, 1:].numpy())), jnp.asarray(hidden[:, :-1].numpy()),
+                jnp.arange(1, n)[None])
+    got = np.asarray(model.logits(head.post_norm(h)))
+    assert np.abs(got - want).max() < 1e-4
+    # chained drafts: each step feeds the post-norm output and the drafted token back
+    with torch.no_grad():
+        ref_y, ref_tok, ref_chain = y[:, -1:], torch.tensor([[int(want[0, -1].argmax())]]), []
+        our_y, our_tok, our_chain = head.post_norm(h)[:, -1:], jnp.asarray([[int(got[0, -1].argmax())]]), []
+        for step in range(3):
+            ref_y = ref.forward_layer(0, ref_y, torch.tensor([[n + step]]), None, input_ids=ref_tok)
+            ref_tok = ref._project_to_logits(ref_y).argmax(-1)
+            ref_chain.append(int(ref_tok))
+            our_h, _ = head(model.embed(our_tok), our_y, jnp.asarray([[n + step]]))
+            our_y = head.post_norm(our_h)
+            our_tok = jnp.argmax(model.logits(our_y), -1)
+            our_chain.append(int(our_tok[0, 0]))
+    assert our_chain == ref_chain
+
+
+def test_target_without_mtp_is_refused(tiny_qwen3_dir):
+    target = load_target(tiny_qwen3_dir)
+    with pytest.raises(MissingMtpError, match="no native MTP head"):
+        load_mtp(tiny_qwen3_dir, target.cfg)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(models):
+    """Plain greedy outputs of PROMPTS and of the reversed prompts (one AR compile for the file)."""
+    dec = ARDecoder(models[0])
+    return (dec.generate(PROMPTS, 20, stop_ids=[]).output_ids,
+            dec.generate([p[::-1] for p in PROMPTS], 20, stop_ids=[]).output_ids)
+
+
+@pytest.mark.parametrize("method", ["mtp"] + list(DMTP_METHODS))
+def test_greedy_equals_ar_for_every_method(method, models, dmtp_dirs, ar_outputs):
+    engine = engine_for(method, models, dmtp_dirs)
+    assert method == "mtp" or engine.fusion.cfg["method"] == method
+    res = engine.generate(PROMPTS, 20, stop_ids=[])
+    assert res.output_ids == ar_outputs[0]
+    hist = res.stats["histogram"]
+    assert hist[0] > 0 and sum(hist[1:]) > 0, f"acceptance should be partial, got {hist}"
+    assert engine.generate([p[::-1] for p in PROMPTS], 20, stop_ids=[]).output_ids == ar_outputs[1]
+    assert engine.compile_counts() == {"prefill": 1, "round": 1}
+
+
+def first_round_drafts(engine, prompts):
+    """The drafts of the first round after prefill, straight from the engine's proposer."""
+    from dmtp_jax.decode.batch import pad_prompts
+    sp = SamplingParams.make()
+    b = pad_prompts(prompts, 8, engine.target.cfg.vocab_size, slack=engine.slots)
+    states = engine._states()
+    st = engine.prefill(states, b.tokens_bt, b.lengths_b, engine.new_state(len(b.lengths_b), b.max_len),
+                        sp, jax.random.key(0))
+    propose = jax.jit(lambda states, st: engine._propose(engine._models(states), st, sp, jax.random.key(1),
+                                                         True, b.lengths_b + 8)[0])
+    return np.asarray(propose(states, st)), st
+
+
+def test_zero_fusion_is_dflash_conditioned_on_mtp_t1(models, dflash_dir, dmtp_dirs):
+    target, mtp = models
+    drafter, zero = load_dmtp_drafter(dflash_dir, target.cfg, "dmtp")      # plain DFlash dir: W = 0
+    assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(zero.state) if x.ndim == 2)
+    engine = make_decoder("dmtp", target, drafter, mtp=mtp, fusion=zero)
+    drafts, st = first_round_drafts(engine, PROMPTS)
+    model, head, dr = (nnx.merge(m.graphdef, m.state) for m in (target, mtp, drafter))
+    t1 = jnp.argmax(model.logits(head.post_norm(st.mtp_h_bh)), -1)
+    block = jnp.full((t1.shape[0], 8), drafter.cfg.mask_token_id).at[:, 0].set(st.pending_b).at[:, 1].set(t1)
+    positions = st.lengths_b[:, None] + jnp.arange(8)
+    ctx_pos = jnp.broadcast_to(jnp.arange(st.ctx_cache.max_len), (t1.shape[0], st.ctx_cache.max_len))
+    hidden = dr(model.embed(block), positions, st.ctx_cache.k_lbskd, st.ctx_cache.v_lbskd, ctx_pos,
+                ctx_pos < st.lengths_b[:, None])
+    want = np.concatenate([np.asarray(t1)[:, None],
+                           np.asarray(jnp.argmax(dr.draft_logits(hidden[:, 2:], model.logits), -1))], 1)
+    assert (drafts == want).all()
+    drafter, fusion = load_dmtp_drafter(dmtp_dirs["dmtp"], target.cfg)
+    fused, _ = first_round_drafts(make_decoder("dmtp", target, drafter, mtp=mtp, fusion=fusion), PROMPTS)
+    assert (fused[:, 0] == want[:, 0]).all() and (fused[:, 1:] != want[:, 1:]).any()
+
+
+@pytest.mark.parametrize("method", ["mtp", "dmtp"])
+def test_mtp_history_equals_a_from_scratch_pass(method, models, dmtp_dirs):
+    target, mtp = models
+    engine = engine_for(method, models, dmtp_dirs)
+    res = engine.generate(PROMPTS, 24, stop_ids=[])
+    st = engine.last_state
+
+    @jax.jit
+    def from_scratch(t_state, m_state, ids, cache):
+        """MTP K/V of rows (h_i, x_{i+1}) at i+1 over the committed text, from a full target pass."""
+        model, head = nnx.merge(target.graphdef, t_state), nnx.merge(mtp.graphdef, m_state)
+        n = ids.shape[1] - 1
+        hidden = model(ids[:, :n], jnp.arange(n)[None]).hidden_bth
+        return head(model.embed(ids[:, 1:]), hidden, jnp.arange(1, n + 1)[None], cache)[1]
+
+    for row, (prompt, out) in enumerate(zip(PROMPTS, res.output_ids)):
+        seq = prompt + out                       # every token the engine committed and we know
+        n = len(seq) - 1
+        assert int(st.lengths_b[row]) >= n
+        cache = jax.tree.map(lambda x: x[:, row:row + 1], st.mtp_cache)
+        scratch = from_scratch(target.state, mtp.state, jnp.asarray([seq]),
+                               type(cache)(jnp.zeros_like(cache.k_lbskd), jnp.zeros_like(cache.v_lbskd)))
+        for got, want in ((cache.k_lbskd, scratch.k_lbskd), (cache.v_lbskd, scratch.v_lbskd)):
+            assert np.abs(np.asarray(got[0, 0, 1:n + 1]) - np.asarray(want[0, 0, 1:n + 1])).max() < 1e-4
+
+
+@pytest.mark.parametrize("method", ["mtp", "dmtp"])
+def test_sampled_mtp_and_dmtp_are_lossless(method, models, dmtp_dirs):
+    engine = engine_for(method, models, dmtp_dirs, mtp_steps=3)
+    assert_matches_target_joint(engine, models[0], PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
+
+
+def test_compare_reports_mtp(mtp_target_dir):
+    from dmtp_jax.compare import compare_target
+    report = compare_target(mtp_target_dir)
+    mtp = [c for c in report["checks"] if c["name"] == "mtp"]
+    assert report["ok"] and len(mtp) == 1 and mtp[0]["max_abs_diff"] < 1e-4

@@ -1,0 +1,178 @@
+"""dmtp-jax training CLI: train | export | regen.
+
+    python train.py train --target DIR --method dflash --data FILE --steps N --batch-size B \\
+        --seq-len L --out RUN [--init-from DRAFTER] [--resume] [--config configs/xxx.py]
+    python train.py export --run RUN --out DRAFTER_DIR
+    python train.py regen --target DIR --data FILE --out FILE [--method ar|dflash --draft DIR]
+
+A config file defines `get_config()` returning a dict (or dataclass) of `TrainConfig` fields; flags
+given on the command line override it. Many hosts: `--coordinator HOST:PORT --num-processes N
+--process-id I` (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import signal
+import sys
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="train.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def dist(sp):
+        sp.add_argument("--coordinator", help="host:port of process 0 (multi-process runs)")
+        sp.add_argument("--num-processes", type=int)
+        sp.add_argument("--process-id", type=int)
+
+    t = sub.add_parser("train", help="train a drafter (flags override --config)")
+    t.add_argument("--config", help="python file with get_config() -> dict of TrainConfig fields")
+    t.add_argument("--target", help="HF target directory (frozen)")
+    t.add_argument("--method", choices=["dflash", "dmtp", "dmtp-single"])
+    t.add_argument("--data", help="training data (.jsonl or .parquet)")
+    t.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, run_config.json)")
+    t.add_argument("--steps", type=int)
+    t.add_argument("--batch-size", type=int, help="global batch (sequences per optimizer step)")
+    t.add_argument("--seq-len", type=int)
+    t.add_argument("--init-from", help="start from this DFlash drafter directory")
+    t.add_argument("--resume", action="store_true", default=None, help="continue from the run's last checkpoint")
+    t.add_argument("--draft-layers", type=int)
+    t.add_argument("--block-size", type=int)
+    t.add_argument("--mask-token-id", type=int)
+    t.add_argument("--target-layer-ids", type=_ids)
+    t.add_argument("--num-anchors", type=int)
+    t.add_argument("--gamma", type=float, help="loss decay (default 7/5/4 for block 16/10/8)")
+    t.add_argument("--lr", type=float)
+    t.add_argument("--warmup-steps", type=int)
+    t.add_argument("--weight-decay", type=float)
+    t.add_argument("--max-grad-norm", type=float)
+    t.add_argument("--grad-accum", type=int)
+    t.add_argument("--compute-dtype", choices=["bfloat16", "float32", "float16"])
+    t.add_argument("--target-dtype", choices=["bfloat16", "float32", "float16"])
+    t.add_argument("--mesh", help="mesh axes, e.g. data=8 or fsdp=4,tensor=2")
+    t.add_argument("--seed", type=int)
+    t.add_argument("--checkpoint-every", type=int)
+    t.add_argument("--keep-checkpoints", type=int)
+    t.add_argument("--stop-at", type=int, help="stop (with a checkpoint) after this step; "
+                   "the LR schedule still spans --steps")
+    t.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    dist(t)
+
+    e = sub.add_parser("export", help="write a run's drafter as an HF-format directory")
+    e.add_argument("--run", required=True)
+    e.add_argument("--out", required=True)
+    e.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+
+    r = sub.add_parser("regen", help="the frozen target answers the prompts of a dataset")
+    r.add_argument("--target", required=True)
+    r.add_argument("--data", required=True)
+    r.add_argument("--out", required=True, help="output JSONL (appended to: resumable)")
+    r.add_argument("--method", default="ar", choices=["ar", "dflash"])
+    r.add_argument("--draft", help="drafter directory for --method dflash")
+    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--max-prompt-len", type=int, default=None)
+    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    r.add_argument("--mesh", default=None)
+    r.add_argument("--no-progress", dest="progress", action="store_false")
+    dist(r)
+    return p
+
+
+def load_config_file(path: str) -> dict:
+    """`get_config()` of a python file, as a dict."""
+    spec = importlib.util.spec_from_file_location("_train_config", path)
+    if spec is None or not path.endswith(".py"):
+        raise ValueError(f"--config must be a .py file with get_config(), got '{path}'")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file not found: {path}") from None
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"{path} defines no get_config()")
+    cfg = module.get_config()
+    if dataclasses.is_dataclass(cfg):
+        cfg = dataclasses.asdict(cfg)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: get_config() must return a dict or a dataclass")
+    return dict(cfg)
+
+
+def train_config(args):
+    """TrainConfig defaults < config file < flags given on the command line."""
+    from dmtp_jax.train.loop import TrainConfig
+    merged = load_config_file(args.config) if args.config else {}
+    skip = {"command", "config", "coordinator", "num_processes", "process_id"}
+    merged.update({k: v for k, v in vars(args).items() if k not in skip and v is not None})
+    return TrainConfig.from_dict(merged)
+
+
+def _init_distributed(args) -> None:
+    from dmtp_jax.train.distributed import initialize_distributed
+    initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+
+
+def cmd_train(args) -> int:
+    import logging
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cfg = train_config(args)
+    cfg.validate()
+    _init_distributed(args)
+    from dmtp_jax.train.loop import run_training
+    # SIGTERM (preemption) -> normal exit path, which writes the exit checkpoint
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    summary = run_training(cfg)
+    import jax
+    if jax.process_index() == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k not in ("records", "losses")}))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from dmtp_jax.train.export import export_run
+    print(json.dumps(export_run(args.run, args.out, args.step, args.dtype)))
+    return 0
+
+
+def cmd_regen(args) -> int:
+    _init_distributed(args)
+    from dmtp_jax.train.regen import RegenConfig, run_regen
+    fields = {f.name for f in dataclasses.fields(RegenConfig)}
+    cfg = RegenConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    print(json.dumps(run_regen(cfg)))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from dmtp_jax.errors import USER_ERRORS
+    try:
+        return {"train": cmd_train, "export": cmd_export, "regen": cmd_regen}[args.command](args)
+    except NotImplementedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
