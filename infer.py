@@ -1,19 +1,32 @@
 """dmtp-jax inference CLI: generate | compare | bench.
 
-    python infer.py generate --prompt "def fibonacci(n):"            # tiny random demo checkpoint
+    python infer.py                                                  # the demo benchmark (see below)
+    python infer.py generate --prompt "def fibonacci(n):"            # the shipped demo target
     python infer.py generate --target DIR --prompt-ids 1,2,3 --json out.json
     python infer.py generate --target DIR --draft DFLASH_DIR --prompt "..."   # speculative
     python infer.py compare --target DIR [--draft DFLASH_DIR] [--dtype float32] [--json report.json]
     python infer.py bench --target DIR --draft DIR --methods ar,dflash --workload gsm8k --plot acc.png
 
-Every subcommand uses the built-in tiny checkpoint when no `--target` is given.
+Every subcommand uses the shipped demo (`demo/target`, a small Qwen3 pretrained on the Python
+stdlib with a native MTP head; drafters `demo/dflash` for dflash and `demo/dmtp` for the DMTP
+methods) when no `--target` is given; without a `demo/` directory, the built-in tiny random
+checkpoint. `python infer.py` with no arguments runs `bench` on the demo: methods ar, mtp, dflash,
+dmtp over prompts cut from stdlib modules held out of training (`demo/prompts.jsonl`), greedy.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
+
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+DEMO_OUT = os.path.join(tempfile.gettempdir(), "dmtp-jax-demo")
+DEMO_BENCH_ARGV = ["bench", "--methods", "ar,mtp,dflash,dmtp", "--num-prompts", "12", "--max-new-tokens", "64",
+                   "--json", os.path.join(DEMO_OUT, "bench.json"), "--plot", os.path.join(DEMO_OUT, "acceptance.png"),
+                   "--outputs", os.path.join(DEMO_OUT, "outputs.jsonl"), "--show-sample"]
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -43,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
-        sp.add_argument("--target", help="HF target directory (default: the built-in tiny checkpoint)")
+        sp.add_argument("--target", help="HF target directory (default: the shipped demo, demo/target)")
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         sp.add_argument("--mesh", default=None, help="mesh axes, e.g. tensor=4,data=2 (default: 1 device)")
         sp.add_argument("--json", dest="json_path", help="write the result as JSON to this file")
@@ -76,9 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     common(b)
     method_args(b)
     b.add_argument("--methods", default=None,
-                   help="comma-separated methods (default: ar,dflash with --draft, else ar)")
-    b.add_argument("--workload", default="gsm8k",
-                   help="gsm8k|math500|humaneval|mt_bench|alpaca_eval|spec_bench|bfcl, or a .jsonl of "
+                   help="comma-separated methods (default: ar,dflash with --draft; the demo: ar,mtp,dflash,dmtp; "
+                        "else ar)")
+    b.add_argument("--workload", default=None,
+                   help="default: the demo's held-out prompts (demo/prompts.jsonl) on the demo, else gsm8k. "
+                        "gsm8k|math500|humaneval|mt_bench|alpaca_eval|spec_bench|bfcl, or a .jsonl of "
                         '{"prompt": ...} / {"turns": [...]} / {"prompt_ids": [...]} records')
     b.add_argument("--data-dir", default=None, help="shared data directory (default: $DMTP_JAX_DATA, "
                                                     "else <repo>/../shared/data)")
@@ -91,12 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--plot", default=None, help="write the cumulative acceptance plot (PNG) here")
     b.add_argument("--outputs", default=None, help="write every generation (ids, text) as JSONL here")
+    b.add_argument("--show-sample", action="store_true", help="print the first prompt and each method's answer")
     return p
 
 
 def cmd_generate(args) -> int:
     from dmtp_jax.checkpoint.hf import load_target
-    from dmtp_jax.decode.loading import load_method_models, make_decoders
+    from dmtp_jax.decode.loading import make_decoders
     from dmtp_jax.decode.sampling import SamplingParams
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tokenizer import load_tokenizer, stop_token_ids
@@ -121,7 +137,7 @@ def cmd_generate(args) -> int:
     stops = stop_token_ids(target_dir, target.cfg.eos_token_ids, tokenizer)
     stops = sorted(set(stops) | set(args.stop_token_ids or []))
     method = args.method or ("dflash" if args.draft else "ar")
-    decoder = make_decoders([method], target, load_method_models(args, target, [method]),
+    decoder = make_decoders([method], target, method_models(args, target, [method]),
                             block_size=args.block_size, verify=args.verify, mtp_steps=args.mtp_steps)[method]
 
     stream = len(prompts) == 1 and tokenizer is not None and not args.json_path
@@ -164,7 +180,7 @@ def cmd_compare(args) -> int:
 def cmd_bench(args) -> int:
     from dmtp_jax.bench import report as rep
     from dmtp_jax.bench.runner import run_benchmark
-    from dmtp_jax.decode.loading import load_method_models, make_decoders
+    from dmtp_jax.decode.loading import make_decoders
     from dmtp_jax.bench.workloads import check_tokenizer, load_workload
     from dmtp_jax.checkpoint.hf import load_target
     from dmtp_jax.decode import METHODS
@@ -173,7 +189,11 @@ def cmd_bench(args) -> int:
     from dmtp_jax.tokenizer import load_tokenizer, stop_token_ids
 
     target_dir = resolve_target(args.target)
-    methods = [m.strip() for m in (args.methods or ("ar,dflash" if args.draft else "ar")).split(",") if m.strip()]
+    demo = uses_demo(args)
+    default_methods = "ar,dflash" if args.draft else ("ar,mtp,dflash,dmtp" if demo else "ar")
+    methods = [m.strip() for m in (args.methods or default_methods).split(",") if m.strip()]
+    if args.workload is None:
+        args.workload = os.path.join(DEMO_DIR, "prompts.jsonl") if demo else "gsm8k"
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise UserError(f"unknown method(s) {unknown or methods}; available: {', '.join(METHODS)}")
@@ -185,7 +205,7 @@ def cmd_bench(args) -> int:
     check_tokenizer(workload, tokenizer, target_dir)
     target = load_target(target_dir, args.dtype, make_mesh(args.mesh))
     stops = stop_token_ids(target_dir, target.cfg.eos_token_ids, tokenizer)
-    decoders = make_decoders(methods, target, load_method_models(args, target, methods),
+    decoders = make_decoders(methods, target, method_models(args, target, methods),
                              block_size=args.block_size, mtp_steps=args.mtp_steps, verify=args.verify)
     runs = run_benchmark(decoders, workload, tokenizer, max_new_tokens=args.max_new_tokens,
                          batch_size=args.batch_size, sampling=sampling, seed=args.seed, stop_ids=stops,
@@ -208,7 +228,35 @@ def cmd_bench(args) -> int:
         rep.plot_cumulative(report, args.plot)
     if args.outputs:
         rep.write_outputs(runs, args.outputs, tokenizer)
+    for path in (args.json_path, args.plot, args.outputs):
+        if path:
+            print(f"wrote {path}")
+    if args.show_sample:
+        print(format_sample(runs, tokenizer))
     return 0
+
+
+def format_sample(runs: dict, tokenizer) -> str:
+    """The first generation's prompt and each method's answer (ids when there is no tokenizer).
+
+    Example:
+        >>> print(format_sample(runs, tokenizer))  # doctest: +SKIP
+    """
+    first = {name: run.generations[0] for name, run in runs.items() if run.generations}
+    if not first:
+        return "(no generations)"
+    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else str
+    prompt = next(iter(first.values())).prompt_ids
+    lines = ["=" * 30 + " sample: prompt " + "=" * 30, decode(prompt)]
+    seen = {}
+    for name, g in first.items():
+        same = next((other for other, ids in seen.items() if ids == g.output_ids), None)
+        seen[name] = g.output_ids
+        if same is not None:
+            lines.append(f"---- {name}: identical to {same}")
+            continue
+        lines += [f"---- {name} answer " + "-" * 20, decode(g.output_ids)]
+    return "\n".join(lines)
 
 
 def format_stats(stats: dict) -> str:
@@ -227,14 +275,67 @@ class UserError(Exception):
     """Bad input from the command line: printed as one line, exit status 2."""
 
 
+def demo_available() -> bool:
+    """Whether the shipped demo (`demo/target` with its weights) is present."""
+    return os.path.isfile(os.path.join(DEMO_DIR, "target", "model.safetensors"))
+
+
 def resolve_target(path: str | None) -> str:
+    """`path`, else the shipped demo target, else the built-in tiny random checkpoint.
+
+    Example:
+        >>> resolve_target("/models/x")
+        '/models/x'
+    """
     if path:
         return path
+    if demo_available():
+        return os.path.join(DEMO_DIR, "target")
     from dmtp_jax.tiny import ensure_tiny_target
     return ensure_tiny_target()
 
 
+def uses_demo(args) -> bool:
+    """No `--target` given and the demo is present: the demo's drafters are the defaults."""
+    return not args.target and demo_available()
+
+
+def demo_drafter(method: str) -> str | None:
+    """The demo drafter of a method: `demo/dflash` for dflash, `demo/dmtp` for the DMTP methods.
+
+    Example:
+        >>> os.path.basename(demo_drafter("dmtp")), demo_drafter("ar")
+        ('dmtp', None)
+    """
+    from dmtp_jax.decode import method_needs
+    if not method_needs(method)["drafter"]:
+        return None
+    return os.path.join(DEMO_DIR, "dmtp" if method_needs(method)["fusion"] else "dflash")
+
+
+def method_models(args, target, methods) -> dict:
+    """`load_method_models`, with each method's demo drafter when the demo is in use and no
+    `--draft` is given (so dflash and dmtp run their own drafters in one bench)."""
+    from dmtp_jax.decode.loading import load_method_models
+    if args.draft or not uses_demo(args):
+        return load_method_models(args, target, methods)
+    groups: dict = {}
+    for m in methods:
+        groups.setdefault(demo_drafter(m), []).append(m)
+    out = {}
+    for draft, group in groups.items():
+        out.update(load_method_models(argparse.Namespace(**{**vars(args), "draft": draft}), target, group))
+    return {m: out[m] for m in methods}
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:            # `python infer.py`: the demo benchmark
+        if not demo_available():
+            print(f"error: no demo at {DEMO_DIR}; see `python infer.py --help`", file=sys.stderr)
+            return 2
+        os.makedirs(DEMO_OUT, exist_ok=True)
+        argv = list(DEMO_BENCH_ARGV)
     args = build_parser().parse_args(argv)
     from dmtp_jax.errors import USER_ERRORS
     try:

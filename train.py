@@ -1,9 +1,11 @@
-"""dmtp-jax training CLI: train | export | regen.
+"""dmtp-jax training CLI: train | export | regen | pretrain.
 
     python train.py train --target DIR --method dflash --data FILE --steps N --batch-size B \\
         --seq-len L --out RUN [--init-from DRAFTER] [--resume] [--config configs/xxx.py]
     python train.py export --run RUN --out DRAFTER_DIR
     python train.py regen --target DIR --data FILE --out FILE [--method ar|dflash --draft DIR]
+    python train.py pretrain --config configs/demo_target.py [--steps N] [--resume] [--data-only]
+    python train.py --config configs/demo_dmtp.py      # the subcommand named by the config's COMMAND
 
 A config file defines `get_config()` returning a dict (or dataclass) of `TrainConfig` fields; flags
 given on the command line override it. Many hosts: `--coordinator HOST:PORT --num-processes N
@@ -28,6 +30,7 @@ def _ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dmtp_jax.train.loss import METHODS as TRAIN_METHODS
     p = argparse.ArgumentParser(prog="train.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -40,13 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a drafter (flags override --config)")
     t.add_argument("--config", help="python file with get_config() -> dict of TrainConfig fields")
     t.add_argument("--target", help="HF target directory (frozen)")
-    t.add_argument("--method", choices=["dflash", "dmtp", "dmtp-single"])
+    t.add_argument("--method", choices=TRAIN_METHODS,
+                   help="dflash, dmtp (main: [A, E(T1)+delta, MASK x6]) or a DMTP ablation; the DMTP "
+                        "methods train against the target's frozen native MTP head")
+    t.add_argument("--mtp", help="directory of the frozen MTP head (default: the target directory)")
+    t.add_argument("--fusion-rank", type=int, help="rank of dmtp-lowrank's residual")
     t.add_argument("--data", help="training data (.jsonl or .parquet)")
     t.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, run_config.json)")
     t.add_argument("--steps", type=int)
     t.add_argument("--batch-size", type=int, help="global batch (sequences per optimizer step)")
     t.add_argument("--seq-len", type=int)
-    t.add_argument("--init-from", help="start from this DFlash drafter directory")
+    t.add_argument("--init-from", help="start from this DFlash drafter directory (DMTP methods: a DFlash "
+                                       "directory starts with a zero fusion, a DMTP one with its own)")
     t.add_argument("--resume", action="store_true", default=None, help="continue from the run's last checkpoint")
     t.add_argument("--draft-layers", type=int)
     t.add_argument("--block-size", type=int)
@@ -93,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--mesh", default=None)
     r.add_argument("--no-progress", dest="progress", action="store_false")
     dist(r)
+
+    pt = sub.add_parser("pretrain", help="pretrain the demo target jointly with its MTP head (dmtp_jax.demo)")
+    pt.add_argument("--config", required=True, help="python file with get_config() -> PretrainConfig fields")
+    pt.add_argument("--steps", type=int)
+    pt.add_argument("--work-dir", help="data, tokenizer and run directory (default demo_out)")
+    pt.add_argument("--export-dir", help="the HF target directory written at the end")
+    pt.add_argument("--resume", action="store_true", default=None)
+    pt.add_argument("--data-only", action="store_true", default=None,
+                    help="only build the tokenizer, token streams and prompt files")
+    pt.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     return p
 
 
@@ -161,11 +179,38 @@ def cmd_regen(args) -> int:
     return 0
 
 
+def cmd_pretrain(args) -> int:
+    from dmtp_jax.demo.build import PretrainConfig, run_pretrain
+    merged = load_config_file(args.config)
+    merged.update({k: v for k, v in vars(args).items() if k not in ("command", "config") and v is not None})
+    summary = run_pretrain(PretrainConfig.from_dict(merged))
+    print(json.dumps({k: v for k, v in summary.items() if k != "data"}))
+    return 0
+
+
+def _config_command(argv: list[str]) -> list[str]:
+    """`--config FILE ...` without a subcommand -> the config's `COMMAND` (default `train`)."""
+    if not argv or argv[0] not in ("--config",) or len(argv) < 2:
+        return argv
+    spec = importlib.util.spec_from_file_location("_train_config_cmd", argv[1])
+    command = "train"
+    if spec is not None and argv[1].endswith(".py"):
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+            command = getattr(module, "COMMAND", "train")
+        except FileNotFoundError:
+            pass
+    return [command, *argv]
+
+
 def main(argv=None) -> int:
+    argv = _config_command(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     from dmtp_jax.errors import USER_ERRORS
     try:
-        return {"train": cmd_train, "export": cmd_export, "regen": cmd_regen}[args.command](args)
+        return {"train": cmd_train, "export": cmd_export, "regen": cmd_regen,
+                "pretrain": cmd_pretrain}[args.command](args)
     except NotImplementedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -38,7 +38,7 @@ def measure(args) -> dict:
     drafter = init_drafter(dcfg, "float32", mesh)
     trainer = Trainer(target, dcfg, StepConfig(num_anchors=args.num_anchors, compute_dtype="float32"),
                       OptimConfig(total_steps=args.steps), mesh)
-    state = trainer.init_state(drafter.state)
+    state = trainer.init_state({"drafter": drafter.state})
     shape = (args.batch_size, args.seq_len)
     rng = np.random.default_rng(0)
     local = {"tokens_bt": rng.integers(0, 300, shape).astype(np.int32),

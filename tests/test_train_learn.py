@@ -45,7 +45,7 @@ def test_export_reloads_in_jax_and_dflash(trained, tiny_qwen3_dir):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded.state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     ref = DFlashDraftModel.from_pretrained(out, torch_dtype=torch.float32)
-    ours = export_tensors(params, rules=DFLASH_NAME_RULES)
+    ours = export_tensors(params["drafter"], rules=DFLASH_NAME_RULES)
     theirs = {k: v.detach().numpy() for k, v in ref.state_dict().items() if not k.endswith("inv_freq")}
     assert set(ours) == set(theirs)
     for k in ours:
@@ -72,3 +72,32 @@ def test_trained_drafter_accepts_more(trained, tiny_qwen3_dir):
         res = make_decoder("dflash", target, d).generate(prompts, 48, stop_ids=[])
         acc[name] = res.stats["per_verify_acceptance_length"]
     assert acc["trained"] > acc["untrained"] + 0.15, acc
+
+
+def test_dmtp_from_a_dflash_drafter_trains_exports_and_decodes(trained, mtp_target_dir):
+    """`--method dmtp --init-from DFLASH_DIR`: the fusion starts at zero and learns; the export is a
+    DFlash directory plus `fusion.*` + `dmtp_config` that the engine loads; greedy dmtp == ar."""
+    import jax
+    from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
+    from dmtp_jax.checkpoint.hf import load_target
+    from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
+    from dmtp_jax.decode import make_decoder
+    from dmtp_jax.train.export import export_run
+    from dmtp_jax.train.loop import run_training
+    tmp, data, cfg, _ = trained
+    dflash_dir = str(tmp / "exported-for-dmtp")
+    export_run(cfg.out, dflash_dir)
+    run = tiny_train_config(mtp_target_dir, data, str(tmp / "dmtp-run"), method="dmtp", steps=12,
+                            init_from=dflash_dir, checkpoint_every=12)
+    summary = run_training(run)
+    assert summary["steps_run"] == 12 and summary["compile_count"] == 1
+    out = str(tmp / "dmtp-exported")
+    export_run(run.out, out)
+    target = load_target(mtp_target_dir)
+    drafter, fusion = load_dmtp_drafter(out, target.cfg)
+    assert fusion.cfg["method"] == "dmtp"
+    assert max(float(abs(x).max()) for x in jax.tree.leaves(fusion.state) if x.ndim == 2) > 0
+    prompts = [[5, 9, 31, 4], [77, 2]]
+    engine = make_decoder("dmtp", target, drafter, mtp=load_mtp(mtp_target_dir, target.cfg), fusion=fusion)
+    ar = make_decoder("ar", target).generate(prompts, 12, stop_ids=[]).output_ids
+    assert engine.generate(prompts, 12, stop_ids=[]).output_ids == ar

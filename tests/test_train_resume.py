@@ -11,11 +11,13 @@ import pytest
 from train_fixtures import tiny_train_config, write_random_data
 
 
-def test_checkpoint_roundtrip_resumes_bit_for_bit(tiny_qwen3_dir, tmp_path):
+@pytest.mark.parametrize("method,target_fixture", [("dflash", "tiny_qwen3_dir"), ("dmtp", "mtp_target_dir")])
+def test_checkpoint_roundtrip_resumes_bit_for_bit(method, target_fixture, request, tmp_path):
     from dmtp_jax.train.loop import checkpoint_manager, restore_checkpoint, save_checkpoint, setup
     data = write_random_data(str(tmp_path / "d.jsonl"), n=10, length=48)
-    cfg = tiny_train_config(tiny_qwen3_dir, data, str(tmp_path / "run"), steps=8, batch_size=4, seq_len=48)
-    target, drafter, trainer, batches = setup(cfg)
+    cfg = tiny_train_config(request.getfixturevalue(target_fixture), data, str(tmp_path / "run"), steps=8,
+                            batch_size=4, seq_len=48, method=method)
+    target, params, trainer, batches = setup(cfg)
     shape = (cfg.batch_size, cfg.seq_len)
 
     def run(state, n):
@@ -26,9 +28,9 @@ def test_checkpoint_roundtrip_resumes_bit_for_bit(tiny_qwen3_dir, tmp_path):
         return state, losses
 
     data0 = batches.get_state()
-    _, straight = run(trainer.init_state(drafter.state), 6)
+    _, straight = run(trainer.init_state(params), 6)
     batches.set_state(data0)
-    state, first = run(trainer.init_state(drafter.state), 3)
+    state, first = run(trainer.init_state(params), 3)
     mngr = checkpoint_manager(cfg.out, 2)
     save_checkpoint(mngr, state, {"step": 3, "data": batches.get_state()})
     mngr.wait_until_finished()

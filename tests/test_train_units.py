@@ -82,8 +82,17 @@ def test_block_inputs_labels_and_weights():
     w = np.asarray(b.weights_bnk[0])
     np.testing.assert_allclose(w[0], [0, 1, np.exp(-0.5), 0], rtol=1e-6)   # slot 3 unsupervised
     assert not w[1].any()
-    with pytest.raises(NotImplementedError, match="arrives with the MTP module"):
-        block_inputs("dmtp", toks, lm, None, None, 4, mask_token_id=99, gamma=2.0)
+    # dmtp: [A, T1, MASK, MASK] at a..a+3, T1 from the data, loss from the third row on
+    d = block_inputs("dmtp", toks, jnp.ones((1, 12), jnp.int32), jnp.array([[2]]), jnp.array([[True]]), 4,
+                     mask_token_id=99, gamma=None)
+    assert d.tokens_bnk.tolist() == [[[12, 13, 99, 99]]] and d.weights_bnk.tolist() == [[[0, 0, 1, 1]]]
+    # single anchor: [T1, MASK, MASK] at a+1..a+3
+    s1 = block_inputs("dmtp-single", toks, jnp.ones((1, 12), jnp.int32), jnp.array([[2]]), jnp.array([[True]]),
+                      4, mask_token_id=99, gamma=None)
+    assert s1.tokens_bnk.tolist() == [[[13, 99, 99]]] and s1.positions_bnk.tolist() == [[[3, 4, 5]]]
+    assert s1.labels_bnk.tolist() == [[[13, 14, 15]]] and s1.weights_bnk.tolist() == [[[0, 1, 1]]]
+    with pytest.raises(ValueError, match="unknown training method"):
+        block_inputs("eagle", toks, lm, None, None, 4, mask_token_id=99, gamma=2.0)
 
 
 def test_cli_bad_input_is_one_error_line(tmp_path, capsys):
@@ -96,21 +105,35 @@ def test_cli_bad_input_is_one_error_line(tmp_path, capsys):
     assert "not a training run" in capsys.readouterr().err
 
 
-def test_target_is_frozen(tiny_qwen3_dir, tmp_path):
+@pytest.mark.parametrize("method,target_fixture", [("dflash", "tiny_qwen3_dir"), ("dmtp", "mtp_target_dir")])
+def test_target_and_mtp_are_frozen(method, target_fixture, request, tmp_path):
+    """Gradients w.r.t. the target (and, for DMTP, the MTP head) are exactly zero and their params
+    never change; the drafter (and the zero-initialised fusion) do train."""
     from dmtp_jax.train.loop import setup
     from dmtp_jax.train.step import loss_sums
+    target_dir = request.getfixturevalue(target_fixture)
     data = write_random_data(str(tmp_path / "d.jsonl"), n=4, length=32)
-    cfg = tiny_train_config(tiny_qwen3_dir, data, str(tmp_path / "r"), batch_size=2, seq_len=32)
-    target, drafter, trainer, batches = setup(cfg)
-    before = [np.array(x) for x in jax.tree.leaves(target.state)]
-    state = trainer.init_state(drafter.state)
+    cfg = tiny_train_config(target_dir, data, str(tmp_path / "r"), batch_size=2, seq_len=32, method=method)
+    target, params, trainer, batches = setup(cfg)
+    mtp = trainer.mtp
+    frozen = (target.state, mtp.state if mtp else None)
+    before = [np.array(x) for x in jax.tree.leaves(frozen)]
+    state = trainer.init_state(params)
     batch = trainer.global_batch(batches.next(), (2, 32))
-    grads = jax.jit(jax.grad(lambda ts: loss_sums(state.params, trainer.graphdef, target.graphdef, ts,
-                                                  *batch, jax.random.key(0), trainer.scfg, jnp.float32)[0]))(
-        target.state)
-    assert all(not np.asarray(g).any() for g in jax.tree.leaves(grads))
+
+    def loss(frozen_states):
+        t_state, m_state = frozen_states
+        return loss_sums(state.params, trainer.graphdefs, target.graphdef, t_state, mtp.graphdef if mtp else None,
+                         m_state, *batch, jax.random.key(0), trainer.scfg, jnp.float32)[0]
+    grads = jax.jit(jax.grad(loss))(frozen)
+    assert jax.tree.leaves(grads) and all(not np.asarray(g).any() for g in jax.tree.leaves(grads))
+    start = jax.tree.map(np.array, state.params)
     for _ in range(2):
         state, m = trainer.step(state, target.state, *batch)
     assert float(m["loss"]) > 0
-    for a, b in zip(before, jax.tree.leaves(target.state)):
+    for a, b in zip(before, jax.tree.leaves(frozen)):
         np.testing.assert_array_equal(a, np.asarray(b))
+    for name in state.params:     # every trainable part moved (the fusion from its zero init)
+        moved = [np.abs(np.asarray(b) - a).max() for a, b in zip(jax.tree.leaves(start[name]),
+                                                                 jax.tree.leaves(state.params[name]))]
+        assert max(moved) > 0, name

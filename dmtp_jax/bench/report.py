@@ -67,6 +67,8 @@ def summarize_run(run: MethodRun) -> dict:
         "decode_speedup_vs_ar": None,
         "histogram": st["histogram"],
         "rounds": st["rounds"],
+        # one prefill per generation + one target forward per round (AR: 1.0)
+        "target_forwards_per_token": (first_tokens + st["rounds"]) / run.new_tokens if run.new_tokens else None,
         "block_size": block,
         "generations": len(run.generations),
         "new_tokens": run.new_tokens,
@@ -130,7 +132,8 @@ def format_table(report: dict) -> str:
 
 
 def format_footer(report: dict) -> str:
-    """One line per method: generations, tokens, decode-only tokens/s, TTFT, rounds, skips."""
+    """One line per method: generations, tokens, decode-only tokens/s, TTFT, rounds, target
+    forwards per generated token (prefill + rounds over new tokens), skips."""
     out = []
     for name, m in report["methods"].items():
         ttft = m["mean_ttft_s"]
@@ -140,7 +143,10 @@ def format_footer(report: dict) -> str:
                    + (f" ({dec:.2f}x ar)" if dec is not None else "")
                    + (f", mean TTFT {ttft * 1e3:.1f} ms" if ttft is not None else "")
                    + (f", {m['mean_round_s'] * 1e3:.2f} ms/round" if m["mean_round_s"] else "")
-                   + f", {m['rounds']} rounds, histogram {m['histogram']}"
+                   + f", {m['rounds']} rounds"
+                   + (f", {m['target_forwards_per_token']:.3f} target forwards/token"
+                      if m.get("target_forwards_per_token") is not None else "")
+                   + f", histogram {m['histogram']}"
                    + (f", {m['skipped']} skipped (too long)" if m["skipped"] else ""))
     return "\n".join(out)
 

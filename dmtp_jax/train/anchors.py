@@ -17,20 +17,30 @@ import jax
 import jax.numpy as jnp
 
 
-def valid_anchor_mask(loss_mask_bt: jax.Array, block_size: int) -> jax.Array:
-    """`[B, L]` bool: positions that may start a block.
+def valid_anchor_mask(loss_mask_bt: jax.Array, block_size: int, first_label: int = 1,
+                      min_anchor: int = 0) -> jax.Array:
+    """`[B, L]` bool: positions that may start a block: the anchor and the tokens up to the first
+    predicted one (`anchor + first_label`) are in the loss mask, the whole block fits, and the
+    anchor is at least `min_anchor` (1 for the DMTP methods: the MTP hidden at A needs h_{A-1}).
 
     Example:
         >>> valid_anchor_mask(jnp.array([[0, 1, 1, 1, 1]]), 3).tolist()
         [[False, True, True, False, False]]
+        >>> valid_anchor_mask(jnp.array([[1, 1, 1, 1, 1]]), 3, first_label=2, min_anchor=1).tolist()
+        [[False, True, True, False, False]]
     """
     lm = loss_mask_bt.astype(bool)
-    nxt = jnp.pad(lm[:, 1:], ((0, 0), (0, 1)))
-    fits = jnp.arange(lm.shape[1]) <= lm.shape[1] - block_size
-    return lm & nxt & fits[None]
+    length = lm.shape[1]
+    ok = lm
+    for d in range(1, first_label + 1):
+        ok = ok & jnp.pad(lm[:, d:], ((0, 0), (0, d)))
+    pos = jnp.arange(length)
+    fits = (pos <= length - block_size) & (pos >= min_anchor)
+    return ok & fits[None]
 
 
-def sample_anchors(key: jax.Array, loss_mask_bt: jax.Array, num_anchors: int, block_size: int):
+def sample_anchors(key: jax.Array, loss_mask_bt: jax.Array, num_anchors: int, block_size: int,
+                   first_label: int = 1, min_anchor: int = 0):
     """`(anchors_bn int32, keep_bn bool)`: up to `num_anchors` sorted anchors per row.
 
     Example:
@@ -38,7 +48,7 @@ def sample_anchors(key: jax.Array, loss_mask_bt: jax.Array, num_anchors: int, bl
         >>> a.tolist(), keep.tolist()
         ([[0, 1, 0]], [[True, True, False]])
     """
-    valid_bl = valid_anchor_mask(loss_mask_bt, block_size)
+    valid_bl = valid_anchor_mask(loss_mask_bt, block_size, first_label, min_anchor)
     length = loss_mask_bt.shape[1]
     n = min(num_anchors, length)
     noise_bl = jax.random.uniform(key, valid_bl.shape)

@@ -33,13 +33,22 @@ def export_run(run_dir: str, out_dir: str, step: int | None = None, dtype: str |
         >>> export_run("/tmp/run", "/tmp/d", dtype="bfloat16")  # doctest: +SKIP
     """
     from dmtp_jax.checkpoint.dflash_ckpt import LoadedDrafter, save_drafter
+    from dmtp_jax.checkpoint.dmtp_ckpt import save_dmtp_drafter
+    from dmtp_jax.checkpoint.hf import LoadedModel
     from dmtp_jax.models.dflash import DFlashConfig
     from dmtp_jax.sharding import make_mesh
+    from dmtp_jax.train.step import StepConfig, abstract_params
 
     run = read_run_config(run_dir)
     dcfg = DFlashConfig.from_hf_dict(run["drafter"])
-    params, got_step = restore_params(run_dir, dcfg, step)
-    from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
-    graphdef, _ = abstract_drafter(dcfg, "float32")
-    save_drafter(LoadedDrafter(dcfg, graphdef, params, make_mesh()), out_dir, dtype=dtype)
+    method, rank = run["train"].get("method", "dflash"), int(run["train"].get("fusion_rank") or 0)
+    params, got_step = restore_params(run_dir, dcfg, step, method, rank)
+    graphdefs, _ = abstract_params(dcfg, StepConfig(method=method, fusion_rank=rank))
+    mesh = make_mesh()
+    drafter = LoadedDrafter(dcfg, graphdefs["drafter"], params["drafter"], mesh)
+    if "fusion" in params:
+        fusion = LoadedModel({"method": method, "rank": rank}, graphdefs["fusion"], params["fusion"], mesh)
+        save_dmtp_drafter(drafter, fusion, out_dir, dtype=dtype)
+    else:
+        save_drafter(drafter, out_dir, dtype=dtype)
     return {"step": int(got_step), "out": out_dir}

@@ -28,3 +28,17 @@ def target_features(target, tokens_bt: jax.Array, valid_bt: jax.Array, dcfg: DFl
                  kv_valid_bt=valid_bt)
     feats = context_features(out, dcfg, target.cfg.num_hidden_layers)
     return jax.lax.stop_gradient(feats), jax.lax.stop_gradient(out.hidden_bth)
+
+
+def mtp_hidden(mtp, target, tokens_bt: jax.Array, hidden_bth: jax.Array) -> jax.Array:
+    """`[B, L, H]`: at position a, the frozen MTP's pre-norm hidden of row (h_{a-1}, x_a) -- the
+    state that predicts x_{a+1}, i.e. T1 when a is the anchor (0 at position 0). One causal MTP pass
+    over the whole sequence, as the MTP advance builds its history at inference.
+
+    Example:
+        >>> h = mtp_hidden(mtp, target, tokens_bt, hidden_bth)  # doctest: +SKIP
+    """
+    b, length = tokens_bt.shape
+    positions = jnp.broadcast_to(jnp.arange(1, length), (b, length - 1))
+    h, _ = mtp(target.embed(tokens_bt[:, 1:]), hidden_bth[:, :-1].astype(target.dtype), positions)
+    return jax.lax.stop_gradient(jnp.pad(h, ((0, 0), (1, 0), (0, 0))))

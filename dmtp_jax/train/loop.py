@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import time
-from typing import Any
 
 import jax
 import numpy as np
@@ -54,6 +53,8 @@ class TrainConfig:
     # objective
     num_anchors: int = 16
     gamma: float | None = None          # None: SpecForge's per-block-size default (7 / 5 / 4)
+    fusion_rank: int = 0                # dmtp-lowrank (0: the module's default)
+    mtp: str | None = None              # DMTP methods: directory of the frozen MTP head (default: target)
     # optimisation
     lr: float = 6e-4
     warmup_steps: int = 50
@@ -186,15 +187,16 @@ def restore_checkpoint(mngr, trainer, step: int | None = None):
     return TrainState(jax.tree.unflatten(p_def, list(got["params"])), opt_state, step_arr), got["meta"]
 
 
-def restore_params(run_dir: str, dcfg, step: int | None = None):
-    """The drafter params (fp32 nnx.State) of a run's checkpoint (default: the latest)."""
+def restore_params(run_dir: str, dcfg, step: int | None = None, method: str = "dflash", fusion_rank: int = 0):
+    """The trained params `{"drafter": nnx.State[, "fusion": nnx.State]}` (fp32) of a run's
+    checkpoint (default: the latest), and the step."""
     import orbax.checkpoint as ocp
-    from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
+    from dmtp_jax.train.step import StepConfig, abstract_params
     mngr = checkpoint_manager(run_dir, 1000)
     step = mngr.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"{run_dir} has no checkpoint")
-    _, abstract = abstract_drafter(dcfg, "float32")
+    _, abstract = abstract_params(dcfg, StepConfig(method=method, fusion_rank=fusion_rank))
     leaves, treedef = jax.tree.flatten(abstract)
     rep = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     got = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(
@@ -257,34 +259,46 @@ def setup(cfg: TrainConfig):
     from dmtp_jax.train.step import OptimConfig, StepConfig, Trainer
 
     cfg.validate()
-    if cfg.method != "dflash":
-        from dmtp_jax.train.loss import block_inputs
-        block_inputs(cfg.method, *([None] * 4), cfg.block_size, mask_token_id=0, gamma=None)  # raises
+    from dmtp_jax.train.loss import method_layout, uses_mtp
+    method_layout(cfg.method, cfg.block_size)           # unknown methods end here
     mesh = make_mesh(cfg.mesh)
     target = load_target(cfg.target, dtype=cfg.target_dtype or cfg.compute_dtype, mesh=mesh)
     tokenizer = load_tokenizer(cfg.target)
-    if cfg.init_from:
+    fusion = mtp = None
+    if uses_mtp(cfg.method):
+        from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
+        mtp = load_mtp(cfg.mtp or cfg.target, target.cfg, cfg.target_dtype or cfg.compute_dtype, mesh)
+    if cfg.init_from and uses_mtp(cfg.method):
+        # a DMTP directory continues with its fusion; a plain DFlash directory starts at zero fusion
+        from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
+        drafter, fusion = load_dmtp_drafter(cfg.init_from, target.cfg, cfg.method, "float32", mesh)
+    elif cfg.init_from:
         drafter = load_drafter(cfg.init_from, target.cfg, "float32", mesh)
-        dcfg = drafter.cfg
-        if dcfg.block_size != cfg.block_size:
-            dcfg = dataclasses.replace(dcfg, block_size=cfg.block_size)
-            drafter = dataclasses.replace(drafter, cfg=dcfg)
     else:
         dcfg = fresh_drafter_config(cfg, target.cfg, tokenizer)
         drafter = init_drafter(dcfg, "float32", mesh, seed=cfg.seed)
+    dcfg = drafter.cfg
+    if dcfg.block_size != cfg.block_size:
+        dcfg = dataclasses.replace(dcfg, block_size=cfg.block_size)
+        drafter = dataclasses.replace(drafter, cfg=dcfg)
+    if uses_mtp(cfg.method) and fusion is None:
+        from dmtp_jax.checkpoint.dmtp_ckpt import init_fusion
+        fusion = init_fusion(cfg.method, dcfg.hidden_size, dcfg.rms_norm_eps, "float32", mesh,
+                             rank=cfg.fusion_rank, seed=cfg.seed)
     scfg = StepConfig(method=cfg.method, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                       gamma=cfg.resolved_gamma(), grad_accum=cfg.grad_accum,
-                      compute_dtype=cfg.compute_dtype, seed=cfg.seed)
+                      compute_dtype=cfg.compute_dtype, seed=cfg.seed, fusion_rank=cfg.fusion_rank)
     ocfg = OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
                        min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
                        max_grad_norm=cfg.max_grad_norm)
-    trainer = Trainer(target, dcfg, scfg, ocfg, mesh)
+    trainer = Trainer(target, dcfg, scfg, ocfg, mesh, mtp=mtp)
     shape = (cfg.batch_size, cfg.seq_len)
     dataset = TokenDataset.from_file(cfg.data, cfg.seq_len, tokenizer, target.cfg.vocab_size)
     batches = BatchIterator(dataset, cfg.batch_size, process_rows(trainer.batch_sharding(shape), shape),
                             seed=cfg.seed)
     del jnp
-    return target, drafter, trainer, batches
+    params = {"drafter": drafter.state, **({"fusion": fusion.state} if fusion is not None else {})}
+    return target, params, trainer, batches
 
 
 def write_run_config(cfg: TrainConfig, dcfg) -> None:
@@ -303,7 +317,7 @@ def run_training(cfg: TrainConfig) -> dict:
         >>> run_training(TrainConfig(target=t, data=d, out=o, steps=10, batch_size=4, seq_len=64))  # doctest: +SKIP
     """
     from tqdm.auto import tqdm
-    target, drafter, trainer, batches = setup(cfg)
+    target, params, trainer, batches = setup(cfg)
     mngr = checkpoint_manager(cfg.out, cfg.keep_checkpoints)
     metrics_path = os.path.join(cfg.out, "metrics.jsonl")
     lead = jax.process_index() == 0
@@ -316,11 +330,11 @@ def run_training(cfg: TrainConfig) -> dict:
         if lead:
             _truncate_metrics(metrics_path, start)
     else:
-        state, start = trainer.init_state(drafter.state), 0
+        state, start = trainer.init_state(params), 0
         if lead and os.path.isfile(metrics_path):
             os.remove(metrics_path)
     write_run_config(cfg, trainer.dcfg)
-    del drafter
+    del params
     shape = (cfg.batch_size, cfg.seq_len)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     tb = _Tensorboard(cfg.out, lead)

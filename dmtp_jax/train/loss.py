@@ -23,10 +23,21 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dmtp_jax.models.dflash import block_embeddings
+from dmtp_jax.models.fusion import DMTP_METHODS, block_layout, draft_block_embeds
 
-METHODS = ("dflash", "dmtp", "dmtp-single")
-KNOWN_SLOTS = {"dflash": 1, "dmtp": 2, "dmtp-single": 2}   # anchor (+ T1 for the DMTP variants)
+METHODS = ("dflash",) + tuple(DMTP_METHODS)
+
+
+def method_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
+    """`(row offsets from the anchor A, first predicted row)`, shared with the decode round
+    (`models.fusion.block_layout`). Raises for unknown methods."""
+    if method not in METHODS:
+        raise ValueError(f"unknown training method '{method}'; available: {', '.join(METHODS)}")
+    return block_layout(method, slots)
+
+
+def uses_mtp(method: str) -> bool:
+    return method in DMTP_METHODS
 
 
 @jax.tree_util.register_dataclass
@@ -56,58 +67,69 @@ def slot_decay(block_size: int, known_slots: int, gamma: float | None) -> jax.Ar
 def block_inputs(method: str, tokens_bt: jax.Array, loss_mask_bt: jax.Array, anchors_bn: jax.Array,
                  keep_bn: jax.Array, block_size: int, *, mask_token_id: int,
                  gamma: float | None) -> BlockInputs:
-    """The blocks of `method` for these anchors (see the module docstring).
+    """The blocks of `method` for these anchors (`block_size` = verify slots; see the module
+    docstring). Rows sit at `anchor + offsets` (`method_layout`); each predicted row is labelled
+    with the data token at its position; known rows (A, and T1 for the DMTP methods: T1 comes from
+    the data) get no loss.
 
-    `dflash`: `[A, MASK x (K-1)]`, A the data token at the anchor; padded blocks are all MASK.
-    The DMTP variants (`[A, E(T1)+delta, MASK...]`, T1 from the data, no loss on the T1 slot) need
-    the frozen MTP module and arrive with it.
+    `tokens_bnk` holds the input ids: `[A, MASK...]` (dflash), `[A, T1, MASK...]` (dmtp),
+    `[T1, MASK...]` (single-anchor variants); padded blocks are all MASK. The DMTP T1 row's
+    embedding is then fused with the MTP hidden by `drafter_block_logits`.
 
     Example:
-        >>> block_inputs("dmtp", *([None] * 4), 8, mask_token_id=0, gamma=7.0)
-        Traceback (most recent call last):
-        NotImplementedError: method 'dmtp' arrives with the MTP module
+        >>> b = block_inputs("dmtp", jnp.array([[5, 6, 7, 8, 9]]), jnp.ones((1, 5), jnp.int32),
+        ...                  jnp.array([[1]]), jnp.array([[True]]), 4, mask_token_id=0, gamma=None)
+        >>> b.tokens_bnk.tolist(), b.labels_bnk.tolist(), b.weights_bnk.tolist()
+        ([[[6, 7, 0, 0]]], [[[6, 7, 8, 9]]], [[[0.0, 0.0, 1.0, 1.0]]])
     """
-    if method in ("dmtp", "dmtp-single"):
-        raise NotImplementedError(f"method '{method}' arrives with the MTP module")
-    if method != "dflash":
-        raise ValueError(f"unknown training method '{method}'; available: {', '.join(METHODS)}")
+    offsets, known = method_layout(method, block_size)
     b, length = tokens_bt.shape
     n = anchors_bn.shape[1]
-    k = jnp.arange(block_size)
-    positions_bnk = anchors_bn[:, :, None] + k
-    flat = jnp.clip(positions_bnk, 0, length - 1).reshape(b, n * block_size)
-    labels_bnk = jnp.take_along_axis(tokens_bt, flat, axis=1).reshape(b, n, block_size)
-    lm_bnk = jnp.take_along_axis(loss_mask_bt, flat, axis=1).reshape(b, n, block_size).astype(bool)
-    known = KNOWN_SLOTS[method]
+    rows = len(offsets)
+    k = jnp.arange(rows)
+    positions_bnk = anchors_bn[:, :, None] + jnp.asarray(offsets)
+    flat = jnp.clip(positions_bnk, 0, length - 1).reshape(b, n * rows)
+    labels_bnk = jnp.take_along_axis(tokens_bt, flat, axis=1).reshape(b, n, rows)
+    lm_bnk = jnp.take_along_axis(loss_mask_bt, flat, axis=1).reshape(b, n, rows).astype(bool)
     valid_bnk = keep_bn[:, :, None] & (k >= known) & (positions_bnk < length) & lm_bnk
-    weights_bnk = valid_bnk * slot_decay(block_size, known, gamma)
-    tokens_bnk = jnp.where((k == 0) & keep_bn[:, :, None], labels_bnk, mask_token_id)
+    weights_bnk = valid_bnk * slot_decay(rows, known, gamma)
+    tokens_bnk = jnp.where((k < known) & keep_bn[:, :, None], labels_bnk, mask_token_id)
     return BlockInputs(tokens_bnk.astype(jnp.int32), positions_bnk.astype(jnp.int32), labels_bnk,
                        weights_bnk, valid_bnk)
 
 
 def drafter_block_logits(drafter, target, feats_btf: jax.Array, valid_bt: jax.Array,
-                         blocks: BlockInputs, anchors_bn: jax.Array) -> jax.Array:
-    """Draft logits `[B, N*K, V]` of all blocks in one drafter call (training layout).
+                         blocks: BlockInputs, anchors_bn: jax.Array, *, method: str = "dflash",
+                         fusion=None, mtp_h_bth: jax.Array | None = None) -> jax.Array:
+    """Draft logits `[B, N*R, V]` of all blocks in one drafter call (training layout).
 
-    Context rows are the target features at positions `0..L-1`; block row of anchor `a` sees the
-    context rows `< a` (and `valid`), and its own block.
+    Context rows are the target features at positions `0..L-1`; every row of the block of anchor
+    `a` sees the context rows `< a` (and `valid`), and its own block. The block input is built by
+    `models.fusion.draft_block_embeds`, the function the decode round uses; for the DMTP methods
+    `mtp_h_bth[:, a]` is the frozen MTP hidden that predicts T1 = x_{a+1} (`features.mtp_hidden`).
 
     Example:
         >>> logits = drafter_block_logits(drafter, target, feats, valid, blocks, anchors)  # doctest: +SKIP
     """
     dcfg = drafter.cfg
-    b, n, kk = blocks.tokens_bnk.shape
+    b, n, rows = blocks.tokens_bnk.shape
     length = feats_btf.shape[1]
     dtype = drafter.fc[...].dtype
     ctx_bth = drafter.project_context(feats_btf.astype(dtype))
     ctx_pos_bs = jnp.broadcast_to(jnp.arange(length), (b, length))
     ctx_k, ctx_v = drafter.context_kv(ctx_bth, ctx_pos_bs)
-    anchor_bt = jnp.repeat(anchors_bn, kk, axis=1)
+    anchor_bt = jnp.repeat(anchors_bn, rows, axis=1)
     ctx_valid_bts = (jnp.arange(length)[None, None, :] < anchor_bt[:, :, None]) & valid_bt[:, None, :]
-    embeds = block_embeddings(target.embed, blocks.tokens_bnk.reshape(b, n * kk), dcfg).astype(dtype)
-    hidden = drafter(embeds, blocks.positions_bnk.reshape(b, n * kk), ctx_k, ctx_v, ctx_pos_bs,
-                     ctx_valid_bts, block_len=kk)
+    flat_tokens = blocks.tokens_bnk.reshape(b * n, rows)
+    mtp_h = None
+    t1_row = 1 if method == "dmtp" else 0
+    if mtp_h_bth is not None:
+        mtp_h = jnp.take_along_axis(mtp_h_bth, anchors_bn[..., None], axis=1).reshape(b * n, -1).astype(dtype)
+    slots = rows if method in ("dflash", "dmtp") else rows + 1
+    embeds = draft_block_embeds(method, slots, lambda t: target.embed(t).astype(dtype), dcfg, fusion,
+                                flat_tokens[:, 0], flat_tokens[:, t1_row], mtp_h).astype(dtype)
+    hidden = drafter(embeds.reshape(b, n * rows, -1), blocks.positions_bnk.reshape(b, n * rows), ctx_k, ctx_v,
+                     ctx_pos_bs, ctx_valid_bts, block_len=rows)
     return drafter.draft_logits(hidden, lambda h: target.logits(h.astype(target.dtype)).astype(dtype))
 
 

@@ -1,8 +1,9 @@
 """The optimiser and the ONE jitted train step (sharded, donated, one compile).
 
-`TrainState = (params fp32, opt_state, step)`. The step takes the frozen target state as a plain
-input (never differentiated: gradients are taken w.r.t. the drafter params only, and the features
-are under `stop_gradient`), draws anchors from `fold_in(key(seed), step)`, splits the global batch
+`TrainState = (params fp32, opt_state, step)`; `params` is `{"drafter": ..., "fusion": ...}` (the
+fusion only for the DMTP methods). The step takes the frozen target (and, for DMTP, the frozen MTP
+head) state as plain inputs (never differentiated: gradients are taken w.r.t. `params` only, and
+the features are under `stop_gradient`), draws anchors from `fold_in(key(seed), step)`, splits the global batch
 into `grad_accum` micro-batches (a `lax.scan`), sums the gradients of the weighted CE numerator,
 divides by the summed weights of the whole step (SpecForge's normalisation), clips, and applies
 AdamW with warmup + cosine. Compute runs in `compute_dtype` (params cast in the step; master
@@ -10,7 +11,7 @@ params and optimizer state stay fp32).
 
 Example:
     >>> trainer = Trainer(target, drafter_cfg, StepConfig(), OptimConfig(total_steps=100), mesh)  # doctest: +SKIP
-    >>> state = trainer.init_state(drafter.state)  # doctest: +SKIP
+    >>> state = trainer.init_state({"drafter": drafter.state})  # doctest: +SKIP
     >>> state, metrics = trainer.step(state, target.state, tokens_bt, loss_mask_bt)  # doctest: +SKIP
 """
 
@@ -25,10 +26,12 @@ from flax import nnx
 
 from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
 from dmtp_jax.models.dflash import DFlashConfig
+from dmtp_jax.models.fusion import T1Fusion
 from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, batch_sharding, replicated, state_shardings
 from dmtp_jax.train.anchors import sample_anchors
-from dmtp_jax.train.features import target_features
-from dmtp_jax.train.loss import (KNOWN_SLOTS, block_inputs, decayed_ce_sums, drafter_block_logits)
+from dmtp_jax.train.features import mtp_hidden, target_features
+from dmtp_jax.train.loss import (block_inputs, decayed_ce_sums, drafter_block_logits, method_layout,
+                                 uses_mtp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,22 @@ class StepConfig:
     grad_accum: int = 1
     compute_dtype: str = "bfloat16"
     seed: int = 0
+    fusion_rank: int = 0          # dmtp-lowrank
+
+
+def abstract_params(dcfg: DFlashConfig, scfg: StepConfig):
+    """`(graphdefs, abstract params)`, both `{"drafter": ..., "fusion": ...}` (fusion: DMTP only).
+
+    Example:
+        >>> graphdefs, abstract = abstract_params(dcfg, StepConfig(method="dmtp"))  # doctest: +SKIP
+    """
+    graphdef, abstract = abstract_drafter(dcfg, "float32")
+    graphdefs, params = {"drafter": graphdef}, {"drafter": abstract}
+    if uses_mtp(scfg.method):
+        fusion = nnx.eval_shape(lambda: T1Fusion(scfg.method, hidden=dcfg.hidden_size, rank=scfg.fusion_rank,
+                                                 eps=dcfg.rms_norm_eps, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+        graphdefs["fusion"], params["fusion"] = nnx.split(fusion)
+    return graphdefs, params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,24 +105,32 @@ class TrainState:
     step: jax.Array           # int32 scalar: optimizer steps done
 
 
-def loss_sums(params, drafter_graphdef, target_graphdef, target_state, tokens_bt, loss_mask_bt, key,
-              scfg: StepConfig, compute_dtype) -> tuple[jax.Array, dict]:
+def loss_sums(params, graphdefs, target_graphdef, target_state, mtp_graphdef, mtp_state, tokens_bt,
+              loss_mask_bt, key, scfg: StepConfig, compute_dtype) -> tuple[jax.Array, dict]:
     """`(loss_sum, sums)` of one micro-batch: features, anchors, blocks, drafter, decayed CE.
 
     Example:
-        >>> num, sums = loss_sums(params, gd, tgd, t_state, tokens, mask, key, scfg, jnp.float32)  # doctest: +SKIP
+        >>> num, sums = loss_sums(params, gds, tgd, t_state, None, None, tokens, mask, key, scfg, jnp.float32)  # doctest: +SKIP
     """
     target = nnx.merge(target_graphdef, jax.lax.stop_gradient(target_state))   # frozen: no gradient
     cparams = jax.tree.map(lambda x: x.astype(compute_dtype), params)
-    drafter = nnx.merge(drafter_graphdef, cparams)
+    drafter = nnx.merge(graphdefs["drafter"], cparams["drafter"])
+    fusion = nnx.merge(graphdefs["fusion"], cparams["fusion"]) if "fusion" in graphdefs else None
     dcfg: DFlashConfig = drafter.cfg
     block_size = scfg.block_size or dcfg.block_size
+    offsets, known = method_layout(scfg.method, block_size)
     valid_bt = loss_mask_bt >= 0   # every row position is a real key; padding only trails (causal)
-    feats_btf, _hidden_bth = target_features(target, tokens_bt, valid_bt, dcfg)
-    anchors_bn, keep_bn = sample_anchors(key, loss_mask_bt, scfg.num_anchors, block_size)
+    feats_btf, hidden_bth = target_features(target, tokens_bt, valid_bt, dcfg)
+    mtp_h = None
+    if uses_mtp(scfg.method):
+        mtp = nnx.merge(mtp_graphdef, jax.lax.stop_gradient(mtp_state))
+        mtp_h = mtp_hidden(mtp, target, tokens_bt, hidden_bth)
+    anchors_bn, keep_bn = sample_anchors(key, loss_mask_bt, scfg.num_anchors, offsets[-1] + 1,
+                                         first_label=offsets[known], min_anchor=int(uses_mtp(scfg.method)))
     blocks = block_inputs(scfg.method, tokens_bt, loss_mask_bt, anchors_bn, keep_bn, block_size,
                           mask_token_id=dcfg.mask_token_id, gamma=scfg.gamma)
-    logits = drafter_block_logits(drafter, target, feats_btf, valid_bt, blocks, anchors_bn)
+    logits = drafter_block_logits(drafter, target, feats_btf, valid_bt, blocks, anchors_bn,
+                                  method=scfg.method, fusion=fusion, mtp_h_bth=mtp_h)
     sums = decayed_ce_sums(logits, blocks)
     return sums["loss_sum"], sums
 
@@ -117,15 +144,17 @@ class Trainer:
     """
 
     def __init__(self, target, dcfg: DFlashConfig, scfg: StepConfig, ocfg: OptimConfig, mesh,
-                 mesh_rules: MeshRules = DEFAULT_RULES):
-        if scfg.method not in KNOWN_SLOTS:
-            raise ValueError(f"unknown training method '{scfg.method}'; available: {', '.join(KNOWN_SLOTS)}")
+                 mesh_rules: MeshRules = DEFAULT_RULES, mtp=None):
+        method_layout(scfg.method, scfg.block_size or dcfg.block_size)     # validates the method
+        if uses_mtp(scfg.method) and mtp is None:
+            raise ValueError(f"method '{scfg.method}' trains against the target's frozen MTP head (mtp=...)")
+        self.mtp = mtp if uses_mtp(scfg.method) else None
         if scfg.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {scfg.grad_accum}")
         self.target, self.dcfg, self.scfg, self.ocfg, self.mesh = target, dcfg, scfg, ocfg, mesh
         self.tx = make_optimizer(ocfg)
-        self.graphdef, abstract = abstract_drafter(dcfg, "float32")
-        self.param_shardings = state_shardings(abstract, mesh, mesh_rules)
+        self.graphdefs, abstract = abstract_params(dcfg, scfg)
+        self.param_shardings = {k: state_shardings(v, mesh, mesh_rules) for k, v in abstract.items()}
         self.abstract_params = abstract
         opt_abstract = jax.eval_shape(self.tx.init, abstract)
         rep = replicated(mesh)
@@ -134,14 +163,17 @@ class Trainer:
             transform_non_params=lambda _: rep)
         self.state_shardings = TrainState(self.param_shardings, self.opt_shardings, rep)
         self.target_shardings = jax.tree.map(lambda x: x.sharding, target.state)
+        self.mtp_shardings = None if self.mtp is None else jax.tree.map(lambda x: x.sharding, self.mtp.state)
         self._init = jax.jit(lambda p: TrainState(p, self.tx.init(p), jnp.zeros((), jnp.int32)),
                              in_shardings=(self.param_shardings,), out_shardings=self.state_shardings)
         self._steps: dict = {}
 
     # ---- state ---------------------------------------------------------------------------------
-    def init_state(self, drafter_state: nnx.State) -> TrainState:
-        """Fresh optimizer state around fp32 copies of `drafter_state`."""
-        params = jax.tree.map(lambda x: x.astype(jnp.float32), drafter_state)
+    def init_state(self, params: dict) -> TrainState:
+        """Fresh optimizer state around fp32 copies of `params` (`{"drafter": state[, "fusion": state]}`)."""
+        if set(params) != set(self.graphdefs):
+            raise ValueError(f"method '{self.scfg.method}' trains {sorted(self.graphdefs)}, got {sorted(params)}")
+        params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
         return self._init(jax.device_put(params, self.param_shardings))
 
     def abstract_state(self) -> TrainState:
@@ -155,7 +187,7 @@ class Trainer:
         return batch_sharding(self.mesh, tuple(global_shape))
 
     # ---- the step ------------------------------------------------------------------------------
-    def _step(self, state: TrainState, target_state, tokens_bt, loss_mask_bt):
+    def _step(self, state: TrainState, target_state, mtp_state, tokens_bt, loss_mask_bt):
         scfg = self.scfg
         compute_dtype = jnp.dtype(scfg.compute_dtype)
         m = scfg.grad_accum
@@ -169,11 +201,12 @@ class Trainer:
         def micro(carry, xs):
             grads_acc, sums_acc = carry
             j, toks, lm = xs
-            grads, sums = grad_fn(state.params, self.graphdef, self.target.graphdef, target_state, toks, lm,
+            grads, sums = grad_fn(state.params, self.graphdefs, self.target.graphdef, target_state,
+                                  self.mtp.graphdef if self.mtp else None, mtp_state, toks, lm,
                                   jax.random.fold_in(key, j), scfg, compute_dtype)
             return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
 
-        kk = scfg.block_size or self.dcfg.block_size
+        kk = len(method_layout(scfg.method, scfg.block_size or self.dcfg.block_size)[0])
         zeros_sums = {"loss_sum": jnp.zeros((), jnp.float32), "weight_sum": jnp.zeros((), jnp.float32),
                       "correct_k": jnp.zeros((kk,), jnp.int32), "count_k": jnp.zeros((kk,), jnp.int32)}
         zero_grads = jax.tree.map(jnp.zeros_like, state.params)
@@ -197,13 +230,14 @@ class Trainer:
             bs = self.batch_sharding(key)
             self._steps[key] = jax.jit(
                 self._step, donate_argnums=(0,),
-                in_shardings=(self.state_shardings, self.target_shardings, bs, bs),
+                in_shardings=(self.state_shardings, self.target_shardings, self.mtp_shardings, bs, bs),
                 out_shardings=(self.state_shardings, replicated(self.mesh)))
         return self._steps[key]
 
     def step(self, state: TrainState, target_state, tokens_bt, loss_mask_bt):
         """One optimizer step on global arrays `[B, L]` (see `global_batch`)."""
-        return self.step_fn(tokens_bt.shape)(state, target_state, tokens_bt, loss_mask_bt)
+        return self.step_fn(tokens_bt.shape)(state, target_state, self.mtp.state if self.mtp else None,
+                                             tokens_bt, loss_mask_bt)
 
     def global_batch(self, local: dict, global_shape):
         """Global `[B, L]` arrays from this process's rows (`make_array_from_process_local_data`)."""

@@ -1,0 +1,29 @@
+"""The demo's DMTP drafter (main variant `dmtp`: the target's MTP head proposes T1, the DFlash
+drafter with a T1 fusion proposes T2..T7), with exactly the DFlash drafter's data, steps and
+hyper-parameters (`configs/demo_dflash.py` `SHARED`), trained from scratch.
+
+    python train.py --config configs/demo_dmtp.py                            # = train --config ...
+    python train.py export --run demo_out/runs/dmtp --out demo/dmtp --dtype bfloat16
+
+The data file is built as in `configs/demo_dflash.py` (regen of the demo target).
+"""
+
+import importlib.util
+import os
+
+COMMAND = "train"
+
+
+def _shared() -> dict:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_dflash.py")
+    spec = importlib.util.spec_from_file_location("_demo_dflash", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return dict(module.SHARED)
+
+
+def get_config() -> dict:
+    return dict(_shared(), method="dmtp", out="demo_out/runs/dmtp")
+
+
+RESULTS = {}

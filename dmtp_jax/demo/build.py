@@ -1,0 +1,283 @@
+"""`train.py pretrain`: data, tokenizer, joint target + MTP pretraining and the HF export of the demo.
+
+Steps of `run_pretrain(cfg)` (all outputs under `cfg.work_dir` except the exported model):
+
+1. `prepare_data`: the stdlib corpus (`demo.corpus`), the BPE tokenizer, the token streams
+   (`train_tokens.npy`, `val_tokens.npy` from the held-out modules), the benchmark prompts
+   (`cfg.bench_prompts`, from held-out modules) and the drafter prompts (`drafter_prompts.jsonl`,
+   from training modules: `train.py regen` answers them with the target);
+2. the training loop (`demo.pretrain.Pretrainer`): progress bar, `metrics.jsonl`, orbax
+   checkpoints every `checkpoint_every` steps and at exit, `resume=True` continues bit for bit;
+3. held-out evaluation (main / MTP CE and top-1) and the export: `config.json`, safetensors with
+   the target and `mtp.*` tensors in `save_dtype`, tokenizer files, `generation_config.json`.
+
+Example:
+    >>> summary = run_pretrain(PretrainConfig.from_dict(get_config()))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class PretrainConfig:
+    """The demo target's recipe (`configs/demo_target.py` fills it; flags override)."""
+    work_dir: str = "demo_out"              # data, tokenizer, run (checkpoints, metrics)
+    export_dir: str = "demo/target"         # the HF directory written at the end
+    bench_prompts: str = "demo/prompts.jsonl"
+    # corpus / tokenizer
+    corpus_bytes: int = 4_000_000
+    vocab_size: int = 4096
+    num_bench_prompts: int = 12
+    bench_prompt_max_chars: int = 400
+    num_drafter_prompts: int = 1600
+    drafter_prompt_tokens: int = 96         # length of the random-window drafter prompts
+    # model (Qwen3 dense)
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    # objective and optimisation
+    mtp_lambda: float = 0.3
+    mtp_stop_gradient: bool = False
+    seq_len: int = 256
+    batch_size: int = 16
+    steps: int = 200
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    compute_dtype: str = "float32"
+    seed: int = 0
+    eval_batches: int = 8
+    # run
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    save_dtype: str = "bfloat16"
+    resume: bool = False
+    progress: bool = True
+    data_only: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PretrainConfig":
+        """Rejects unknown keys.
+
+        Example:
+            >>> PretrainConfig.from_dict({"steps": 3}).steps
+            3
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown pretrain config keys: {', '.join(unknown)}")
+        return cls(**d)
+
+    def target_hf_config(self, eos_id: int) -> dict:
+        """The `config.json` dict of the target.
+
+        Example:
+            >>> PretrainConfig().target_hf_config(0)["model_type"]
+            'qwen3'
+        """
+        return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+                "max_position_embeddings": self.max_position_embeddings, "rope_theta": self.rope_theta,
+                "tie_word_embeddings": self.tie_word_embeddings, "eos_token_id": eos_id,
+                "rms_norm_eps": 1e-6}
+
+
+def _paths(cfg: PretrainConfig) -> dict:
+    d = os.path.join(cfg.work_dir, "data")
+    return {"data": d, "tokenizer": os.path.join(d, "tokenizer"), "train": os.path.join(d, "train_tokens.npy"),
+            "val": os.path.join(d, "val_tokens.npy"), "drafter_prompts": os.path.join(d, "drafter_prompts.jsonl"),
+            "manifest": os.path.join(d, "manifest.json"), "run": os.path.join(cfg.work_dir, "target_run")}
+
+
+def drafter_prompts(train_files: list[str], stream: np.ndarray, tokenizer, num: int, window: int,
+                    seed: int) -> list[dict]:
+    """Half docstring prompts of training modules, half random code windows of `window` tokens
+    (as `{"input_ids": ...}` records with no supervised token: all prompt).
+
+    Example:
+        >>> recs = drafter_prompts(files, stream, tok, 100, 96, 0)  # doctest: +SKIP
+    """
+    from dmtp_jax.demo.corpus import build_prompts
+    texts = build_prompts(train_files, num // 2, seed=seed, max_chars=500)
+    recs = [{"text": t} for t in texts]
+    rng = np.random.default_rng([seed, 1])
+    for s in rng.integers(0, len(stream) - window, size=num - len(recs)):
+        ids = stream[s:s + window]
+        cut = np.nonzero(ids == tokenizer.eos_token_id)[0]
+        ids = ids[cut[-1] + 1:] if len(cut) else ids        # never cross a file boundary
+        if len(ids) >= 8:
+            recs.append({"input_ids": [int(t) for t in ids]})
+    return recs
+
+
+def prepare_data(cfg: PretrainConfig) -> dict:
+    """Builds (or reuses) the tokenizer, token streams and prompt files; returns the manifest.
+
+    Example:
+        >>> prepare_data(PretrainConfig(work_dir="/tmp/demo"))["train_tokens"]  # doctest: +SKIP
+    """
+    from transformers import AutoTokenizer
+
+    from dmtp_jax.demo import corpus
+
+    p = _paths(cfg)
+    if os.path.isfile(p["manifest"]):
+        with open(p["manifest"]) as fh:
+            return json.load(fh)
+    os.makedirs(p["data"], exist_ok=True)
+    t0 = time.perf_counter()
+    train_files = corpus.corpus_files(max_bytes=cfg.corpus_bytes)
+    held = corpus.held_out_files()
+    texts = [corpus.read_text(f) for f in train_files]
+    corpus.train_tokenizer(texts, p["tokenizer"], vocab_size=cfg.vocab_size)
+    tok = AutoTokenizer.from_pretrained(p["tokenizer"])
+    train = corpus.encode_files(tok, texts, tok.eos_token_id)
+    val = corpus.encode_files(tok, [corpus.read_text(f) for f in held], tok.eos_token_id)
+    np.save(p["train"], train)
+    np.save(p["val"], val)
+    bench = corpus.build_prompts(held, cfg.num_bench_prompts, seed=cfg.seed, max_chars=cfg.bench_prompt_max_chars)
+    corpus.write_prompt_jsonl(bench, cfg.bench_prompts)
+    with open(p["drafter_prompts"], "w") as fh:
+        for rec in drafter_prompts(train_files, train, tok, cfg.num_drafter_prompts, cfg.drafter_prompt_tokens,
+                                   cfg.seed):
+            fh.write(json.dumps(rec) + "\n")
+    manifest = {"stdlib": corpus.stdlib_root(), "train_files": len(train_files),
+                "train_bytes": sum(map(len, texts)), "train_tokens": int(len(train)),
+                "held_out": held, "val_tokens": int(len(val)), "bench_prompts": len(bench),
+                "eos_id": int(tok.eos_token_id), "mask_id": int(tok.mask_token_id),
+                "seconds": time.perf_counter() - t0}
+    with open(p["manifest"], "w") as fh:
+        json.dump(manifest, fh, indent=2)
+    return manifest
+
+
+def export_target(cfg: PretrainConfig, params, target_cfg, tokenizer_dir: str) -> str:
+    """Writes the HF directory (target + `mtp.*` in `save_dtype`, tokenizer, generation config).
+
+    Example:
+        >>> export_target(cfg, state.params, target_cfg, "demo_out/data/tokenizer")  # doctest: +SKIP
+        'demo/target'
+    """
+    from dmtp_jax.checkpoint.hf import LoadedModel, abstract_target, save_target
+    from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp, mtp_tensors
+    from dmtp_jax.models.mtp import mtp_config_for
+    from dmtp_jax.sharding import make_mesh
+
+    mesh = make_mesh()
+    tgd, _ = abstract_target(target_cfg, "float32")
+    mgd, _ = abstract_mtp(target_cfg, "float32")
+    target = LoadedModel(target_cfg, tgd, params["target"], mesh)
+    mtp = LoadedModel(mtp_config_for(target_cfg), mgd, params["mtp"], mesh)
+    out = cfg.export_dir
+    os.makedirs(out, exist_ok=True)
+    save_target(target, out, dtype=cfg.save_dtype, extra_tensors=mtp_tensors(mtp, dtype=cfg.save_dtype),
+                copy_files_from=tokenizer_dir)
+    with open(os.path.join(out, "generation_config.json"), "w") as fh:
+        json.dump({"eos_token_id": target_cfg.eos_token_ids[0], "pad_token_id": target_cfg.eos_token_ids[0],
+                   "do_sample": False}, fh, indent=2)
+    return out
+
+
+def _record(step: int, metrics: dict, seconds: float, tokens: int) -> dict:
+    rec = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+    rec.update(step_s=seconds, tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
+    return rec
+
+
+def run_pretrain(cfg: PretrainConfig) -> dict:
+    """Data, training (resumable), evaluation and export; returns the summary (also written to
+    `<work_dir>/target_run/summary.json`).
+
+    Example:
+        >>> run_pretrain(PretrainConfig(steps=2, work_dir="/tmp/d", export_dir="/tmp/t"))  # doctest: +SKIP
+    """
+    import jax
+    from tqdm.auto import tqdm
+
+    from dmtp_jax.config import TargetConfig
+    from dmtp_jax.demo.pretrain import Pretrainer, PretrainStep, window_batch
+    from dmtp_jax.train.loop import checkpoint_manager, restore_checkpoint, save_checkpoint
+    from dmtp_jax.train.step import OptimConfig
+
+    p = _paths(cfg)
+    manifest = prepare_data(cfg)
+    if cfg.data_only:
+        return {"data": manifest}
+    target_cfg = TargetConfig.from_hf_dict(cfg.target_hf_config(manifest["eos_id"]))
+    ocfg = OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+                       min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+    pt = Pretrainer(target_cfg, PretrainStep(cfg.mtp_lambda, cfg.mtp_stop_gradient, cfg.compute_dtype), ocfg)
+    train, val = np.load(p["train"]), np.load(p["val"])
+    os.makedirs(p["run"], exist_ok=True)
+    mngr = checkpoint_manager(p["run"], cfg.keep_checkpoints)
+    metrics_path = os.path.join(p["run"], "metrics.jsonl")
+    if mngr.latest_step() is not None and not cfg.resume:
+        raise ValueError(f"{p['run']} already has checkpoints; pass --resume to continue or remove it")
+    if cfg.resume and mngr.latest_step() is not None:
+        state, meta = restore_checkpoint(mngr, pt)
+        start = int(meta["step"])
+        with open(metrics_path) as fh:
+            keep = [line for line in fh if line.strip() and json.loads(line)["step"] <= start]
+        with open(metrics_path, "w") as fh:
+            fh.writelines(keep)
+    else:
+        state, start = pt.init_state(cfg.seed), 0
+        open(metrics_path, "w").close()
+    with open(os.path.join(p["run"], "run_config.json"), "w") as fh:
+        json.dump({"pretrain": dataclasses.asdict(cfg), "target": cfg.target_hf_config(manifest["eos_id"])}, fh,
+                  indent=2)
+    length, tokens = cfg.seq_len + 1, cfg.batch_size * cfg.seq_len
+    bar = tqdm(total=cfg.steps, initial=start, disable=not cfg.progress, unit="step", dynamic_ncols=True)
+    step, last_saved, last = start, start, None
+    t_start = t_prev = time.perf_counter()
+    try:
+        while step < cfg.steps:
+            state, metrics = pt.step(state, window_batch(train, cfg.batch_size, length, cfg.seed, step))
+            step += 1
+            metrics = jax.device_get(metrics)
+            now = time.perf_counter()
+            last = _record(step, metrics, now - t_prev, tokens)
+            t_prev = now
+            with open(metrics_path, "a") as fh:
+                fh.write(json.dumps(last) + "\n")
+            bar.set_postfix(loss=f"{last['loss']:.3f}", ce=f"{last['main_ce']:.3f}", mtp=f"{last['mtp_ce']:.3f}",
+                            refresh=False)
+            bar.update(1)
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
+                save_checkpoint(mngr, state, {"step": step})
+                last_saved = step
+    finally:
+        if step > last_saved and not any(x.is_deleted() for x in jax.tree.leaves(state)):
+            save_checkpoint(mngr, state, {"step": step})
+        mngr.wait_until_finished()
+        mngr.close()
+        bar.close()
+    train_s = time.perf_counter() - t_start
+    evaluation = pt.evaluate(state.params, [window_batch(val, cfg.batch_size, length, cfg.seed + 1, i)
+                                            for i in range(cfg.eval_batches)])
+    out = export_target(cfg, state.params, target_cfg, p["tokenizer"])
+    summary = {"steps": step, "start_step": start, "train_seconds": train_s, "last": last,
+               "held_out_eval": evaluation, "export_dir": out, "compile_count": pt.compile_count(),
+               "params": int(sum(x.size for x in jax.tree.leaves(state.params["target"]))),
+               "mtp_params": int(sum(x.size for x in jax.tree.leaves(state.params["mtp"]))), "data": manifest}
+    with open(os.path.join(p["run"], "summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+    return summary
