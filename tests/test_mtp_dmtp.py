@@ -159,6 +159,17 @@ def test_zero_fusion_is_dflash_conditioned_on_mtp_t1(models, dflash_dir, dmtp_di
     assert (fused[:, 0] == want[:, 0]).all() and (fused[:, 1:] != want[:, 1:]).any()
 
 
+def test_zero_context_fusion_is_candidate_only_drafting(models, dflash_dir):
+    """`dmtp-ctx-fusion` at its zero init drafts exactly what `dmtp-candidate` drafts."""
+    target, mtp = models
+    drafts = {}
+    for method in ("dmtp-candidate", "dmtp-ctx-fusion"):
+        drafter, fusion = load_dmtp_drafter(dflash_dir, target.cfg, method)
+        drafts[method], _ = first_round_drafts(make_decoder(method, target, drafter, mtp=mtp, fusion=fusion),
+                                               PROMPTS)
+    assert (drafts["dmtp-candidate"] == drafts["dmtp-ctx-fusion"]).all()
+
+
 @pytest.mark.parametrize("method", ["mtp", "dmtp"])
 def test_mtp_history_equals_a_from_scratch_pass(method, models, dmtp_dirs):
     target, mtp = models

@@ -169,8 +169,12 @@ class SpecDecoder:
         pick = lambda loaded: None if loaded is None else loaded.state  # noqa: E731
         return (self.target.state, pick(self.drafter), pick(self.mtp), pick(self.fusion))
 
-    def _write_context(self, drafter, st_ctx: KVCache, captured, positions_bt) -> KVCache:
-        ctx = drafter.project_context(jnp.concatenate(captured, axis=-1))
+    def _write_context(self, drafter, fusion, st_ctx: KVCache, captured, positions_bt, mtp_h_bth) -> KVCache:
+        """Context K/V of new target rows; the DMTP context variants mix in the MTP feature of row
+        (h_p, x_{p+1}) (`mtp_h_bth`, aligned with position p)."""
+        features = jnp.concatenate(captured, axis=-1)
+        ctx = (fusion.context(drafter, features, mtp_h_bth) if fusion is not None
+               else drafter.project_context(features))
         k, v = drafter.context_kv(ctx, positions_bt)
         return KVCache(write_all_layers(st_ctx.k_lbskd, k, positions_bt),
                        write_all_layers(st_ctx.v_lbskd, v, positions_bt))
@@ -181,13 +185,11 @@ class SpecDecoder:
     # ---- jitted entry points -----------------------------------------------------------------
     def _prefill(self, states, tokens_bt, lengths_b, state: SpecState, sp, key):
         """Prompt through the target (KV + context features) and the MTP; samples the first token."""
-        target, drafter, mtp, _ = self._models(states)
+        target, drafter, mtp, fusion = self._models(states)
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         out = target(tokens_bt, positions, state.target_cache, capture_layers=self._capture(drafter))
         first = sample_tokens(target.logits(gather_rows(out.hidden_bth, lengths_b - 1)), sp, key)
-        ctx = mtp_cache = mtp_h = None
-        if drafter is not None:
-            ctx = self._write_context(drafter, state.ctx_cache, out.captured, positions)
+        ctx = mtp_cache = mtp_h = h = None
         if mtp is not None:
             # rows (h_i, x_{i+1}) at positions i+1; the last real row pairs h_{P-1} with the first token
             row = jnp.arange(tokens_bt.shape[1])[None]
@@ -196,6 +198,8 @@ class SpecDecoder:
             mtp_pos = jnp.where(row < lengths_b[:, None], row + 1, state.mtp_cache.max_len)
             h, mtp_cache = mtp(target.embed(nxt), out.hidden_bth, mtp_pos, state.mtp_cache)
             mtp_h = gather_rows(h, lengths_b - 1)
+        if drafter is not None:      # MTP row i (h_i, x_{i+1}) is aligned with context position i
+            ctx = self._write_context(drafter, fusion, state.ctx_cache, out.captured, positions, h)
         return self._constrain(SpecState(out.cache, ctx, mtp_cache, mtp_h, lengths_b.astype(jnp.int32), first))
 
     def _mtp_first(self, target, mtp, st: SpecState, sp, key, greedy):
@@ -260,7 +264,8 @@ class SpecDecoder:
 
     def _mtp_advance(self, target, mtp, st: SpecState, mtp_cache, verify_tokens, hidden_bnh, acc, bonus, active_b):
         """MTP over rows (h_{L+j}, next committed token) at L+j+1 for j <= accepted; the rest go
-        to scratch. Returns the cache and the hidden that predicts the next T1."""
+        to scratch. Returns the cache, the hidden that predicts the next T1, and every row's hidden
+        (row j is aligned with context position L+j)."""
         n = verify_tokens.shape[1]
         j = jnp.arange(n)[None]
         shifted = jnp.concatenate([verify_tokens[:, 1:], verify_tokens[:, :1]], axis=1)
@@ -268,13 +273,13 @@ class SpecDecoder:
         valid = (j <= acc[:, None]) & active_b[:, None]
         pos = jnp.where(valid, st.lengths_b[:, None] + j + 1, mtp_cache.max_len)
         h, mtp_cache = mtp(target.embed(nxt), hidden_bnh, pos, mtp_cache)
-        return mtp_cache, jnp.where(active_b[:, None], gather_rows(h, acc), st.mtp_h_bh)
+        return mtp_cache, jnp.where(active_b[:, None], gather_rows(h, acc), st.mtp_h_bh), h
 
     def _round(self, states, state: SpecState, active_b, limits_b, sp, key, greedy: bool):
         """One propose / verify / accept / commit round. Returns `(state, tokens [B, n], accepted [B])`
         where a row's committed tokens are `tokens[:accepted + 1]` (the bonus sits at `accepted`)."""
         models = self._models(states)
-        target, drafter, mtp, _ = models
+        target, drafter, mtp, fusion = models
         k_draft, k_verify = jax.random.split(key)
         drafts, q, mtp_cache = self._propose(models, state, sp, k_draft, greedy, limits_b)
         n = self.slots
@@ -288,12 +293,12 @@ class SpecDecoder:
             acc, bonus = verify_target_only(filtered_probs(logits, sp), drafts, k_verify)
         else:
             acc, bonus = verify_rejection(filtered_probs(logits, sp), q, drafts, k_verify)
-        ctx, mtp_h = state.ctx_cache, state.mtp_h_bh
-        if drafter is not None:
-            ctx = self._write_context(drafter, ctx, out.captured, positions)
+        ctx, mtp_h, mtp_rows = state.ctx_cache, state.mtp_h_bh, None
         if mtp is not None:
-            mtp_cache, mtp_h = self._mtp_advance(target, mtp, state, mtp_cache, verify_tokens, out.hidden_bth,
-                                                 acc, bonus, active_b)
+            mtp_cache, mtp_h, mtp_rows = self._mtp_advance(target, mtp, state, mtp_cache, verify_tokens,
+                                                           out.hidden_bth, acc, bonus, active_b)
+        if drafter is not None:
+            ctx = self._write_context(drafter, fusion, ctx, out.captured, positions, mtp_rows)
         slot = jnp.arange(n)[None]
         tokens = jnp.where(slot < acc[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
                            bonus[:, None])

@@ -8,6 +8,13 @@ DFlash block. One module, one variant per method (the seed's section 3):
 | `dmtp-candidate`      | `[T1, MASK x6]`                   | `E(T1)` (no fusion params)                      |
 | `dmtp-lowrank`        | `[T1, MASK x6]`                   | `E(T1) + U V RMS_m(h)`, U = 0 init, rank r      |
 | `dmtp-mask-residual`  | `[T1, MASK x6]`                   | `E(T1)`; every MASK row gets `+ W RMS_m(h)`, W = 0 |
+| `dmtp-ctx-fusion`     | `[T1, MASK x6]`                   | `E(T1)`; context = norm(fc(target feats) + W RMS_m(h_ctx)), W = 0 |
+| `dmtp-ctx-mtp`        | `[T1, MASK x6]`                   | `E(T1)`; context = norm(W RMS_m(h_ctx)) (MTP features only), W = I |
+
+The two context variants change the drafter's context pathway instead of the T1 slot: `h_ctx` at
+context position p is the MTP's pre-norm output of row (h_p, x_{p+1}) -- the MTP feature aligned
+with the target features of position p. `fc(target) + W h` is the seed's 6H -> H projection of the
+concatenated streams, written as two blocks so the DFlash `fc` keeps its checkpoint shape.
 
 `h` is the MTP's pre-norm output that predicts T1 (T1 = head(mtp.norm(h))), always detached. With
 the zero inits, `dmtp` starts as "DFlash conditioned on MTP's T1 with two anchors" and the residual
@@ -36,14 +43,17 @@ DMTP_METHODS = {
     "dmtp-candidate": (1, None),
     "dmtp-lowrank": (1, "t1-lowrank"),
     "dmtp-mask-residual": (1, "mask-residual"),
+    "dmtp-ctx-fusion": (1, "ctx-fusion"),
+    "dmtp-ctx-mtp": (1, "ctx-mtp"),
 }
+CONTEXT_VARIANTS = ("ctx-fusion", "ctx-mtp")
 DEFAULT_LOWRANK = 64
 
 
 class T1Fusion(nnx.Module):
     """Params by variant: `norm_embedding`, `norm_hidden`, `proj [2H, H]` (t1-residual, t1-replace);
     `norm_hidden`, `down [H, r]`, `up [r, H]` (t1-lowrank); `norm_hidden`, `proj [H, H]`
-    (mask-residual); none for candidate-only."""
+    (mask-residual, ctx-fusion, ctx-mtp); none for candidate-only."""
 
     def __init__(self, method: str, *, hidden: int, rank: int, eps: float, dtype, rngs: nnx.Rngs):
         if method not in DMTP_METHODS:
@@ -62,14 +72,29 @@ class T1Fusion(nnx.Module):
         elif self.variant == "t1-lowrank":
             self.down = params.weight(rngs, (hidden, rank or DEFAULT_LOWRANK), ("embed", None), dtype)
             self.up = params.zeros((rank or DEFAULT_LOWRANK, hidden), (None, "embed"), dtype)
+        elif self.variant == "ctx-mtp":
+            self.proj = nnx.Param(jnp.eye(hidden, dtype=dtype), logical_axes=(None, "embed"))
         else:
             self.proj = params.zeros((hidden, hidden), (None, "embed"), dtype)
+
+    @property
+    def uses_mtp_context(self) -> bool:
+        return self.variant in CONTEXT_VARIANTS
+
+    def context(self, drafter, features_btf: jax.Array, mtp_ctx_bth: jax.Array | None) -> jax.Array:
+        """The drafter's context rows: `drafter.project_context(features)` unless a context variant
+        mixes in the aligned MTP features (see the module table)."""
+        if not self.uses_mtp_context:
+            return drafter.project_context(features_btf)
+        mtp_part = self._hidden(mtp_ctx_bth).astype(features_btf.dtype) @ self.proj[...]
+        pre = mtp_part if self.variant == "ctx-mtp" else features_btf @ drafter.fc[...] + mtp_part
+        return rms_norm(pre, drafter.hidden_norm[...], drafter.cfg.rms_norm_eps)
 
     def _hidden(self, mtp_h):
         return rms_norm(jax.lax.stop_gradient(mtp_h), self.norm_hidden[...], self.eps)
 
     def t1_input(self, t1_embed_bh: jax.Array, mtp_h_bh: jax.Array) -> jax.Array:
-        """The block input of the T1 slot."""
+        """The block input of the T1 slot (`E(T1)` for the candidate-only and context variants)."""
         if self.variant in ("t1-residual", "t1-replace"):
             fused = jnp.concatenate([rms_norm(t1_embed_bh, self.norm_embedding[...], self.eps),
                                      self._hidden(mtp_h_bh)], axis=-1) @ self.proj[...]

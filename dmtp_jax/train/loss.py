@@ -115,7 +115,12 @@ def drafter_block_logits(drafter, target, feats_btf: jax.Array, valid_bt: jax.Ar
     b, n, rows = blocks.tokens_bnk.shape
     length = feats_btf.shape[1]
     dtype = drafter.fc[...].dtype
-    ctx_bth = drafter.project_context(feats_btf.astype(dtype))
+    if fusion is not None and fusion.uses_mtp_context:
+        # context position p pairs with MTP row (h_p, x_{p+1}) = mtp_h_bth[:, p + 1]
+        aligned = jnp.concatenate([mtp_h_bth[:, 1:], jnp.zeros_like(mtp_h_bth[:, :1])], axis=1)
+        ctx_bth = fusion.context(drafter, feats_btf.astype(dtype), aligned.astype(dtype))
+    else:
+        ctx_bth = drafter.project_context(feats_btf.astype(dtype))
     ctx_pos_bs = jnp.broadcast_to(jnp.arange(length), (b, length))
     ctx_k, ctx_v = drafter.context_kv(ctx_bth, ctx_pos_bs)
     anchor_bt = jnp.repeat(anchors_bn, rows, axis=1)
