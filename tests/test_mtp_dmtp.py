@@ -207,3 +207,27 @@ def test_compare_reports_mtp(mtp_target_dir):
     report = compare_target(mtp_target_dir)
     mtp = [c for c in report["checks"] if c["name"] == "mtp"]
     assert report["ok"] and len(mtp) == 1 and mtp[0]["max_abs_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("method", list(DMTP_METHODS))
+def test_training_block_equals_the_decode_round(method, models, dmtp_dirs):
+    """The trainer's block for anchor A (T1 from the data) drafts what the decode round drafts when
+    the data's T1 is MTP's: same block input, positions, context and context alignment."""
+    from dmtp_jax.train.features import mtp_hidden, target_features
+    from dmtp_jax.train.loss import block_inputs, drafter_block_logits, method_layout
+    target, mtp = models
+    drafter, fusion = load_dmtp_drafter(dmtp_dirs[method], target.cfg)
+    engine = make_decoder(method, target, drafter, mtp=mtp, fusion=fusion)
+    prompt = PROMPTS[2]
+    drafts, st = first_round_drafts(engine, [prompt])
+    a = len(prompt)
+    tokens = jnp.asarray([prompt + [int(st.pending_b[0]), int(drafts[0, 0])] + [0] * 8])
+    valid = jnp.ones(tokens.shape, bool)
+    model, head, dr, fu = (nnx.merge(m.graphdef, m.state) for m in (target, mtp, drafter, fusion))
+    feats, hidden = target_features(model, tokens, valid, drafter.cfg)
+    blocks = block_inputs(method, tokens, jnp.ones(tokens.shape, jnp.int32), jnp.asarray([[a]]),
+                          jnp.asarray([[True]]), 8, mask_token_id=drafter.cfg.mask_token_id, gamma=None)
+    logits = drafter_block_logits(dr, model, feats, valid, blocks, jnp.asarray([[a]]), method=method,
+                                  fusion=fu, mtp_h_bth=mtp_hidden(head, model, tokens, hidden))
+    known = method_layout(method, 8)[1]
+    assert np.asarray(jnp.argmax(logits[0, known:], -1)).tolist() == drafts[0, 1:].tolist()
