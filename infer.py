@@ -237,14 +237,18 @@ def cmd_bench(args) -> int:
 
 
 def format_sample(runs: dict, tokenizer) -> str:
-    """The first generation's prompt and each method's answer (ids when there is no tokenizer).
+    """One request's prompt and each method's answer (ids when there is no tokenizer): the request
+    whose first method's answer has the most distinct tokens.
 
     Example:
         >>> print(format_sample(runs, tokenizer))  # doctest: +SKIP
     """
-    first = {name: run.generations[0] for name, run in runs.items() if run.generations}
-    if not first:
+    runs = {name: run for name, run in runs.items() if run.generations}
+    if not runs:
         return "(no generations)"
+    lead = next(iter(runs.values())).generations
+    pick = max(range(len(lead)), key=lambda i: (len(set(lead[i].output_ids)), -i))
+    first = {name: run.generations[pick] for name, run in runs.items() if len(run.generations) > pick}
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else str
     prompt = next(iter(first.values())).prompt_ids
     lines = ["=" * 30 + " sample: prompt " + "=" * 30, decode(prompt)]

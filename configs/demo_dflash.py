@@ -15,7 +15,7 @@ COMMAND = "train"
 # Everything but the method is shared with configs/demo_dmtp.py (the paper's protocol).
 SHARED = dict(
     target="demo/target", data="demo_out/data/regen.jsonl",
-    steps=300, batch_size=16, seq_len=256, draft_layers=2, block_size=8,
+    steps=200, batch_size=16, seq_len=256, draft_layers=2, block_size=8,
     target_layer_ids=(0, 1, 2, 3), num_anchors=16, gamma=None,   # gamma None: 4.0 for block 8
     lr=2e-3, warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.0, max_grad_norm=1.0,
     grad_accum=1, compute_dtype="float32", target_dtype="float32", seed=0,
@@ -27,4 +27,7 @@ def get_config() -> dict:
     return dict(SHARED, method="dflash", out="demo_out/runs/dflash")
 
 
-RESULTS = {}
+# Shipped run: data = `train.py regen` (greedy, 64 new tokens, batch 64) of the 1595 prompts in
+# demo_out/data/drafter_prompts.jsonl: 3.7 min. Trained concurrently with demo_dmtp on 2 cores.
+RESULTS = dict(train_minutes=7.5, first_loss=21.79, last_loss=1.464, mean_loss_last20=1.202,
+               slot_acc_last20=0.650)

@@ -26,4 +26,6 @@ def get_config() -> dict:
     return dict(_shared(), method="dmtp", out="demo_out/runs/dmtp")
 
 
-RESULTS = {}
+# Shipped run (concurrently with demo_dflash on 2 cores).
+RESULTS = dict(train_minutes=7.8, first_loss=21.82, last_loss=1.096, mean_loss_last20=0.973,
+               slot_acc_last20=0.725)

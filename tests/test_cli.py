@@ -21,8 +21,21 @@ def test_generate_json_matches_decoder(tiny_qwen3_dir, tmp_path):
     assert data["stats"]["compiles"] == {"prefill": 1, "decode_step": 1}
 
 
-def test_default_tiny_checkpoint_streams_text(tmp_path, monkeypatch, capsys):
+def test_default_checkpoint_streams_text(tmp_path, monkeypatch, capsys):
+    """No --target: the shipped demo (demo/target) when present, else the tiny random checkpoint."""
     monkeypatch.setenv("DMTP_JAX_CACHE", str(tmp_path))
+    assert infer.main(["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("def fibonacci(n):")
+    if infer.demo_available():
+        assert infer.resolve_target(None).endswith("target")
+        assert not (tmp_path / "tiny-qwen3").exists()
+    else:
+        assert (tmp_path / "tiny-qwen3" / "tokenizer.json").is_file()
+
+
+def test_default_tiny_checkpoint_without_demo(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DMTP_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(infer, "DEMO_DIR", str(tmp_path / "no-demo"))
     assert infer.main(["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("def fibonacci(n):")
     assert (tmp_path / "tiny-qwen3" / "tokenizer.json").is_file()

@@ -205,11 +205,12 @@ def restore_params(run_dir: str, dcfg, step: int | None = None, method: str = "d
 
 
 # ---- metrics ------------------------------------------------------------------------------------
-def step_record(step: int, metrics: dict, tokens: int, seconds: float, malformed: int, known: int = 1) -> dict:
+def step_record(step: int, metrics: dict, tokens: int, seconds: float, malformed: int, known: int = 1,
+                base: int | None = None) -> dict:
     """The metrics line of one step (host values)."""
     from dmtp_jax.train.loss import acceptance_proxy
     acc_k, acc, accept_len = acceptance_proxy(np.asarray(metrics["correct_k"]).tolist(),
-                                              np.asarray(metrics["count_k"]).tolist(), known)
+                                              np.asarray(metrics["count_k"]).tolist(), known, base)
     return {"step": step, "loss": float(metrics["loss"]), "acc": acc, "acc_k": acc_k,
             "accept_len_proxy": accept_len, "grad_norm": float(metrics["grad_norm"]),
             "lr": float(metrics["lr"]), "weight_sum": float(metrics["weight_sum"]),
@@ -337,6 +338,8 @@ def run_training(cfg: TrainConfig) -> dict:
     del params
     shape = (cfg.batch_size, cfg.seq_len)
     tokens_per_step = cfg.batch_size * cfg.seq_len
+    from dmtp_jax.train.loss import method_layout, uses_mtp
+    proxy_layout = (method_layout(cfg.method, cfg.block_size)[1], 2 if uses_mtp(cfg.method) else 1)
     tb = _Tensorboard(cfg.out, lead)
     bar = tqdm(total=cfg.steps, initial=start, disable=not (cfg.progress and lead), unit="step",
                dynamic_ncols=True)
@@ -351,7 +354,7 @@ def run_training(cfg: TrainConfig) -> dict:
         s, metrics, malformed, _ = pending_item
         metrics = jax.device_get(metrics)
         now = time.perf_counter()
-        rec = step_record(s, metrics, tokens_per_step, now - t_prev, malformed)
+        rec = step_record(s, metrics, tokens_per_step, now - t_prev, malformed, *proxy_layout)
         t_prev = now
         records.append(rec)
         if lead:

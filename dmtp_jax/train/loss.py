@@ -161,9 +161,12 @@ def decayed_ce_sums(logits_btv: jax.Array, blocks: BlockInputs) -> dict:
             "count_k": jnp.sum(blocks.valid_bnk, axis=(0, 1)).astype(jnp.int32)}
 
 
-def acceptance_proxy(correct_k, count_k, known_slots: int = 1) -> tuple[list[float], float, float]:
-    """Per-slot top-1 accuracy, their mean (pooled) and the implied acceptance length
-    `known + sum_k prod_{j<=k} acc_j` (host-side, from summed counts).
+def acceptance_proxy(correct_k, count_k, known_slots: int = 1, base: int | None = None
+                     ) -> tuple[list[float], float, float]:
+    """Per-slot top-1 accuracy of the predicted rows (rows from `known_slots` on), their mean
+    (pooled) and the implied acceptance length `base + sum_k prod_{j<=k} acc_j` (host-side, from
+    summed counts). `base` (default `known_slots`) counts the bonus, plus T1 for the DMTP methods
+    (the proxy then assumes MTP's T1 accepted: it measures the DFlash continuation).
 
     Example:
         >>> acceptance_proxy([0, 5, 2], [0, 10, 10])
@@ -172,7 +175,7 @@ def acceptance_proxy(correct_k, count_k, known_slots: int = 1) -> tuple[list[flo
     accs = [c / n if n else 0.0 for c, n in zip(list(correct_k)[known_slots:], list(count_k)[known_slots:])]
     total = sum(count_k[known_slots:])
     mean = float(sum(correct_k[known_slots:]) / total) if total else 0.0
-    length, run = float(known_slots), 1.0
+    length, run = float(known_slots if base is None else base), 1.0
     for a in accs:
         run *= a
         length += run
