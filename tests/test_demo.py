@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")
-pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(DEMO, "target", "model.safetensors")),
-                                reason="no shipped demo")
 
 
 @pytest.fixture(scope="module")
