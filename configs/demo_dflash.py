@@ -1,9 +1,10 @@
 """The demo's DFlash drafter: 2 layers, block 8 (7 candidates), trained on the demo target's own
 greedy continuations of training-module prompts.
 
+    # the shipped demo/regen.jsonl was made by (rebuild it after re-training the target):
     python train.py pretrain --config configs/demo_target.py --data-only     # prompts (if missing)
     python train.py regen --target demo/target --data demo_out/data/drafter_prompts.jsonl \\
-        --out demo_out/data/regen.jsonl --max-new-tokens 64 --batch-size 64
+        --out demo/regen.jsonl --max-new-tokens 64 --batch-size 64
     python train.py --config configs/demo_dflash.py                          # = train --config ...
     python train.py export --run demo_out/runs/dflash --out demo/dflash --dtype bfloat16
 
@@ -14,7 +15,7 @@ COMMAND = "train"
 
 # Everything but the method is shared with configs/demo_dmtp.py (the paper's protocol).
 SHARED = dict(
-    target="demo/target", data="demo_out/data/regen.jsonl",
+    target="demo/target", data="demo/regen.jsonl",
     steps=200, batch_size=16, seq_len=256, draft_layers=2, block_size=8,
     target_layer_ids=(0, 1, 2, 3), num_anchors=16, gamma=None,   # gamma None: 4.0 for block 8
     lr=2e-3, warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.0, max_grad_norm=1.0,
