@@ -22,18 +22,13 @@ import os
 import sys
 import tempfile
 
+from dmtp_jax.cli import int_list
+
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 DEMO_OUT = os.path.join(tempfile.gettempdir(), "dmtp-jax-demo")
 DEMO_BENCH_ARGV = ["bench", "--methods", "ar,mtp,dflash,dmtp", "--num-prompts", "12", "--max-new-tokens", "64",
                    "--json", os.path.join(DEMO_OUT, "bench.json"), "--plot", os.path.join(DEMO_OUT, "acceptance.png"),
                    "--outputs", os.path.join(DEMO_OUT, "outputs.jsonl"), "--show-sample"]
-
-
-def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids expects comma-separated integers, got '{text}'") from None
 
 
 def method_args(sp):
@@ -68,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "DFlash with two anchors) or a DMTP ablation. Default: dflash with --draft, else ar")
     method_args(g)
     g.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable: one per row)")
-    g.add_argument("--prompt-ids", action="append", default=[], type=_parse_ids,
+    g.add_argument("--prompt-ids", action="append", default=[], type=int_list,
                    help="comma-separated token ids (repeatable: one per row); works without a tokenizer")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -77,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--batch-size", type=int, default=None,
                    help="rows to decode together; prompts are repeated to fill the batch")
-    g.add_argument("--stop-token-ids", type=_parse_ids, default=None,
+    g.add_argument("--stop-token-ids", type=int_list, default=None,
                    help="extra stop token ids, comma-separated (EOS ids of the checkpoint always stop)")
 
     c = sub.add_parser("compare", help="numerics of JAX vs transformers on the same checkpoint")

@@ -21,12 +21,7 @@ import json
 import signal
 import sys
 
-
-def _ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+from dmtp_jax.cli import int_list
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-layers", type=int)
     t.add_argument("--block-size", type=int)
     t.add_argument("--mask-token-id", type=int)
-    t.add_argument("--target-layer-ids", type=_ids)
+    t.add_argument("--target-layer-ids", type=int_list)
     t.add_argument("--num-anchors", type=int)
     t.add_argument("--gamma", type=float, help="loss decay (default 7/5/4 for block 16/10/8)")
     t.add_argument("--lr", type=float)
