@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable
 
@@ -40,34 +41,42 @@ def gather_rows(x_bt_: jax.Array, index_b: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x_bt_, index_b.reshape((-1,) + (1,) * (x_bt_.ndim - 1)), axis=1)[:, 0]
 
 
+@functools.lru_cache(maxsize=None)
+def _zeros_cache_maker(mesh, shape, dtype):
+    s = kv_cache_sharding(mesh, shape)
+    return jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), out_shardings=KVCache(s, s))
+
+
+def new_kv_cache(mesh, shape, dtype) -> KVCache:
+    """A zero KV cache `[layers, B, S, kv, D]` created at its mesh sharding (so donating it never
+    recompiles); one jitted maker per (mesh, shape, dtype)."""
+    return _zeros_cache_maker(mesh, tuple(shape), jnp.dtype(dtype))()
+
+
+def pin_kv_cache(mesh, cache: KVCache | None) -> KVCache | None:
+    """Pins a cache to its sharding inside a jitted function (None passes through)."""
+    if cache is None:
+        return None
+    s = kv_cache_sharding(mesh, cache.k_lbskd.shape)
+    return KVCache(jax.lax.with_sharding_constraint(cache.k_lbskd, s),
+                   jax.lax.with_sharding_constraint(cache.v_lbskd, s))
+
+
 class TargetCaches:
-    """Creates KV caches already placed at their mesh sharding (so donation never recompiles)."""
+    """The target's KV caches: created and pinned at their mesh sharding."""
 
     def __init__(self, target: LoadedTarget):
         self.target = target
-        self._makers: dict = {}
 
     def shape(self, batch: int, max_len: int):
         cfg = self.target.cfg
         return (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
 
-    def sharding(self, batch: int, max_len: int):
-        return kv_cache_sharding(self.target.mesh, self.shape(batch, max_len))
-
     def constrain(self, cache: KVCache) -> KVCache:
-        """Pins a cache to its sharding inside a jitted function."""
-        s = kv_cache_sharding(self.target.mesh, cache.k_lbskd.shape)
-        return KVCache(jax.lax.with_sharding_constraint(cache.k_lbskd, s),
-                       jax.lax.with_sharding_constraint(cache.v_lbskd, s))
+        return pin_kv_cache(self.target.mesh, cache)
 
     def new(self, batch: int, max_len: int) -> KVCache:
-        key = (batch, max_len)
-        if key not in self._makers:
-            shape, s = self.shape(batch, max_len), self.sharding(batch, max_len)
-            dtype = self.target.state_dtype
-            self._makers[key] = jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
-                                        out_shardings=KVCache(s, s))
-        return self._makers[key]()
+        return new_kv_cache(self.target.mesh, self.shape(batch, max_len), self.target.state_dtype)
 
 
 class ARDecoder:

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from dmtp_jax.checkpoint.hf import LoadedModel
-from dmtp_jax.decode.ar import GenerationResult, TargetCaches, gather_rows
+from dmtp_jax.decode.ar import GenerationResult, TargetCaches, gather_rows, new_kv_cache, pin_kv_cache
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
 from dmtp_jax.decode.sampling import SamplingParams, filtered_probs, sample_from_probs, sample_tokens
 from dmtp_jax.decode.stats import acceptance_stats
@@ -44,7 +44,7 @@ from dmtp_jax.decode.verify import (candidate_probs_to_dense, verify_greedy, ver
                                     verify_target_only)
 from dmtp_jax.layers.kv_cache import KVCache, write_layer
 from dmtp_jax.models.fusion import DMTP_METHODS, block_layout, draft_block_embeds
-from dmtp_jax.sharding import kv_cache_sharding, replicated
+from dmtp_jax.sharding import replicated
 
 DEFAULT_CONTEXT_WINDOW = 4096
 VERIFY_MODES = ("rejection", "target-only")
@@ -119,45 +119,31 @@ class SpecDecoder:
         self.target, self.drafter, self.mtp, self.fusion = target, drafter, mtp, fusion
         self.method, self.verify_mode, self.context_window = method, verify, context_window
         self.caches = TargetCaches(target)
-        self._makers: dict = {}
         self.prefill = jax.jit(self._prefill, donate_argnames=("state",))
         self.round = jax.jit(self._round, donate_argnames=("state",), static_argnames=("greedy",))
         self.last_state: SpecState | None = None
 
     # ---- state -------------------------------------------------------------------------------
-    def _zeros_cache(self, layers, kv, hd, batch, max_len, dtype) -> KVCache:
-        shape = (layers, batch, max_len, kv, hd)
-        if shape not in self._makers:
-            s = kv_cache_sharding(self.target.mesh, shape)
-            self._makers[shape] = jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
-                                          out_shardings=KVCache(s, s))
-        return self._makers[shape]()
-
     def new_state(self, batch: int, max_len: int) -> SpecState:
         zeros = np.zeros(batch, np.int32)
         ctx = mtp_cache = mtp_h = None
         if self.uses_drafter:
             d = self.drafter.cfg
-            ctx = self._zeros_cache(d.num_hidden_layers, d.num_key_value_heads, d.head_dim, batch, max_len,
-                                    self.drafter.state_dtype)
+            ctx = new_kv_cache(self.target.mesh, (d.num_hidden_layers, batch, max_len, d.num_key_value_heads,
+                                                  d.head_dim), self.drafter.state_dtype)
         if self.uses_mtp:
             c = self.target.cfg
-            mtp_cache = self._zeros_cache(1, c.num_key_value_heads, c.head_dim, batch, max_len,
-                                          self.mtp.state_dtype)
+            mtp_cache = new_kv_cache(self.target.mesh, (1, batch, max_len, c.num_key_value_heads, c.head_dim),
+                                     self.mtp.state_dtype)
             mtp_h = np.zeros((batch, c.hidden_size), self.mtp.state_dtype)
         return SpecState(self.caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros, zeros)
 
     def _constrain(self, st: SpecState) -> SpecState:
         mesh = self.target.mesh
         rep = replicated(mesh)
-
-        def kv(c):
-            if c is None:
-                return None
-            s = kv_cache_sharding(mesh, c.k_lbskd.shape)
-            return KVCache(_pin(c.k_lbskd, s), _pin(c.v_lbskd, s))
-        return SpecState(self.caches.constrain(st.target_cache), kv(st.ctx_cache), kv(st.mtp_cache),
-                         _pin(st.mtp_h_bh, rep), _pin(st.lengths_b, rep), _pin(st.pending_b, rep))
+        return SpecState(pin_kv_cache(mesh, st.target_cache), pin_kv_cache(mesh, st.ctx_cache),
+                         pin_kv_cache(mesh, st.mtp_cache), _pin(st.mtp_h_bh, rep), _pin(st.lengths_b, rep),
+                         _pin(st.pending_b, rep))
 
     def _models(self, states):
         t_state, d_state, m_state, f_state = states
