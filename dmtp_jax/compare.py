@@ -9,11 +9,15 @@ comparison becomes one check `{"name", "max_abs_diff", "tolerance", "ok"}`:
 * `argmax_agreement`    1 - (fraction of positions whose argmax agrees).
 * `hidden_layer_{k}`    our output of layer k vs HF `hidden_states[k+1]`; the last layer is compared
                         after the final norm (HF's last entry is post-norm, like our `hidden_bth`).
-* `cached_decode`       JAX only: a KV-cache prefill of the first n-4 tokens followed by 4
+* `cached_decode`       JAX only: a cache prefill of the first n-4 tokens followed by 4
                         single-token decode steps vs the full (cache-free) forward, all n positions.
+* `deltanet_state`      (hybrid targets) every Gated DeltaNet layer's conv window and recurrent state
+                        after a prefill vs transformers' cache after the same prompt.
 * `greedy_continuation` fraction of tokens where our `ARDecoder` greedy continuation differs from
                         `model.generate(do_sample=False)` with EOS stopping disabled.
 * `mtp`                 (targets carrying `mtp.*`) our MTP head's logits vs transformers' `MtpModel`.
+* `mtp_cache`           JAX only: the MTP's cached path as decoding runs it (a prefill of the first
+                        rows, then single-row steps) vs its full-window forward on the same rows.
 * `draft_hidden`, `draft_logits`  (with a drafter) our DFlash / DFlash2 block vs the `dflash` package.
 
 Tolerances (`TOLERANCES`). Float checks are relative to the reference's magnitude:
@@ -37,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -128,9 +133,9 @@ def _full_forward(graphdef, layers, state, tokens_bt):
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _cached_step(graphdef, state, tokens_bt, positions_bt, cache):
+def _cached_step(graphdef, state, tokens_bt, positions_bt, cache, valid_bt=None):
     model = nnx.merge(graphdef, state)
-    out = model(tokens_bt, positions_bt, cache)
+    out = model(tokens_bt, positions_bt, cache, kv_valid_bt=valid_bt)
     return model.logits(out.hidden_bth).astype(jnp.float32), out.cache
 
 
@@ -144,15 +149,15 @@ def jax_forward(target, tokens_bt) -> dict:
 
 def jax_cached_logits(target, tokens_bt, lengths_b, steps: int = DECODE_STEPS) -> np.ndarray:
     """Logits `[B,T,V]` from a cache prefill of each row's first `len-steps` tokens, then `steps`
-    single-token decode steps at per-row positions (right padding only writes slots that the decode
-    steps overwrite before reading them)."""
+    single-token decode steps at per-row positions (the prefill's later tokens are marked invalid:
+    their K/V slots are overwritten before being read, and they never enter a DeltaNet state)."""
     from dmtp_jax.decode.ar import TargetCaches
 
     b, t = tokens_bt.shape
     step = functools.partial(_cached_step, target.graphdef)
     cache = TargetCaches(target).new(b, -(-(t + 1) // 128) * 128)
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-    logits, cache = step(target.state, tokens_bt, positions, cache)
+    logits, cache = step(target.state, tokens_bt, positions, cache, positions < (lengths_b - steps)[:, None])
     logits = np.array(logits)
     rows = np.arange(b)
     for j in range(steps):
@@ -204,6 +209,33 @@ def drafter_checks(target, hf_model, draft_dir: str, prompt: list[int], rtol: fl
             check("draft_logits", max_abs_diff(logits[0], ref_logits[0], q), scaled_tolerance(rtol, ref_logits))]
 
 
+def deltanet_state_check(target, hf_model, prompt: list[int], rtol: float, q: float) -> dict:
+    """`deltanet_state`: our conv windows and recurrent states after a prefill of `prompt` vs the
+    transformers cache (whose conv state keeps K columns; ours the last K-1 inputs), max over layers,
+    scaled by the largest reference state entry."""
+    import torch
+    from transformers import DynamicCache
+
+    from dmtp_jax.decode.ar import TargetCaches
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        hf_cache = DynamicCache(config=hf_model.config)
+        hf_model(ids, cache=hf_cache, use_cache=True)
+    cache = TargetCaches(target).new(1, -(-(len(prompt) + 1) // 128) * 128)
+    _, cache = _cached_step(target.graphdef, target.state, jnp.asarray([prompt], jnp.int32),
+                            jnp.arange(len(prompt))[None], cache)
+    diffs, scale = [], 0.0
+    for j, layer in enumerate(target.cfg.linear_layers):
+        ref_conv = hf_cache.get_conv_state(layer, state_idx=0)[0].float().numpy()   # [C, K]
+        ref_ssm = hf_cache.get_recurrent_state(layer, state_idx=0)[0].float().numpy()
+        width = cache.conv_lbwc.shape[2]
+        diffs += [max_abs_diff(np.asarray(cache.conv_lbwc[j, 0], np.float32), ref_conv[:, -width:].T, q),
+                  max_abs_diff(np.asarray(cache.ssm_lbhkv[j, 0]), ref_ssm, q)]
+        scale = max(scale, float(np.abs(ref_ssm).max()), float(np.abs(ref_conv).max()))
+    return check("deltanet_state", max(diffs), rtol * max(1.0, scale))
+
+
 MTP_RENAMES = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
                "norm": "post_norm"}
 
@@ -230,14 +262,61 @@ def reference_mtp_model(hf_model, model_dir: str):
             name = (f"layers.0.{MTP_RENAMES[head]}.{rest}" if head in MTP_RENAMES
                     else f"layers.0.mtp_block.{rest.partition('.')[2]}")
             state[name] = torch.tensor(np.array(reader.array(key), np.float32))
+    state = _fuse_expert_tensors(state, ref.state_dict())
     missing = ref.load_state_dict(state, strict=False).missing_keys
     if sorted(missing) != ["embed_tokens.weight", "shared_head.weight"]:
         raise ValueError(f"{model_dir}: MtpModel weights not covered by mtp.*: {missing}")
     return ref
 
 
+def _fuse_expert_tensors(state: dict, module_state: dict) -> dict:
+    """Per-expert `experts.{e}.{gate,up,down}_proj.weight` -> fused `experts.gate_up_proj` /
+    `experts.down_proj` where the reference module stores fused experts (Qwen3.5-MoE)."""
+    import re
+
+    import torch
+
+    fused, out = {}, {}
+    for name, value in state.items():
+        m = re.fullmatch(r"(.*experts\.)(\d+)\.(gate|up|down)_proj\.weight", name)
+        if m and m.group(1) + "gate_up_proj" in module_state:
+            fused.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = value
+        else:
+            out[name] = value
+    for base, parts in fused.items():
+        stack = {w: torch.stack([parts[w][e] for e in sorted(parts[w])]) for w in parts}
+        out[base + "gate_up_proj"] = torch.cat([stack["gate"], stack["up"]], dim=1)
+        out[base + "down_proj"] = stack["down"]
+    return out
+
+
+def mtp_cache_check(target, mtp, hidden_th, prompt: list[int], rtol: float, q: float) -> dict:
+    """`mtp_cache`: the MTP over rows (h_t, x_{t+1}) at positions 1..n-1 through its private KV
+    cache, as decoding runs it (all rows but the last 4 in one prefill call, then one row per
+    call), vs the same rows in one cache-free forward."""
+    from dmtp_jax.decode.ar import new_kv_cache
+
+    model, head = nnx.merge(target.graphdef, target.state), nnx.merge(mtp.graphdef, mtp.state)
+    n, split = len(prompt), len(prompt) - 1 - DECODE_STEPS
+    embeds = model.embed(jnp.asarray([prompt[1:]]))
+    hidden = jnp.asarray(hidden_th[None, :-1], target.state_dtype)
+    positions = jnp.arange(1, n)[None]
+    full, _ = head(embeds, hidden, positions)
+    cfg = target.cfg
+    cache = new_kv_cache(target.mesh, (1, 1, -(-(n + 1) // 128) * 128, cfg.num_key_value_heads, cfg.head_dim),
+                         target.state_dtype)
+    parts = []
+    for lo, hi in [(0, split)] + [(j, j + 1) for j in range(split, n - 1)]:
+        h, cache = head(embeds[:, lo:hi], hidden[:, lo:hi], positions[:, lo:hi], cache)
+        parts.append(h)
+    cached = np.asarray(head.post_norm(jnp.concatenate(parts, axis=1)), np.float32)
+    want = np.asarray(head.post_norm(full), np.float32)
+    return check("mtp_cache", max_abs_diff(cached[0], want[0], q), scaled_tolerance(rtol, want))
+
+
 def mtp_check(target, hf_model, model_dir: str, prompt: list[int], rtol: float, q: float) -> dict:
-    """`mtp`: our MTP head's logits vs `MtpModel` over rows (h_t, x_{t+1}) of `prompt`."""
+    """`mtp`: our MTP head's logits vs `MtpModel` over rows (h_t, x_{t+1}) of `prompt`; and
+    `mtp_cache` (`mtp_cache_check`) on the same rows."""
     import torch
 
     from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
@@ -254,7 +333,8 @@ def mtp_check(target, hf_model, model_dir: str, prompt: list[int], rtol: float, 
     h, _ = head(model.embed(jnp.asarray([prompt[1:]])), jnp.asarray(hidden[:, :-1].numpy(), target.state_dtype),
                 jnp.arange(1, n)[None])
     got = np.asarray(model.logits(head.post_norm(h)), np.float32)
-    return check("mtp", max_abs_diff(got[0], want[0], q), scaled_tolerance(rtol, want))
+    return [check("mtp", max_abs_diff(got[0], want[0], q), scaled_tolerance(rtol, want)),
+            mtp_cache_check(target, mtp, hidden[0].numpy(), prompt, rtol, q)]
 
 
 def compare_target(model_dir: str, dtype: str = "float32", mesh_spec: str | None = None, seed: int = 0,
@@ -274,6 +354,30 @@ def compare_target(model_dir: str, dtype: str = "float32", mesh_spec: str | None
         >>> r["ok"], [c["name"] for c in r["checks"]][:2]  # doctest: +SKIP
         (True, ['logits', 'argmax_agreement'])
     """
+    with quiet_transformers():
+        return _compare_target(model_dir, dtype, mesh_spec, seed, num_new_tokens, reference_dir, draft_dir)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' warnings and progress bars off (its load report lists the `mtp.*` tensors it
+    does not use, Qwen3.5 models announce their PyTorch fallback kernels): expected, so not shown."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _compare_target(model_dir: str, dtype: str, mesh_spec: str | None, seed: int, num_new_tokens: int,
+                    reference_dir: str | None, draft_dir: str | None) -> dict:
+    """The body of `compare_target`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -309,6 +413,8 @@ def compare_target(model_dir: str, dtype: str = "float32", mesh_spec: str | None
         checks.append(check(f"hidden_layer_{k}", max_abs_diff(mine, theirs, q), scaled_tolerance(rtol, theirs)))
     checks.append(check("cached_decode", max_abs_diff(cat(cached), our_logits, q),
                         scaled_tolerance(rtol, ref_logits)))
+    if cfg.linear_layers:
+        checks.append(deltanet_state_check(target, hf_model, prompts[1], rtol, q))
 
     result = ARDecoder(target).generate(prompts, num_new_tokens, seed=seed, stop_ids=[])
     hf_gen = [r["generated"] for r in ref]
@@ -317,7 +423,7 @@ def compare_target(model_dir: str, dtype: str = "float32", mesh_spec: str | None
     checks.append(check("greedy_continuation", mismatched / (num_new_tokens * len(prompts)), greedy_tol))
     from dmtp_jax.checkpoint.mtp_ckpt import has_mtp
     if has_mtp(model_dir):
-        checks.append(mtp_check(target, hf_model, model_dir, prompts[1], rtol, q))
+        checks += mtp_check(target, hf_model, model_dir, prompts[1], rtol, q)
     if draft_dir:
         checks += drafter_checks(target, hf_model, draft_dir, prompts[1], rtol, q)
     return {"ok": all(c["ok"] for c in checks), "checks": checks, "argmax_agreement": agree,

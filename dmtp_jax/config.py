@@ -15,10 +15,21 @@ import json
 import os
 from typing import Any
 
-SUPPORTED_TARGET_TYPES = ("qwen3", "qwen3_moe")
+from dmtp_jax.errors import UserError
+
+SUPPORTED_TARGET_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+# Hybrid (Gated DeltaNet + gated attention) families and the text-only spellings of their saves.
+HYBRID_TARGET_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+# transformers' architecture and config model_type for each family (text-only saves)
+HF_NAMES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+            "qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+            "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+            "qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next")}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config that cannot be used; the message names the offending key."""
 
 
@@ -28,14 +39,28 @@ def _require(d: dict, key: str, where: str):
     return d[key]
 
 
-def _rope_theta(d: dict, where: str) -> float:
-    """Reads rope theta from either `rope_parameters` (transformers >= 5) or `rope_theta`."""
+def _rope(d: dict, where: str) -> tuple[float, float]:
+    """`(rope_theta, partial_rotary_factor)` from `rope_parameters` (transformers >= 5) or the
+    top-level keys. Qwen3.5's interleaved multi-axis RoPE (`mrope_section`) is plain 1-D RoPE for
+    text (all three position streams equal), so it is accepted as default RoPE."""
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", None):
         raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only 'default')")
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    return float(theta)
+    factor = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    return float(theta), float(factor)
+
+
+def text_config_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """The text-model part of a config: a released image-text config nests it in `text_config`
+    (keys missing there, e.g. `tie_word_embeddings`, fall back to the outer dict)."""
+    inner = d.get("text_config")
+    if not isinstance(inner, dict):
+        return d
+    merged = {k: v for k, v in d.items() if k not in ("text_config", "vision_config", "model_type")}
+    merged.update(inner)
+    return merged
 
 
 def _eos_ids(d: dict) -> tuple[int, ...]:
@@ -61,16 +86,19 @@ def validate_decoder_stack(cfg, where: str, extra_positive: tuple[str, ...] = ()
         raise ConfigError(f"{where}: layer_types has {len(cfg.layer_types)} entries for "
                           f"{cfg.num_hidden_layers} layers")
     for t in cfg.layer_types:
-        if t not in ("full_attention", "sliding_attention"):
+        if t not in LAYER_TYPES:
             raise ConfigError(f"{where}: unknown layer type '{t}' in layer_types")
 
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """A decoder-only target (Qwen3 dense or Qwen3-MoE).
+    """A decoder-only Qwen-family target: Qwen3 dense / MoE, and the hybrid Qwen3.5 / Qwen3.6
+    (`qwen3_5` dense, `qwen3_5_moe`) and Qwen3-Next families.
 
-    `layer_types[i]` is "full_attention" or "sliding_attention"; sliding layers attend to keys with
-    `q_pos - k_pos < sliding_window`. MoE fields are zero/empty for dense models.
+    `layer_types[i]` is "full_attention", "sliding_attention" (keys with `q_pos - k_pos <
+    sliding_window`) or "linear_attention" (Gated DeltaNet, hybrid families only). MoE fields are
+    zero/empty for dense models. Hybrid families use zero-centred `(1 + w)` RMSNorms, a sigmoid
+    output gate on attention and partial rotary embeddings (`rotary_dim` of `head_dim`).
     """
 
     model_type: str
@@ -97,6 +125,17 @@ class TargetConfig:
     mlp_only_layers: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # Hybrid families (Qwen3.5 / Qwen3.6 / Qwen3-Next)
+    partial_rotary_factor: float = 1.0
+    zero_centred_norms: bool = False
+    attn_output_gate: bool = False
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    shared_expert_intermediate_size: int = 0
+    mtp_num_hidden_layers: int = 0
 
     def __post_init__(self):
         where = f"config ({self.model_type})"
@@ -106,7 +145,21 @@ class TargetConfig:
         validate_decoder_stack(self, where, ("vocab_size",))
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ConfigError(f"{where}: sliding_attention layers need a positive 'sliding_window'")
-        if self.model_type == "qwen3_moe":
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ConfigError(f"{where}: partial_rotary_factor={self.partial_rotary_factor} gives "
+                              f"{self.rotary_dim} rotary dims of head_dim={self.head_dim} (need even, > 0)")
+        if self.linear_layers:
+            if self.model_type not in HYBRID_TARGET_TYPES:
+                raise ConfigError(f"{where}: linear_attention layers exist only in "
+                                  f"{', '.join(HYBRID_TARGET_TYPES)}")
+            for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                        "linear_value_head_dim", "linear_conv_kernel_dim"):
+                if getattr(self, key) <= 0:
+                    raise ConfigError(f"{where}: '{key}' must be positive for linear_attention layers")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ConfigError(f"{where}: linear_num_value_heads={self.linear_num_value_heads} is not a "
+                                  f"multiple of linear_num_key_heads={self.linear_num_key_heads}")
+        if self.model_type in ("qwen3_moe", "qwen3_5_moe", "qwen3_next"):
             if self.num_experts <= 0 or not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ConfigError(f"{where}: need 0 < num_experts_per_tok <= num_experts, got "
                                   f"{self.num_experts_per_tok} and {self.num_experts}")
@@ -117,17 +170,50 @@ class TargetConfig:
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """Leading head dims that RoPE rotates (`int(head_dim * partial_rotary_factor)`)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Layers with a KV cache (full or sliding attention), in order."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t != "linear_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Gated DeltaNet layers (recurrent state), in order."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the DeltaNet conv: q | k | v."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    @property
+    def shared_expert(self) -> bool:
+        return self.shared_expert_intermediate_size > 0
+
     def is_moe_layer(self, i: int) -> bool:
-        """Matches transformers' Qwen3-MoE rule for which layers carry a sparse MLP."""
-        return (self.model_type == "qwen3_moe" and i not in self.mlp_only_layers
+        """Which layers carry a sparse MLP: every layer of `qwen3_5_moe`; transformers' Qwen3-MoE /
+        Qwen3-Next rule (`mlp_only_layers`, `decoder_sparse_step`) otherwise."""
+        if self.model_type == "qwen3_5_moe":
+            return True
+        return (self.model_type in ("qwen3_moe", "qwen3_next") and i not in self.mlp_only_layers
                 and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "TargetConfig":
-        """Builds a config from a transformers `config.json` dict (both v4 and v5 key spellings)."""
+        """Builds a config from a transformers `config.json` dict (both v4 and v5 key spellings;
+        image-text configs are read from their `text_config`)."""
+        if d.get("model_type") is None and not isinstance(d.get("text_config"), dict):
+            raise ConfigError("config.json has no 'model_type'")
+        d = text_config_dict(d)
         model_type = d.get("model_type")
         if model_type is None:
             raise ConfigError("config.json has no 'model_type'")
+        model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
         if model_type not in SUPPORTED_TARGET_TYPES:
             raise ConfigError(
                 f"unknown model_type '{model_type}'; supported: {', '.join(SUPPORTED_TARGET_TYPES)}")
@@ -138,11 +224,20 @@ class TargetConfig:
         head_dim = d.get("head_dim") or hidden // n_heads
         sliding_window = d.get("sliding_window")
         layer_types = d.get("layer_types")
+        if not layer_types and model_type in HYBRID_TARGET_TYPES:
+            interval = int(d.get("full_attention_interval", 4))
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                           for i in range(n_layers)]
         if not layer_types:
             use_sw = d.get("use_sliding_window", False) and sliding_window
             max_window = d.get("max_window_layers", n_layers)
             layer_types = ["sliding_attention" if use_sw and i >= max_window else "full_attention"
                            for i in range(n_layers)]
+        hybrid = model_type in HYBRID_TARGET_TYPES
+        rope_theta, rotary_factor = _rope(d, where)
+        if hybrid and not (d.get("rope_parameters") or {}).get("partial_rotary_factor") \
+                and "partial_rotary_factor" not in d:
+            rotary_factor = 0.25          # transformers' default for these families
         kwargs = dict(
             model_type=model_type,
             vocab_size=int(_require(d, "vocab_size", where)),
@@ -153,7 +248,8 @@ class TargetConfig:
             num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(d, where),
+            rope_theta=rope_theta,
+            partial_rotary_factor=rotary_factor,
             max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
@@ -162,22 +258,36 @@ class TargetConfig:
             eos_token_ids=_eos_ids(d),
             pad_token_id=d.get("pad_token_id"),
         )
-        if model_type == "qwen3_moe":
+        if model_type in ("qwen3_moe", "qwen3_5_moe", "qwen3_next"):
             kwargs.update(
                 num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
                 num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
                 moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
-                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                # Qwen3.5-MoE always renormalises its top-k weights (the key was removed there)
+                norm_topk_prob=bool(d.get("norm_topk_prob", model_type != "qwen3_moe")),
                 decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
                 mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+                shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+            )
+        if hybrid:
+            kwargs.update(
+                zero_centred_norms=True, attn_output_gate=True,
+                linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
+                linear_num_value_heads=int(d.get("linear_num_value_heads", 32)),
+                linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
+                linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
+                linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
+                mtp_num_hidden_layers=int(d.get("mtp_num_hidden_layers")
+                                          or d.get("num_nextn_predict_layers") or 0),
             )
         return cls(**kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The transformers `config.json` dict for this config (loads with `AutoConfig`)."""
-        arch = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[self.model_type]
+        """The transformers `config.json` dict for this config (loads with `AutoConfig`; hybrid
+        families are saved in their text-only form)."""
+        arch, hf_type = HF_NAMES[self.model_type]
         d = {
-            "architectures": [arch], "model_type": self.model_type, "vocab_size": self.vocab_size,
+            "architectures": [arch], "model_type": hf_type, "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
@@ -192,11 +302,27 @@ class TargetConfig:
                 self.eos_token_ids[0] if self.eos_token_ids else None),
             "pad_token_id": self.pad_token_id,
         }
-        if self.model_type == "qwen3_moe":
-            d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                     moe_intermediate_size=self.moe_intermediate_size,
-                     norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
+        if self.model_type in ("qwen3_moe", "qwen3_next"):
+            d.update(norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
                      mlp_only_layers=list(self.mlp_only_layers))
+        if self.num_experts:
+            d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size)
+        if self.shared_expert:
+            d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        if self.model_type in HYBRID_TARGET_TYPES:
+            d["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
+            d.update(linear_num_key_heads=self.linear_num_key_heads,
+                     linear_num_value_heads=self.linear_num_value_heads,
+                     linear_key_head_dim=self.linear_key_head_dim,
+                     linear_value_head_dim=self.linear_value_head_dim,
+                     linear_conv_kernel_dim=self.linear_conv_kernel_dim)
+            for key in ("sliding_window", "use_sliding_window"):
+                d.pop(key)
+            if self.model_type == "qwen3_5_moe":
+                d.pop("intermediate_size")
+            if self.mtp_num_hidden_layers:
+                d["mtp_num_hidden_layers"] = self.mtp_num_hidden_layers
         return d
 
 

@@ -1,8 +1,67 @@
-"""The exceptions that mean "bad input" (printed as one line by the CLIs, never a traceback)."""
+"""Our own error types: the only exceptions the CLIs print as one `error:` line (exit status 2).
 
-from dmtp_jax.checkpoint.safetensors_io import CheckpointError
-from dmtp_jax.config import ConfigError
-from dmtp_jax.decode.batch import RequestError
-from dmtp_jax.sharding import MeshError
+Every error that means "the input is wrong, and here is how" derives from `UserError` (most also
+from `ValueError`, so `except ValueError` callers keep working). Any other exception -- a
+`ValueError` from deep inside JAX, a `KeyError` from a bug -- is not bad input and keeps its
+traceback.
 
-USER_ERRORS = (ConfigError, CheckpointError, RequestError, MeshError, ValueError, FileNotFoundError)
+`str(error)` is the one line; `error.hint` (optional) is at most one more line, printed as
+`hint: ...`. This module imports nothing from the project, so every module can import it.
+
+Example:
+    >>> try:
+    ...     raise UserError("--steps must be >= 1, got 0", hint="e.g. --steps 100")
+    ... except UserError as e:
+    ...     print(format_user_error(e))
+    error: --steps must be >= 1, got 0
+    hint: e.g. --steps 100
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input or an expected, explained failure: one line (plus an optional hint), no traceback."""
+
+    def __init__(self, message: str = "", *args, hint: str | None = None):
+        super().__init__(message, *args)
+        self.hint = hint
+
+
+class InputError(UserError, ValueError):
+    """A bad value given on the command line or in a config / data file."""
+
+
+class DataError(UserError, ValueError):
+    """A training data file that cannot be trained on (missing, empty, no valid record)."""
+
+
+class TrainingStopped(UserError, RuntimeError):
+    """Training stopped on purpose with a clear reason (non-finite losses, a full disk)."""
+
+
+class InexactBackendError(UserError, RuntimeError):
+    """`--strict`: the exactness probe found that a verify block differs from single-token decoding."""
+
+
+def one_line(text: str) -> str:
+    """`text` on one line: its first non-empty line (tracebacks and tables never reach the user).
+
+    Example:
+        >>> one_line("bad thing\\n  details")
+        'bad thing'
+    """
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def format_user_error(error: BaseException) -> str:
+    """`error: <message>` and, when the error has one, `hint: <hint>` (two lines at most).
+
+    Example:
+        >>> format_user_error(InputError("--batch-size must be >= 1, got 0"))
+        'error: --batch-size must be >= 1, got 0'
+    """
+    out = f"error: {one_line(error) or type(error).__name__}"
+    hint = getattr(error, "hint", None)
+    return out + (f"\nhint: {one_line(hint)}" if hint else "")

@@ -1,4 +1,8 @@
-"""One mesh `("data", "fsdp", "tensor")`, logical-axis rules, and placement of params and caches.
+"""One mesh `("data", "fsdp", "expert", "tensor")`, logical-axis rules, placement of params and caches.
+
+Axes: `data`/`fsdp` split the batch (`fsdp` also the params' embed dim), `expert` splits MoE expert
+weights (expert parallelism, see `dmtp_jax.layers.mlp.moe_mlp`), `tensor` heads/MLP/vocab. Every
+axis defaults to size 1, so `"tensor=4,data=2"` or `"fsdp=8"` mean what they always did.
 
 Params carry logical axis names (`logical_axes` metadata); `MeshRules` maps each name to mesh axes.
 A mesh axis that does not divide a dimension is dropped for that array (it is replicated instead),
@@ -20,10 +24,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+from dmtp_jax.errors import UserError
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
     """A mesh spec that cannot be built on the available devices."""
 
 
@@ -51,13 +57,14 @@ DEFAULT_RULES = MeshRules((
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
-    ("experts", None),
+    ("experts", "expert"),
     ("cache_heads", "tensor"),
 ))
 
 
 def parse_mesh_spec(spec: str | None) -> dict[str, int]:
-    """`"tensor=4,data=2"` -> `{"data": 2, "fsdp": 1, "tensor": 4}`; clear errors on bad input."""
+    """`"tensor=4,data=2"` -> `{"data": 2, "fsdp": 1, "expert": 1, "tensor": 4}` (unnamed axes 1);
+    clear errors on bad input."""
     sizes = {a: 1 for a in MESH_AXES}
     if not spec:
         return sizes
@@ -75,11 +82,11 @@ def parse_mesh_spec(spec: str | None) -> dict[str, int]:
 
 
 def make_mesh(spec: str | dict[str, int] | None = None, devices=None) -> Mesh:
-    """A mesh over the first `data*fsdp*tensor` devices.
+    """A mesh over the first `data*fsdp*expert*tensor` devices.
 
     Example:
         >>> make_mesh("tensor=1").axis_names
-        ('data', 'fsdp', 'tensor')
+        ('data', 'fsdp', 'expert', 'tensor')
     """
     sizes = parse_mesh_spec(spec) if not isinstance(spec, dict) else {**parse_mesh_spec(None), **spec}
     devices = list(jax.devices() if devices is None else devices)
@@ -92,11 +99,12 @@ def make_mesh(spec: str | dict[str, int] | None = None, devices=None) -> Mesh:
 
 def spec_for(logical_axes, shape, mesh: Mesh, rules: MeshRules = DEFAULT_RULES) -> P:
     """PartitionSpec for an array with these logical axes; non-dividing mesh axes are dropped."""
+    sizes = dict(mesh.shape)
     used: set[str] = set()
     out = []
     for name, dim in zip(logical_axes, shape):
-        axes = tuple(a for a in rules.lookup(name) if a not in used and mesh.shape[a] > 1)
-        while axes and dim % int(np.prod([mesh.shape[a] for a in axes])):
+        axes = tuple(a for a in rules.lookup(name) if a not in used and sizes.get(a, 1) > 1)
+        while axes and dim % int(np.prod([sizes[a] for a in axes])):
             axes = axes[:-1]
         used.update(axes)
         out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
@@ -125,6 +133,13 @@ def batch_sharding(mesh: Mesh, shape, batch_axis: int = 0, rules: MeshRules = DE
     """Shards dimension `batch_axis` over the batch mesh axes (when they divide it)."""
     axes = [None] * len(shape)
     axes[batch_axis] = "batch"
+    return named_sharding(axes, shape, mesh, rules)
+
+
+def recurrent_state_sharding(mesh: Mesh, shape, rules: MeshRules = DEFAULT_RULES) -> NamedSharding:
+    """DeltaNet state `[layers, batch, ...]`: batch over the data axes; a 5-D recurrent state
+    `[L, B, nv, dk, dv]` also splits its value heads over tensor (a conv window stays whole)."""
+    axes = (None, "batch", "cache_heads", None, None) if len(shape) == 5 else (None, "batch") + (None,) * (len(shape) - 2)
     return named_sharding(axes, shape, mesh, rules)
 
 

@@ -6,6 +6,7 @@ Run in a fresh process so that fake CPU devices can be requested before jax is i
         python tests/sharded_forward_check.py CKPT_DIR [CKPT_DIR ...] --mesh tensor=1 --mesh fsdp=8
 
 Output: `{ckpt_dir: {mesh_spec: {"logits": [B][T][V] floats (fp32), "greedy": [[int]],
+"spec_greedy": [[int]] (greedy `mtp` speculative decoding, for checkpoints with `mtp.*`; else None),
 "specs": {param path: PartitionSpec str}, "devices": {param path: number of devices holding it},
 "num_devices": int}}}`. Tokens are sharded over the batch mesh axes like a real batch.
 """
@@ -26,6 +27,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dmtp_jax.checkpoint.hf import load_target  # noqa: E402
+from dmtp_jax.checkpoint.mtp_ckpt import has_mtp, load_mtp  # noqa: E402
+from dmtp_jax.decode import make_decoder  # noqa: E402
 from dmtp_jax.decode.ar import ARDecoder  # noqa: E402
 from dmtp_jax.sharding import batch_sharding, make_mesh  # noqa: E402
 
@@ -54,12 +57,16 @@ def run(ckpt: str, spec: str) -> dict:
 
     logits = np.asarray(forward(target.state, tokens))
     greedy = ARDecoder(target).generate(batch, NEW_TOKENS, stop_ids=[]).output_ids
+    spec_greedy = None
+    if has_mtp(ckpt):
+        engine = make_decoder("mtp", target, mtp=load_mtp(ckpt, target.cfg, "float32", mesh), mtp_steps=3)
+        spec_greedy = engine.generate(batch, NEW_TOKENS, stop_ids=[]).output_ids
     specs, devices = {}, {}
     for path, var in nnx.to_flat_state(target.state):
         name = ".".join(str(p) for p in path)
         specs[name] = str(var.get_value().sharding.spec)
         devices[name] = len(var.get_value().sharding.device_set)
-    return {"logits": logits.tolist(), "greedy": greedy, "specs": specs, "devices": devices,
+    return {"logits": logits.tolist(), "greedy": greedy, "spec_greedy": spec_greedy, "specs": specs, "devices": devices,
             "num_devices": int(mesh.devices.size)}
 
 

@@ -16,8 +16,9 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 HELPER = os.path.join(HERE, "sharded_forward_check.py")
 REFERENCE = "tensor=1"
-MESHES = {"tensor=4,data=2": "tensor", "fsdp=8": "fsdp"}   # mesh -> the axis q_proj must be split on
-FAMILIES = ["tiny_qwen3_dir", "tiny_qwen3_moe_dir"]
+# mesh -> the axis q_proj must be split on; expert=4 also splits the MoE experts (expert parallelism)
+MESHES = {"tensor=4,data=2": "tensor", "fsdp=8": "fsdp", "expert=4,tensor=2": "tensor"}
+FAMILIES = ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_qwen3_5_moe_dir"]   # the last: hybrid + MTP
 # 8 fake devices; LLVM optimisation level 0 cuts CPU compile time by ~40% (the HLO / SPMD partitioning
 # passes still all run, and the 1-device reference is compiled with the same flags).
 FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
@@ -49,18 +50,26 @@ def test_sharded_matches_single_device(sharded_runs, family, mesh):
     ref_logits, logits = np.asarray(ref["logits"]), np.asarray(run["logits"])
     assert logits.shape == ref_logits.shape == (8, 40, 128)
     diff = float(np.max(np.abs(logits - ref_logits)))
-    assert diff <= 1e-5, f"{family} on {mesh}: max |logit diff| {diff:.3e}"
+    # The hybrid's DeltaNet (l2-normalised q/k, delta-rule recurrence) amplifies fp32 reduction-order
+    # noise more than plain attention: seen 4e-5..8e-5 on every mesh (1e-4 relative, as in compare)
+    tol = 1e-4 * max(1.0, float(np.abs(ref_logits).max())) if family == "tiny_qwen3_5_moe_dir" else 1e-5
+    assert diff <= tol, f"{family} on {mesh}: max |logit diff| {diff:.3e}"
     assert run["greedy"] == ref["greedy"]
     assert all(len(g) == 5 for g in run["greedy"])
+    assert run["spec_greedy"] == (ref["greedy"] if family == "tiny_qwen3_5_moe_dir" else None)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_params_are_sharded(sharded_runs, family, mesh):
     run, axis = sharded_runs[family][mesh], MESHES[mesh]
-    q_proj = "layers.0.self_attn.q_proj"
+    hybrid = family == "tiny_qwen3_5_moe_dir"
+    q_proj = "layers.3.self_attn.q_proj" if hybrid else "layers.0.self_attn.q_proj"
     assert axis in run["specs"][q_proj], run["specs"][q_proj]
     assert run["devices"][q_proj] == 8
     assert all(spec == "P()" for spec in sharded_runs[family][REFERENCE]["specs"].values())
-    if family == "tiny_qwen3_moe_dir":
+    if hybrid:
+        assert axis in run["specs"]["layers.0.linear_attn.in_proj_qkv"]
+    if family != "tiny_qwen3_dir":
         assert axis in run["specs"]["layers.0.mlp.gate_proj"]   # stacked experts [E, H, I]
+        assert ("expert" in run["specs"]["layers.0.mlp.gate_proj"]) == ("expert" in mesh)

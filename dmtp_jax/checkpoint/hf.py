@@ -1,7 +1,10 @@
 """HF safetensors <-> NNX param trees, through a regex name table per model family.
 
 Our kernels are `[in, out]`; HF linear weights are `[out, in]` (transposed on the way), and MoE
-experts are stacked `[E, ...]` from HF's per-expert tensors. Loading goes tensor by tensor and
+experts are stacked `[E, ...]`, from HF's per-expert tensors or from its fused ones
+(`experts.gate_up_proj [E, 2I, H]`, gate rows first; `experts.down_proj [E, H, I]`), whichever the
+checkpoint holds. A released image-text checkpoint keeps the text model under
+`model.language_model.*` (its `model.visual.*` is ignored: text-only generation). Loading goes tensor by tensor and
 shard by shard (`jax.make_array_from_callback` over memory-mapped files), so no device or host ever
 holds a whole model it does not own.
 
@@ -31,9 +34,9 @@ from dmtp_jax.config import TargetConfig, load_target_config
 from dmtp_jax.models import build_target
 from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, make_mesh, state_shardings
 
-# (regex on our dotted param path, HF name template, how: "copy" | "T" (2-D transpose))
-# A 3-D param whose rule is "T" with "{e}" in the template is stacked from per-expert tensors.
-QWEN3_NAME_RULES = (
+# (regex on our dotted param path, HF name template, how: "copy" | "T" (swap the last two axes))
+# A 3-D param whose rule is "T" is an expert stack: per-expert tensors or the fused ones.
+QWEN_NAME_RULES = (
     (r"embed_tokens", "model.embed_tokens.weight", "copy"),
     (r"lm_head", "lm_head.weight", "T"),
     (r"norm", "model.norm.weight", "copy"),
@@ -43,38 +46,76 @@ QWEN3_NAME_RULES = (
     (r"layers\.(\d+)\.self_attn\.([qk])_norm", r"model.layers.\1.self_attn.\2_norm.weight", "copy"),
     (r"layers\.(\d+)\.mlp\.router", r"model.layers.\1.mlp.gate.weight", "T"),
     (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj", r"model.layers.\1.mlp.\2_proj.weight", "T"),
+    (r"layers\.(\d+)\.mlp\.shared_expert\.(gate|up|down)_proj",
+     r"model.layers.\1.mlp.shared_expert.\2_proj.weight", "T"),
+    (r"layers\.(\d+)\.mlp\.shared_expert_gate", r"model.layers.\1.mlp.shared_expert_gate.weight", "T"),
+    (r"layers\.(\d+)\.linear_attn\.(in_proj_qkvz?|in_proj_z|in_proj_ba?|in_proj_a|out_proj)",
+     r"model.layers.\1.linear_attn.\2.weight", "T"),
+    (r"layers\.(\d+)\.linear_attn\.(conv1d|norm)", r"model.layers.\1.linear_attn.\2.weight", "copy"),
+    (r"layers\.(\d+)\.linear_attn\.(A_log|dt_bias)", r"model.layers.\1.linear_attn.\2", "copy"),
 )
 EXPERT_TEMPLATE = re.compile(r"^(.*layers\.\d+\.mlp\.)(gate|up|down)_proj\.weight$")
+TEXT_PREFIX, IMAGE_TEXT_PREFIX = "model.", "model.language_model."
 # Tensors a target directory may carry that the target itself does not use.
-IGNORED_PREFIXES = ("mtp.",)
+IGNORED_PREFIXES = ("mtp.", "model.visual.")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def image_text_rules(rules=QWEN_NAME_RULES):
+    """The same table for the released image-text layout (`model.language_model.*`)."""
+    return tuple((p, IMAGE_TEXT_PREFIX + t[len(TEXT_PREFIX):] if t.startswith(TEXT_PREFIX) else t, how)
+                 for p, t, how in rules)
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorSource:
     """Where one of our params lives in an HF checkpoint."""
     hf_names: tuple[str, ...]      # one name, or one per expert (stacked along axis 0)
-    transpose: bool
+    transpose: bool                # HF's last two axes are ours swapped
+    rows: tuple[int, int] | None = None   # a row range of HF's axis -2 (fused gate | up experts)
 
     def hf_shape(self, our_shape) -> tuple[int, ...]:
-        shape = tuple(our_shape[1:]) if len(self.hf_names) > 1 else tuple(our_shape)
-        return shape[::-1] if self.transpose else shape
+        """The HF tensor's shape for our param's shape (the row range's size on axis -2)."""
+        shape = list(our_shape[1:]) if len(self.hf_names) > 1 else list(our_shape)
+        if self.transpose:
+            shape[-2:] = shape[-2:][::-1]
+        return tuple(shape)
+
+    def shape_ok(self, got, our_shape) -> bool:
+        want = self.hf_shape(our_shape)
+        if self.rows is None:
+            return tuple(got) == want
+        return (len(got) == len(want) and got[-2] >= self.rows[1] and tuple(got[:-2]) == want[:-2]
+                and got[-1] == want[-1])
 
 
-def resolve_source(path: str, shape, rules=QWEN3_NAME_RULES, prefix: str = "") -> TensorSource:
-    """Maps our dotted param path (e.g. `layers.0.self_attn.q_proj`) to its HF tensor(s)."""
+def _expert_source(path: str, expanded: str, shape, prefix: str, reader) -> TensorSource:
+    """An expert stack `[E, ...]`: per-expert tensors, or (when the checkpoint has them instead)
+    the fused `experts.gate_up_proj` / `experts.down_proj`."""
+    e = EXPERT_TEMPLATE.match(expanded)
+    if not e:
+        raise CheckpointError(f"no expert naming rule for param '{path}'")
+    base, which = prefix + e.group(1), e.group(2)
+    names = tuple(f"{base}experts.{i}.{which}_proj.weight" for i in range(shape[0]))
+    if reader is None or names[0] in reader:
+        return TensorSource(names, True)
+    if which == "down":
+        return TensorSource((f"{base}experts.down_proj",), True)
+    inter = shape[2]
+    rows = (0, inter) if which == "gate" else (inter, 2 * inter)
+    return TensorSource((f"{base}experts.gate_up_proj",), True, rows)
+
+
+def resolve_source(path: str, shape, rules=QWEN_NAME_RULES, prefix: str = "", reader=None) -> TensorSource:
+    """Maps our dotted param path (e.g. `layers.0.self_attn.q_proj`) to its HF tensor(s); with a
+    `reader`, expert stacks follow the layout the checkpoint holds (per-expert by default)."""
     for pattern, template, how in rules:
         m = re.fullmatch(pattern, path)
         if not m:
             continue
-        name = prefix + m.expand(template)
         if how == "T" and len(shape) == 3:
-            e = EXPERT_TEMPLATE.match(m.expand(template))
-            if not e:
-                raise CheckpointError(f"no expert naming rule for param '{path}'")
-            names = tuple(f"{prefix}{e.group(1)}experts.{i}.{e.group(2)}_proj.weight" for i in range(shape[0]))
-            return TensorSource(names, True)
-        return TensorSource((name,), how == "T")
+            return _expert_source(path, m.expand(template), shape, prefix, reader)
+        return TensorSource((prefix + m.expand(template),), how == "T")
     raise CheckpointError(f"no HF name rule for param '{path}'")
 
 
@@ -82,22 +123,33 @@ def _dotted(path) -> str:
     return ".".join(str(p) for p in path)
 
 
+def _swap_last(x):
+    return np.swapaxes(x, -1, -2)
+
+
 def _read_slice(reader: CheckpointReader, src: TensorSource, index, dtype) -> np.ndarray:
     """The block `index` (slices in our layout) of a param, read from the memory-mapped files."""
+    def hf_index(idx):
+        idx = list(idx)
+        if src.transpose and len(idx) >= 2:
+            idx[-2], idx[-1] = idx[-1], idx[-2]
+        if src.rows is not None:
+            lo, hi = src.rows
+            start, stop, _ = idx[-2].indices(hi - lo)
+            idx[-2] = slice(lo + start, lo + stop)
+        return tuple(idx)
+
     if len(src.hf_names) > 1:
-        inner = index[1:]
-        hf_idx = inner[::-1] if src.transpose else inner
-        parts = [reader.array(n)[hf_idx] for n in src.hf_names[index[0]]]
-        block = np.stack([p.T if src.transpose else p for p in parts])
+        parts = [reader.array(n)[hf_index(index[1:])] for n in src.hf_names[index[0]]]
+        block = np.stack([_swap_last(p) if src.transpose else p for p in parts])
     else:
-        hf_idx = index[::-1] if src.transpose else index
-        block = reader.array(src.hf_names[0])[hf_idx]
-        block = block.T if src.transpose else block
+        block = reader.array(src.hf_names[0])[hf_index(index)]
+        block = _swap_last(block) if src.transpose else block
     return np.ascontiguousarray(block.astype(dtype))
 
 
 def load_params(abstract_state: nnx.State, reader: CheckpointReader, mesh: Mesh, dtype,
-                rules=QWEN3_NAME_RULES, prefix: str = "", mesh_rules: MeshRules = DEFAULT_RULES,
+                rules=QWEN_NAME_RULES, prefix: str = "", mesh_rules: MeshRules = DEFAULT_RULES,
                 progress: Callable[[str], None] | None = None) -> tuple[nnx.State, set[str]]:
     """Fills an abstract NNX state from `reader`, each array placed at its mesh sharding.
 
@@ -110,13 +162,13 @@ def load_params(abstract_state: nnx.State, reader: CheckpointReader, mesh: Mesh,
     loaded = []
     for (path, var), (_, shard_var) in zip(nnx.to_flat_state(abstract_state), nnx.to_flat_state(shardings)):
         dotted = _dotted(path)
-        src = resolve_source(dotted, var.shape, rules, prefix)
+        src = resolve_source(dotted, var.shape, rules, prefix, reader)
         for name in src.hf_names:
             if name not in reader:
                 raise CheckpointError(f"{reader.model_dir}: missing tensor '{name}' (for param '{dotted}')")
             got = reader.shape(name)
             want = src.hf_shape(var.shape)
-            if got != want:
+            if not src.shape_ok(got, var.shape):
                 raise CheckpointError(f"{reader.model_dir}: tensor '{name}' has shape {list(got)}, "
                                       f"expected {list(want)} from config.json")
         if progress:
@@ -129,7 +181,7 @@ def load_params(abstract_state: nnx.State, reader: CheckpointReader, mesh: Mesh,
     return nnx.from_flat_state(loaded), used
 
 
-def export_tensors(state: nnx.State, rules=QWEN3_NAME_RULES, prefix: str = "", dtype=None) -> dict[str, np.ndarray]:
+def export_tensors(state: nnx.State, rules=QWEN_NAME_RULES, prefix: str = "", dtype=None) -> dict[str, np.ndarray]:
     """HF-named numpy tensors of a (possibly sharded) state; gathers one param at a time."""
     out = {}
     for path, var in nnx.to_flat_state(state):
@@ -139,9 +191,9 @@ def export_tensors(state: nnx.State, rules=QWEN3_NAME_RULES, prefix: str = "", d
         src = resolve_source(_dotted(path), value.shape, rules, prefix)
         if len(src.hf_names) > 1:
             for i, name in enumerate(src.hf_names):
-                out[name] = value[i].T if src.transpose else value[i]
+                out[name] = _swap_last(value[i]) if src.transpose else value[i]
         else:
-            out[src.hf_names[0]] = value.T if src.transpose else value
+            out[src.hf_names[0]] = _swap_last(value) if src.transpose else value
     return out
 
 
@@ -180,7 +232,9 @@ def load_target(model_dir: str, dtype="float32", mesh: Mesh | None = None,
     mesh = mesh or make_mesh()
     graphdef, abstract = abstract_target(cfg, dtype)
     reader = CheckpointReader(model_dir)
-    state, used = load_params(abstract, reader, mesh, dtype, mesh_rules=mesh_rules)
+    image_text = f"{IMAGE_TEXT_PREFIX}embed_tokens.weight" in reader
+    rules = image_text_rules() if image_text else QWEN_NAME_RULES
+    state, used = load_params(abstract, reader, mesh, dtype, rules=rules, mesh_rules=mesh_rules)
     unexpected = [k for k in reader.keys() if k not in used and not k.startswith(IGNORED_PREFIXES)
                   and not k.endswith(IGNORED_SUFFIXES)
                   and not (cfg.tie_word_embeddings and k == "lm_head.weight")]

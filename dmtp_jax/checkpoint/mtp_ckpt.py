@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dmtp_jax.checkpoint.hf import QWEN3_NAME_RULES, LoadedModel, export_tensors, load_params
+from dmtp_jax.checkpoint.hf import QWEN_NAME_RULES, LoadedModel, export_tensors, load_params
 from dmtp_jax.checkpoint.safetensors_io import CheckpointError, CheckpointReader
 from dmtp_jax.config import TargetConfig
 from dmtp_jax.models.mtp import MtpHead, mtp_config_for
@@ -25,7 +25,7 @@ MTP_NAME_RULES = (
     (r"fc", "fc.weight", "T"),
     (r"norm", "norm.weight", "copy"),
 ) + tuple((pattern, template.replace("model.layers", "layers"), how)
-          for pattern, template, how in QWEN3_NAME_RULES if pattern.startswith("layers"))
+          for pattern, template, how in QWEN_NAME_RULES if pattern.startswith("layers"))
 
 
 class MissingMtpError(CheckpointError):

@@ -14,6 +14,8 @@ import struct
 import ml_dtypes
 import numpy as np
 
+from dmtp_jax.errors import UserError
+
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
@@ -23,7 +25,7 @@ DTYPES = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be read or does not fit the model; names the file or tensor."""
 
 

@@ -25,8 +25,8 @@ from flax import nnx
 from dmtp_jax.checkpoint.hf import LoadedTarget
 from dmtp_jax.decode.batch import StopTracker, pad_prompts
 from dmtp_jax.decode.sampling import SamplingParams, sample_tokens
-from dmtp_jax.layers.kv_cache import KVCache
-from dmtp_jax.sharding import kv_cache_sharding, replicated
+from dmtp_jax.layers.kv_cache import KVCache, TargetCache
+from dmtp_jax.sharding import kv_cache_sharding, recurrent_state_sharding, replicated
 
 
 @dataclasses.dataclass
@@ -62,21 +62,75 @@ def pin_kv_cache(mesh, cache: KVCache | None) -> KVCache | None:
                    jax.lax.with_sharding_constraint(cache.v_lbskd, s))
 
 
+@functools.lru_cache(maxsize=None)
+def _zeros_maker(mesh, shape, dtype):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=recurrent_state_sharding(mesh, shape))
+
+
+def kv_cache_shape(cfg, batch: int, max_len: int) -> tuple[int, ...]:
+    """`[attention layers, B, S, kv_heads, head_dim]`."""
+    return (len(cfg.attention_layers), batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+
+
+def recurrent_state_shapes(cfg, batch: int):
+    """`(conv [Ll, B, K-1, C], ssm [Ll, B, nv, dk, dv])` of the DeltaNet layers, or None."""
+    n = len(cfg.linear_layers)
+    if not n:
+        return None
+    return ((n, batch, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim),
+            (n, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+
+
+def state_bytes_per_row(cfg, max_len: int, dtype_bytes: int = 2, verify_slots: int = 8) -> dict[str, int]:
+    """Bytes one row holds across rounds -- `kv` (K/V of the attention layers at `max_len` slots),
+    `conv` and `ssm` (fp32) of the DeltaNet layers -- and `verify_transient`: the per-token DeltaNet
+    inputs a verify round of `verify_slots` keeps for its commit (released after the round).
+    DeltaNet states are committed by replaying the accepted prefix, so no per-slot snapshots exist.
+
+    Example:
+        >>> state_bytes_per_row(cfg, 32768)["ssm"]  # doctest: +SKIP
+    """
+    out = {"kv": 2 * int(np.prod(kv_cache_shape(cfg, 1, max_len))) * dtype_bytes, "conv": 0, "ssm": 0,
+           "verify_transient": 0}
+    shapes = recurrent_state_shapes(cfg, 1)
+    if shapes:
+        conv, ssm = shapes
+        out["conv"] = int(np.prod(conv)) * dtype_bytes
+        out["ssm"] = int(np.prod(ssm)) * 4
+        nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        per_token = cfg.linear_conv_dim * dtype_bytes + 4 * (nv * dk + nv * dv + 2 * nv)
+        out["verify_transient"] = conv[0] * verify_slots * per_token
+    return out
+
+
 class TargetCaches:
-    """The target's KV caches: created and pinned at their mesh sharding."""
+    """The target's `TargetCache` (attention K/V, DeltaNet conv windows and states): created and
+    pinned at their mesh sharding (sizes: `state_bytes_per_row`)."""
 
     def __init__(self, target: LoadedTarget):
         self.target = target
 
     def shape(self, batch: int, max_len: int):
-        cfg = self.target.cfg
-        return (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return kv_cache_shape(self.target.cfg, batch, max_len)
 
-    def constrain(self, cache: KVCache) -> KVCache:
-        return pin_kv_cache(self.target.mesh, cache)
+    def state_shapes(self, batch: int):
+        return recurrent_state_shapes(self.target.cfg, batch)
 
-    def new(self, batch: int, max_len: int) -> KVCache:
-        return new_kv_cache(self.target.mesh, self.shape(batch, max_len), self.target.state_dtype)
+    def constrain(self, cache: TargetCache) -> TargetCache:
+        mesh = self.target.mesh
+        pin = lambda x: None if x is None else jax.lax.with_sharding_constraint(  # noqa: E731
+            x, recurrent_state_sharding(mesh, x.shape))
+        return TargetCache(pin_kv_cache(mesh, cache.kv), pin(cache.conv_lbwc), pin(cache.ssm_lbhkv))
+
+    def new(self, batch: int, max_len: int) -> TargetCache:
+        mesh = self.target.mesh
+        kv = new_kv_cache(mesh, self.shape(batch, max_len), self.target.state_dtype)
+        shapes = self.state_shapes(batch)
+        if shapes is None:
+            return TargetCache(kv)
+        conv_shape, ssm_shape = shapes
+        return TargetCache(kv, _zeros_maker(mesh, conv_shape, jnp.dtype(self.target.state_dtype))(),
+                           _zeros_maker(mesh, ssm_shape, jnp.dtype(jnp.float32))())
 
 
 class ARDecoder:
@@ -95,7 +149,7 @@ class ARDecoder:
         """Runs the prompts; returns the first new token per row and the filled cache."""
         model = self._model(state)
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        out = model(tokens_bt, positions, cache)
+        out = model(tokens_bt, positions, cache, kv_valid_bt=positions < lengths_b[:, None])
         logits = model.logits(gather_rows(out.hidden_bth, lengths_b - 1))
         first = jax.lax.with_sharding_constraint(sample_tokens(logits, sp, key), replicated(self.target.mesh))
         return first, self.caches.constrain(out.cache)

@@ -38,3 +38,35 @@ def write_layer(cache_lbskd: jax.Array, layer: int, new_btkd: jax.Array,
     rows_b1 = jnp.arange(new_btkd.shape[0])[:, None]
     return cache_lbskd.at[layer, rows_b1, positions_bt].set(new_btkd.astype(cache_lbskd.dtype),
                                                             mode="drop")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TargetCache:
+    """Everything a target carries between calls, one protocol for every family.
+
+    `kv` holds the attention layers only (`[La, B, S, kv, D]`, in `cfg.attention_layers` order);
+    Gated DeltaNet layers (`cfg.linear_layers` order) keep the last `K-1` pre-conv inputs
+    `conv_lbwc [Ll, B, K-1, C]` and the recurrent state `ssm_lbhkv [Ll, B, nv, dk, dv]` (fp32).
+    A pure-attention target has `conv_lbwc = ssm_lbhkv = None`.
+    """
+    kv: KVCache
+    conv_lbwc: jax.Array | None = None
+    ssm_lbhkv: jax.Array | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.max_len
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PendingBlock:
+    """What a speculative (`speculative=True`) target call leaves for `commit`: per DeltaNet layer,
+    the block's pre-conv inputs and the per-token delta-rule inputs, so that the state can be
+    advanced over exactly the accepted prefix of the block (`[Ll, B, T, ...]`, fp32 but conv_in)."""
+    conv_in_lbtc: jax.Array
+    k_lbthk: jax.Array
+    v_lbthv: jax.Array
+    g_lbth: jax.Array
+    beta_lbth: jax.Array

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dmtp_jax.config import ConfigError, _rope_theta, validate_decoder_stack
+from dmtp_jax.config import ConfigError, _rope, validate_decoder_stack
 from dmtp_jax.layers import params
 from dmtp_jax.layers.attention import attention_mask, grouped_attention
 from dmtp_jax.layers.norms import rms_norm
@@ -198,7 +198,7 @@ class DFlashConfig:
             target_layer_ids=tuple(int(i) for i in layer_ids),
             num_target_layers=int(num_target_layers) if num_target_layers is not None else None,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(d, where),
+            rope_theta=_rope(d, where)[0],
             layer_types=tuple(layer_types),
             sliding_window=int(sliding_window) if sliding_window is not None else None,
             is_causal=None if is_causal is None else bool(is_causal),
@@ -275,7 +275,7 @@ def context_features(target_out, dcfg: DFlashConfig, num_target_layers: int) -> 
     """Concatenated target features `[B, T, n_ctx*H]` exactly as `dflash` builds them from HF
     `hidden_states[k+1]`: the raw output of layer k, except for the target's last layer, whose HF
     entry is the post-final-norm state. `target_out` is the target's output for
-    `capture_layers=dcfg.target_layer_ids` (its `captured` and `hidden_bth`); `Qwen3Target` already
+    `capture_layers=dcfg.target_layer_ids` (its `captured` and `hidden_bth`); `QwenTarget` already
     captures the last layer post-norm, so this is then a plain concatenation.
 
     Example:

@@ -1,4 +1,4 @@
-"""Native MTP head (Qwen3.5 / Qwen3-Next / Qwen3.6 `mtp.*` format) for a Qwen3-family target.
+"""Native MTP head (Qwen3.5 / Qwen3-Next / Qwen3.6 `mtp.*` format) for a Qwen-family target.
 
 One MTP step predicts token t+2 from the target's post-final-norm hidden state at t and the token at
 t+1 (the row sits at position t+1, transformers' `MtpModel` convention):
@@ -7,9 +7,14 @@ t+1 (the row sits at position t+1, transformers' `MtpModel` convention):
     h = decoder_layer(u)                               # the target's own layer type, own KV cache
     y = norm(h);  logits = target.lm_head(y)
 
-Chained steps feed `y` back as the next step's hidden input. On a Qwen3 target the norms are plain
-RMSNorm and the layer is a Qwen3 decoder layer, exactly as `transformers.modeling_layers.MtpModel`
-builds it; `zero_centred=True` selects the Qwen3.5 `(1 + w)` norms for the MTP's own three norms.
+Chained steps feed `y` back as the next step's hidden input. The layer is the target's own
+full-attention layer type, exactly as `transformers.modeling_layers.MtpModel` builds it: on a
+Qwen3 target a Qwen3 layer with plain RMSNorms; on a hybrid target (Qwen3.5 / Qwen3.6 / Qwen3-Next)
+a gated full-attention layer with partial RoPE, the target's MLP kind (dense, or MoE with its shared
+expert) and zero-centred `(1 + w)` norms everywhere (the MTP's own four too).
+
+The MTP's rows start at position 1 (row `(h_0, x_1)`), so cache slot 0 is never written and never
+read as a key.
 
 Example:
     >>> head = MtpHead(mtp_config_for(cfg), dtype=jnp.float32, rngs=nnx.Rngs(0))  # doctest: +SKIP
@@ -35,9 +40,12 @@ from dmtp_jax.models.qwen3 import DecoderLayer
 @dataclasses.dataclass(frozen=True)
 class MtpConfig:
     """The MTP head of a target: its decoder layer is a 1-layer, full-attention copy of the target's
-    layer config."""
+    layer config (whose `zero_centred_norms` also sets the MTP's own norms)."""
     layer_cfg: TargetConfig
-    zero_centred: bool = False
+
+    @property
+    def zero_centred(self) -> bool:
+        return self.layer_cfg.zero_centred_norms
 
     @property
     def hidden_size(self) -> int:
@@ -45,13 +53,13 @@ class MtpConfig:
 
 
 def mtp_config_for(target_cfg: TargetConfig) -> MtpConfig:
-    """The MTP config of a Qwen3 / Qwen3-MoE target (layer 0 takes the sparse MLP when the
-    target's last layer is sparse, as `MtpModel` copies the last layer's class)."""
+    """The MTP config of a target (layer 0 takes the sparse MLP when the target's last layer is
+    sparse, as `MtpModel` copies the last layer's class; always full attention)."""
     last = target_cfg.num_hidden_layers - 1
     layer_cfg = dataclasses.replace(
         target_cfg, num_hidden_layers=1, layer_types=("full_attention",),
         mlp_only_layers=() if target_cfg.is_moe_layer(last) else (0,), decoder_sparse_step=1)
-    return MtpConfig(layer_cfg, zero_centred=False)
+    return MtpConfig(layer_cfg)
 
 
 class MtpHead(nnx.Module):
@@ -64,7 +72,7 @@ class MtpHead(nnx.Module):
         self.pre_fc_norm_embedding = norm_init((h,), (None,), dtype)
         self.pre_fc_norm_hidden = norm_init((h,), (None,), dtype)
         self.fc = params.weight(rngs, (2 * h, h), (None, "embed"), dtype)
-        self.layers = nnx.List([DecoderLayer(mcfg.layer_cfg, 0, dtype, rngs)])
+        self.layers = nnx.List([DecoderLayer(mcfg.layer_cfg, 0, dtype, rngs, first_key_slot=1)])
         self.norm = norm_init((h,), (None,), dtype)
 
     def _norm(self, x, w):
@@ -80,7 +88,7 @@ class MtpHead(nnx.Module):
         x = jnp.concatenate([self._norm(embeds_bth, self.pre_fc_norm_embedding),
                              self._norm(hidden_bth, self.pre_fc_norm_hidden)], axis=-1) @ self.fc[...]
         cfg = self.mcfg.layer_cfg
-        cos, sin = rope_cos_sin(positions_bt, cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions_bt, cfg.rotary_dim, cfg.rope_theta, x.dtype)
         h, cache = self.layers[0](x, positions_bt, cos, sin, cache, kv_valid_bt)
         return h, cache
 

@@ -1,18 +1,28 @@
-"""Qwen3 dense and Qwen3-MoE targets as NNX modules, run as pure functions.
+"""The Qwen target family as NNX modules, run as pure functions: Qwen3 dense and MoE, and the hybrid
+Qwen3.5 / Qwen3.6 (`qwen3_5`, `qwen3_5_moe`) and Qwen3-Next targets.
 
 One forward serves prefill, single-token decode, multi-token verify and training: it takes new
-tokens at explicit per-row positions, and either a static KV cache (slot == position) or none (the
-tokens attend only to each other). On request it returns the hidden states after chosen layers
-(HF `hidden_states[k+1]`, the DFlash context features; like HF, the last layer's entry is the
-post-final-norm state) next to the post-final-norm hidden state
-(the MTP input).
+tokens at explicit per-row positions, and either a `TargetCache` or none (the tokens then attend
+only to each other and DeltaNet layers start from a zero state). On request it returns the hidden
+states after chosen layers (HF `hidden_states[k+1]`, the DFlash context features; like HF, the last
+layer's entry is the post-final-norm state) next to the post-final-norm hidden state (the MTP input).
+
+The cache protocol, the same for every family (the decode round never asks which one it has):
+
+    out = target(tokens, positions, cache, kv_valid_bt=valid)   # prefill / decode: state advances
+    out = target(tokens, positions, cache, speculative=True)    # verify: KV written, state pending
+    cache = target.commit(out.cache, out.pending, keep_b)        # keep the first keep_b tokens
+
+Attention K/V live at slot == position, so rejected rows are simply never read; DeltaNet layers
+replay their recurrent update over the kept prefix (`models/deltanet.py`). A pure-attention target's
+`pending` is None and `commit` returns the cache as it is.
 
 Example:
     >>> from dmtp_jax.config import TargetConfig
     >>> cfg = TargetConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 64, "hidden_size": 16,
     ...     "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
     ...     "num_key_value_heads": 1, "head_dim": 8})
-    >>> model = Qwen3Target(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    >>> model = QwenTarget(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
     >>> out = model(jnp.zeros((1, 3), jnp.int32), jnp.arange(3)[None])
     >>> model.logits(out.hidden_bth).shape
     (1, 3, 64)
@@ -29,10 +39,11 @@ from flax import nnx
 from dmtp_jax.config import TargetConfig
 from dmtp_jax.layers import params
 from dmtp_jax.layers.attention import attention_mask, grouped_attention
-from dmtp_jax.layers.kv_cache import KVCache, write_layer
+from dmtp_jax.layers.kv_cache import KVCache, PendingBlock, TargetCache, write_layer
 from dmtp_jax.layers.mlp import moe_mlp, swiglu
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import apply_rope, rope_cos_sin
+from dmtp_jax.models.deltanet import GatedDeltaNet, commit_states
 
 
 @jax.tree_util.register_dataclass
@@ -40,17 +51,26 @@ from dmtp_jax.layers.rope import apply_rope, rope_cos_sin
 class TargetOutput:
     hidden_bth: jax.Array                 # post-final-norm hidden (MTP input, LM head input)
     captured: tuple[jax.Array, ...]       # outputs of the requested layers, [B, T, H] each
-    cache: KVCache | None
+    cache: TargetCache | None
+    pending: PendingBlock | None = None   # a speculative call's DeltaNet block inputs (for commit)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs: nnx.Rngs):
+    """GQA attention with per-head q/k RMSNorm and RoPE. Hybrid families add the sigmoid output
+    gate (`q_proj` is `[H, heads * 2D]`, each head's query then its gate), zero-centred q/k norms
+    and partial rotary (the tables' width). Also the drafter's attention (`models/dflash.py`)."""
+
+    def __init__(self, cfg, layer: int, dtype, rngs: nnx.Rngs, *, kv_index: int | None = None,
+                 first_key_slot: int = 0):
         h, nh, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.layer = layer
+        self.kv_index = layer if kv_index is None else kv_index
+        self.first_key_slot = first_key_slot      # cache slots below it are never keys (the MTP's 0)
         self.num_heads, self.num_kv_heads, self.head_dim = nh, kv, hd
         self.eps = cfg.rms_norm_eps
+        self.gated = bool(getattr(cfg, "attn_output_gate", False))
+        self.zero_centred = bool(getattr(cfg, "zero_centred_norms", False))
         self.window = cfg.sliding_window if cfg.layer_types[layer] == "sliding_attention" else None
-        self.q_proj = params.weight(rngs, (h, nh * hd), ("embed", "heads"), dtype)
+        self.q_proj = params.weight(rngs, (h, nh * hd * (2 if self.gated else 1)), ("embed", "heads"), dtype)
         self.k_proj = params.weight(rngs, (h, kv * hd), ("embed", "kv_heads"), dtype)
         self.v_proj = params.weight(rngs, (h, kv * hd), ("embed", "kv_heads"), dtype)
         self.o_proj = params.weight(rngs, (nh * hd, h), ("heads", "embed"), dtype)
@@ -60,37 +80,52 @@ class Attention(nnx.Module):
             self.k_bias = params.zeros((kv * hd,), ("kv_heads",), dtype)
             self.v_bias = params.zeros((kv * hd,), ("kv_heads",), dtype)
             self.o_bias = params.zeros((h,), (None,), dtype)
-        self.q_norm = params.ones((hd,), (None,), dtype)
-        self.k_norm = params.ones((hd,), (None,), dtype)
+        norm_init = params.zeros if self.zero_centred else params.ones
+        self.q_norm = norm_init((hd,), (None,), dtype)
+        self.k_norm = norm_init((hd,), (None,), dtype)
 
-    def qkv(self, x_bth, cos, sin):
-        """Projected, per-head normed and rotated q `[B,T,nh,D]`, k and v `[B,T,kv,D]`."""
+    def qkv_gate(self, x_bth, cos, sin):
+        """Projected, per-head normed and rotated q `[B,T,nh,D]`, k and v `[B,T,kv,D]`, and the
+        output gate `[B,T,nh*D]` (None without one)."""
         b, t, _ = x_bth.shape
         q, k, v = x_bth @ self.q_proj[...], x_bth @ self.k_proj[...], x_bth @ self.v_proj[...]
         if self.has_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-        q = rms_norm(q.reshape(b, t, self.num_heads, self.head_dim), self.q_norm[...], self.eps)
-        k = rms_norm(k.reshape(b, t, self.num_kv_heads, self.head_dim), self.k_norm[...], self.eps)
+        gate = None
+        if self.gated:
+            q = q.reshape(b, t, self.num_heads, 2 * self.head_dim)
+            q, gate = q[..., :self.head_dim], q[..., self.head_dim:].reshape(b, t, -1)
+        q = rms_norm(q.reshape(b, t, self.num_heads, self.head_dim), self.q_norm[...], self.eps, self.zero_centred)
+        k = rms_norm(k.reshape(b, t, self.num_kv_heads, self.head_dim), self.k_norm[...], self.eps,
+                     self.zero_centred)
         v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
-    def out(self, attn_bthd):
+    def qkv(self, x_bth, cos, sin):
+        """`qkv_gate` without the gate."""
+        return self.qkv_gate(x_bth, cos, sin)[:3]
+
+    def out(self, attn_bthd, gate_btf=None):
         b, t = attn_bthd.shape[:2]
-        y = attn_bthd.reshape(b, t, -1) @ self.o_proj[...]
+        y = attn_bthd.reshape(b, t, -1)
+        if gate_btf is not None:
+            y = y * jax.nn.sigmoid(gate_btf)
+        y = y @ self.o_proj[...]
         return y + self.o_bias[...] if self.has_bias else y
 
     def __call__(self, x_bth, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt):
-        q, k, v = self.qkv(x_bth, cos, sin)
+        q, k, v, gate = self.qkv_gate(x_bth, cos, sin)
         if cache is None:
             keys, values, k_pos, valid = k, v, positions_bt, kv_valid_bt
         else:
-            cache = KVCache(write_layer(cache.k_lbskd, self.layer, k, positions_bt),
-                            write_layer(cache.v_lbskd, self.layer, v, positions_bt))
-            keys, values = cache.k_lbskd[self.layer], cache.v_lbskd[self.layer]
+            i = self.kv_index
+            cache = KVCache(write_layer(cache.k_lbskd, i, k, positions_bt),
+                            write_layer(cache.v_lbskd, i, v, positions_bt))
+            keys, values = cache.k_lbskd[i], cache.v_lbskd[i]
             k_pos = jnp.broadcast_to(jnp.arange(cache.max_len), keys.shape[:2])
-            valid = None
+            valid = k_pos >= self.first_key_slot if self.first_key_slot else None
         mask = attention_mask(positions_bt, k_pos, valid, True, self.window)
-        return self.out(grouped_attention(q, keys, values, mask)), cache
+        return self.out(grouped_attention(q, keys, values, mask), gate), cache
 
 
 class DenseMLP(nnx.Module):
@@ -104,6 +139,9 @@ class DenseMLP(nnx.Module):
 
 
 class SparseMoE(nnx.Module):
+    """Top-k routed experts; Qwen3.5-MoE / Qwen3-Next add a shared expert scaled by
+    `sigmoid(x @ shared_expert_gate)`."""
+
     def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs):
         h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
@@ -111,39 +149,66 @@ class SparseMoE(nnx.Module):
         self.gate_proj = params.weight(rngs, (e, h, i), ("experts", "embed", "mlp"), dtype)
         self.up_proj = params.weight(rngs, (e, h, i), ("experts", "embed", "mlp"), dtype)
         self.down_proj = params.weight(rngs, (e, i, h), ("experts", "mlp", "embed"), dtype)
+        self.has_shared = cfg.shared_expert
+        if cfg.shared_expert:
+            self.shared_expert = DenseMLP(h, cfg.shared_expert_intermediate_size, dtype, rngs)
+            self.shared_expert_gate = params.weight(rngs, (h, 1), ("embed", None), dtype)
 
     def __call__(self, x_bth):
         b, t, h = x_bth.shape
-        y = moe_mlp(x_bth.reshape(b * t, h), self.router[...], self.gate_proj[...], self.up_proj[...],
-                    self.down_proj[...], self.top_k, self.norm_topk_prob)
+        x = x_bth.reshape(b * t, h)
+        y = moe_mlp(x, self.router[...], self.gate_proj[...], self.up_proj[...], self.down_proj[...],
+                    self.top_k, self.norm_topk_prob)
+        if self.has_shared:
+            y = y + jax.nn.sigmoid(x @ self.shared_expert_gate[...]) * self.shared_expert(x)
         return y.reshape(b, t, h)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs: nnx.Rngs):
+    """Pre-norm block: `x += mixer(norm(x)); x += mlp(norm(x))`. The mixer is attention (`self_attn`)
+    or, for `linear_attention` layers, Gated DeltaNet (`linear_attn`)."""
+
+    def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs: nnx.Rngs, *, kv_index: int | None = None,
+                 first_key_slot: int = 0):
         self.eps = cfg.rms_norm_eps
-        self.input_layernorm = params.ones((cfg.hidden_size,), (None,), dtype)
-        self.post_attention_layernorm = params.ones((cfg.hidden_size,), (None,), dtype)
-        self.self_attn = Attention(cfg, layer, dtype, rngs)
+        self.zero_centred = cfg.zero_centred_norms
+        self.is_linear = cfg.layer_types[layer] == "linear_attention"
+        norm_init = params.zeros if cfg.zero_centred_norms else params.ones
+        self.input_layernorm = norm_init((cfg.hidden_size,), (None,), dtype)
+        self.post_attention_layernorm = norm_init((cfg.hidden_size,), (None,), dtype)
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, dtype, rngs)
+        else:
+            self.self_attn = Attention(cfg, layer, dtype, rngs, kv_index=kv_index, first_key_slot=first_key_slot)
         self.mlp = (SparseMoE(cfg, dtype, rngs) if cfg.is_moe_layer(layer)
                     else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs))
 
-    def __call__(self, x, positions_bt, cos, sin, cache, kv_valid_bt):
-        attn, cache = self.self_attn(rms_norm(x, self.input_layernorm[...], self.eps), positions_bt,
-                                     cos, sin, cache, kv_valid_bt)
-        x = x + attn
-        x = x + self.mlp(rms_norm(x, self.post_attention_layernorm[...], self.eps))
-        return x, cache
+    def norm(self, x, weight):
+        return rms_norm(x, weight[...], self.eps, self.zero_centred)
+
+    def finish(self, x, mixed):
+        """Residual add of the mixer output, then the MLP half of the block."""
+        x = x + mixed
+        return x + self.mlp(self.norm(x, self.post_attention_layernorm))
+
+    def __call__(self, x, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt):
+        """An attention layer (the DeltaNet path is `QwenTarget._linear_layer`)."""
+        attn, cache = self.self_attn(self.norm(x, self.input_layernorm), positions_bt, cos, sin, cache,
+                                     kv_valid_bt)
+        return self.finish(x, attn), cache
 
 
-class Qwen3Target(nnx.Module):
-    """A Qwen3 / Qwen3-MoE causal LM. Params use `[in, out]` kernels; HF names map in `checkpoint.hf`."""
+class QwenTarget(nnx.Module):
+    """A Qwen-family causal LM. Params use `[in, out]` kernels; HF names map in `checkpoint.hf`."""
 
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed_tokens = params.weight(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_hidden_layers)])
-        self.norm = params.ones((cfg.hidden_size,), (None,), dtype)
+        kv_index = {layer: j for j, layer in enumerate(cfg.attention_layers)}
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs, kv_index=kv_index.get(i))
+                                for i in range(cfg.num_hidden_layers)])
+        norm_init = params.zeros if cfg.zero_centred_norms else params.ones
+        self.norm = norm_init((cfg.hidden_size,), (None,), dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = params.weight(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
 
@@ -161,24 +226,52 @@ class Qwen3Target(nnx.Module):
             return jnp.einsum("...h,vh->...v", hidden, self.embed_tokens[...])
         return hidden @ self.lm_head[...]
 
-    def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array, cache: KVCache | None = None,
+    def commit(self, cache: TargetCache, pending: PendingBlock | None, keep_b: jax.Array) -> TargetCache:
+        """The cache after keeping the first `keep_b` tokens of the last speculative call per row
+        (`keep_b = 0`: as before that call). Attention K/V need nothing: rows past a row's length
+        are never read."""
+        if pending is None:
+            return cache
+        conv, ssm = commit_states(cache.conv_lbwc, cache.ssm_lbhkv, pending, keep_b.astype(jnp.int32))
+        return TargetCache(cache.kv, conv, ssm)
+
+    def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array, cache: TargetCache | None = None,
                  *, capture_layers: tuple[int, ...] = (), kv_valid_bt: jax.Array | None = None,
-                 embeds_bth: jax.Array | None = None) -> TargetOutput:
+                 embeds_bth: jax.Array | None = None, speculative: bool = False) -> TargetOutput:
         """Runs new tokens at `positions [B, T]`.
 
         With `cache`, K/V are written at slot == position and every key `<=` the query position is
-        read; without, the tokens attend causally to each other (`kv_valid_bt` masks padding).
-        `embeds_bth` replaces the embedding lookup when given.
+        read; without, the tokens attend causally to each other. `kv_valid_bt` marks real tokens (a
+        right-padded prefix per row): padding is no key without a cache and never enters a DeltaNet
+        state. `speculative=True` leaves DeltaNet states for `commit`. `embeds_bth` replaces the
+        embedding lookup when given.
         """
         x = self.embed(tokens_bt) if embeds_bth is None else embeds_bth
-        cos, sin = rope_cos_sin(positions_bt, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        by_layer = {}
+        cos, sin = rope_cos_sin(positions_bt, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
+        kv = None if cache is None else cache.kv
+        conv = None if cache is None else cache.conv_lbwc
+        ssm = None if cache is None else cache.ssm_lbhkv
+        pending, by_layer, state_index = [], {}, 0
         for i, layer in enumerate(self.layers):
-            x, cache = layer(x, positions_bt, cos, sin, cache, kv_valid_bt)
+            if layer.is_linear:
+                j = state_index
+                state_index += 1
+                y, (c, s), block = layer.linear_attn(
+                    layer.norm(x, layer.input_layernorm), None if conv is None else conv[j],
+                    None if ssm is None else ssm[j], kv_valid_bt, speculative=speculative and cache is not None)
+                if block is not None:
+                    pending.append(block)
+                elif ssm is not None:
+                    conv, ssm = conv.at[j].set(c), ssm.at[j].set(s)
+                x = layer.finish(x, y)
+            else:
+                x, kv = layer(x, positions_bt, cos, sin, kv, kv_valid_bt)
             if i in capture_layers:
                 by_layer[i] = x
-        hidden = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps)
+        hidden = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps, self.cfg.zero_centred_norms)
         last = len(self.layers) - 1
         if last in by_layer:          # HF's hidden_states[L] is the post-norm state
             by_layer[last] = hidden
-        return TargetOutput(hidden, tuple(by_layer[i] for i in capture_layers), cache)
+        new_cache = None if cache is None else TargetCache(kv, conv, ssm)
+        stacked = PendingBlock(*(jnp.stack(parts) for parts in zip(*pending))) if pending else None
+        return TargetOutput(hidden, tuple(by_layer[i] for i in capture_layers), new_cache, stacked)

@@ -1,0 +1,159 @@
+"""Sparse MoE (`dmtp_jax.layers.mlp.moe_mlp`) equals the dense reference, in value and gradient, on one
+device and with the experts sharded over 8 fake CPU devices.
+
+The 8-device check needs `--xla_force_host_platform_device_count=8` before jax is imported, so it runs
+this file as a script in a subprocess (`python tests/test_moe.py --sharded`), which prints JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARDED_MESHES = ["expert=8", "expert=4,data=2", "expert=2,fsdp=2,tensor=2"]
+SHARDED_CASE = dict(n=24, h=16, e=16, i=8, k=4)
+GRAD_ARGNUMS = (0, 1, 2, 3, 4)     # x, router, gate, up, down
+
+if __name__ == "__main__" and "--sharded" in sys.argv:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+    sys.path.insert(0, os.path.dirname(HERE))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dmtp_jax.layers.mlp import block_rows_for, moe_mlp, moe_mlp_dense  # noqa: E402
+
+WEIGHT_AXES = [("batch", None), ("embed", None), ("experts", "embed", "mlp"),
+               ("experts", "embed", "mlp"), ("experts", "mlp", "embed")]
+
+
+def random_moe(n: int, h: int, e: int, i: int, seed: int = 0, hot_experts: int | None = None):
+    """`(x_nh, router_he, gate_ehi, up_ehi, down_eih)`; `hot_experts` biases the router towards the
+    first few experts so that most experts receive no token."""
+    rng = np.random.default_rng(seed)                       # numpy: no per-shape compiles
+    x_nh = rng.standard_normal((n, h), np.float32)
+    router_he = rng.standard_normal((h, e), np.float32) * 0.3
+    if hot_experts is not None:
+        x_nh[:, 0] = 1.0 + np.abs(x_nh[:, 0])
+        router_he[0, :hot_experts] += 10.0
+    gate_ehi, up_ehi = (rng.standard_normal((e, h, i), np.float32) * 0.3 for _ in range(2))
+    down_eih = rng.standard_normal((e, i, h), np.float32) * 0.3
+    return x_nh, router_he, gate_ehi, up_ehi, down_eih
+
+
+def loss_fn(moe, top_k: int, norm: bool):
+    return lambda *args: jnp.sum(jnp.sin(moe(*args, top_k, norm)))
+
+
+# ------------------------------------------------------------------------------------------ one device
+
+CASES = [  # (n, e, k, norm, hot_experts, impls)
+    (1, 8, 2, True, None, ("scan", "blocked")),              # decode, one token
+    (7, 8, 3, False, None, ("scan", "blocked")),             # N*k = 21 not divisible by E
+    (5, 256, 8, True, None, ("scan",)),                      # E >> N*k: most experts get no row
+    (50, 16, 4, True, 2, ("scan", "blocked", "ragged")),     # all tokens on the same 2 (+2) experts
+]
+
+
+def test_sparse_equals_dense_fp32():
+    for n, e, k, norm, hot, impls in CASES:
+        args = random_moe(n, 16, e, 8, seed=n + e, hot_experts=hot)
+        ref_nh = np.asarray(jax.jit(moe_mlp_dense, static_argnums=(5, 6))(*args, k, norm))
+        for impl in impls:
+            y_nh = np.asarray(jax.jit(lambda *a: moe_mlp(*a, k, norm, impl=impl))(*args))
+            assert y_nh.shape == (n, 16) and y_nh.dtype == np.float32
+            np.testing.assert_allclose(y_nh, ref_nh, atol=2e-6, rtol=1e-5, err_msg=f"{impl} {n=} {e=} {k=}")
+
+
+def test_sparse_bf16_close_to_dense():
+    args = [a.astype(jnp.bfloat16) for a in random_moe(16, 32, 16, 16, seed=3)]
+    y_nh = jax.jit(lambda *a: moe_mlp(*a, 4, True))(*args)
+    assert y_nh.dtype == jnp.bfloat16
+    ref_nh = jax.jit(moe_mlp_dense, static_argnums=(5, 6))(*[a.astype(jnp.float32) for a in args], 4, True)
+    np.testing.assert_allclose(np.asarray(y_nh, np.float32), np.asarray(ref_nh), atol=0.05, rtol=0.05)
+
+
+def test_gradients_equal_dense():
+    for n, e, k, norm, hot, impls in [(7, 8, 3, True, None, ("scan", "blocked", "ragged")),
+                                      (20, 32, 4, False, 3, ("scan",))]:
+        args = random_moe(n, 16, e, 8, seed=e, hot_experts=hot)
+        ref = jax.jit(jax.grad(loss_fn(moe_mlp_dense, k, norm), argnums=GRAD_ARGNUMS))(*args)
+        for impl in impls:
+            sparse = lambda *a, impl=impl: moe_mlp(*a, impl=impl)   # noqa: E731
+            got = jax.jit(jax.grad(loss_fn(sparse, k, norm), argnums=GRAD_ARGNUMS))(*args)
+            for name, g, r in zip(["x", "router", "gate", "up", "down"], got, ref):
+                scale = max(1.0, float(np.max(np.abs(r))))      # fp32 sums in another order
+                np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-6 * scale, rtol=1e-5,
+                                           err_msg=f"d/d{name} {impl} {n=} {e=} {k=}")
+
+
+def test_block_rows_keep_padding_bounded():
+    assert block_rows_for(8, 256) == 1          # decode: one row per block, no padding
+    assert block_rows_for(2048, 8) == 128       # capped
+    assert block_rows_for(2048, 256) == 8
+
+
+def test_unknown_impl_raises():
+    import pytest
+    with pytest.raises(ValueError, match="unknown MoE impl"):
+        moe_mlp(*(np.zeros(s, np.float32) for s in [(2, 8), (8, 4), (4, 8, 4), (4, 8, 4), (4, 4, 8)]),
+                2, True, impl="megablox")
+
+
+def test_mesh_axes_keep_old_specs():
+    from dmtp_jax.sharding import DEFAULT_RULES, MESH_AXES, parse_mesh_spec
+    assert MESH_AXES == ("data", "fsdp", "expert", "tensor")
+    assert parse_mesh_spec("tensor=4,data=2") == {"data": 2, "fsdp": 1, "expert": 1, "tensor": 4}
+    assert parse_mesh_spec("fsdp=8")["expert"] == 1
+    assert DEFAULT_RULES.lookup("experts") == ("expert",)
+
+
+# ------------------------------------------------------------------------------------- 8 fake devices
+
+def sharded_main() -> None:
+    """Prints `{mesh: {"out": max |diff|, "grads": [max |diff|], "gate_spec": str, "collectives": [..]}}`
+    against the unsharded result, for each of SHARDED_MESHES."""
+    from dmtp_jax.sharding import make_mesh, named_sharding
+
+    c = SHARDED_CASE
+    args = random_moe(c["n"], c["h"], c["e"], c["i"], seed=5)
+    forward = jax.jit(lambda *a: moe_mlp(*a, c["k"], True))
+    grads = jax.jit(jax.grad(loss_fn(moe_mlp, c["k"], True), argnums=GRAD_ARGNUMS))
+    ref_out, ref_grads = forward(*args), grads(*args)
+    report = {}
+    for spec in SHARDED_MESHES:
+        mesh = make_mesh(spec)
+        placed = [jax.device_put(a, named_sharding(ax, a.shape, mesh)) for a, ax in zip(args, WEIGHT_AXES)]
+        compiled = forward.lower(*placed).compile()
+        report[spec] = {
+            "out": float(jnp.max(jnp.abs(compiled(*placed) - ref_out))),
+            "grads": [float(jnp.max(jnp.abs(g - r))) for g, r in zip(grads(*placed), ref_grads)],
+            "gate_spec": str(placed[2].sharding.spec),
+            "all_gathers": sum(" all-gather(" in line for line in compiled.as_text().splitlines()),
+        }
+    print(json.dumps(report))
+
+
+def test_expert_sharded_8_devices_equal_one_device():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--sharded"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(report) == set(SHARDED_MESHES)
+    for spec, r in report.items():
+        assert "expert" in r["gate_spec"], (spec, r["gate_spec"])
+        assert r["out"] <= 1e-5, (spec, r)
+        assert max(r["grads"]) <= 1e-5, (spec, r)
+    # experts stay where they are: the expert-parallel forward gathers no weights (only an all-reduce)
+    assert report["expert=8"]["all_gathers"] == 0, report["expert=8"]
+
+
+if __name__ == "__main__" and "--sharded" in sys.argv:
+    sharded_main()
