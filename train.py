@@ -18,16 +18,16 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import signal
+import os
 import sys
 
-from dmtp_jax.cli import int_list
+from dmtp_jax.cli import ArgumentParser, int_list, run_command
+from dmtp_jax.errors import InputError
 
 
 def build_parser() -> argparse.ArgumentParser:
     from dmtp_jax.train.loss import METHODS as TRAIN_METHODS
-    p = argparse.ArgumentParser(prog="train.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     def dist(sp):
@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--keep-checkpoints", type=int)
     t.add_argument("--stop-at", type=int, help="stop (with a checkpoint) after this step; "
                    "the LR schedule still spans --steps")
+    t.add_argument("--max-nonfinite", type=int,
+                   help="stop after this many consecutive steps with a non-finite loss or gradient (each one's "
+                        "update is skipped; default 10)")
     t.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     dist(t)
 
@@ -113,19 +116,18 @@ def load_config_file(path: str) -> dict:
     """`get_config()` of a python file, as a dict."""
     spec = importlib.util.spec_from_file_location("_train_config", path)
     if spec is None or not path.endswith(".py"):
-        raise ValueError(f"--config must be a .py file with get_config(), got '{path}'")
+        raise InputError(f"--config must be a .py file with get_config(), got '{path}'")
+    if not os.path.isfile(path):
+        raise InputError(f"config file not found: {path}")
     module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"config file not found: {path}") from None
+    spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
-        raise ValueError(f"{path} defines no get_config()")
+        raise InputError(f"{path} defines no get_config()")
     cfg = module.get_config()
     if dataclasses.is_dataclass(cfg):
         cfg = dataclasses.asdict(cfg)
     if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: get_config() must return a dict or a dataclass")
+        raise InputError(f"{path}: get_config() must return a dict or a dataclass")
     return dict(cfg)
 
 
@@ -150,13 +152,17 @@ def cmd_train(args) -> int:
     cfg.validate()
     _init_distributed(args)
     from dmtp_jax.train.loop import run_training
-    # SIGTERM (preemption) -> normal exit path, which writes the exit checkpoint
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    summary = run_training(cfg)
+    from dmtp_jax.train.resilience import QuietDiskFull
+    for name in ("absl", "asyncio"):    # a full disk is reported once, in one line (even at exit)
+        logging.getLogger(name).addFilter(QuietDiskFull())
+    summary = run_training(cfg)     # SIGTERM / SIGINT: checkpoint, then a clean return (see loop.py)
     import jax
     if jax.process_index() == 0:
         print(json.dumps({k: v for k, v in summary.items() if k not in ("records", "losses")}))
-    return 0
+        if summary.get("stopped_by"):
+            print(f"training stopped by {summary['stopped_by']} after step {summary['last_checkpoint']}; "
+                  f"checkpoint written: continue with --resume", file=sys.stderr)
+    return summary.get("exit_status", 0)
 
 
 def cmd_export(args) -> int:
@@ -202,16 +208,8 @@ def _config_command(argv: list[str]) -> list[str]:
 def main(argv=None) -> int:
     argv = _config_command(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
-    from dmtp_jax.errors import USER_ERRORS
-    try:
-        return {"train": cmd_train, "export": cmd_export, "regen": cmd_regen,
-                "pretrain": cmd_pretrain}[args.command](args)
-    except NotImplementedError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_command({"train": cmd_train, "export": cmd_export, "regen": cmd_regen,
+                        "pretrain": cmd_pretrain}[args.command], args)
 
 
 if __name__ == "__main__":

@@ -151,10 +151,10 @@ def test_chat_template_prompts_carry_answers_and_tools():
 @needs_data
 def test_every_named_workload_loads():
     for name in WORKLOADS:
-        wl = load_workload(name, num_prompts=2)
+        wl = load_workload(name, DATA_DIR, num_prompts=2)
         assert len(wl.requests) == 2 and all(r.turns and all(r.turns) for r in wl.requests), name
-    assert load_workload("mt_bench", num_prompts=3).num_generations == 6
-    assert load_workload("bfcl", num_prompts=1).requests[0].tools
+    assert load_workload("mt_bench", DATA_DIR, num_prompts=3).num_generations == 6
+    assert load_workload("bfcl", DATA_DIR, num_prompts=1).requests[0].tools
 
 
 @needs_data
@@ -165,7 +165,7 @@ def test_mt_bench_second_turn_carries_first_answer(tmp_path):
 
     target_dir = ensure_tiny_target(str(tmp_path / "tiny"))
     tok = load_tokenizer(target_dir)
-    wl = load_workload("mt_bench", num_prompts=2)
+    wl = load_workload("mt_bench", DATA_DIR, num_prompts=2)
     runs = run_benchmark(make_decoders(["ar"], load_target(target_dir), {}), wl, tok, max_new_tokens=6,
                          batch_size=2, stop_ids=[], retime=False)
     gens = runs["ar"].generations

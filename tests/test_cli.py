@@ -99,3 +99,30 @@ def test_generate_dmtp_from_a_plain_dflash_drafter(mtp_target_dir, tmp_path):
         outs[method] = json.loads(path.read_text())
     assert outs["mtp"]["output_ids"] == outs["ar"]["output_ids"] == outs["dmtp"]["output_ids"]
     assert len(outs["dmtp"]["acceptance_lengths"]) == 2
+
+
+def test_compare_keeps_expected_mtp_tensors_out_of_the_load_report(mtp_target_dir):
+    """transformers lists a target's `mtp.*` tensors as UNEXPECTED (a coloured table on stderr);
+    `compare` loads them knowingly, so its load report leaves them out."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.text = ""
+
+        def emit(self, record):
+            self.text += record.getMessage()
+
+    keep, logger = Keep(), logging.getLogger("transformers.modeling_utils")
+    logger.addHandler(keep)
+    try:
+        with infer.mtp_tensors_expected():
+            AutoModelForCausalLM.from_pretrained(mtp_target_dir)
+        assert "UNEXPECTED" not in keep.text
+        AutoModelForCausalLM.from_pretrained(mtp_target_dir)
+        assert "UNEXPECTED" in keep.text and "mtp." in keep.text       # what it prints otherwise
+    finally:
+        logger.removeHandler(keep)

@@ -1,6 +1,7 @@
-"""Benchmark workloads: the public eval prompts under the shared data directory, or a user JSONL.
+"""Benchmark workloads: public eval prompts (from the hub or a local directory), or a user JSONL.
 
-Named workloads (files under the data directory, see its `SOURCES.md`):
+Named workloads (files of a local copy; `sources.HUB_SOURCES` names the hub datasets with the
+same fields):
 
 ============  ===========================================  =======================================
 name          file(s)                                      prompt
@@ -22,8 +23,9 @@ bfcl          bfcl/BFCL_v4_simple_python.json,             the user question; th
 A user JSONL has one record per line: `{"prompt": "..."}`, `{"turns": ["...", "..."]}` or
 `{"prompt_ids": [1, 2, 3]}` (token ids, no tokenizer needed); blank lines are skipped.
 
-The data directory is `--data-dir`, else `$DMTP_JAX_DATA`, else `<repo>/../shared/data`. The data
-files are read where they are, never copied.
+Where a named workload is read from (`sources.named_records`): `--data-dir` or `$DMTP_JAX_DATA`
+when set, else the hub through the optional `datasets` library, else `<repo>/../shared/data`;
+otherwise one error that says why. The data files are read where they are, never copied.
 
 Multi-turn requests: turn k's prompt carries the model's own answers to turns 1..k-1 (the runner
 generates turn 1, then renders turn 2 from its output). With a chat template the conversation is
@@ -44,8 +46,9 @@ import dataclasses
 import gzip
 import json
 import os
-from pathlib import Path
 from typing import Callable
+
+from dmtp_jax.errors import UserError
 
 REASON_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_FORMAT = ("Write a solution to the following problem and make sure that it passes the tests:\n"
@@ -53,7 +56,7 @@ HUMANEVAL_FORMAT = ("Write a solution to the following problem and make sure tha
 TOOLS_PREAMBLE = "You have access to the following functions (JSON schema, one per line):\n"
 
 
-class WorkloadError(ValueError):
+class WorkloadError(UserError, ValueError):
     """A missing workload file, an unknown workload name or a malformed record (one line)."""
 
 
@@ -93,11 +96,9 @@ class Workload:
 
 # ---- data directory and files -----------------------------------------------------------------
 def default_data_dir() -> str:
-    """`$DMTP_JAX_DATA`, else `<repo>/../shared/data` (the repo is the parent of `dmtp_jax/`)."""
-    env = os.environ.get("DMTP_JAX_DATA")
-    if env:
-        return env
-    return str(Path(__file__).resolve().parents[2].parent / "shared" / "data")
+    """The local data directory: `$DMTP_JAX_DATA`, else `<repo>/../shared/data`."""
+    from dmtp_jax.bench.sources import DATA_ENV, sibling_data_dir
+    return os.environ.get(DATA_ENV) or sibling_data_dir()
 
 
 def read_records(path: str) -> list:
@@ -223,20 +224,13 @@ def load_workload(name: str, data_dir: str | None = None, num_prompts: int | Non
     if num_prompts is not None and num_prompts < 1:
         raise WorkloadError(f"--num-prompts must be >= 1, got {num_prompts}")
     if name in WORKLOADS:
+        from dmtp_jax.bench.sources import named_records
         spec = WORKLOADS[name]
-        root = data_dir or default_data_dir()
-        paths = [os.path.join(root, f) for f in spec.files]
-        missing = [p for p in paths if not os.path.isfile(p)]
-        if missing:
-            raise WorkloadError(f"workload '{name}' needs {missing[0]}, which does not exist "
-                                f"(set --data-dir or DMTP_JAX_DATA to the shared data directory)")
-        requests = []
-        for p in paths:
-            try:
-                requests += spec.parse(read_records(p))
-            except (KeyError, TypeError, AttributeError) as e:
-                raise WorkloadError(f"{p}: unexpected record layout ({type(e).__name__}: {e})") from None
-        source = ",".join(paths)
+        records, source = named_records(name, spec.files, data_dir)
+        try:
+            requests = spec.parse(records)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise WorkloadError(f"{source}: unexpected record layout ({type(e).__name__}: {e})") from None
     elif name.endswith((".jsonl", ".json")) or os.path.isfile(name):
         if not os.path.isfile(name):
             raise WorkloadError(f"workload file {name} does not exist")

@@ -10,10 +10,12 @@ import dataclasses
 
 import numpy as np
 
+from dmtp_jax.errors import UserError
+
 VERIFY_SLOTS = 8  # room kept past max_new_tokens for a speculative round's writes
 
 
-class RequestError(ValueError):
+class RequestError(UserError, ValueError):
     """Bad generation input (empty prompt, token out of vocabulary, too long for the model)."""
 
 

@@ -18,6 +18,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dmtp_jax.decode.batch import RequestError
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -30,11 +32,11 @@ class SamplingParams:
     def make(cls, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> "SamplingParams":
         """Validated parameters. Example: `SamplingParams.make(temperature=0.7, top_p=0.9)`."""
         if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+            raise RequestError(f"temperature must be >= 0, got {temperature}")
         if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {top_p}")
         if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
+            raise RequestError(f"top_k must be >= 0, got {top_k}")
         return cls(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k))
 
     @property

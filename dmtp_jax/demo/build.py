@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from dmtp_jax.errors import InputError
+
 
 @dataclasses.dataclass
 class PretrainConfig:
@@ -81,7 +83,7 @@ class PretrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(f"unknown pretrain config keys: {', '.join(unknown)}")
+            raise InputError(f"unknown pretrain config keys: {', '.join(unknown)}")
         return cls(**d)
 
     def target_hf_config(self, eos_id: int) -> dict:
@@ -230,7 +232,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     mngr = checkpoint_manager(p["run"], cfg.keep_checkpoints)
     metrics_path = os.path.join(p["run"], "metrics.jsonl")
     if mngr.latest_step() is not None and not cfg.resume:
-        raise ValueError(f"{p['run']} already has checkpoints; pass --resume to continue or remove it")
+        raise InputError(f"{p['run']} already has checkpoints; pass --resume to continue or remove it")
     if cfg.resume and mngr.latest_step() is not None:
         state, meta = restore_checkpoint(mngr, pt)
         start = int(meta["step"])

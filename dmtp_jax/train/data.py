@@ -10,9 +10,11 @@ Records (one JSON object per line of a `.jsonl` file, or rows of a `.parquet` fi
 
 Layout: **padding, not packing**. Each record becomes one row of `seq_len` tokens: truncated to
 its first `seq_len` tokens, right-padded with `pad_id` and loss mask 0. A malformed record (bad
-JSON, unknown layout, ids outside the vocabulary, ...) is counted and replaced by an all-padding
-row with loss mask 0, with a warning: it never crashes a run and never shifts the other records
-(the batch of step s is the same whatever the malformed records are).
+JSON, unknown layout, ids outside the vocabulary, ...) is counted once (however often the epochs
+draw it) and replaced by an all-padding row with loss mask 0, with a warning: it never crashes a
+run and never shifts the other records (the batch of step s is the same whatever the malformed
+records are). A file with no valid record at all is a `DataError` before training starts
+(`TokenDataset.from_file` looks for the first valid record).
 
 Sharding by JAX process: the grain pipeline shuffles record *indices* (a new order each epoch)
 and batches them into global batches of `global_batch` indices; every process runs the same
@@ -36,7 +38,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dmtp_jax.errors import DataError
+
 log = logging.getLogger(__name__)
+RECORD_LAYOUTS = ('{"input_ids": [...], "loss_mask": [...]}, {"messages": [{"role": ..., "content": ...}]} '
+                  'or {"text": "..."}, one JSON object per line')
 MAX_WARNINGS = 20
 
 
@@ -53,17 +59,17 @@ def read_records(path: str) -> list[Any]:
         ['{"text": "hello"}']
     """
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file not found: {path}")
+        raise DataError(f"data file not found: {path}")
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise ValueError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+            raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
         return pq.read_table(path).to_pylist()
     with open(path, encoding="utf-8", errors="replace") as fh:
         lines = [line for line in fh.read().splitlines() if line.strip()]
     if not lines:
-        raise ValueError(f"data file {path} has no records")
+        raise DataError(f"data file {path} has no records")
     return lines
 
 
@@ -185,14 +191,19 @@ def pad_row(ids: Sequence[int], mask: Sequence[int], seq_len: int, pad_id: int =
 
 @dataclasses.dataclass
 class TokenDataset:
-    """Random access to encoded rows: `encode(i) -> (tokens_l, loss_mask_l, malformed)`."""
+    """Random access to encoded rows: `encode(i) -> (tokens_l, loss_mask_l, malformed)`.
+
+    `malformed` counts distinct malformed records this process has met (a record drawn again in
+    a later epoch, or twice in one batch, counts once).
+    """
 
     records: list[Any]
     seq_len: int
     tokenizer: Any = None
     vocab_size: int | None = None
     pad_id: int = 0
-    malformed: int = 0          # malformed records seen by this process (counted per use)
+    source: str = "records"
+    _bad: set = dataclasses.field(default_factory=set)
     _warned: int = 0
 
     @classmethod
@@ -204,17 +215,43 @@ class TokenDataset:
         pad = 0
         if tokenizer is not None:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        return cls(read_records(path), seq_len, tokenizer, vocab_size, int(pad))
+        dataset = cls(read_records(path), seq_len, tokenizer, vocab_size, int(pad), source=path)
+        dataset.first_valid_record()
+        return dataset
 
     def __len__(self) -> int:
         return len(self.records)
+
+    @property
+    def malformed(self) -> int:
+        return len(self._bad)
+
+    def first_valid_record(self) -> int:
+        """Index of the first record that encodes; a `DataError` naming the first problem when no
+        record does (a file of garbage never trains). Scans only until it finds one.
+
+        Example:
+            >>> TokenDataset.from_records(["nope", '{"input_ids": [1]}'], 4).first_valid_record()
+            1
+        """
+        first_problem = None
+        for index, raw in enumerate(self.records):
+            try:
+                encode_record(parse_record(raw), self.tokenizer, self.vocab_size)
+                return index
+            except MalformedRecord as e:
+                first_problem = first_problem or f"record {index + 1}: {e}"
+        raise DataError(f"{self.source}: none of its {len(self.records)} records is valid ({first_problem})",
+                        hint=f"records are {RECORD_LAYOUTS}")
 
     def encode(self, index: int):
         try:
             ids, mask = encode_record(parse_record(self.records[index]), self.tokenizer, self.vocab_size)
             return (*pad_row(ids, mask, self.seq_len, self.pad_id), False)
         except MalformedRecord as e:
-            self.malformed += 1
+            if index in self._bad:
+                return (*pad_row([], [], self.seq_len, self.pad_id), True)
+            self._bad.add(index)
             if self._warned < MAX_WARNINGS:
                 self._warned += 1
                 log.warning("skipping malformed record %d: %s%s", index, e,

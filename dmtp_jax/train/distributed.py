@@ -15,6 +15,8 @@ import os
 
 import jax
 
+from dmtp_jax.errors import InputError
+
 ENV_KEYS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 
@@ -45,10 +47,10 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
         missing = [n for n, v in (("--coordinator", coordinator), ("--num-processes", num_processes),
                                   ("--process-id", process_id)) if v is None]
         if missing:
-            raise ValueError(f"multi-process training needs {', '.join(missing)} "
+            raise InputError(f"multi-process training needs {', '.join(missing)} "
                              f"(flags or {', '.join(ENV_KEYS)})")
         if num_processes < 1 or not 0 <= process_id < num_processes:
-            raise ValueError(f"--process-id {process_id} is outside [0, --num-processes {num_processes})")
+            raise InputError(f"--process-id {process_id} is outside [0, --num-processes {num_processes})")
         if num_processes == 1:
             return False
     elif not _cluster_detected():

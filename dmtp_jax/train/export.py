@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 
+from dmtp_jax.errors import InputError
 from dmtp_jax.train.loop import RUN_CONFIG, restore_params
 
 
 def read_run_config(run_dir: str) -> dict:
     path = os.path.join(run_dir, RUN_CONFIG)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{run_dir} is not a training run directory (no {RUN_CONFIG})")
+        raise InputError(f"{run_dir} is not a training run directory (no {RUN_CONFIG})")
     with open(path) as fh:
         return json.load(fh)
 

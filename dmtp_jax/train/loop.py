@@ -4,12 +4,21 @@ Run directory layout (`--out DIR`):
 
 * `run_config.json` -- the `TrainConfig` and the drafter's HF config (what `export` needs);
 * `checkpoints/<step>/` -- orbax: `params` (drafter, fp32), `opt` (optimizer state), `meta` (step,
-  data iterator state); written every `checkpoint_every` steps and at exit (async, atomic: a run
-  killed with SIGKILL resumes from the last complete one and loses only the steps after it);
-* `metrics.jsonl` -- one line per step (process 0): loss, acceptance proxy, tokens/s, lr, ...
+  data iterator state, non-finite counts); written every `checkpoint_every` steps and at exit
+  (async, atomic: a run killed with SIGKILL resumes from the last complete one and loses only the
+  steps after it);
+* `metrics.jsonl` -- one line per step (process 0): loss, acceptance proxy, tokens/s, lr, ...; the
+  line of a step is written before that step's checkpoint, so after `--resume` it holds every step
+  exactly once.
 
 `resume=True` restores params, optimizer, step and the data iterator, so the loss sequence equals
 an uninterrupted run's bit for bit (the step is a pure function of state, batch and step).
+
+Interference (`resilience.py`): SIGTERM / SIGINT finish the step, write its metrics and a
+checkpoint and return (`summary["stopped_by"]`); a checkpoint cut off mid-write or unreadable is
+skipped on resume with a warning; a non-finite loss skips its update and `max_nonfinite` of them
+in a row stop the run (`TrainingStopped`); a full disk stops it with one line, the previous
+checkpoint intact.
 
 Example:
     >>> cfg = TrainConfig(target="/tmp/tiny", data="d.jsonl", out="/tmp/run", steps=20,
@@ -27,6 +36,9 @@ import time
 
 import jax
 import numpy as np
+
+from dmtp_jax.errors import InputError
+from dmtp_jax.train import resilience
 
 log = logging.getLogger(__name__)
 RUN_CONFIG = "run_config.json"
@@ -70,6 +82,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     stop_at: int | None = None          # stop (with a checkpoint) after this step; schedule spans `steps`
     keep_checkpoints: int = 3
+    max_nonfinite: int = 10             # stop after this many consecutive non-finite steps
     progress: bool = True
 
     def resolved_gamma(self) -> float:
@@ -87,7 +100,7 @@ class TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(f"unknown training config keys: {', '.join(unknown)}")
+            raise InputError(f"unknown training config keys: {', '.join(unknown)}")
         d = dict(d)
         if d.get("target_layer_ids") is not None:
             d["target_layer_ids"] = tuple(int(i) for i in d["target_layer_ids"])
@@ -96,18 +109,19 @@ class TrainConfig:
     def validate(self) -> None:
         for name in ("target", "data", "out"):
             if not getattr(self, name):
-                raise ValueError(f"--{name} is required")
-        for name in ("steps", "batch_size", "seq_len", "draft_layers", "num_anchors", "grad_accum"):
+                raise InputError(f"--{name} is required")
+        for name in ("steps", "batch_size", "seq_len", "draft_layers", "num_anchors", "grad_accum",
+                     "max_nonfinite"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 2 <= self.block_size <= 64:
-            raise ValueError(f"--block-size must be in [2, 64], got {self.block_size}")
+            raise InputError(f"--block-size must be in [2, 64], got {self.block_size}")
         if self.seq_len < self.block_size + 1:
-            raise ValueError(f"--seq-len {self.seq_len} is shorter than a block ({self.block_size}) + 1")
+            raise InputError(f"--seq-len {self.seq_len} is shorter than a block ({self.block_size}) + 1")
         if self.batch_size % self.grad_accum:
-            raise ValueError(f"--batch-size {self.batch_size} is not a multiple of --grad-accum {self.grad_accum}")
+            raise InputError(f"--batch-size {self.batch_size} is not a multiple of --grad-accum {self.grad_accum}")
         if self.lr <= 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
+            raise InputError(f"--lr must be positive, got {self.lr}")
 
 
 def default_layer_ids(num_target_layers: int, draft_layers: int) -> tuple[int, ...]:
@@ -195,7 +209,8 @@ def restore_params(run_dir: str, dcfg, step: int | None = None, method: str = "d
     mngr = checkpoint_manager(run_dir, 1000)
     step = mngr.latest_step() if step is None else step
     if step is None:
-        raise FileNotFoundError(f"{run_dir} has no checkpoint")
+        from dmtp_jax.checkpoint.safetensors_io import CheckpointError
+        raise CheckpointError(f"{run_dir} has no checkpoint")
     _, abstract = abstract_params(dcfg, StepConfig(method=method, fusion_rank=fusion_rank))
     leaves, treedef = jax.tree.flatten(abstract)
     rep = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -215,17 +230,7 @@ def step_record(step: int, metrics: dict, tokens: int, seconds: float, malformed
             "accept_len_proxy": accept_len, "grad_norm": float(metrics["grad_norm"]),
             "lr": float(metrics["lr"]), "weight_sum": float(metrics["weight_sum"]),
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "step_s": seconds,
-            "malformed": malformed}
-
-
-def _truncate_metrics(path: str, last_step: int) -> None:
-    """Drops lines of steps after `last_step` (a resumed run rewrites them)."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as fh:
-        keep = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    with open(path, "w") as fh:
-        fh.writelines(keep)
+            "malformed": malformed, "nonfinite": int(metrics.get("nonfinite", 0))}
 
 
 class _Tensorboard:
@@ -260,11 +265,15 @@ def setup(cfg: TrainConfig):
     from dmtp_jax.train.step import OptimConfig, StepConfig, Trainer
 
     cfg.validate()
+    from dmtp_jax.config import load_target_config
     from dmtp_jax.train.loss import method_layout, uses_mtp
     method_layout(cfg.method, cfg.block_size)           # unknown methods end here
+    # cheap checks before any model is loaded: the target's config, the mesh, the data file
+    target_cfg = load_target_config(cfg.target)
     mesh = make_mesh(cfg.mesh)
-    target = load_target(cfg.target, dtype=cfg.target_dtype or cfg.compute_dtype, mesh=mesh)
     tokenizer = load_tokenizer(cfg.target)
+    dataset = TokenDataset.from_file(cfg.data, cfg.seq_len, tokenizer, target_cfg.vocab_size)
+    target = load_target(cfg.target, dtype=cfg.target_dtype or cfg.compute_dtype, mesh=mesh)
     fusion = mtp = None
     if uses_mtp(cfg.method):
         from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
@@ -294,7 +303,6 @@ def setup(cfg: TrainConfig):
                        max_grad_norm=cfg.max_grad_norm)
     trainer = Trainer(target, dcfg, scfg, ocfg, mesh, mtp=mtp)
     shape = (cfg.batch_size, cfg.seq_len)
-    dataset = TokenDataset.from_file(cfg.data, cfg.seq_len, tokenizer, target.cfg.vocab_size)
     batches = BatchIterator(dataset, cfg.batch_size, process_rows(trainer.batch_sharding(shape), shape),
                             seed=cfg.seed)
     del jnp
@@ -310,30 +318,69 @@ def write_run_config(cfg: TrainConfig, dcfg) -> None:
         json.dump({"train": cfg.to_json(), "drafter": dcfg.to_hf_dict()}, fh, indent=2)
 
 
+def resume_or_init(cfg: TrainConfig, trainer, params, batches):
+    """`(mngr, state, meta)`: a fresh state (`meta` None), or with `cfg.resume` the newest
+    checkpoint that restores. Cut-off saves and unreadable checkpoints are skipped with a warning
+    (see `resilience`); `metrics.jsonl` is cut back to the restored step."""
+    lead = jax.process_index() == 0
+    ckpt_dir = os.path.join(cfg.out, "checkpoints")
+    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+    mngr = checkpoint_manager(cfg.out, cfg.keep_checkpoints)
+    steps = list(mngr.all_steps())
+    if steps and not cfg.resume:
+        raise InputError(f"{cfg.out} already has checkpoints; pass --resume to continue or use a new --out")
+    if not cfg.resume or not (steps or resilience.cut_off_saves(ckpt_dir)):
+        if lead and os.path.isfile(metrics_path):
+            os.remove(metrics_path)
+        return mngr, trainer.init_state(params), None
+    if lead:
+        resilience.discard_cut_off_saves(ckpt_dir)
+    if not steps:
+        log.warning("no complete checkpoint to resume from: starting at step 0")
+        if lead and os.path.isfile(metrics_path):
+            os.remove(metrics_path)
+        return mngr, trainer.init_state(params), None
+
+    def restore(step):
+        state, meta = restore_checkpoint(mngr, trainer, step)
+        if int(meta["step"]) != step:
+            raise ValueError(f"meta says step {meta['step']}")
+        return state, meta
+
+    def quarantine(step):
+        if lead:
+            log.warning("moved checkpoint %d to %s", step, resilience.quarantine_checkpoint(cfg.out, step))
+
+    step, (state, meta) = resilience.restore_latest_good(steps, restore, quarantine)
+    log.info("resuming from checkpoint %d", step)
+    if step != max(steps):             # the manager must forget the moved checkpoints
+        mngr.close()
+        mngr = checkpoint_manager(cfg.out, cfg.keep_checkpoints)
+    batches.set_state(meta["data"])
+    if lead:
+        resilience.truncate_metrics(metrics_path, step)
+    return mngr, state, meta
+
+
 def run_training(cfg: TrainConfig) -> dict:
     """Trains `cfg.steps` optimizer steps (resuming when asked); returns a summary dict
-    (`first_loss`, `last_loss`, `steps_run`, `compile_count`, `tokens_per_s`, `last_checkpoint`).
+    (`first_loss`, `last_loss`, `steps_run`, `compile_count`, `tokens_per_s`, `last_checkpoint`,
+    `stopped_by` (the signal that stopped the run, or None), `exit_status` (128 + signal, else 0),
+    `nonfinite_steps`). Raises `TrainingStopped` after `max_nonfinite` non-finite steps in a row
+    (after writing a checkpoint) or on a full disk.
 
     Example:
         >>> run_training(TrainConfig(target=t, data=d, out=o, steps=10, batch_size=4, seq_len=64))  # doctest: +SKIP
     """
     from tqdm.auto import tqdm
+    if not cfg.resume and _latest_complete(cfg.out) is not None:       # before any model is loaded
+        raise InputError(f"{cfg.out} already has checkpoints; pass --resume to continue or use a new --out")
     target, params, trainer, batches = setup(cfg)
-    mngr = checkpoint_manager(cfg.out, cfg.keep_checkpoints)
+    mngr, state, meta = resume_or_init(cfg, trainer, params, batches)
+    start = int(meta["step"]) if meta else 0
+    guard = resilience.NonFiniteGuard(cfg.max_nonfinite, **(meta or {}).get("nonfinite", {}))
     metrics_path = os.path.join(cfg.out, "metrics.jsonl")
     lead = jax.process_index() == 0
-    if mngr.latest_step() is not None and not cfg.resume:
-        raise ValueError(f"{cfg.out} already has checkpoints; pass --resume to continue or use a new --out")
-    if cfg.resume and mngr.latest_step() is not None:
-        state, meta = restore_checkpoint(mngr, trainer)
-        batches.set_state(meta["data"])
-        start = int(meta["step"])
-        if lead:
-            _truncate_metrics(metrics_path, start)
-    else:
-        state, start = trainer.init_state(params), 0
-        if lead and os.path.isfile(metrics_path):
-            os.remove(metrics_path)
     write_run_config(cfg, trainer.dcfg)
     del params
     shape = (cfg.batch_size, cfg.seq_len)
@@ -344,54 +391,97 @@ def run_training(cfg: TrainConfig) -> dict:
     bar = tqdm(total=cfg.steps, initial=start, disable=not (cfg.progress and lead), unit="step",
                dynamic_ncols=True)
     records, last_saved, step = [], start, start
-    pending = None          # (step, metrics, malformed, t_dispatch): logged one step behind
+    pending = None          # (step, metrics, malformed): logged one step behind
     t_prev = time.perf_counter()
-    malformed_total = 0
     data_state = batches.get_state()
+    too_many_nonfinite = False
+    quiet = resilience.QuietDiskFull()
+    logging.getLogger("absl").addFilter(quiet)
 
-    def flush(pending_item, now):
-        nonlocal t_prev
-        s, metrics, malformed, _ = pending_item
+    def flush():
+        """Writes the metrics line of the pending step (waits for that step only)."""
+        nonlocal t_prev, pending, too_many_nonfinite
+        s, metrics, malformed = pending
         metrics = jax.device_get(metrics)
         now = time.perf_counter()
         rec = step_record(s, metrics, tokens_per_step, now - t_prev, malformed, *proxy_layout)
         t_prev = now
         records.append(rec)
         if lead:
-            with open(metrics_path, "a") as fh:
-                fh.write(json.dumps(rec) + "\n")
+            try:
+                resilience.append_metrics(metrics_path, rec)
+            except OSError as e:
+                if resilience.disk_full(e):
+                    raise resilience.disk_full_error(metrics_path, mngr.latest_step()) from None
+                raise
             tb.add(rec)
+        too_many_nonfinite |= guard.update(s, finite=not rec["nonfinite"])
+        pending = None
         bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}",
                         tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
         bar.update(1)
 
-    try:
-        end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
-        while step < end:
-            local = batches.next()
-            malformed_total += local["malformed"]
-            tokens_bt, loss_mask_bt = trainer.global_batch(local, shape)
-            state, metrics = trainer.step(state, target.state, tokens_bt, loss_mask_bt)
-            step += 1
-            data_state = batches.get_state()        # the iterator position that matches `state`
-            if pending is not None:
-                flush(pending, time.perf_counter())   # waits for the previous step only
-            pending = (step, metrics, local["malformed"], None)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < end:
-                save_checkpoint(mngr, state, {"step": step, "data": data_state})
-                last_saved = step
+    def checkpoint(at: int, wait: bool = False):
+        """The metrics of step `at` are written first (every step once, whatever kills the run)."""
+        nonlocal last_saved
         if pending is not None:
-            flush(pending, time.perf_counter())
-            pending = None
-    finally:
-        leaves = jax.tree.leaves(state)
-        if step > last_saved and not any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
-            save_checkpoint(mngr, state, {"step": step, "data": data_state})
-            last_saved = step
-        mngr.wait_until_finished()
-        mngr.close()
-        bar.close()
-        tb.close()
+            flush()
+        try:
+            save_checkpoint(mngr, state, {"step": at, "data": data_state,
+                                          "nonfinite": {"total": guard.total, "streak": guard.streak,
+                                                        "first_of_streak": guard.first_of_streak}})
+            if wait:
+                mngr.wait_until_finished()
+        except Exception as e:     # noqa: BLE001 -- only a full disk is explained; the rest re-raise
+            if resilience.disk_full(e):
+                try:
+                    mngr.wait_until_finished()           # let an earlier save finish before naming it
+                except Exception:  # noqa: BLE001 -- it failed too: the listing below tells
+                    pass
+                cut = [s for s, _ in resilience.cut_off_saves(os.path.join(cfg.out, "checkpoints"))]
+                failed = min(cut) if cut else at             # an async save fails at the next call
+                raise resilience.disk_full_error(f"checkpoint {failed}", _latest_complete(cfg.out)) from None
+            raise
+        last_saved = at
+
+    with resilience.DropTracebacks("Event loop is closed"):   # orbax's teardown after a failed save
+        try:
+            with resilience.StopSignals() as signals:
+                end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
+                while step < end:
+                    local = batches.next()
+                    tokens_bt, loss_mask_bt = trainer.global_batch(local, shape)
+                    state, metrics = trainer.step(state, target.state, tokens_bt, loss_mask_bt)
+                    step += 1
+                    data_state = batches.get_state()        # the iterator position that matches `state`
+                    if pending is not None:
+                        flush()                              # the previous step's line
+                    pending = (step, metrics, local["malformed"])
+                    if guard.streak >= guard.limit - 1:
+                        flush()                              # this step may complete the limit: check it now
+                    stop = resilience.agreed(signals.requested is not None or too_many_nonfinite)
+                    if stop or step == end:
+                        break
+                    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                        checkpoint(step)
+                if pending is not None:
+                    flush()
+                too_many_nonfinite = resilience.agreed(too_many_nonfinite)
+                if step > last_saved:
+                    checkpoint(step, wait=True)
+                stopped_by = signals.requested
+        finally:
+            try:
+                mngr.wait_until_finished()
+                mngr.close()
+            except Exception as e:     # noqa: BLE001 -- already failing: keep the first error
+                log.debug("closing the checkpoint manager: %s", e)
+            logging.getLogger("absl").removeFilter(quiet)
+            bar.close()
+            tb.close()
+    if too_many_nonfinite:
+        raise guard.error(last_saved)
+    malformed_total = batches.dataset.malformed
     if malformed_total:
         log.warning("%d malformed records were skipped", malformed_total)
     timed = [r["tokens_per_s"] for r in records[1:]] or [r["tokens_per_s"] for r in records]
@@ -400,4 +490,12 @@ def run_training(cfg: TrainConfig) -> dict:
             "losses": [r["loss"] for r in records], "steps_run": len(records), "start_step": start,
             "compile_count": trainer.compile_count(), "last_checkpoint": last_saved,
             "tokens_per_s": float(np.median(timed)) if timed else 0.0, "malformed": malformed_total,
+            "nonfinite_steps": guard.total, "stopped_by": stopped_by, "exit_status": signals.exit_status,
             "records": records}
+
+
+def _latest_complete(run_dir: str) -> int | None:
+    """The newest finalized checkpoint on disk (a fresh look, not the manager's cache)."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    steps = [int(n) for n in os.listdir(ckpt_dir) if n.isdigit()] if os.path.isdir(ckpt_dir) else []
+    return max(steps) if steps else None

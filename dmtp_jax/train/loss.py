@@ -23,6 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dmtp_jax.errors import InputError
 from dmtp_jax.models.fusion import DMTP_METHODS, block_layout, draft_block_embeds
 
 METHODS = ("dflash",) + tuple(DMTP_METHODS)
@@ -32,7 +33,7 @@ def method_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
     """`(row offsets from the anchor A, first predicted row)`, shared with the decode round
     (`models.fusion.block_layout`). Raises for unknown methods."""
     if method not in METHODS:
-        raise ValueError(f"unknown training method '{method}'; available: {', '.join(METHODS)}")
+        raise InputError(f"unknown training method '{method}'; available: {', '.join(METHODS)}")
     return block_layout(method, slots)
 
 

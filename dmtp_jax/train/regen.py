@@ -21,6 +21,7 @@ import json
 import logging
 import os
 
+from dmtp_jax.errors import DataError, InputError
 from dmtp_jax.train.data import MalformedRecord, parse_record, read_records
 
 log = logging.getLogger(__name__)
@@ -114,9 +115,9 @@ def run_regen(cfg: RegenConfig) -> dict:
 
     for name in ("target", "data", "out"):
         if not getattr(cfg, name):
-            raise ValueError(f"--{name} is required")
+            raise InputError(f"--{name} is required")
     if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
-        raise ValueError("--batch-size and --max-new-tokens must be >= 1")
+        raise InputError("--batch-size and --max-new-tokens must be >= 1")
     records = read_records(cfg.data)
     mesh = make_mesh(cfg.mesh)
     target = load_target(cfg.target, cfg.dtype, mesh)
@@ -131,7 +132,7 @@ def run_regen(cfg: RegenConfig) -> dict:
 
     os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
     done = done_indices(cfg.out)
-    todo, malformed = [], 0
+    todo, malformed, problems = [], 0, []
     for i, raw in enumerate(records):
         if i in done:
             continue
@@ -144,7 +145,12 @@ def run_regen(cfg: RegenConfig) -> dict:
             todo.append((i, ids, msgs))
         except MalformedRecord as e:
             malformed += 1
-            log.warning("skipping record %d: %s", i, e)
+            problems.append((i, e))
+    if not todo and not done:
+        first = f"record {problems[0][0] + 1}: {problems[0][1]}" if problems else "empty"
+        raise DataError(f"{cfg.data}: none of its {len(records)} records is a valid prompt ({first})")
+    for i, e in problems[:20]:
+        log.warning("skipping record %d: %s", i, e)
     written = 0
     bar = tqdm(total=len(records), initial=len(done), disable=not cfg.progress, unit="rec")
     with open(cfg.out, "a") as fh:

@@ -7,7 +7,9 @@ the features are under `stop_gradient`), draws anchors from `fold_in(key(seed), 
 into `grad_accum` micro-batches (a `lax.scan`), sums the gradients of the weighted CE numerator,
 divides by the summed weights of the whole step (SpecForge's normalisation), clips, and applies
 AdamW with warmup + cosine. Compute runs in `compute_dtype` (params cast in the step; master
-params and optimizer state stay fp32).
+params and optimizer state stay fp32). A step whose loss or gradient norm is not finite keeps the
+params and optimizer state it was given (`jnp.where`, no recompile) and reports `nonfinite` = 1;
+the loop counts such steps (`resilience.NonFiniteGuard`).
 
 Example:
     >>> trainer = Trainer(target, drafter_cfg, StepConfig(), OptimConfig(total_steps=100), mesh)  # doctest: +SKIP
@@ -140,7 +142,7 @@ class Trainer:
 
     `step(state, target_state, tokens_bt, loss_mask_bt) -> (state, metrics)`; `state` is donated.
     Metrics (replicated scalars / `[K]` vectors): loss, weight_sum, correct_k, count_k, grad_norm,
-    lr.
+    lr, nonfinite (1 when the loss or gradient was not finite and the update was skipped).
     """
 
     def __init__(self, target, dcfg: DFlashConfig, scfg: StepConfig, ocfg: OptimConfig, mesh,
@@ -214,11 +216,18 @@ class Trainer:
                                         (jnp.arange(m), micro_tokens, micro_mask))
         denom = jnp.where(sums["weight_sum"] > 0, sums["weight_sum"], 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
+        loss, grad_norm = sums["loss_sum"] / denom, optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": sums["loss_sum"] / denom, "weight_sum": sums["weight_sum"],
+        # a non-finite loss or gradient skips the update (params and optimizer state unchanged);
+        # the step counter still advances, so the schedule and the data stay in step
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        metrics = {"loss": loss, "weight_sum": sums["weight_sum"],
                    "correct_k": sums["correct_k"], "count_k": sums["count_k"],
-                   "grad_norm": optax.tree.norm(grads), "lr": lr_schedule(self.ocfg)(state.step)}
+                   "grad_norm": grad_norm, "lr": lr_schedule(self.ocfg)(state.step),
+                   "nonfinite": jnp.logical_not(finite).astype(jnp.int32)}
         return TrainState(params, opt_state, state.step + 1), metrics
 
     def step_fn(self, global_shape):

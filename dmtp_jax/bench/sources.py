@@ -1,0 +1,152 @@
+"""Where a named workload's records come from: a local directory, or the Hugging Face hub through
+the `datasets` library (an optional extra: `pip install 'dmtp-jax[data]'`).
+
+Order, first that works:
+
+1. `--data-dir DIR` or `$DMTP_JAX_DATA` when set: that directory only (an explicit choice never
+   silently reads elsewhere);
+2. the hub, with `datasets` (`HUB_SOURCES`; spec_bench and bfcl have no hub copy);
+3. `<repo>/../shared/data`, if it holds the files (the team's checkout layout).
+
+Neither: one `WorkloadError` saying why the hub did not work (not installed, unreachable, not on
+the hub) and which files a local directory must hold. Hub warnings and progress bars are kept off
+stderr: the fallback is an expected situation, reported in the workload's `source`. Offline, the
+hub attempt waits for its connection timeouts (~20 s) unless `HF_HUB_OFFLINE=1` is set.
+
+Example:
+    >>> records, source = named_records("gsm8k", ("gsm8k/test.jsonl",), data_dir="/data/evals")  # doctest: +SKIP
+    >>> source  # doctest: +SKIP
+    '/data/evals/gsm8k/test.jsonl'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import warnings
+from pathlib import Path
+
+DATA_ENV = "DMTP_JAX_DATA"
+
+
+@dataclasses.dataclass(frozen=True)
+class HubSource:
+    """`datasets.load_dataset(path, name, split=split, data_files=data_files)`."""
+    path: str
+    name: str | None = None
+    split: str = "test"
+    data_files: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"hub:{self.data_files or self.path}"
+
+
+# Rows of these datasets have the fields of the local files (`workloads.WORKLOADS` parses both).
+HUB_SOURCES: dict[str, HubSource] = {
+    "gsm8k": HubSource("openai/gsm8k", "main", "test"),
+    "math500": HubSource("HuggingFaceH4/MATH-500", None, "test"),
+    "humaneval": HubSource("openai/openai_humaneval", None, "test"),
+    "mt_bench": HubSource("lighteval/mt-bench", None, "train"),
+    "alpaca_eval": HubSource("json", None, "train", "hf://datasets/tatsu-lab/alpaca_eval/alpaca_eval.json"),
+}
+
+
+class HubUnavailable(Exception):
+    """The hub could not serve a workload (the message says why)."""
+
+
+def sibling_data_dir() -> str:
+    """`<repo>/../shared/data` (the repo is the parent of `dmtp_jax/`)."""
+    return str(Path(__file__).resolve().parents[2].parent / "shared" / "data")
+
+
+@contextlib.contextmanager
+def quiet_hub():
+    """`datasets` / `huggingface_hub` logging at ERROR, no progress bars, no warnings, restored after."""
+    import datasets
+    ds_logging = getattr(datasets, "logging", None)
+    level = ds_logging.get_verbosity() if ds_logging else None
+    hub_logger = logging.getLogger("huggingface_hub")
+    hub_level = hub_logger.level
+    bars = getattr(datasets, "is_progress_bar_enabled", lambda: False)()
+    try:
+        if ds_logging:
+            ds_logging.set_verbosity_error()
+        hub_logger.setLevel(logging.ERROR)
+        getattr(datasets, "disable_progress_bars", lambda: None)()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        if ds_logging:
+            ds_logging.set_verbosity(level)
+        hub_logger.setLevel(hub_level)
+        if bars:
+            getattr(datasets, "enable_progress_bars", lambda: None)()
+
+
+def hub_records(source: HubSource) -> list[dict]:
+    """The rows of a hub dataset as dicts; `HubUnavailable` (with the reason) when `datasets` is
+    missing or the hub does not answer.
+
+    Example:
+        >>> hub_records(HUB_SOURCES["gsm8k"])[0]["question"][:20]  # doctest: +SKIP
+        'Janet’s ducks lay 16'
+    """
+    try:
+        import datasets
+    except ImportError:
+        raise HubUnavailable("the `datasets` library is not installed") from None
+    with quiet_hub():
+        try:
+            rows = datasets.load_dataset(source.path, source.name, split=source.split, data_files=source.data_files)
+        except Exception as e:     # noqa: BLE001 -- offline, not found, rate-limited...: all mean "use local"
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+            raise HubUnavailable(f"{source.data_files or source.path}: {type(e).__name__}: {first}") from None
+    return [dict(row) for row in rows]
+
+
+def local_records(name: str, files, root: str, how: str) -> tuple[list, str]:
+    """Records of `files` under `root`, concatenated, and the paths read; a missing file is a
+    `WorkloadError` saying which and how `root` was chosen (`how`)."""
+    from dmtp_jax.bench.workloads import WorkloadError, read_records
+    paths = [os.path.join(root, f) for f in files]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise WorkloadError(f"workload '{name}' needs {missing[0]}, which does not exist ({how} is {root})",
+                            hint=f"point --data-dir or {DATA_ENV} at a directory holding {', '.join(files)}")
+    records = []
+    for p in paths:
+        records += read_records(p)
+    return records, ",".join(paths)
+
+
+def named_records(name: str, files, data_dir: str | None = None) -> tuple[list, str]:
+    """`(records, source)` of a named workload, from the first place that has it (module docstring).
+
+    Example:
+        >>> named_records("spec_bench", ("spec_bench/question.jsonl",), "/nowhere")  # doctest: +SKIP
+        WorkloadError: workload 'spec_bench' needs /nowhere/spec_bench/question.jsonl, which does not exist ...
+    """
+    from dmtp_jax.bench.workloads import WorkloadError
+    if data_dir:
+        return local_records(name, files, data_dir, "--data-dir")
+    if os.environ.get(DATA_ENV):
+        return local_records(name, files, os.environ[DATA_ENV], DATA_ENV)
+    hub = HUB_SOURCES.get(name)
+    try:
+        if hub is None:
+            raise HubUnavailable("it has no hub source here")
+        return hub_records(hub), hub.label
+    except HubUnavailable as e:
+        problem = str(e)
+    sibling = sibling_data_dir()
+    if all(os.path.isfile(os.path.join(sibling, f)) for f in files):
+        return local_records(name, files, sibling, "the checkout's shared data")
+    install = " (pip install 'dmtp-jax[data]' for the hub)" if "not installed" in problem else ""
+    raise WorkloadError(f"workload '{name}' could not be loaded: not from the hub ({problem}) and no local "
+                        f"directory is set (--data-dir / {DATA_ENV})",
+                        hint=f"pass --data-dir DIR with {', '.join(files)} under DIR{install}")

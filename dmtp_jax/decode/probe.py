@@ -1,0 +1,266 @@
+"""The exactness probe: does a verify block give the same greedy tokens as single-token decoding
+on the running backend and dtype?
+
+Speculative decoding is exact only if the target's one forward over a block of `n` tokens picks
+the same argmax at every position as `n` single-token forwards would. Mathematically it does; in
+floating point it need not: a block forward is a matrix-matrix product where single-token decoding
+is a matrix-vector product, and a backend may choose other kernels, tilings and reduction orders
+for the two shapes. In fp32 on CPU the differences are ~1e-6 and never flip an argmax on our
+checkpoints; in bfloat16 (8 bits of mantissa) on an accelerator they reach ~1e-2 relative, and a
+near-tie between two logits can then flip, so the speculative output would drift from `ar`.
+
+Before the first speculative request, `exactness_gate(decoder)` checks it once (memoized per
+target and block width): `inputs` random prompts of `prompt_len` tokens are prefilled, then decoded
+greedily one token at a time (the chain: the single-token forward `ARDecoder` runs) for `width`
+more tokens, and ONE forward over the chain's first `width` tokens from the same prefilled cache
+(the block, as a verify round runs it) must give the chain's next token at every position. On a
+mismatch the decoder warns once and declines to plain decoding (`ar`), or raises
+`InexactBackendError` when the decoder is strict (`--strict`); `DMTP_JAX_ALLOW_INEXACT=1` engages
+speculative decoding anyway (its greedy output may then differ from `ar`). The verdict is in every
+result's `stats["exactness_probe"]`.
+
+Example:
+    >>> result = run_probe(target, width=8)  # doctest: +SKIP
+    >>> result.exact, result.mismatches  # doctest: +SKIP
+    (True, 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dmtp_jax.errors import InexactBackendError
+
+log = logging.getLogger(__name__)
+ALLOW_INEXACT_ENV = "DMTP_JAX_ALLOW_INEXACT"
+PROBE_INPUTS = 3
+PROBE_PROMPT_LEN = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """The probe's verdict: `exact` when every block position matched the chain."""
+    exact: bool
+    width: int                   # block width checked (the decoder's verify slots)
+    inputs: int                  # independent prompts
+    prompt_len: int
+    positions: int               # block positions compared (inputs * width)
+    mismatches: int
+    first_mismatch: tuple[int, int] | None     # (input, block position)
+    backend: str
+    dtype: str
+    seconds: float
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["first_mismatch"] = list(self.first_mismatch) if self.first_mismatch else None
+        return d
+
+
+def probe_prompts(vocab_size: int, inputs: int = PROBE_INPUTS, prompt_len: int = PROBE_PROMPT_LEN,
+                  seed: int = 0) -> list[list[int]]:
+    """`inputs` random prompts of `prompt_len` token ids (fixed seed: the same on every run).
+
+    Example:
+        >>> [len(p) for p in probe_prompts(128, inputs=2, prompt_len=4)]
+        [4, 4]
+    """
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab_size, size=(inputs, prompt_len)).tolist()
+
+
+def compare_block_to_chain(chain_rn: np.ndarray, block_argmax_rw: np.ndarray) -> tuple[int, tuple[int, int] | None]:
+    """`(mismatches, first (row, position))`: block position j must predict chain token j + 1.
+
+    `chain_rn` holds `width + 1` greedy tokens per row; `block_argmax_rw` the block's argmax at its
+    `width` positions (the block's input was `chain[:, :width]`).
+
+    Example:
+        >>> compare_block_to_chain(np.array([[5, 6, 7]]), np.array([[6, 9]]))
+        (1, (0, 1))
+    """
+    width = block_argmax_rw.shape[1]
+    wrong = np.asarray(block_argmax_rw) != np.asarray(chain_rn)[:, 1:width + 1]
+    where = np.argwhere(wrong)
+    return int(wrong.sum()), (tuple(int(i) for i in where[0]) if len(where) else None)
+
+
+# Module-level jits with the graphdef static: one compile per (architecture, shape), shared by
+# every probe of a target of that architecture. The chain's single-token step is the forward
+# `ARDecoder.decode_step` runs; the block is the forward a verify round runs.
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(graphdef, state, tokens_bt, lengths_b, cache):
+    model = nnx.merge(graphdef, state)
+    out = model(tokens_bt, jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape), cache)
+    last_bh = jnp.take_along_axis(out.hidden_bth, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
+    return jnp.argmax(model.logits(last_bh), axis=-1).astype(jnp.int32), out.cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _single_token_step(graphdef, state, tokens_b, positions_b, cache):
+    model = nnx.merge(graphdef, state)
+    out = model(tokens_b[:, None], positions_b[:, None], cache)
+    return jnp.argmax(model.logits(out.hidden_bth[:, 0]), axis=-1).astype(jnp.int32), out.cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _block_forward(graphdef, state, block_bt, positions_bt, cache):
+    model = nnx.merge(graphdef, state)
+    out = model(block_bt, positions_bt, cache, speculative=True)      # exactly as the round verifies
+    return jnp.argmax(model.logits(out.hidden_bth), axis=-1).astype(jnp.int32)
+
+
+def chain_and_block(target, prompts: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(chain [rows, width + 1], block argmax [rows, width])`: after one prefill of `prompts`, the
+    greedy tokens of single-token decoding, and the argmax of ONE forward over the chain's first
+    `width` tokens from the same prefilled cache.
+
+    Example:
+        >>> chain, block = chain_and_block(target, [[1, 2, 3]], width=4)  # doctest: +SKIP
+        >>> chain.shape, block.shape  # doctest: +SKIP
+        ((1, 5), (1, 4))
+    """
+    from dmtp_jax.decode.ar import TargetCaches
+    from dmtp_jax.decode.batch import pad_prompts
+    cfg, graphdef, state = target.cfg, target.graphdef, target.state
+    batch = pad_prompts(prompts, width + 1, cfg.vocab_size, cfg.max_position_embeddings, slack=width)
+    rows = batch.tokens_bt.shape[0]
+    first, prefilled = _prefill(graphdef, state, batch.tokens_bt, batch.lengths_b,
+                                TargetCaches(target).new(rows, batch.max_len))
+    chain, cache = [first], prefilled
+    for j in range(width):            # a fresh positions array per call: jit may alias numpy inputs
+        nxt, cache = _single_token_step(graphdef, state, chain[-1], batch.lengths_b + np.int32(j), cache)
+        chain.append(nxt)
+    chain_rn = np.stack([np.asarray(t) for t in chain], axis=1)
+    block_positions = batch.lengths_b[:, None] + np.arange(width, dtype=np.int32)
+    block = _block_forward(graphdef, state, chain_rn[:, :width], block_positions, prefilled)
+    return chain_rn[:len(prompts)], np.asarray(block)[:len(prompts)]
+
+
+def run_probe(target, width: int, inputs: int = PROBE_INPUTS, prompt_len: int = PROBE_PROMPT_LEN,
+              seed: int = 0) -> ProbeResult:
+    """Compares a `width`-token verify block with single-token decoding on `inputs` random prompts.
+
+    Example:
+        >>> run_probe(load_target(tiny_dir), width=8).exact  # doctest: +SKIP
+        True
+    """
+    t0 = time.perf_counter()
+    prompts = probe_prompts(target.cfg.vocab_size, inputs, prompt_len, seed)
+    chain, argmax = chain_and_block(target, prompts, width)
+    mismatches, first = compare_block_to_chain(chain, argmax)
+    return ProbeResult(exact=mismatches == 0, width=width, inputs=inputs, prompt_len=prompt_len,
+                       positions=inputs * width, mismatches=mismatches, first_mismatch=first,
+                       backend=jax.default_backend(), dtype=str(np.dtype(target.state_dtype)),
+                       seconds=time.perf_counter() - t0)
+
+
+_MEMO: dict[tuple[int, int], tuple[weakref.ref, ProbeResult]] = {}
+_WARNED: set[tuple[int, int]] = set()
+
+
+def probe_target(target, width: int) -> ProbeResult:
+    """`run_probe` once per (loaded target, width) in this process."""
+    key = (id(target), width)
+    hit = _MEMO.get(key)
+    if hit is not None and hit[0]() is target:
+        return hit[1]
+    result = run_probe(target, width)
+    _MEMO[key] = (weakref.ref(target), result)
+    return result
+
+
+def verdict_text(result: ProbeResult) -> str:
+    """One line naming what differed, for the warning and the `--strict` error.
+
+    Example:
+        >>> r = ProbeResult(False, 8, 3, 8, 24, 2, (1, 5), "tpu", "bfloat16", 0.1)
+        >>> verdict_text(r).split(" at ")[1]
+        '2 of 24 positions (first: input 1, position 5) on tpu in bfloat16'
+    """
+    where = f" (first: input {result.first_mismatch[0]}, position {result.first_mismatch[1]})" \
+        if result.first_mismatch else ""
+    return (f"exactness probe: a {result.width}-token verify block differs from single-token decoding at "
+            f"{result.mismatches} of {result.positions} positions{where} on {result.backend} in {result.dtype}")
+
+
+@dataclasses.dataclass
+class ExactnessGate:
+    """A decoder's probe verdict and what follows from it: speculative decoding (`engaged`) or
+    plain decoding with the same target."""
+    probe: ProbeResult
+    engaged: bool
+    decision: str                # "speculative", "plain" or "speculative (inexact allowed)"
+    target: object
+    method: str = ""
+    _plain: object = None
+
+    def summary(self) -> dict:
+        """The probe's result for `stats["exactness_probe"]`."""
+        return {**self.probe.as_dict(), "decision": self.decision}
+
+    def plain_generate(self, prompts, max_new_tokens, sampling=None, seed=0, stop_ids=None, on_tokens=None):
+        """The request decoded with `ar`; its stats carry the probe and the `declined_method`."""
+        from dmtp_jax.decode.ar import ARDecoder
+        if self._plain is None:
+            self._plain = ARDecoder(self.target)
+        result = self._plain.generate(prompts, max_new_tokens, sampling, seed, stop_ids, on_tokens)
+        result.stats["exactness_probe"] = self.summary()
+        result.stats["declined_method"] = self.method
+        return result
+
+
+def decide(probe: ProbeResult, strict: bool, allow_inexact: bool) -> tuple[bool, str]:
+    """`(engaged, decision)` for a probe verdict; raises `InexactBackendError` when strict.
+
+    Example:
+        >>> ok = ProbeResult(True, 8, 3, 8, 24, 0, None, "cpu", "float32", 0.1)
+        >>> decide(ok, strict=True, allow_inexact=False)
+        (True, 'speculative')
+    """
+    if probe.exact:
+        return True, "speculative"
+    if strict:
+        raise InexactBackendError(verdict_text(probe),
+                                  hint="without --strict the request falls back to plain decoding; "
+                                       "--dtype float32 usually makes the block exact")
+    if allow_inexact:
+        return True, "speculative (inexact allowed)"
+    return False, "plain"
+
+
+def exactness_gate(decoder) -> ExactnessGate:
+    """The decoder's gate, probing on first use: `decoder.slots` is the block width,
+    `decoder.strict` (default False) turns a mismatch into `InexactBackendError`. Warns once per
+    (target, width) on a mismatch.
+
+    Example:
+        >>> gate = exactness_gate(spec_decoder)  # doctest: +SKIP
+        >>> gate.engaged, gate.summary()["exact"]  # doctest: +SKIP
+        (True, True)
+    """
+    gate = decoder.__dict__.get("_exactness_gate")
+    if gate is not None:
+        return gate
+    probe = probe_target(decoder.target, decoder.slots)
+    engaged, decision = decide(probe, getattr(decoder, "strict", False),
+                               os.environ.get(ALLOW_INEXACT_ENV, "") not in ("", "0"))
+    key = (id(decoder.target), decoder.slots)
+    if not probe.exact and key not in _WARNED:
+        _WARNED.add(key)
+        action = (f"engaging anyway ({ALLOW_INEXACT_ENV})" if engaged
+                  else "using plain decoding (pass --strict to fail instead)")
+        log.warning("%s; %s", verdict_text(probe), action)
+    gate = ExactnessGate(probe, engaged, decision, decoder.target, getattr(decoder, "method", ""))
+    decoder._exactness_gate = gate
+    return gate

@@ -1,0 +1,86 @@
+"""Cheap checks of a command line, run before any model is loaded: a bad input costs milliseconds
+(not a model load) and is reported before anything is written to stdout.
+
+Each check raises one of our error types (`dmtp_jax.errors`), with the same message the loaders or
+decoders would give later.
+
+Example:
+    >>> check_decode_options(mtp_steps=4, block_size=None, max_new_tokens=16)
+    >>> check_decode_options(mtp_steps=0, block_size=None, max_new_tokens=16)
+    Traceback (most recent call last):
+    ...
+    dmtp_jax.decode.batch.RequestError: --mtp-steps must be in [1, 15], got 0
+"""
+
+from __future__ import annotations
+
+import os
+
+from dmtp_jax.decode.batch import RequestError, pad_prompts
+from dmtp_jax.errors import InputError
+
+
+def target_config(target_dir: str):
+    """The target's validated `config.json` (no weights read): "model directory not found",
+    "no config.json" and bad configs end here.
+
+    Example:
+        >>> target_config("/does-not-exist")
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.config.ConfigError: model directory not found: /does-not-exist
+    """
+    from dmtp_jax.config import load_target_config
+    return load_target_config(target_dir)
+
+
+def check_decode_options(mtp_steps: int | None, block_size: int | None, max_new_tokens: int) -> None:
+    """Ranges of `--mtp-steps`, `--block-size` and `--max-new-tokens` (as the decoders check them)."""
+    if max_new_tokens < 1:
+        raise RequestError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if mtp_steps is not None and not 1 <= mtp_steps <= 15:
+        raise RequestError(f"--mtp-steps must be in [1, 15], got {mtp_steps}")
+    if block_size is not None and not 3 <= block_size <= 64:
+        raise RequestError(f"--block-size must be in [3, 64], got {block_size}")
+
+
+def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | None,
+                        demo_drafters: bool = False) -> None:
+    """Every model directory the methods need exists (and an MTP head is in the safetensors).
+
+    `demo_drafters`: the shipped demo supplies the drafters when `--draft` is not given.
+
+    Example:
+        >>> check_method_models(["ar"], "/models/x", None, None)
+        >>> check_method_models(["dflash"], "/models/x", None, None)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.decode.batch.RequestError: method 'dflash' needs a DFlash drafter (--draft DIR)
+    """
+    from dmtp_jax.decode import method_needs
+    needs = [method_needs(m) for m in methods]
+    if draft and not os.path.isdir(draft):
+        raise InputError(f"drafter directory not found: {draft}")
+    if draft and not os.path.isfile(os.path.join(draft, "config.json")):
+        raise InputError(f"no config.json in the drafter directory {draft}")
+    for method, need in zip(methods, needs):
+        if need["drafter"] and not draft and not demo_drafters:
+            raise RequestError(f"method '{method}' needs a DFlash drafter (--draft DIR)")
+    if any(n["mtp"] for n in needs):
+        from dmtp_jax.checkpoint.mtp_ckpt import MissingMtpError, has_mtp
+        mtp_dir = mtp or target_dir
+        if mtp and not os.path.isdir(mtp):
+            raise InputError(f"MTP directory not found: {mtp}")
+        if not has_mtp(mtp_dir):
+            raise MissingMtpError(f"{mtp_dir} has no native MTP head (no 'mtp.*' tensors); the methods "
+                                  "mtp / dmtp need a target that carries one, or --mtp DIR")
+
+
+def check_prompts(prompts: list[list[int]], max_new_tokens: int, cfg) -> None:
+    """Empty prompts, ids outside the vocabulary, prompt + budget past `max_position_embeddings`.
+
+    Example:
+        >>> check_prompts([[1, 500]], 4, cfg)  # doctest: +SKIP
+        RequestError: prompt 0 has token ids outside the vocabulary [0, 128): [500]
+    """
+    pad_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)

@@ -1,0 +1,123 @@
+"""Every bad input of the README's table: exit status 2, one `error:` line (plus at most one `hint:`
+line), nothing on stdout; the cheap ones before any model is loaded. And the other side: an
+exception that is not one of our error types keeps its traceback."""
+
+import os
+import shutil
+
+import pytest
+
+import infer
+import train
+
+LOADS_A_MODEL = "loads"       # rows whose error can only come from reading the weights
+
+# (id, argv with {tiny} / {tmp} / {mtp} placeholders, text of the error line, has a hint line, flags)
+BAD_INPUTS = [
+    ("non-integer prompt id", "infer generate --prompt-ids 1,a",
+     "error: argument --prompt-ids: expected comma-separated integers, got '1,a'", True),
+    ("unknown flag", "infer generate --bogus", "error: unrecognized arguments: --bogus", True),
+    ("bad choice", "infer generate --dtype fp8", "error: argument --dtype: invalid choice: 'fp8'", True),
+    ("zero new tokens", "infer generate --target {tiny} --prompt hi --max-new-tokens 0",
+     "error: --max-new-tokens must be >= 1, got 0", False),
+    ("missing target", "infer generate --target /does-not-exist --prompt hi",
+     "error: model directory not found: /does-not-exist", False),
+    ("text prompt, no tokenizer", "infer generate --target {tiny} --prompt hi",
+     "has no tokenizer; pass --prompt-ids instead of --prompt", False),
+    ("id outside the vocabulary", "infer generate --target {tiny} --prompt-ids 1,500",
+     "error: prompt 0 has token ids outside the vocabulary [0, 128): [500]", False),
+    ("prompt too long", "infer generate --target {tiny} --prompt-ids {long} --max-new-tokens 64",
+     "exceeds the model's max_position_embeddings (512)", False),
+    ("top-p 0", "infer generate --target {tiny} --prompt-ids 1 --top-p 0", "error: top_p must be in (0, 1], got 0.0",
+     False),
+    ("negative temperature", "infer generate --target {tiny} --prompt-ids 1 --temperature -1",
+     "error: temperature must be >= 0, got -1.0", False),
+    ("batch size 0", "infer generate --target {tiny} --prompt-ids 1 --batch-size 0",
+     "error: --batch-size must be >= 1, got 0", False),
+    ("mesh too large", "infer generate --target {tiny} --prompt-ids 1 --mesh tensor=64", "needs 64 devices", False),
+    ("unknown mesh axis", "infer generate --target {tiny} --prompt-ids 1 --mesh model=2",
+     "error: unknown mesh axis 'model'", False),
+    ("drafter method, no drafter", "infer generate --target {tiny} --prompt-ids 1 --method dflash",
+     "error: method 'dflash' needs a DFlash drafter (--draft DIR)", False),
+    ("missing drafter", "infer generate --target {tiny} --prompt-ids 1 --draft /nope",
+     "error: drafter directory not found: /nope", False),
+    ("MTP method, no MTP head", "infer generate --target {tiny} --prompt-ids 1 --method mtp",
+     "has no native MTP head (no 'mtp.*' tensors)", False),
+    ("MTP steps 0", "infer generate --target {tiny} --prompt-ids 1 --method mtp --mtp-steps 0",
+     "error: --mtp-steps must be in [1, 15], got 0", False),
+    ("block size 2", "infer generate --target {tiny} --prompt-ids 1 --block-size 2",
+     "error: --block-size must be in [3, 64], got 2", False),
+    ("truncated weights", "infer generate --target {broken} --prompt-ids 1", "error: ", False, LOADS_A_MODEL),
+    ("unknown bench method", "infer bench --target {tiny} --methods ar,nope", "error: unknown method(s) ['nope']",
+     False),
+    ("bad workload line", "infer bench --target {tiny} --workload {tmp}/bad.jsonl",
+     "bad.jsonl:2: not valid JSON", False),
+    ("named workload, empty data dir", "infer bench --target {tiny} --workload gsm8k --data-dir {tmp}",
+     "/gsm8k/test.jsonl, which does not exist (--data-dir is ", True),
+    ("compare: missing target", "infer compare --target /does-not-exist",
+     "error: model directory not found: /does-not-exist", False),
+    ("train: data with no valid record", "train train --target {tiny} --data {tmp}/garbage.jsonl --out {tmp}/r",
+     "garbage.jsonl: none of its 3 records is valid (record 1: bad JSON", True),
+    ("train: missing data", "train train --target {tiny} --data {tmp}/none.jsonl --out {tmp}/r",
+     "error: data file not found: ", False),
+    ("train: steps 0", "train train --target {tiny} --data {tmp}/garbage.jsonl --out {tmp}/r --steps 0",
+     "error: --steps must be >= 1, got 0", False),
+    ("train: missing config", "train train --config {tmp}/none.py", "error: config file not found: ", False),
+    ("train: run already there", "train train --target {tiny} --data {tmp}/ok.jsonl --out {tmp}/done",
+     "already has checkpoints; pass --resume to continue or use a new --out", False),
+    ("train: max-nonfinite 0", "train train --target {tiny} --data {tmp}/ok.jsonl --out {tmp}/r --max-nonfinite 0",
+     "error: --max-nonfinite must be >= 1, got 0", False),
+    ("export: not a run", "train export --run {tmp} --out {tmp}/x", "is not a training run directory", False),
+    ("regen: missing data", "train regen --target {tiny} --data {tmp}/none.jsonl --out {tmp}/o.jsonl",
+     "error: data file not found: ", False),
+    ("regen: no valid prompt", "train regen --target {tiny} --data {tmp}/garbage.jsonl --out {tmp}/o.jsonl",
+     "garbage.jsonl: none of its 3 records is a valid prompt (record 1: bad JSON", False, LOADS_A_MODEL),
+]
+
+
+@pytest.fixture(scope="module")
+def places(tiny_qwen3_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    (tmp / "bad.jsonl").write_text('{"prompt_ids": [1]}\n{"prompt_ids": [1\n')
+    (tmp / "garbage.jsonl").write_text('garbage\n{"foo": 1}\n[1, 2]\n')
+    (tmp / "ok.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    (tmp / "done" / "checkpoints" / "4").mkdir(parents=True)
+    broken = tmp / "broken"
+    shutil.copytree(tiny_qwen3_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    return {"tiny": tiny_qwen3_dir, "tmp": str(tmp), "broken": str(broken), "long": ",".join(["1"] * 500)}
+
+
+@pytest.mark.parametrize("row", BAD_INPUTS, ids=[r[0] for r in BAD_INPUTS])
+def test_bad_input_is_one_error_line(row, places, capsys, monkeypatch):
+    _, command, text, has_hint, *flags = row
+    if LOADS_A_MODEL not in flags:
+        def no_load(*a, **k):
+            raise AssertionError("a model was loaded before the input was checked")
+        monkeypatch.setattr("dmtp_jax.checkpoint.hf.load_target", no_load)
+    tool, *argv = command.format(**places).split()
+    try:
+        rc = {"infer": infer.main, "train": train.main}[tool](argv)
+    except SystemExit as e:            # argparse
+        rc = e.code
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2 and captured.out == ""
+    assert lines[0].startswith("error: ") and text in lines[0], captured.err
+    assert len(lines) == (2 if has_hint else 1) and (not has_hint or lines[1].startswith("hint: ")), captured.err
+
+
+def test_an_internal_error_keeps_its_traceback(tiny_qwen3_dir, monkeypatch):
+    def bug(*args, **kwargs):
+        raise ValueError("an internal bug, not bad input")
+    monkeypatch.setattr("dmtp_jax.decode.loading.make_decoders", bug)
+    with pytest.raises(ValueError, match="internal bug"):
+        infer.main(["generate", "--target", tiny_qwen3_dir, "--prompt-ids", "1", "--max-new-tokens", "2"])
+
+
+def test_demo_argv_runs_the_demo_with_overrides():
+    assert infer.demo_argv([]) == infer.DEMO_BENCH_ARGV
+    assert infer.demo_argv(["--num-prompts", "2"]) == [*infer.DEMO_BENCH_ARGV, "--num-prompts", "2"]
+    assert infer.demo_argv(["--help"]) is None and infer.demo_argv(["bench"]) is None
+    assert os.path.basename(infer.DEMO_BENCH_ARGV[infer.DEMO_BENCH_ARGV.index("--plot") + 1]) == "acceptance.png"
