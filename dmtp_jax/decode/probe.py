@@ -101,7 +101,8 @@ def compare_block_to_chain(chain_rn: np.ndarray, block_argmax_rw: np.ndarray) ->
 @functools.partial(jax.jit, static_argnums=0)
 def _prefill(graphdef, state, tokens_bt, lengths_b, cache):
     model = nnx.merge(graphdef, state)
-    out = model(tokens_bt, jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape), cache)
+    positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+    out = model(tokens_bt, positions, cache, kv_valid_bt=positions < lengths_b[:, None])
     last_bh = jnp.take_along_axis(out.hidden_bth, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
     return jnp.argmax(model.logits(last_bh), axis=-1).astype(jnp.int32), out.cache
 
