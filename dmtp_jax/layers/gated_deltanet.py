@@ -38,7 +38,9 @@ RECURRENT_MAX_TOKENS = 16   # blocks up to this length use the token scan (decod
 
 
 def causal_conv_silu(x_btc: jax.Array, weight_ck: jax.Array, window_bwc: jax.Array | None) -> jax.Array:
-    """Depthwise causal conv over time, then SiLU, computed in the weight dtype (as transformers).
+    """Depthwise causal conv over time, then SiLU: inputs rounded to the weight dtype, products
+    summed in fp32 and rounded once to the weight dtype (a conv kernel's accumulation), as
+    transformers' `conv1d` in that dtype.
 
     `weight_ck [C, K]`; `window_bwc [B, K-1, C]` holds the previous pre-conv inputs (None: zeros,
     i.e. the sequence starts here). Output `[B, T, C]` in `x`'s dtype.
@@ -47,8 +49,10 @@ def causal_conv_silu(x_btc: jax.Array, weight_ck: jax.Array, window_bwc: jax.Arr
     b, t, _ = x_btc.shape
     if window_bwc is None:
         window_bwc = jnp.zeros((b, k - 1, c), x_btc.dtype)
-    full = jnp.concatenate([window_bwc.astype(weight_ck.dtype), x_btc.astype(weight_ck.dtype)], axis=1)
-    y = sum(full[:, j:j + t] * weight_ck[:, j] for j in range(k))
+    full = jnp.concatenate([window_bwc.astype(weight_ck.dtype), x_btc.astype(weight_ck.dtype)],
+                           axis=1).astype(jnp.float32)
+    w32 = weight_ck.astype(jnp.float32)
+    y = sum(full[:, j:j + t] * w32[:, j] for j in range(k)).astype(weight_ck.dtype)
     return jax.nn.silu(y).astype(x_btc.dtype)
 
 
