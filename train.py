@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from dmtp_jax.cli import ArgumentParser, int_list, run_command
+from dmtp_jax.cli import ArgumentParser, add_compile_cache_arg, enable_compile_cache, int_list, run_command
 from dmtp_jax.errors import InputError
 
 
@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--data-only", action="store_true", default=None,
                     help="only build the tokenizer, token streams and prompt files")
     pt.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    for sp in (t, e, r, pt):
+        add_compile_cache_arg(sp)
     return p
 
 
@@ -208,6 +210,7 @@ def _config_command(argv: list[str]) -> list[str]:
 def main(argv=None) -> int:
     argv = _config_command(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    enable_compile_cache(args.compile_cache)
     return run_command({"train": cmd_train, "export": cmd_export, "regen": cmd_regen,
                         "pretrain": cmd_pretrain}[args.command], args)
 

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable
 
@@ -69,3 +70,63 @@ def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
         sys.stdout.flush()
         print("error: interrupted", file=sys.stderr)
         return 130
+
+
+COMPILE_CACHE_ENV = "DMTP_JAX_COMPILE_CACHE"
+COMPILE_CACHE_OFF = ("0", "off", "none", "false", "no")
+
+
+def compile_cache_dir(flag: str | None = None) -> str | None:
+    """Where JAX's persistent compilation cache lives: `--compile-cache` if given, else
+    `$DMTP_JAX_COMPILE_CACHE`, else `$DMTP_JAX_CACHE/jax-cache` (`~/.cache/dmtp-jax/jax-cache`);
+    None when the chosen value is `off` (or `0`, `none`).
+
+    Example:
+        >>> compile_cache_dir("off") is None, compile_cache_dir("/tmp/jc")
+        (True, '/tmp/jc')
+    """
+    value = flag if flag is not None else os.environ.get(COMPILE_CACHE_ENV)
+    if value is None or value == "":
+        root = os.environ.get("DMTP_JAX_CACHE", "~/.cache/dmtp-jax")
+        return os.path.join(os.path.expanduser(root), "jax-cache")
+    if value.strip().lower() in COMPILE_CACHE_OFF:
+        return None
+    return os.path.expanduser(value)
+
+
+def add_compile_cache_arg(parser: argparse.ArgumentParser) -> None:
+    """`--compile-cache DIR|off` (see `compile_cache_dir`)."""
+    parser.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                        help=f"JAX's persistent compilation cache: compiled steps are reused across runs "
+                             f"(default: ${COMPILE_CACHE_ENV}, else $DMTP_JAX_CACHE/jax-cache, i.e. "
+                             f"~/.cache/dmtp-jax/jax-cache; 'off' disables it)")
+
+
+def enable_compile_cache(flag: str | None = None) -> str | None:
+    """Turns on JAX's persistent compilation cache at `compile_cache_dir(flag)` for every compile,
+    however short (CPU compiles of the small models take well under JAX's 1 s default), or turns it
+    off. Only the CLI entry points call this: importing the library never writes a cache.
+    Returns the directory, or None when off.
+
+    Example:
+        >>> enable_compile_cache("off") is None  # doctest: +SKIP
+        True
+    """
+    import jax
+    from jax._src import compilation_cache as cc
+
+    path = compile_cache_dir(flag)
+    if path is not None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError:
+            path = None                 # an unwritable cache is no reason to fail: compile as before
+    if path is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+    else:
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    cc.reset_cache()                    # a second in-process CLI call may move or disable it
+    return path

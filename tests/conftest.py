@@ -32,7 +32,13 @@ Example:
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The CLIs turn on JAX's persistent compilation cache (default ~/.cache/dmtp-jax/jax-cache); tests
+# never write into the user's home: off for in-process calls and every subprocess (inherited).
+os.environ["DMTP_JAX_COMPILE_CACHE"] = "off"
 
 TINY_COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -24,7 +24,7 @@ from flax import nnx
 
 from dmtp_jax.checkpoint.hf import LoadedTarget
 from dmtp_jax.decode.batch import StopTracker, pad_prompts
-from dmtp_jax.decode.sampling import SamplingParams, sample_tokens
+from dmtp_jax.decode.sampling import SamplingParams, pick_tokens
 from dmtp_jax.layers.kv_cache import KVCache, TargetCache
 from dmtp_jax.sharding import kv_cache_sharding, recurrent_state_sharding, replicated
 
@@ -139,27 +139,27 @@ class ARDecoder:
     def __init__(self, target: LoadedTarget):
         self.target = target
         self.caches = TargetCaches(target)
-        self.prefill = jax.jit(self._prefill, donate_argnames=("cache",))
-        self.decode_step = jax.jit(self._decode_step, donate_argnames=("cache",))
+        self.prefill = jax.jit(self._prefill, donate_argnames=("cache",), static_argnames=("greedy",))
+        self.decode_step = jax.jit(self._decode_step, donate_argnames=("cache",), static_argnames=("greedy",))
 
     def _model(self, state):
         return nnx.merge(self.target.graphdef, state)
 
-    def _prefill(self, state, tokens_bt, lengths_b, cache, sp, key):
+    def _prefill(self, state, tokens_bt, lengths_b, cache, sp, key, greedy: bool = False):
         """Runs the prompts; returns the first new token per row and the filled cache."""
         model = self._model(state)
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         out = model(tokens_bt, positions, cache, kv_valid_bt=positions < lengths_b[:, None])
         logits = model.logits(gather_rows(out.hidden_bth, lengths_b - 1))
-        first = jax.lax.with_sharding_constraint(sample_tokens(logits, sp, key), replicated(self.target.mesh))
+        first = jax.lax.with_sharding_constraint(pick_tokens(logits, sp, key, greedy), replicated(self.target.mesh))
         return first, self.caches.constrain(out.cache)
 
-    def _decode_step(self, state, tokens_b, positions_b, cache, sp, key):
+    def _decode_step(self, state, tokens_b, positions_b, cache, sp, key, greedy: bool = False):
         """Feeds one token per row at its position; returns the next token per row."""
         model = self._model(state)
         out = model(tokens_b[:, None], positions_b[:, None], cache)
         logits = model.logits(out.hidden_bth[:, 0])
-        nxt = jax.lax.with_sharding_constraint(sample_tokens(logits, sp, key), replicated(self.target.mesh))
+        nxt = jax.lax.with_sharding_constraint(pick_tokens(logits, sp, key, greedy), replicated(self.target.mesh))
         return nxt, self.caches.constrain(out.cache)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
@@ -179,8 +179,9 @@ class ARDecoder:
         cache = self.caches.new(rows, batch.max_len)
 
         t0 = time.perf_counter()
+        greedy = sp.is_greedy           # static: a greedy compile never traces the sampling sorts
         tokens, cache = self.prefill(self.target.state, batch.tokens_bt, batch.lengths_b, cache, sp,
-                                     jax.random.fold_in(base_key, 0))
+                                     jax.random.fold_in(base_key, 0), greedy=greedy)
         tokens = np.asarray(tokens)
         ttft = time.perf_counter() - t0
         positions = batch.lengths_b.copy()
@@ -190,7 +191,7 @@ class ARDecoder:
         while not tracker.all_done:
             steps += 1
             tokens, cache = self.decode_step(self.target.state, tokens, np.minimum(positions, batch.max_len),
-                                             cache, sp, jax.random.fold_in(base_key, steps))
+                                             cache, sp, jax.random.fold_in(base_key, steps), greedy=greedy)
             tokens = np.asarray(tokens)
             positions += 1
             self._commit(tracker, tokens, on_tokens)

@@ -1,7 +1,9 @@
 """Request batches: shape buckets, padding and per-row stopping, shared by every decode method.
 
 Shapes are bucketed so that one compile serves many requests: batch to a power of two, prompt
-length to a power of two (>= 16), cache length to a multiple of 128 with room for the verify slots.
+length to a power of two (>= `PROMPT_BUCKET_FLOOR`), and the cache length follows from the prompt
+bucket (bucket + max_new_tokens + the verify slots, rounded up to a multiple of 128), so prompts of
+one bucket share every executable (prefill, decode step / round) rather than one per length.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 from dmtp_jax.errors import UserError
 
 VERIFY_SLOTS = 8  # room kept past max_new_tokens for a speculative round's writes
+PROMPT_BUCKET_FLOOR = 64  # shortest prompt bucket: short prompts share one compile (prefill is cheap)
 
 
 class RequestError(UserError, ValueError):
@@ -44,7 +47,7 @@ def pad_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int,
     Example:
         >>> b = pad_prompts([[1, 2, 3], [4]], max_new_tokens=5, vocab_size=10)
         >>> b.tokens_bt.shape, b.lengths_b.tolist(), b.max_len
-        ((2, 16), [3, 1], 128)
+        ((2, 64), [3, 1], 128)
     """
     if not prompts:
         raise RequestError("no prompts given")
@@ -57,19 +60,20 @@ def pad_prompts(prompts: list[list[int]], max_new_tokens: int, vocab_size: int,
         if bad:
             raise RequestError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     longest = max(len(p) for p in prompts)
-    need = longest + max_new_tokens + slack
     if max_positions is not None and longest + max_new_tokens > max_positions:
         raise RequestError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                            f"model's max_position_embeddings ({max_positions})")
     rows = batch_bucket or next_pow2(len(prompts))
     if rows < len(prompts):
         raise RequestError(f"{len(prompts)} prompts do not fit a batch of {rows}")
-    tokens = np.zeros((rows, next_pow2(longest, 16)), np.int32)
+    bucket = next_pow2(longest, PROMPT_BUCKET_FLOOR)
+    tokens = np.zeros((rows, bucket), np.int32)
     lengths = np.ones((rows,), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
         lengths[i] = len(p)
-    return PaddedBatch(tokens, lengths, len(prompts), round_up(need, 128))
+    # the cache length depends on the bucket only (not the longest prompt): one per bucket
+    return PaddedBatch(tokens, lengths, len(prompts), round_up(bucket + max_new_tokens + slack, 128))
 
 
 class StopTracker:

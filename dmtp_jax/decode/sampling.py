@@ -76,3 +76,11 @@ def sample_tokens(logits_bv: jax.Array, sp: SamplingParams, key: jax.Array) -> j
     """Next tokens `[B]`: the argmax when greedy, else a draw from `filtered_probs`."""
     sampled = sample_from_probs(filtered_probs(logits_bv, sp), key)
     return jnp.where(sp.temperature > 0, sampled, jnp.argmax(logits_bv, axis=-1).astype(jnp.int32))
+
+
+def pick_tokens(logits_bv: jax.Array, sp: SamplingParams, key: jax.Array, greedy: bool) -> jax.Array:
+    """`sample_tokens`, or with the static `greedy` flag only the argmax (the same tokens as
+    `sample_tokens` at temperature 0), so a greedy compile never traces the sampling sorts."""
+    if greedy:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    return sample_tokens(logits_bv, sp, key)

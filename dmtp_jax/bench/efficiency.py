@@ -1,0 +1,131 @@
+"""A hardware-independent efficiency figure for a decode method: XLA's own count of the bytes a
+compiled round (or AR step) accesses and the FLOPs it runs, per round and per committed token,
+next to the analytic minimum of a memory-bound round -- the weights of every model the method runs
+(target, drafter, MTP head, DMTP fusion) plus its caches, each read once.
+
+`bytes accessed` is XLA's sum over the compiled HLO of every operand and result each instruction
+touches (after fusion): a fused kernel that reads its weights once counts them once, but a tensor
+copied or rewritten whole (a KV-cache update that XLA cannot do in place, a transposed weight)
+counts again. `ratio` = accessed / minimum is therefore 1.0 for an ideal memory-bound step; what
+is above it is traffic the round adds (see README "Efficiency").
+
+The minimum uses the caches at their allocated size (the static-shape round attends over all
+`max_len` slots; the drafter only over its context window) -- what a round of these shapes must read.
+
+Example:
+    >>> cost = round_cost(decoder, batch=1, max_len=256)  # doctest: +SKIP
+    >>> cost["bytes_per_round"] / cost["min_bytes_per_round"]  # doctest: +SKIP
+    1.18
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of every array leaf of a pytree (None leaves are skipped)."""
+    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)
+                   if hasattr(x, "shape")))
+
+
+def _cost(compiled) -> tuple[float, float]:
+    """`(flops, bytes accessed)` of a compiled executable (a dict, or a list of one, by jax version)."""
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    ca = ca or {}
+    return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
+
+
+def _models(decoder) -> dict:
+    out = {"target": decoder.target}
+    for name in ("drafter", "mtp", "fusion"):
+        loaded = getattr(decoder, name, None)
+        if loaded is not None:
+            out[name] = loaded
+    return out
+
+
+def round_cost(decoder, batch: int, max_len: int) -> dict:
+    """XLA's cost of one greedy round (`SpecDecoder.round`) or AR step (`ARDecoder.decode_step`) at
+    `[batch, max_len]`, and the analytic minimum (bytes) of that round.
+
+    Lowering again with arrays of the shapes the bench ran hits JAX's compile caches (no new compile
+    where the bench already compiled this shape).
+    """
+    from dmtp_jax.decode.sampling import SamplingParams
+    sp = SamplingParams.make()
+    key = jax.random.key(0)
+    weights = {name: tree_bytes(loaded.state) for name, loaded in _models(decoder).items()}
+    if hasattr(decoder, "round"):           # speculative: SpecDecoder
+        last = decoder.last_state       # the bench's own last state: same shardings, a compile-cache hit
+        same = last is not None and last.target_cache.kv.k_lbskd.shape[1:3] == (batch, max_len)
+        state = last if same else decoder.new_state(batch, max_len)
+        limits = np.full(batch, max_len, np.int32)
+        compiled = decoder.round.lower(decoder._states(), state, np.ones(batch, bool), limits, sp, key,
+                                       greedy=True).compile()
+        caches = {"target_cache": tree_bytes(state.target_cache), "mtp_cache": tree_bytes(state.mtp_cache)}
+        if state.ctx_cache is not None:     # the drafter attends over its context window only
+            ctx = tree_bytes(state.ctx_cache)
+            caches["ctx_cache"] = ctx * min(1.0, decoder.context_window / max_len)
+    else:                                   # plain decoding: ARDecoder
+        cache = decoder.caches.new(batch, max_len)
+        zeros = np.zeros(batch, np.int32)
+        compiled = decoder.decode_step.lower(decoder.target.state, zeros, zeros, cache, sp, key,
+                                             greedy=True).compile()
+        caches = {"target_cache": tree_bytes(cache)}
+    flops, accessed = _cost(compiled)
+    minimum = sum(weights.values()) + sum(caches.values())
+    return {"batch": batch, "max_len": max_len, "flops_per_round": flops, "bytes_per_round": accessed,
+            "min_bytes_per_round": float(minimum), "weight_bytes": weights,
+            "cache_bytes": {k: float(v) for k, v in caches.items()},
+            "bytes_ratio": accessed / minimum if minimum else None}
+
+
+def method_efficiency(decoder, run) -> dict | None:
+    """`round_cost` at the shape a bench run spent most rounds in, plus per committed token
+    (the round's cost over the tokens a round committed on average); None when nothing ran."""
+    shapes = getattr(run, "shapes", None) or {}
+    if not shapes or not run.loop_steps:
+        return None
+    (batch, max_len), _ = max(shapes.items(), key=lambda kv: kv[1])
+    cost = round_cost(decoder, batch, max_len)
+    per_round = (run.new_tokens - len(run.generations)) / run.loop_steps     # prefill tokens excluded
+    cost["tokens_per_round"] = per_round
+    for name in ("flops", "bytes", "min_bytes"):
+        cost[f"{name}_per_token"] = cost[f"{name}_per_round"] / per_round if per_round else None
+    return cost
+
+
+def _si(x: float | None, unit: str) -> str:
+    if x is None:
+        return "-"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}"
+
+
+def format_efficiency(eff: dict) -> str:
+    """The bench's efficiency table: per method, XLA's bytes and FLOPs per round and per committed
+    token, the analytic minimum bytes per round, and accessed / minimum.
+
+    Example:
+        >>> print(format_efficiency({}))
+        efficiency (XLA cost analysis of the compiled greedy round): no rounds ran
+    """
+    head = "efficiency (XLA cost analysis of the compiled greedy round)"
+    rows = {m: e for m, e in eff.items() if e}
+    if not rows:
+        return head + ": no rounds ran"
+    lines = [head + "; minimum = weights + caches read once:",
+             f"{'method':<8} {'shape':>9} {'bytes/round':>12} {'min/round':>11} {'ratio':>6} "
+             f"{'bytes/token':>12} {'FLOPs/round':>12} {'FLOPs/token':>12}"]
+    for m, e in rows.items():
+        lines.append(f"{m:<8} {str(e['batch']) + 'x' + str(e['max_len']):>9} {_si(e['bytes_per_round'], 'B'):>12} "
+                     f"{_si(e['min_bytes_per_round'], 'B'):>11} {e['bytes_ratio']:>5.2f}x "
+                     f"{_si(e['bytes_per_token'], 'B'):>12} {_si(e['flops_per_round'], 'F'):>12} "
+                     f"{_si(e['flops_per_token'], 'F'):>12}")
+    return "\n".join(lines)
