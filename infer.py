@@ -1,6 +1,7 @@
 """dmtp-jax inference CLI: generate | compare | bench.
 
     python infer.py                                                  # the demo benchmark (see below)
+    python infer.py --num-prompts 2 --max-new-tokens 16              # the same, shorter (bench flags)
     python infer.py generate --prompt "def fibonacci(n):"            # the shipped demo target
     python infer.py generate --target DIR --prompt-ids 1,2,3 --json out.json
     python infer.py generate --target DIR --draft DFLASH_DIR --prompt "..."   # speculative
@@ -12,6 +13,10 @@ stdlib with a native MTP head; drafters `demo/dflash` for dflash and `demo/dmtp`
 methods) when no `--target` is given; without a `demo/` directory, the built-in tiny random
 checkpoint. `python infer.py` with no arguments runs `bench` on the demo: methods ar, mtp, dflash,
 dmtp over prompts cut from stdlib modules held out of training (`demo/prompts.jsonl`), greedy.
+
+Bad input is one `error:` line (plus at most one `hint:` line) and exit status 2, checked before any
+model is loaded where it can be (`dmtp_jax/preflight.py`); speculative methods first run the
+exactness probe (`dmtp_jax/decode/probe.py`; `--strict` makes a failed probe an error).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import os
 import sys
 import tempfile
 
-from dmtp_jax.cli import int_list
+from dmtp_jax.cli import ArgumentParser, add_compile_cache_arg, enable_compile_cache, int_list, run_command
+from dmtp_jax.errors import InputError
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 DEMO_OUT = os.path.join(tempfile.gettempdir(), "dmtp-jax-demo")
@@ -31,23 +37,34 @@ DEMO_BENCH_ARGV = ["bench", "--methods", "ar,mtp,dflash,dmtp", "--num-prompts", 
                    "--outputs", os.path.join(DEMO_OUT, "outputs.jsonl"), "--show-sample"]
 
 
-def method_args(sp):
-    """The flags that choose the models and shape of the speculative methods (generate, bench)."""
+def method_args(sp, verify_list: bool = False):
+    """The flags that choose the models and shape of the speculative methods (generate, bench);
+    `verify_list`: `--verify` takes a comma-separated list (bench runs every verifier)."""
     sp.add_argument("--draft", help="DFlash / DFlash2 / DMTP drafter directory (dflash, dmtp*)")
     sp.add_argument("--mtp", default=None, help="directory with the native MTP head (mtp, dmtp*; "
                                                 "default: the target directory)")
     sp.add_argument("--mtp-steps", type=int, default=None, help="chain length of mtp (default 4: MTP415)")
     sp.add_argument("--block-size", type=int, default=None,
                     help="verify slots per round (default: the drafter's block_size)")
-    sp.add_argument("--verify", default="rejection", choices=["rejection", "target-only"],
-                    help="sampled verification: rejection sampling with the proposers' probabilities, or "
-                         "matching target samples (greedy is always exact match)")
+    verify_help = ("sampled verification: rejection (token-level rejection sampling with the proposers' "
+                   "probabilities), block (block verification with the same probabilities: lossless, accepts "
+                   "at least as much), or target-only (match target samples; what the paper measured). "
+                   "Greedy is always exact match")
+    if verify_list:
+        sp.add_argument("--verify", default="rejection",
+                        help=verify_help + ". A comma-separated list runs every speculative method once per "
+                                           "verifier, side by side (e.g. rejection,target-only,block)")
+    else:
+        sp.add_argument("--verify", default="rejection", choices=["rejection", "target-only", "block"],
+                        help=verify_help)
+    sp.add_argument("--strict", action="store_true",
+                    help="fail (instead of falling back to plain decoding) when the exactness probe finds "
+                         "that a verify block differs from single-token decoding on this backend / dtype")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from dmtp_jax.decode import METHODS
-    p = argparse.ArgumentParser(prog="infer.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="infer.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
@@ -55,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         sp.add_argument("--mesh", default=None, help="mesh axes, e.g. tensor=4,data=2 (default: 1 device)")
         sp.add_argument("--json", dest="json_path", help="write the result as JSON to this file")
+        add_compile_cache_arg(sp)
 
     g = sub.add_parser("generate", help="generate text with any method (plain or speculative)")
     common(g)
@@ -82,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="the paper's benchmark: acceptance and speed of methods over a workload")
     common(b)
-    method_args(b)
+    method_args(b, verify_list=True)
     b.add_argument("--methods", default=None,
                    help="comma-separated methods (default: ar,dflash with --draft; the demo: ar,mtp,dflash,dmtp; "
                         "else ar)")
@@ -90,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the demo's held-out prompts (demo/prompts.jsonl) on the demo, else gsm8k. "
                         "gsm8k|math500|humaneval|mt_bench|alpaca_eval|spec_bench|bfcl, or a .jsonl of "
                         '{"prompt": ...} / {"turns": [...]} / {"prompt_ids": [...]} records')
-    b.add_argument("--data-dir", default=None, help="shared data directory (default: $DMTP_JAX_DATA, "
-                                                    "else <repo>/../shared/data)")
+    b.add_argument("--data-dir", default=None,
+                   help="local copy of the named workloads' files (default: $DMTP_JAX_DATA); without one they "
+                        "load from the Hugging Face hub with the `datasets` library (pip install 'dmtp-jax[data]')")
     b.add_argument("--num-prompts", type=int, default=8, help="first N records of the workload")
     b.add_argument("--batch-size", type=int, default=1)
     b.add_argument("--max-new-tokens", type=int, default=128)
@@ -106,40 +125,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args) -> int:
+    from dmtp_jax import preflight
     from dmtp_jax.checkpoint.hf import load_target
     from dmtp_jax.decode.loading import make_decoders
     from dmtp_jax.decode.sampling import SamplingParams
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tokenizer import load_tokenizer, stop_token_ids
 
+    # cheap checks first: every bad input ends here, before the model load and before any output
     target_dir = resolve_target(args.target)
+    cfg = preflight.target_config(target_dir)
+    method = args.method or ("dflash" if args.draft else "ar")
+    preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens)
+    preflight.check_method_models([method], target_dir, args.draft, args.mtp, demo_drafters=uses_demo(args))
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
-    tokenizer = load_tokenizer(target_dir)
+    mesh = make_mesh(args.mesh)
+    tokenizer = load_tokenizer(target_dir, plain=True)     # no transformers / torch import when exact
     prompts = [list(p) for p in args.prompt_ids]
     if args.prompt:
         if tokenizer is None:
-            raise UserError(f"{target_dir} has no tokenizer; pass --prompt-ids instead of --prompt")
+            raise InputError(f"{target_dir} has no tokenizer; pass --prompt-ids instead of --prompt")
         prompts += [tokenizer(text).input_ids for text in args.prompt]
     if not prompts:
-        raise UserError("give at least one --prompt or --prompt-ids")
+        raise InputError("give at least one --prompt or --prompt-ids")
     if args.batch_size is not None:
         if args.batch_size < 1:
-            raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+            raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
         if args.batch_size < len(prompts):
-            raise UserError(f"--batch-size {args.batch_size} is smaller than the {len(prompts)} prompts given")
+            raise InputError(f"--batch-size {args.batch_size} is smaller than the {len(prompts)} prompts given")
         prompts = [prompts[i % len(prompts)] for i in range(args.batch_size)]
-    target = load_target(target_dir, args.dtype, make_mesh(args.mesh))
+    preflight.check_prompts(prompts, args.max_new_tokens, cfg)
+
+    target = load_target(target_dir, args.dtype, mesh)
     stops = stop_token_ids(target_dir, target.cfg.eos_token_ids, tokenizer)
     stops = sorted(set(stops) | set(args.stop_token_ids or []))
-    method = args.method or ("dflash" if args.draft else "ar")
-    decoder = make_decoders([method], target, method_models(args, target, [method]),
-                            block_size=args.block_size, verify=args.verify, mtp_steps=args.mtp_steps)[method]
+    decoder = make_decoders([method], target, method_models(args, target, [method]), block_size=args.block_size,
+                            verify=args.verify, mtp_steps=args.mtp_steps, strict=args.strict)[method]
 
     stream = len(prompts) == 1 and tokenizer is not None and not args.json_path
+    streamed = []
+
     def on_tokens(row, toks):
+        if not streamed:                # the prompt goes out with the first new tokens, never before
+            print(tokenizer.decode(prompts[0]), end="", flush=True)
+        streamed.extend(toks)
         print(tokenizer.decode(toks), end="", flush=True)
-    if stream:
-        print(tokenizer.decode(prompts[0]), end="", flush=True)
     result = decoder.generate(prompts, args.max_new_tokens, sampling, args.seed, stops,
                               on_tokens=on_tokens if stream else None)
     if stream:
@@ -161,10 +191,15 @@ def cmd_generate(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    from dmtp_jax import preflight
     from dmtp_jax.compare import compare_target, format_table
 
-    report = compare_target(resolve_target(args.target), dtype=args.dtype, mesh_spec=args.mesh, seed=args.seed,
-                            draft_dir=args.draft)
+    target_dir = resolve_target(args.target)
+    preflight.target_config(target_dir)
+    preflight.check_method_models(["dflash"] if args.draft else [], target_dir, args.draft, None)
+    with mtp_tensors_expected():
+        report = compare_target(target_dir, dtype=args.dtype, mesh_spec=args.mesh, seed=args.seed,
+                                draft_dir=args.draft)
     print(format_table(report))
     if args.json_path:
         with open(args.json_path, "w") as fh:
@@ -173,6 +208,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from dmtp_jax import preflight
     from dmtp_jax.bench import report as rep
     from dmtp_jax.bench.runner import run_benchmark
     from dmtp_jax.decode.loading import make_decoders
@@ -184,6 +220,7 @@ def cmd_bench(args) -> int:
     from dmtp_jax.tokenizer import load_tokenizer, stop_token_ids
 
     target_dir = resolve_target(args.target)
+    preflight.target_config(target_dir)             # "model directory not found" before anything else
     demo = uses_demo(args)
     default_methods = "ar,dflash" if args.draft else ("ar,mtp,dflash,dmtp" if demo else "ar")
     methods = [m.strip() for m in (args.methods or default_methods).split(",") if m.strip()]
@@ -191,17 +228,31 @@ def cmd_bench(args) -> int:
         args.workload = os.path.join(DEMO_DIR, "prompts.jsonl") if demo else "gsm8k"
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
-        raise UserError(f"unknown method(s) {unknown or methods}; available: {', '.join(METHODS)}")
+        raise InputError(f"unknown method(s) {unknown or methods}; available: {', '.join(METHODS)}")
     if args.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    verifies = verify_modes(args.verify)
+    preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens)
+    preflight.check_method_models(methods, target_dir, args.draft, args.mtp, demo_drafters=demo)
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
+    mesh = make_mesh(args.mesh)
     workload = load_workload(args.workload, args.data_dir, args.num_prompts)
-    tokenizer = load_tokenizer(target_dir)
+    tokenizer = load_tokenizer(target_dir, plain=True)     # no transformers / torch import when exact
     check_tokenizer(workload, tokenizer, target_dir)
-    target = load_target(target_dir, args.dtype, make_mesh(args.mesh))
+    if args.plot:
+        plot_backend()                  # matplotlib missing: say so before the run, not after it
+    target = load_target(target_dir, args.dtype, mesh)
     stops = stop_token_ids(target_dir, target.cfg.eos_token_ids, tokenizer)
-    decoders = make_decoders(methods, target, method_models(args, target, methods),
-                             block_size=args.block_size, mtp_steps=args.mtp_steps, verify=args.verify)
+    models = method_models(args, target, methods)
+    decoders = {}
+    for verify in verifies:         # several verifiers: every speculative method once per verifier
+        made = make_decoders(methods if verify == verifies[0] else [m for m in methods if m != "ar"], target,
+                             models, block_size=args.block_size, mtp_steps=args.mtp_steps, verify=verify,
+                             strict=args.strict)
+        decoders.update({m if m == "ar" or len(verifies) == 1 else f"{m}/{verify}": d for m, d in made.items()})
+    if len(verifies) > 1:           # side by side: method by method, each with every verifier
+        order = {m: i for i, m in enumerate(methods)}
+        decoders = dict(sorted(decoders.items(), key=lambda kv: order[kv[0].split("/")[0]]))
     runs = run_benchmark(decoders, workload, tokenizer, max_new_tokens=args.max_new_tokens,
                          batch_size=args.batch_size, sampling=sampling, seed=args.seed, stop_ids=stops,
                          max_positions=target.cfg.max_position_embeddings, progress=True)
@@ -209,14 +260,18 @@ def cmd_bench(args) -> int:
               "source": workload.source, "requests": len(workload.requests),
               "generations": workload.num_generations, "batch_size": args.batch_size,
               "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "mtp": args.mtp,
-              "mtp_steps": args.mtp_steps, "verify": args.verify,
+              "mtp_steps": args.mtp_steps, "verify": verifies[0] if len(verifies) == 1 else verifies,
               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
-              "dtype": args.dtype, "mesh": args.mesh, "stop_ids": stops}
+              "dtype": args.dtype, "mesh": args.mesh, "stop_ids": stops, "strict": args.strict}
     report = rep.build_report(runs, config)
+    from dmtp_jax.bench.efficiency import format_efficiency, method_efficiency
+    report["efficiency"] = {name: method_efficiency(decoders[name], run) for name, run in runs.items()}
     print(f"workload {workload.name}: {len(workload.requests)} requests, {workload.num_generations} generations, "
-          f"batch {args.batch_size}, max_new_tokens {args.max_new_tokens}, temperature {args.temperature}")
+          f"batch {args.batch_size}, max_new_tokens {args.max_new_tokens}, temperature {args.temperature}"
+          + (f", verify {','.join(verifies)}" if args.temperature > 0 else ""))
     print(rep.format_table(report))
     print(rep.format_footer(report))
+    print(format_efficiency(report["efficiency"]))
     if args.json_path:
         rep.write_json(report, args.json_path)
     if args.plot:
@@ -267,11 +322,65 @@ def format_stats(stats: dict) -> str:
                  "histogram {histogram}").format(**stats)
         line += "\nconditional acceptance by position: " + " ".join(
             f"{p:.2f}" for p in stats["conditional_acceptance"])
+    probe = stats.get("exactness_probe")
+    if probe:
+        line += (f"\nexactness probe: {'exact' if probe['exact'] else 'NOT exact'} ({probe['width']}-token block, "
+                 f"{probe['positions']} positions, {probe['backend']} {probe['dtype']}) -> {probe['decision']}"
+                 + (f" instead of {stats['declined_method']}" if stats.get("declined_method") else ""))
     return line
 
 
-class UserError(Exception):
-    """Bad input from the command line: printed as one line, exit status 2."""
+def verify_modes(text: str) -> list[str]:
+    """bench's `--verify`: a comma-separated list of verifiers, each once, or an `InputError`.
+
+    Example:
+        >>> verify_modes("rejection, block")
+        ['rejection', 'block']
+    """
+    from dmtp_jax.decode.spec import VERIFY_MODES
+    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    bad = [m for m in modes if m not in VERIFY_MODES]
+    if bad or not modes:
+        raise InputError(f"--verify: unknown verifier(s) {bad or text!r}; available: {', '.join(VERIFY_MODES)}")
+    return modes
+
+
+def plot_backend():
+    """matplotlib's Agg canvas, or an `InputError` saying how to install it.
+
+    Example:
+        >>> plot_backend().__name__
+        'FigureCanvasAgg'
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        raise InputError("--plot needs matplotlib, which is not installed",
+                         hint="pip install matplotlib (a dependency of dmtp-jax: pip install -e .)") from None
+    return FigureCanvasAgg
+
+
+class mtp_tensors_expected:
+    """Context: transformers' targets do not run `mtp.*` tensors and its load report lists them as
+    UNEXPECTED (a coloured table on stderr); they are expected here, so they are left out of it.
+
+    Example:
+        >>> with mtp_tensors_expected():
+        ...     pass
+    """
+
+    PATTERN = r"^mtp\."
+
+    def __enter__(self):
+        from transformers import PreTrainedModel
+        self.saved = PreTrainedModel.__dict__.get("_keys_to_ignore_on_load_unexpected")
+        PreTrainedModel._keys_to_ignore_on_load_unexpected = [*(self.saved or []), self.PATTERN]
+        return self
+
+    def __exit__(self, *exc):
+        from transformers import PreTrainedModel
+        PreTrainedModel._keys_to_ignore_on_load_unexpected = self.saved
+        return False
 
 
 def demo_available() -> bool:
@@ -327,21 +436,35 @@ def method_models(args, target, methods) -> dict:
     return {m: out[m] for m in methods}
 
 
+def demo_argv(argv: list[str]) -> list[str] | None:
+    """`python infer.py [bench flags]` (no subcommand) runs the demo benchmark; flags given
+    override the demo's (e.g. `--num-prompts 2 --max-new-tokens 16`, the CI's short run). None
+    when `argv` names a subcommand or asks for help.
+
+    Example:
+        >>> demo_argv(["generate", "--prompt", "x"]) is None
+        True
+        >>> demo_argv(["--num-prompts", "2"])[-2:]
+        ['--num-prompts', '2']
+    """
+    if argv and (not argv[0].startswith("-") or argv[0] in ("-h", "--help")):
+        return None
+    return [*DEMO_BENCH_ARGV, *argv]
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:            # `python infer.py`: the demo benchmark
+    demo = demo_argv(argv)
+    if demo is not None:            # `python infer.py`: the demo benchmark
         if not demo_available():
-            print(f"error: no demo at {DEMO_DIR}; see `python infer.py --help`", file=sys.stderr)
+            print(f"error: no demo at {DEMO_DIR}\nhint: run 'python infer.py --help' for the subcommands",
+                  file=sys.stderr)
             return 2
         os.makedirs(DEMO_OUT, exist_ok=True)
-        argv = list(DEMO_BENCH_ARGV)
+        argv = demo
     args = build_parser().parse_args(argv)
-    from dmtp_jax.errors import USER_ERRORS
-    try:
-        return {"generate": cmd_generate, "compare": cmd_compare, "bench": cmd_bench}[args.command](args)
-    except (UserError, *USER_ERRORS) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    enable_compile_cache(args.compile_cache)
+    return run_command({"generate": cmd_generate, "compare": cmd_compare, "bench": cmd_bench}[args.command], args)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ def summarize_run(run: MethodRun) -> dict:
         "retimed_calls": run.retimed_calls,
         "skipped": len(run.skipped),
         "compiles": run.compiles,
+        "exactness_probe": run.exactness_probe,
     }
 
 
@@ -147,7 +148,9 @@ def format_footer(report: dict) -> str:
                    + (f", {m['target_forwards_per_token']:.3f} target forwards/token"
                       if m.get("target_forwards_per_token") is not None else "")
                    + f", histogram {m['histogram']}"
-                   + (f", {m['skipped']} skipped (too long)" if m["skipped"] else ""))
+                   + (f", {m['skipped']} skipped (too long)" if m["skipped"] else "")
+                   + ("; exactness probe failed: ran plain decoding" if (m.get("exactness_probe") or {}).get(
+                       "decision") == "plain" else ""))
     return "\n".join(out)
 
 

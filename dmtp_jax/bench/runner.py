@@ -61,6 +61,8 @@ class MethodRun:
     ttft_s: list[float] = dataclasses.field(default_factory=list)
     skipped: list[tuple[str, int]] = dataclasses.field(default_factory=list)   # (request id, turn)
     compiles: dict = dataclasses.field(default_factory=dict)
+    exactness_probe: dict | None = None  # the speculative decoder's probe verdict (decode/probe.py)
+    shapes: dict = dataclasses.field(default_factory=dict)   # (batch bucket, cache length) -> loop steps
 
     @property
     def speculative(self) -> bool:
@@ -156,6 +158,7 @@ def _run_batch(run: MethodRun, decoder, batch: list[Request], tokenizer, fits, m
         except RequestError as e:
             raise RequestError(f"requests {[batch[i].id for i in rows]} turn {turn + 1}: {e}") from None
         stats = result.stats
+        run.exactness_probe = stats.get("exactness_probe", run.exactness_probe)
         acceptance = stats.get("acceptance_lengths")
         if acceptance is not None:
             run.block_size = int(stats.get("block_size") or len(stats["histogram"]))
@@ -164,6 +167,8 @@ def _run_batch(run: MethodRun, decoder, batch: list[Request], tokenizer, fits, m
         run.wall_s += wall
         run.decode_s += float(stats.get("decode_s", 0.0))
         run.loop_steps += max(0, int(stats.get("target_forwards", 1)) - 1)
+        shape = (int(stats.get("batch_bucket", len(rows))), int(stats.get("max_len", 0)))
+        run.shapes[shape] = run.shapes.get(shape, 0) + max(0, int(stats.get("target_forwards", 1)) - 1)
         run.ttft_s.append(float(stats.get("ttft_s", 0.0)))
         for j, i in enumerate(rows):
             out = list(map(int, result.output_ids[j]))

@@ -9,10 +9,12 @@ predicts the next first candidate. One round with `n` verify slots:
               the drafter runs its block (`models/fusion.py`: dflash `[A, MASK..]`, dmtp
               `[A, T1+Δ, MASK..]`, single-anchor `[T1, MASK..]`) over the cached context
     verify  : target on [A, T1..T(n-1)] at positions L.. (writes KV, captures context features)
-    accept  : greedy exact match, or lossless sampling (rejection with the proposers' q -- MTP's
-              for T1, DFlash's / the DFlash2 selector's for the rest -- or target-only)
-    commit  : L += accepted + 1; the drafter's context K/V of the verify rows are written at their
-              positions; MTP advances over at most n rows (h_{L+j}, next token) with rows past the
+    accept  : greedy exact match, or lossless sampling (rejection or block verification with the
+              proposers' q -- MTP's for T1, DFlash's / the DFlash2 selector's for the rest -- or
+              target-only)
+    commit  : L += accepted + 1; the target keeps the accepted prefix (`target.commit`: K/V rows
+              past L are never read; DeltaNet states advance over the kept tokens only); the
+              drafter's context K/V of the verify rows are written at their positions; MTP advances over at most n rows (h_{L+j}, next token) with rows past the
               accepted prefix sent to scratch; rows beyond a row's length are never read and get
               overwritten later. Finished rows keep their state.
 
@@ -26,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from typing import Callable
@@ -38,23 +41,23 @@ from flax import nnx
 from dmtp_jax.checkpoint.hf import LoadedModel
 from dmtp_jax.decode.ar import GenerationResult, TargetCaches, gather_rows, new_kv_cache, pin_kv_cache
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
-from dmtp_jax.decode.sampling import SamplingParams, filtered_probs, sample_from_probs, sample_tokens
+from dmtp_jax.decode.sampling import SamplingParams, filtered_probs, pick_tokens, sample_from_probs
 from dmtp_jax.decode.stats import acceptance_stats
-from dmtp_jax.decode.verify import (candidate_probs_to_dense, verify_greedy, verify_rejection,
+from dmtp_jax.decode.verify import (candidate_probs_to_dense, verify_block, verify_greedy, verify_rejection,
                                     verify_target_only)
-from dmtp_jax.layers.kv_cache import KVCache, write_layer
+from dmtp_jax.layers.kv_cache import KVCache, TargetCache, write_layer
 from dmtp_jax.models.fusion import DMTP_METHODS, block_layout, draft_block_embeds
 from dmtp_jax.sharding import replicated
 
 DEFAULT_CONTEXT_WINDOW = 4096
-VERIFY_MODES = ("rejection", "target-only")
+VERIFY_MODES = ("rejection", "target-only", "block")
 SPEC_METHODS = ("dflash", "mtp") + tuple(DMTP_METHODS)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SpecState:
-    target_cache: KVCache
+    target_cache: TargetCache   # K/V and, for hybrid targets, DeltaNet states (one protocol)
     ctx_cache: KVCache | None   # drafter context K/V, [draft_layers, B, S, kv, D]
     mtp_cache: KVCache | None   # MTP private K/V, [1, B, S, kv, D]
     mtp_h_bh: jax.Array | None  # MTP pre-norm hidden that predicts the next T1
@@ -87,8 +90,9 @@ class SpecDecoder:
 
     `drafter` (DFlash / DFlash2) serves dflash and dmtp*; `mtp` (the native MTP head) serves mtp and
     dmtp*; `fusion` (from `checkpoint.dmtp_ckpt`) the dmtp* methods. `verify` chooses sampled
-    verification: "rejection" (with the proposers' probabilities) or "target-only" (match target
-    samples). Greedy (temperature 0) is always exact match.
+    verification: "rejection" (token by token, with the proposers' probabilities), "block" (block
+    verification with the same probabilities, `decode/verify.py:verify_block`) or "target-only"
+    (match target samples). Greedy (temperature 0) is always exact match.
     """
 
     def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None, *, method: str = "dflash",
@@ -119,7 +123,7 @@ class SpecDecoder:
         self.target, self.drafter, self.mtp, self.fusion = target, drafter, mtp, fusion
         self.method, self.verify_mode, self.context_window = method, verify, context_window
         self.caches = TargetCaches(target)
-        self.prefill = jax.jit(self._prefill, donate_argnames=("state",))
+        self.prefill = jax.jit(self._prefill, donate_argnames=("state",), static_argnames=("greedy",))
         self.round = jax.jit(self._round, donate_argnames=("state",), static_argnames=("greedy",))
         self.last_state: SpecState | None = None
 
@@ -141,7 +145,7 @@ class SpecDecoder:
     def _constrain(self, st: SpecState) -> SpecState:
         mesh = self.target.mesh
         rep = replicated(mesh)
-        return SpecState(pin_kv_cache(mesh, st.target_cache), pin_kv_cache(mesh, st.ctx_cache),
+        return SpecState(self.caches.constrain(st.target_cache), pin_kv_cache(mesh, st.ctx_cache),
                          pin_kv_cache(mesh, st.mtp_cache), _pin(st.mtp_h_bh, rep), _pin(st.lengths_b, rep),
                          _pin(st.pending_b, rep))
 
@@ -169,12 +173,13 @@ class SpecDecoder:
         return drafter.cfg.target_layer_ids if drafter is not None else ()
 
     # ---- jitted entry points -----------------------------------------------------------------
-    def _prefill(self, states, tokens_bt, lengths_b, state: SpecState, sp, key):
+    def _prefill(self, states, tokens_bt, lengths_b, state: SpecState, sp, key, greedy: bool = False):
         """Prompt through the target (KV + context features) and the MTP; samples the first token."""
         target, drafter, mtp, fusion = self._models(states)
         positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        out = target(tokens_bt, positions, state.target_cache, capture_layers=self._capture(drafter))
-        first = sample_tokens(target.logits(gather_rows(out.hidden_bth, lengths_b - 1)), sp, key)
+        out = target(tokens_bt, positions, state.target_cache, capture_layers=self._capture(drafter),
+                     kv_valid_bt=positions < lengths_b[:, None])
+        first = pick_tokens(target.logits(gather_rows(out.hidden_bth, lengths_b - 1)), sp, key, greedy)
         ctx = mtp_cache = mtp_h = h = None
         if mtp is not None:
             # rows (h_i, x_{i+1}) at positions i+1; the last real row pairs h_{P-1} with the first token
@@ -271,12 +276,15 @@ class SpecDecoder:
         n = self.slots
         positions = state.lengths_b[:, None] + jnp.arange(n)
         verify_tokens = jnp.concatenate([state.pending_b[:, None], drafts], axis=1)
-        out = target(verify_tokens, positions, state.target_cache, capture_layers=self._capture(drafter))
+        out = target(verify_tokens, positions, state.target_cache, capture_layers=self._capture(drafter),
+                     speculative=True)
         logits = target.logits(out.hidden_bth)
         if greedy:
             acc, bonus = verify_greedy(logits, drafts)
         elif self.verify_mode == "target-only":
             acc, bonus = verify_target_only(filtered_probs(logits, sp), drafts, k_verify)
+        elif self.verify_mode == "block":
+            acc, bonus = verify_block(filtered_probs(logits, sp), q, drafts, k_verify)
         else:
             acc, bonus = verify_rejection(filtered_probs(logits, sp), q, drafts, k_verify)
         ctx, mtp_h, mtp_rows = state.ctx_cache, state.mtp_h_bh, None
@@ -288,7 +296,8 @@ class SpecDecoder:
         slot = jnp.arange(n)[None]
         tokens = jnp.where(slot < acc[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
                            bonus[:, None])
-        new = SpecState(out.cache, ctx, mtp_cache, mtp_h,
+        target_cache = target.commit(out.cache, out.pending, jnp.where(active_b, acc + 1, 0))
+        new = SpecState(target_cache, ctx, mtp_cache, mtp_h,
                         jnp.where(active_b, state.lengths_b + acc + 1, state.lengths_b),
                         jnp.where(active_b, bonus, state.pending_b))
         rep = replicated(self.target.mesh)
@@ -309,6 +318,15 @@ class SpecDecoder:
         stop_ids = cfg.eos_token_ids if stop_ids is None else stop_ids
         batch = pad_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings,
                             slack=self.slots)
+        from dmtp_jax.decode.probe import exactness_gate   # block == chain on this backend? (once per decoder)
+        probing = None
+        if "_exactness_gate" in self.__dict__:
+            gate = exactness_gate(self)
+            if not gate.engaged:
+                return gate.plain_generate(prompts, max_new_tokens, sampling, seed, stop_ids, on_tokens)
+        else:   # first request: the probe compiles and runs in a thread while this one compiles prefill and round
+            probing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dmtp-probe")
+            gate_future = probing.submit(exactness_gate, self)
         rows = batch.tokens_bt.shape[0]
         tracker = StopTracker(batch.num_rows, max_new_tokens, stop_ids)
         base_key = jax.random.key(seed)
@@ -318,9 +336,19 @@ class SpecDecoder:
         t0 = time.perf_counter()
         states = self._states()
         state = self.prefill(states, batch.tokens_bt, batch.lengths_b, self.new_state(rows, batch.max_len),
-                             sp, jax.random.fold_in(base_key, 0))
+                             sp, jax.random.fold_in(base_key, 0), greedy=greedy)
         first = np.asarray(state.pending_b)
         ttft = time.perf_counter() - t0
+        if probing is not None:         # nothing is committed (or streamed) before the probe's verdict
+            try:
+                if max_new_tokens > 1:  # compiled now, reused by the first round (not counted until it runs)
+                    self.round.lower(states, state, np.zeros(rows, bool), limits, sp, jax.random.fold_in(base_key, 1),
+                                     greedy=greedy).compile()
+                gate = gate_future.result()
+            finally:
+                probing.shutdown(wait=True)
+            if not gate.engaged:
+                return gate.plain_generate(prompts, max_new_tokens, sampling, seed, stop_ids, on_tokens)
         for row in range(batch.num_rows):
             kept = tracker.add(row, [first[row]])
             if kept and on_tokens:
@@ -353,6 +381,7 @@ class SpecDecoder:
             "decode_tokens_per_s": (new_tokens - batch.num_rows) / decode_s if decode_s > 0 else 0.0,
             "batch_bucket": rows, "max_len": batch.max_len, "block_size": self.slots,
             "acceptance_lengths": acceptance,
+            "exactness_probe": gate.summary(),
             **acceptance_stats(acceptance, self.slots),
         }
         return GenerationResult([list(map(int, p)) for p in prompts], tracker.outputs, stats)
