@@ -139,7 +139,8 @@ def batch_sharding(mesh: Mesh, shape, batch_axis: int = 0, rules: MeshRules = DE
 def recurrent_state_sharding(mesh: Mesh, shape, rules: MeshRules = DEFAULT_RULES) -> NamedSharding:
     """DeltaNet state `[layers, batch, ...]`: batch over the data axes; a 5-D recurrent state
     `[L, B, nv, dk, dv]` also splits its value heads over tensor (a conv window stays whole)."""
-    axes = (None, "batch", "cache_heads", None, None) if len(shape) == 5 else (None, "batch") + (None,) * (len(shape) - 2)
+    axes = ((None, "batch", "cache_heads", None, None) if len(shape) == 5
+            else (None, "batch") + (None,) * (len(shape) - 2))
     return named_sharding(axes, shape, mesh, rules)
 
 

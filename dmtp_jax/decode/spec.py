@@ -14,8 +14,9 @@ predicts the next first candidate. One round with `n` verify slots:
               target-only)
     commit  : L += accepted + 1; the target keeps the accepted prefix (`target.commit`: K/V rows
               past L are never read; DeltaNet states advance over the kept tokens only); the
-              drafter's context K/V of the verify rows are written at their positions; MTP advances over at most n rows (h_{L+j}, next token) with rows past the
-              accepted prefix sent to scratch; rows beyond a row's length are never read and get
+              drafter's context K/V of the verify rows are written at their positions; MTP
+              advances over at most n rows (h_{L+j}, next token) with rows past the accepted
+              prefix sent to scratch; rows beyond a row's length are never read and get
               overwritten later. Finished rows keep their state.
 
 The round compiles once per (batch bucket, cache length, method, greedy/sampled).
