@@ -41,7 +41,5 @@ def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, bl
     if method not in METHODS:
         raise RequestError(f"unknown method '{method}'; available: {', '.join(METHODS)}")
     from dmtp_jax.decode.spec import SpecDecoder
-    decoder = SpecDecoder(target, drafter, method=method, mtp=mtp, fusion=fusion, block_size=block_size,
-                          mtp_steps=mtp_steps, verify=verify)
-    decoder.strict = strict          # read by decode/probe.py:exactness_gate
-    return decoder
+    return SpecDecoder(target, drafter, method=method, mtp=mtp, fusion=fusion, block_size=block_size,
+                       mtp_steps=mtp_steps, verify=verify, strict=strict)

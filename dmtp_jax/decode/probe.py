@@ -254,7 +254,7 @@ def exactness_gate(decoder) -> ExactnessGate:
     if gate is not None:
         return gate
     probe = probe_target(decoder.target, decoder.slots)
-    engaged, decision = decide(probe, getattr(decoder, "strict", False),
+    engaged, decision = decide(probe, decoder.strict,
                                os.environ.get(ALLOW_INEXACT_ENV, "") not in ("", "0"))
     key = (id(decoder.target), decoder.slots)
     if not probe.exact and key not in _WARNED:

@@ -93,13 +93,15 @@ class SpecDecoder:
     dmtp*; `fusion` (from `checkpoint.dmtp_ckpt`) the dmtp* methods. `verify` chooses sampled
     verification: "rejection" (token by token, with the proposers' probabilities), "block" (block
     verification with the same probabilities, `decode/verify.py:verify_block`) or "target-only"
-    (match target samples). Greedy (temperature 0) is always exact match.
+    (match target samples). Greedy (temperature 0) is always exact match. `strict`: fail with
+    `InexactBackendError` when the exactness probe finds this backend inexact (default: decode
+    plainly instead).
     """
 
     def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None, *, method: str = "dflash",
                  mtp: LoadedModel | None = None, fusion: LoadedModel | None = None,
                  block_size: int | None = None, mtp_steps: int = 4, verify: str = "rejection",
-                 context_window: int = DEFAULT_CONTEXT_WINDOW):
+                 context_window: int = DEFAULT_CONTEXT_WINDOW, strict: bool = False):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got '{verify}'")
         if method not in SPEC_METHODS:
@@ -123,6 +125,7 @@ class SpecDecoder:
         self.block_size = self.slots
         self.target, self.drafter, self.mtp, self.fusion = target, drafter, mtp, fusion
         self.method, self.verify_mode, self.context_window = method, verify, context_window
+        self.strict = strict        # exactness probe mismatch: raise instead of plain decoding
         self.caches = TargetCaches(target)
         self.prefill = jax.jit(self._prefill, donate_argnames=("state",), static_argnames=("greedy",))
         self.round = jax.jit(self._round, donate_argnames=("state",), static_argnames=("greedy",))
