@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, help="write the cumulative acceptance plot (PNG) here")
     b.add_argument("--outputs", default=None, help="write every generation (ids, text) as JSONL here")
     b.add_argument("--show-sample", action="store_true", help="print the first prompt and each method's answer")
+    b.add_argument("--no-phases", action="store_true",
+                   help="skip the per-phase breakdown (propose / verify / accept / commit) of each speculative round")
     return p
 
 
@@ -272,6 +274,10 @@ def cmd_bench(args) -> int:
     print(rep.format_table(report))
     print(rep.format_footer(report))
     print(format_efficiency(report["efficiency"]))
+    if not args.no_phases and sampling.is_greedy:
+        from dmtp_jax.bench.phases import bench_phases, format_phases
+        report["phases"] = bench_phases(decoders)
+        print(format_phases(report["phases"]))
     if args.json_path:
         rep.write_json(report, args.json_path)
     if args.plot:

@@ -58,6 +58,8 @@ def test_bench_cli_json_and_plot(tiny_qwen3_dir, draft_dir, ids_jsonl, tmp_path,
     assert data["config"]["workload"] == "ids.jsonl" and data["config"]["requests"] == len(ID_PROMPTS)
     assert d["generations"] == a["generations"] == len(ID_PROMPTS)
     assert png.read_bytes()[:8] == PNG_MAGIC
+    assert "phases (greedy round" in table and set(data["phases"]) == {"dflash"}     # spec methods only
+    assert data["phases"]["dflash"]["round_ms"] > 0 and data["phases"]["dflash"]["phases_ms"]["verify"] > 0
 
     records = [json.loads(line) for line in gens.read_text().splitlines()]
     by_method = {m: [r for r in records if r["method"] == m] for m in ("ar", "dflash")}
