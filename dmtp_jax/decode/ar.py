@@ -113,9 +113,6 @@ class TargetCaches:
     def shape(self, batch: int, max_len: int):
         return kv_cache_shape(self.target.cfg, batch, max_len)
 
-    def state_shapes(self, batch: int):
-        return recurrent_state_shapes(self.target.cfg, batch)
-
     def constrain(self, cache: TargetCache) -> TargetCache:
         mesh = self.target.mesh
         pin = lambda x: None if x is None else jax.lax.with_sharding_constraint(  # noqa: E731
@@ -125,7 +122,7 @@ class TargetCaches:
     def new(self, batch: int, max_len: int) -> TargetCache:
         mesh = self.target.mesh
         kv = new_kv_cache(mesh, self.shape(batch, max_len), self.target.state_dtype)
-        shapes = self.state_shapes(batch)
+        shapes = recurrent_state_shapes(self.target.cfg, batch)
         if shapes is None:
             return TargetCache(kv)
         conv_shape, ssm_shape = shapes

@@ -12,8 +12,8 @@ single-token decode and verify blocks, the same per-token op order as transforme
 and `gated_delta_chunked` (the UT-transform form over chunks of 64: prefill and training).
 `gated_delta_rule` picks one by the static sequence length.
 
-A token with `g = 0, beta = 0` leaves the state unchanged: that is how padding and rejected draft
-tokens are kept out of the state (`mask_gates`).
+A token with `g = 0, beta = 0` leaves the state unchanged: that is how padding is kept out of the
+state (`mask_gates`); a verify block's rejected drafts are skipped by `gated_delta_state_after`.
 
 The short causal depthwise conv keeps a window of the last `K-1` pre-conv inputs per row
 (`causal_conv_silu`, `conv_window_after`).
@@ -118,14 +118,13 @@ def gated_delta_state_after(k_bthk, v_bthv, g_bth, beta_bth, state_bhkv, keep_b:
     """The state after the first `keep_b` tokens of a block per row (the rest are skipped), with the
     same per-token update as `gated_delta_recurrent`: how a verify block commits its accepted prefix."""
     keep_bt = jnp.arange(k_bthk.shape[1])[None] < keep_b[:, None]
-    g, beta = mask_gates(g_bth, beta_bth, keep_bt)
 
     def step(state, xs):
         k, v, g_t, beta_t, keep_t = xs
         return jnp.where(keep_t[:, None, None, None], _delta_update(state, k, v, g_t, beta_t), state), None
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (k_bthk.astype(jnp.float32), v_bthv.astype(jnp.float32),
-                                               g, beta, keep_bt))
+                                               g_bth, beta_bth, keep_bt))
     state, _ = jax.lax.scan(step, state_bhkv.astype(jnp.float32), xs)
     return state
 

@@ -192,7 +192,8 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.norm(x, self.post_attention_layernorm))
 
     def __call__(self, x, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt):
-        """An attention layer (the DeltaNet path is `QwenTarget._linear_layer`)."""
+        """An attention layer (`QwenTarget.__call__` runs a DeltaNet layer's `linear_attn` itself,
+        since it threads the layer's conv window and state, then calls `finish`)."""
         attn, cache = self.self_attn(self.norm(x, self.input_layernorm), positions_bt, cos, sin, cache,
                                      kv_valid_bt)
         return self.finish(x, attn), cache
