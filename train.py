@@ -1,10 +1,12 @@
-"""dmtp-jax training CLI: train | export | regen | pretrain.
+"""dmtp-jax training CLI: train | export | regen | calibrate | pretrain | distil-mtp.
 
     python train.py train --target DIR --method dflash --data FILE --steps N --batch-size B \\
         --seq-len L --out RUN [--init-from DRAFTER] [--resume] [--config configs/xxx.py]
     python train.py export --run RUN --out DRAFTER_DIR
     python train.py regen --target DIR --data FILE --out FILE [--method ar|dflash --draft DIR]
+    python train.py calibrate --target DIR --draft DMTP_ADAPTIVE_DIR --data REGEN_FILE [--mtp DIR]
     python train.py pretrain --config configs/demo_target.py [--steps N] [--resume] [--data-only]
+    python train.py distil-mtp --config configs/demo_mtp.py [--steps N] [--resume]
     python train.py --config configs/demo_dmtp.py      # the subcommand named by the config's COMMAND
 
 A config file defines `get_config()` returning a dict (or dataclass) of `TrainConfig` fields; flags
@@ -43,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "methods train against the target's frozen native MTP head")
     t.add_argument("--mtp", help="directory of the frozen MTP head (default: the target directory)")
     t.add_argument("--fusion-rank", type=int, help="rank of dmtp-lowrank's residual")
+    t.add_argument("--mask-t1-fraction", type=float,
+                   help="dmtp-adaptive: fraction of anchors trained in DFlash mode (T1 slot MASK, supervised)")
     t.add_argument("--data", help="training data (.jsonl or .parquet)")
     t.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, run_config.json)")
     t.add_argument("--steps", type=int)
@@ -109,7 +113,27 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--data-only", action="store_true", default=None,
                     help="only build the tokenizer, token streams and prompt files")
     pt.add_argument("--no-progress", dest="progress", action="store_false", default=None)
-    for sp in (t, e, r, pt):
+    c = sub.add_parser("calibrate", help="dmtp-adaptive: pick the MTP-confidence threshold on target-written "
+                       "training text and store it in the drafter directory (dmtp_jax.train.calibrate)")
+    c.add_argument("--target", required=True)
+    c.add_argument("--draft", required=True, help="dmtp-adaptive drafter directory (its config.json is updated)")
+    c.add_argument("--data", required=True, help="target-written records (train.py regen output), not eval prompts")
+    c.add_argument("--mtp", help="MTP head directory (default: the target's)")
+    c.add_argument("--seq-len", type=int, default=256)
+    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--num-anchors", type=int, default=32)
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.add_argument("--dry-run", dest="write", action="store_false", help="print the table, write nothing")
+
+    dm = sub.add_parser("distil-mtp", help="train only the MTP head toward its frozen target's own next-token "
+                        "distributions (dmtp_jax.demo.distil)")
+    dm.add_argument("--config", required=True, help="python file with get_config() -> DistilConfig fields")
+    dm.add_argument("--target", help="target directory (frozen; its mtp.* tensors are replaced)")
+    dm.add_argument("--data", help="text the target wrote (train.py regen output)")
+    dm.add_argument("--steps", type=int)
+    dm.add_argument("--resume", action="store_true", default=None)
+    dm.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    for sp in (t, e, r, c, pt, dm):
         add_compile_cache_arg(sp)
     return p
 
@@ -191,6 +215,27 @@ def cmd_pretrain(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from dmtp_jax.train.calibrate import CalibrateConfig, run_calibrate
+    fields = {f.name for f in dataclasses.fields(CalibrateConfig)}
+    summary = run_calibrate(CalibrateConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+    for row in summary["table"]:
+        mark = "  <- chosen" if row["threshold"] == summary["threshold"] else ""
+        print(f"threshold {row['threshold']:.2f}: {row['tokens_per_verify']:.3f} tokens/verify, "
+              f"MTP's T1 in {row['mtp_fraction']:.0%} of rounds{mark}")
+    print(json.dumps({k: v for k, v in summary.items() if k != "table"}))
+    return 0
+
+
+def cmd_distil(args) -> int:
+    from dmtp_jax.demo.distil import DistilConfig, run_distil
+    merged = load_config_file(args.config)
+    merged.update({k: v for k, v in vars(args).items()
+                   if k not in ("command", "config", "compile_cache") and v is not None})
+    print(json.dumps(run_distil(DistilConfig.from_dict(merged))))
+    return 0
+
+
 def _config_command(argv: list[str]) -> list[str]:
     """`--config FILE ...` without a subcommand -> the config's `COMMAND` (default `train`)."""
     if not argv or argv[0] not in ("--config",) or len(argv) < 2:
@@ -211,8 +256,8 @@ def main(argv=None) -> int:
     argv = _config_command(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     enable_compile_cache(args.compile_cache)
-    return run_command({"train": cmd_train, "export": cmd_export, "regen": cmd_regen,
-                        "pretrain": cmd_pretrain}[args.command], args)
+    return run_command({"train": cmd_train, "export": cmd_export, "regen": cmd_regen, "calibrate": cmd_calibrate,
+                        "pretrain": cmd_pretrain, "distil-mtp": cmd_distil}[args.command], args)
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ def time_round(decoder, batch: int, max_len: int, context: int, iters: int) -> f
     states, active, limits = decoder._states(), np.ones(batch, bool), np.full(batch, max_len, np.int32)
 
     def step():
-        st, tokens, acc = decoder.round(states, holder["state"], active, limits, sp, key, greedy=True)
+        st, tokens, acc, _ = decoder.round(states, holder["state"], active, limits, sp, key, greedy=True)
         holder["state"] = dataclasses.replace(st, lengths_b=lengths)
         return acc
     return _median_time(step, iters)

@@ -1,7 +1,8 @@
-"""The demo target: a Qwen3-format model pretrained from scratch on the Python stdlib jointly with
-its native (Qwen3.5-format) MTP head.
+"""The demo target: a miniature Qwen3.6 (Qwen3.5-format hybrid: three Gated DeltaNet layers and one
+gated-attention layer, dense MLP) pretrained from scratch on the Python stdlib jointly with its native
+MTP head (`mtp.*`).
 
-    python train.py pretrain --config configs/demo_target.py          # ~15 min on 2 CPU cores
+    python train.py pretrain --config configs/demo_target.py          # ~20 min on 2 CPU cores
     python train.py pretrain --config configs/demo_target.py --resume  # after an interruption
 
 Writes the tokenizer, token streams and prompt files under `demo_out/data`, the run (orbax
@@ -20,16 +21,19 @@ def get_config() -> dict:
         # pydoc_data, encodings, files > 150 kB and the 30 held-out modules; hash order, <= 4 MB
         corpus_bytes=4_000_000, vocab_size=4096, num_bench_prompts=12, bench_prompt_max_chars=400,
         num_drafter_prompts=1600, drafter_prompt_tokens=96,
-        # model: Qwen3 dense, tied embeddings; the MTP head is one Qwen3 layer + fc + 3 norms
-        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+        # model: Qwen3.5 hybrid (layers 0-2 Gated DeltaNet, layer 3 gated attention with partial
+        # RoPE 0.25), dense MLP, tied embeddings; the MTP head is one gated-attention layer + fc + 3 norms
+        model_type="qwen3_5", full_attention_interval=4, partial_rotary_factor=0.25,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, rope_theta=10000.0,
         tie_word_embeddings=True,
         # objective: main CE + 0.3 * MTP CE, MTP gradients flow into the trunk (DeepSeek-V3)
         mtp_lambda=0.3, mtp_stop_gradient=False,
         # optimisation: AdamW (b1 0.9, b2 0.95), warmup + cosine to 0.1 * lr, clip 1.0, fp32
-        seq_len=256, batch_size=16, steps=200, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
+        seq_len=256, batch_size=16, steps=400, lr=3e-3, warmup_steps=20, min_lr_ratio=0.1,
         weight_decay=0.01, max_grad_norm=1.0, compute_dtype="float32", seed=0, eval_batches=8,
-        checkpoint_every=50, keep_checkpoints=2, save_dtype="bfloat16",
+        checkpoint_every=100, keep_checkpoints=2, save_dtype="bfloat16",
     )
 
 

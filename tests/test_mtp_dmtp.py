@@ -209,7 +209,7 @@ def test_compare_reports_mtp(mtp_target_dir):
     assert report["ok"] and len(mtp) == 1 and mtp[0]["max_abs_diff"] < 1e-4
 
 
-@pytest.mark.parametrize("method", list(DMTP_METHODS))
+@pytest.mark.parametrize("method", [m for m in DMTP_METHODS if m != "dmtp-adaptive"])
 def test_training_block_equals_the_decode_round(method, models, dmtp_dirs):
     """The trainer's block for anchor A (T1 from the data) drafts what the decode round drafts when
     the data's T1 is MTP's: same block input, positions, context and context alignment."""
@@ -231,3 +231,85 @@ def test_training_block_equals_the_decode_round(method, models, dmtp_dirs):
                                   fusion=fu, mtp_h_bth=mtp_hidden(head, model, tokens, hidden))
     known = method_layout(method, 8)[1]
     assert np.asarray(jnp.argmax(logits[0, known:], -1)).tolist() == drafts[0, 1:].tolist()
+
+
+def adaptive_training_drafts(models, drafter, fusion, prompt, pending, t1, t1_masked):
+    """Greedy drafts of the trainer's dmtp-adaptive block at anchor A = len(prompt) in one mode."""
+    from dmtp_jax.train.features import mtp_hidden, target_features
+    from dmtp_jax.train.loss import block_inputs, drafter_block_logits
+    target, mtp = models
+    a = len(prompt)
+    tokens = jnp.asarray([prompt + [pending, t1] + [0] * 8])
+    valid = jnp.ones(tokens.shape, bool)
+    model, head, dr, fu = (nnx.merge(m.graphdef, m.state) for m in (target, mtp, drafter, fusion))
+    feats, hidden = target_features(model, tokens, valid, drafter.cfg)
+    masked = jnp.asarray([[t1_masked]])
+    blocks = block_inputs("dmtp-adaptive", tokens, jnp.ones(tokens.shape, jnp.int32), jnp.asarray([[a]]),
+                          jnp.asarray([[True]]), 8, mask_token_id=drafter.cfg.mask_token_id, gamma=None,
+                          t1_masked_bn=masked)
+    assert blocks.weights_bnk[0, 0].tolist() == [0.0] + [float(t1_masked)] + [1.0] * 6
+    logits = drafter_block_logits(dr, model, feats, valid, blocks, jnp.asarray([[a]]), method="dmtp-adaptive",
+                                  fusion=fu, mtp_h_bth=mtp_hidden(head, model, tokens, hidden), t1_masked_bn=masked)
+    return np.asarray(jnp.argmax(logits[0, 1:], -1)).tolist()
+
+
+def test_adaptive_training_block_equals_the_decode_round_in_both_modes(models, dmtp_dirs):
+    """Threshold 0: every row takes MTP's T1 (dmtp's block); threshold 1: none does (DFlash's block,
+    the drafter's own T1). The trainer's block of each mode drafts exactly what the round drafts."""
+    target, _ = models
+    drafter, fusion = load_dmtp_drafter(dmtp_dirs["dmtp-adaptive"], target.cfg)
+    prompt = PROMPTS[2]
+    for threshold, t1_masked in ((0.0, False), (1.0, True)):
+        engine = make_decoder("dmtp-adaptive", target, drafter, mtp=models[1], fusion=fusion,
+                              adaptive_threshold=threshold)
+        drafts, st = first_round_drafts(engine, [prompt])
+        got = adaptive_training_drafts(models, drafter, fusion, prompt, int(st.pending_b[0]), int(drafts[0, 0]),
+                                       t1_masked)
+        want = drafts[0].tolist() if t1_masked else drafts[0, 1:].tolist()
+        assert (got if t1_masked else got[1:]) == want
+
+
+def test_adaptive_mixes_modes_per_row_and_equals_ar(models, dmtp_dirs, ar_outputs):
+    """A threshold inside the range of the MTP's confidences splits rows between the modes within
+    rounds; greedy output stays exactly `ar`'s, stats split acceptance by mode, one round compile."""
+    target, mtp = models
+    drafter, fusion = load_dmtp_drafter(dmtp_dirs["dmtp-adaptive"], target.cfg)
+    probe = make_decoder("dmtp-adaptive", target, drafter, mtp=mtp, fusion=fusion)
+    _, st = first_round_drafts(probe, PROMPTS)
+    head, model = nnx.merge(mtp.graphdef, mtp.state), nnx.merge(target.graphdef, target.state)
+    top_p = np.asarray(jax.nn.softmax(model.logits(head.post_norm(st.mtp_h_bh)), -1).max(-1))[:len(PROMPTS)]
+    engine = make_decoder("dmtp-adaptive", target, drafter, mtp=mtp, fusion=fusion,
+                          adaptive_threshold=float(np.median(top_p)))
+    res = engine.generate(PROMPTS, 20, stop_ids=[])
+    assert res.output_ids == ar_outputs[0]
+    s = res.stats
+    assert 0.0 < s["mtp_t1_fraction"] < 1.0, s["mtp_t1_fraction"]
+    assert s["first_candidate_acceptance_mtp_t1"] is not None and s["first_candidate_acceptance_drafter_t1"] is not None
+    assert engine.compile_counts() == {"prefill": 1, "round": 1}
+
+
+def test_sampled_adaptive_is_lossless(models, dmtp_dirs):
+    target, mtp = models
+    drafter, fusion = load_dmtp_drafter(dmtp_dirs["dmtp-adaptive"], target.cfg)
+    engine = make_decoder("dmtp-adaptive", target, drafter, mtp=mtp, fusion=fusion, adaptive_threshold=0.05)
+    assert_matches_target_joint(engine, target, PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
+
+
+def test_calibration_scores_each_mode_as_the_round_commits(models, dmtp_dirs, ar_outputs):
+    """Teacher forcing on the target's own greedy text (`train.calibrate.anchor_outcomes`) gives, for
+    each mode, exactly the tokens the decode round's first greedy verification commits, on every row."""
+    from dmtp_jax.train.calibrate import anchor_outcomes
+    target, mtp = models
+    drafter, fusion = load_dmtp_drafter(dmtp_dirs["dmtp-adaptive"], target.cfg)
+    model, head, dr, fu = (nnx.merge(m.graphdef, m.state) for m in (target, mtp, drafter, fusion))
+    firsts = {}
+    for threshold in (0.0, 1.0):
+        engine = make_decoder("dmtp-adaptive", target, drafter, mtp=mtp, fusion=fusion, adaptive_threshold=threshold)
+        res = engine.generate(PROMPTS, 9, stop_ids=[])
+        firsts[threshold] = [lengths[0] for lengths in res.stats["acceptance_lengths"]]
+    for row, prompt in enumerate(PROMPTS):
+        tokens = jnp.asarray([prompt + ar_outputs[0][row]])
+        top_p, by_mtp, by_drafter = anchor_outcomes(model, head, dr, fu, tokens, jnp.ones(tokens.shape, jnp.int32),
+                                                    jnp.asarray([[len(prompt)]]), jnp.asarray([[True]]))
+        assert 0.0 < float(top_p[0, 0]) <= 1.0
+        assert (int(by_mtp[0, 0]), int(by_drafter[0, 0])) == (firsts[0.0][row], firsts[1.0][row])

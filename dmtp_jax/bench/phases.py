@@ -95,7 +95,7 @@ def phase_breakdown(decoder, state=None, *, repeats: int = 10, warmup: int = 2, 
     if decoder.method == "mtp":             # the whole chain; it writes speculative rows into the MTP cache
         def propose_chain(states, st, mtp_cache):
             st = dataclasses.replace(st, mtp_cache=mtp_cache)
-            drafts, _, mtp_cache = decoder._propose(decoder._models(states), st, sp, k_draft, True, limits)
+            drafts, _, mtp_cache, _ = decoder._propose(decoder._models(states), st, sp, k_draft, True, limits)
             return drafts, mtp_cache
         propose_chain = jax.jit(propose_chain, donate_argnames=("mtp_cache",))
         ms["propose-mtp"], (drafts, mtp_cache) = time_it(propose_chain,
@@ -105,10 +105,10 @@ def phase_breakdown(decoder, state=None, *, repeats: int = 10, warmup: int = 2, 
             @jax.jit
             def mtp_first(states, st):
                 target, _, mtp, _ = decoder._models(states)
-                t1, _, y = decoder._mtp_first(target, mtp, st, sp, jax.random.split(k_draft, n)[0], True)
-                return t1, y
-            ms["propose-mtp"], (t1, y) = time_it(mtp_first, lambda: (states, state))
-            first = (t1, None, y)
+                t1, _, y, top_p = decoder._mtp_first(target, mtp, st, sp, jax.random.split(k_draft, n)[0], True)
+                return t1, y, top_p
+            ms["propose-mtp"], (t1, y, top_p) = time_it(mtp_first, lambda: (states, state))
+            first = (t1, None, y, top_p)
 
         @jax.jit
         def propose_drafter(states, st, first):

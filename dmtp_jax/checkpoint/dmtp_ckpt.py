@@ -11,6 +11,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +73,8 @@ def load_dmtp_drafter(draft_dir: str, target_cfg, method: str | None = None, dty
         except CheckpointError as e:
             raise CheckpointError(f"{draft_dir} declares dmtp_config but its fusion is incomplete: {e}") from None
         fusion = LoadedModel(fusion.cfg, graphdef, state, mesh, draft_dir)
+    if stored and "threshold" in stored:        # dmtp-adaptive's calibrated MTP-confidence threshold
+        fusion = dataclasses.replace(fusion, cfg={**fusion.cfg, "threshold": float(stored["threshold"])})
     return drafter, fusion
 
 

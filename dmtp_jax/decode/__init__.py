@@ -23,14 +23,16 @@ def method_needs(method: str) -> dict[str, bool]:
 
 
 def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, block_size: int | None = None,
-                 mtp_steps: int = 4, verify: str = "rejection", strict: bool = False):
+                 mtp_steps: int = 4, verify: str = "rejection", strict: bool = False,
+                 adaptive_threshold: float | None = None):
     """The decoder for `method` in `METHODS`; every decoder has `.generate(...)` -> GenerationResult
     and `.compile_counts()`. `drafter` is a `LoadedDrafter` (dflash, dmtp*), `mtp` the native MTP
     head (`checkpoint.mtp_ckpt.load_mtp`; mtp, dmtp*), `fusion` the DMTP fusion
     (`checkpoint.dmtp_ckpt.load_dmtp_drafter`; dmtp*). `mtp_steps` is the chain length of `mtp`
     (MTP415 = 4 steps, 5 verify slots). `verify` is the sampled verifier: "rejection" (token-level),
     "block" (block verification, `decode/verify.py:verify_block`) or "target-only"; greedy decoding
-    is always exact match. A speculative decoder runs the exactness probe
+    is always exact match. `adaptive_threshold` overrides dmtp-adaptive's calibrated MTP-confidence
+    threshold. A speculative decoder runs the exactness probe
     (`decode/probe.py`) before its first request and falls back to plain decoding when a verify
     block differs from single-token decoding; `strict=True` raises `InexactBackendError` instead."""
     from dmtp_jax.decode.batch import RequestError
@@ -42,4 +44,4 @@ def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, bl
         raise RequestError(f"unknown method '{method}'; available: {', '.join(METHODS)}")
     from dmtp_jax.decode.spec import SpecDecoder
     return SpecDecoder(target, drafter, method=method, mtp=mtp, fusion=fusion, block_size=block_size,
-                       mtp_steps=mtp_steps, verify=verify, strict=strict)
+                       mtp_steps=mtp_steps, verify=verify, strict=strict, adaptive_threshold=adaptive_threshold)

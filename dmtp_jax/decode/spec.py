@@ -8,6 +8,8 @@ predicts the next first candidate. One round with `n` verify slots:
     propose : T1 = head(mtp.norm(h)) (mtp / dmtp*); mtp chains T2..Tk through its own cache;
               the drafter runs its block (`models/fusion.py`: dflash `[A, MASK..]`, dmtp
               `[A, T1+Δ, MASK..]`, single-anchor `[T1, MASK..]`) over the cached context
+              dmtp-adaptive: rows whose MTP top-1 probability >= threshold take `dmtp`'s block,
+              the others DFlash's `[A, MASK..]` (the drafter's own T1), in the same drafter pass
     verify  : target on [A, T1..T(n-1)] at positions L.. (writes KV, captures context features)
     accept  : greedy exact match, or lossless sampling (rejection or block verification with the
               proposers' q -- MTP's for T1, DFlash's / the DFlash2 selector's for the rest -- or
@@ -43,14 +45,15 @@ from dmtp_jax.checkpoint.hf import LoadedModel
 from dmtp_jax.decode.ar import GenerationResult, TargetCaches, gather_rows, new_kv_cache, pin_kv_cache
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
 from dmtp_jax.decode.sampling import SamplingParams, filtered_probs, pick_tokens, sample_from_probs
-from dmtp_jax.decode.stats import acceptance_stats
+from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
 from dmtp_jax.decode.verify import (candidate_probs_to_dense, verify_block, verify_greedy, verify_rejection,
                                     verify_target_only)
 from dmtp_jax.layers.kv_cache import KVCache, TargetCache, write_layer
-from dmtp_jax.models.fusion import DMTP_METHODS, block_layout, draft_block_embeds
+from dmtp_jax.models.fusion import ADAPTIVE, DMTP_METHODS, block_layout, draft_block_embeds
 from dmtp_jax.sharding import replicated
 
 DEFAULT_CONTEXT_WINDOW = 4096
+DEFAULT_ADAPTIVE_THRESHOLD = 0.5     # dmtp-adaptive without a calibrated threshold in its drafter
 VERIFY_MODES = ("rejection", "target-only", "block")
 SPEC_METHODS = ("dflash", "mtp") + tuple(DMTP_METHODS)
 
@@ -95,13 +98,15 @@ class SpecDecoder:
     verification with the same probabilities, `decode/verify.py:verify_block`) or "target-only"
     (match target samples). Greedy (temperature 0) is always exact match. `strict`: fail with
     `InexactBackendError` when the exactness probe finds this backend inexact (default: decode
-    plainly instead).
+    plainly instead). `adaptive_threshold` (dmtp-adaptive): the MTP top-1 probability from which
+    a row takes MTP's T1 (default: the drafter's calibrated `dmtp_config.threshold`, else 0.5).
     """
 
     def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None, *, method: str = "dflash",
                  mtp: LoadedModel | None = None, fusion: LoadedModel | None = None,
                  block_size: int | None = None, mtp_steps: int = 4, verify: str = "rejection",
-                 context_window: int = DEFAULT_CONTEXT_WINDOW, strict: bool = False):
+                 context_window: int = DEFAULT_CONTEXT_WINDOW, strict: bool = False,
+                 adaptive_threshold: float | None = None):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got '{verify}'")
         if method not in SPEC_METHODS:
@@ -123,6 +128,15 @@ class SpecDecoder:
             if not 3 <= self.slots <= 64:
                 raise RequestError(f"block size must be in [3, 64], got {self.slots}")
         self.block_size = self.slots
+        self.adaptive_threshold = None
+        if method == ADAPTIVE:
+            if drafter.cfg.version != 1:
+                raise RequestError("dmtp-adaptive needs a DFlash (version 1) drafter")
+            if adaptive_threshold is None:
+                adaptive_threshold = fusion.cfg.get("threshold", DEFAULT_ADAPTIVE_THRESHOLD)
+            if not 0.0 <= adaptive_threshold <= 1.0 + 1e-9:
+                raise RequestError(f"adaptive threshold must be in [0, 1], got {adaptive_threshold}")
+            self.adaptive_threshold = float(adaptive_threshold)
         self.target, self.drafter, self.mtp, self.fusion = target, drafter, mtp, fusion
         self.method, self.verify_mode, self.context_window = method, verify, context_window
         self.strict = strict        # exactness probe mismatch: raise instead of plain decoding
@@ -198,24 +212,31 @@ class SpecDecoder:
         return self._constrain(SpecState(out.cache, ctx, mtp_cache, mtp_h, lengths_b.astype(jnp.int32), first))
 
     def _mtp_first(self, target, mtp, st: SpecState, sp, key, greedy):
-        """T1 (and its q when sampling) from the cached MTP hidden."""
+        """T1 (and its q when sampling) from the cached MTP hidden, the normed hidden `y` and the
+        MTP's top-1 probability `[B]` (softmax at temperature 1: dmtp-adaptive's confidence)."""
         y = mtp.post_norm(st.mtp_h_bh)
-        logits = target.logits(y)
+        logits = target.logits(y).astype(jnp.float32)
+        top_p = 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
         if greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, y
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, y, top_p
         q = filtered_probs(logits, sp)
-        return sample_from_probs(q, key), q, y
+        return sample_from_probs(q, key), q, y, top_p
 
     def _propose(self, models, st: SpecState, sp, key, greedy: bool, limits_b):
-        """Drafts `[B, n-1]`, their probabilities `[B, n-1, V]` when sampling, and the MTP cache
-        (chained mtp steps write speculative rows into it)."""
+        """Drafts `[B, n-1]`, their probabilities `[B, n-1, V]` when sampling, the MTP cache
+        (chained mtp steps write speculative rows into it) and which rows' first candidate is
+        MTP's (bool `[B]`: all for mtp / dmtp*, none for dflash, per row for dmtp-adaptive)."""
         target, drafter, mtp, fusion = models
         keys = jax.random.split(key, self.slots)
         drafts, qs, mtp_cache = [], [], st.mtp_cache
+        b = st.pending_b.shape[0]
+        t1_from_mtp = jnp.full((b,), mtp is not None)
         if mtp is not None:
-            t1, q1, y = self._mtp_first(target, mtp, st, sp, keys[0], greedy)
+            t1, q1, y, top_p = self._mtp_first(target, mtp, st, sp, keys[0], greedy)
             drafts.append(t1)
             qs.append(q1)
+            if self.method == ADAPTIVE:
+                t1_from_mtp = top_p >= self.adaptive_threshold
         if self.method == "mtp":
             for j in range(2, self.slots):
                 pos = (st.lengths_b + j - 1)[:, None]
@@ -231,7 +252,8 @@ class SpecDecoder:
             offsets, first_row = block_layout(self.method, self.slots)
             positions = st.lengths_b[:, None] + jnp.asarray(offsets)
             embeds = draft_block_embeds(self.method, self.slots, target.embed, drafter.cfg, fusion,
-                                        st.pending_b, drafts[0] if drafts else None, st.mtp_h_bh)
+                                        st.pending_b, drafts[0] if drafts else None, st.mtp_h_bh,
+                                        t1_from_mtp if self.method == ADAPTIVE else None)
             ctx_k, ctx_pos = context_window(st.ctx_cache.k_lbskd, st.lengths_b, self.context_window)
             ctx_v, _ = context_window(st.ctx_cache.v_lbskd, st.lengths_b, self.context_window)
             # rows past the token budget are hidden, as the reference shortens its last blocks
@@ -239,7 +261,17 @@ class SpecDecoder:
             hidden = drafter(embeds, positions, ctx_k, ctx_v, ctx_pos, ctx_pos < st.lengths_b[:, None],
                              block_valid_bt=block_valid)[:, first_row:]
             predecessor = drafts[0] if drafts else st.pending_b
-            if drafter.cfg.version == 2:
+            if self.method == ADAPTIVE:     # the drafter's row 1 is T1 where MTP's is not used
+                own = drafter.draft_logits(hidden, target.logits)
+                if greedy:
+                    own_tokens = jnp.argmax(own, axis=-1).astype(jnp.int32)
+                else:
+                    own_q = filtered_probs(own, sp)
+                    own_tokens = sample_from_probs(own_q, keys[-1])
+                    qs = [jnp.where(t1_from_mtp[:, None], qs[0], own_q[:, 0])] + list(jnp.moveaxis(own_q[:, 1:], 1, 0))
+                drafts = [jnp.where(t1_from_mtp, drafts[0], own_tokens[:, 0])] + list(
+                    jnp.moveaxis(own_tokens[:, 1:], 1, 0))
+            elif drafter.cfg.version == 2:
                 sel = drafter.propose(hidden, predecessor, target.logits, 0.0 if greedy else sp.temperature,
                                       keys[-1])
                 drafts += list(jnp.moveaxis(sel.tokens_bl.astype(jnp.int32), 1, 0))
@@ -255,7 +287,7 @@ class SpecDecoder:
                     drafts += list(jnp.moveaxis(sample_from_probs(q, keys[-1]), 1, 0))
                     qs += list(jnp.moveaxis(q, 1, 0))
         q_all = None if greedy else jnp.stack(qs, axis=1)
-        return jnp.stack(drafts, axis=1), q_all, mtp_cache
+        return jnp.stack(drafts, axis=1), q_all, mtp_cache, t1_from_mtp
 
     def _mtp_advance(self, target, mtp, st: SpecState, mtp_cache, verify_tokens, hidden_bnh, acc, bonus, active_b):
         """MTP over rows (h_{L+j}, next committed token) at L+j+1 for j <= accepted; the rest go
@@ -271,12 +303,14 @@ class SpecDecoder:
         return mtp_cache, jnp.where(active_b[:, None], gather_rows(h, acc), st.mtp_h_bh), h
 
     def _round(self, states, state: SpecState, active_b, limits_b, sp, key, greedy: bool):
-        """One propose / verify / accept / commit round. Returns `(state, tokens [B, n], accepted [B])`
-        where a row's committed tokens are `tokens[:accepted + 1]` (the bonus sits at `accepted`)."""
+        """One propose / verify / accept / commit round. Returns `(state, tokens [B, n], accepted [B],
+        t1_from_mtp [B])` where a row's committed tokens are `tokens[:accepted + 1]` (the bonus sits at
+        `accepted`) and `t1_from_mtp` says whose first candidate the row verified (MTP's or the
+        drafter's)."""
         models = self._models(states)
         target, drafter, mtp, fusion = models
         k_draft, k_verify = jax.random.split(key)
-        drafts, q, mtp_cache = self._propose(models, state, sp, k_draft, greedy, limits_b)
+        drafts, q, mtp_cache, t1_from_mtp = self._propose(models, state, sp, k_draft, greedy, limits_b)
         n = self.slots
         positions = state.lengths_b[:, None] + jnp.arange(n)
         verify_tokens = jnp.concatenate([state.pending_b[:, None], drafts], axis=1)
@@ -305,7 +339,7 @@ class SpecDecoder:
                         jnp.where(active_b, state.lengths_b + acc + 1, state.lengths_b),
                         jnp.where(active_b, bonus, state.pending_b))
         rep = replicated(self.target.mesh)
-        return self._constrain(new), _pin(tokens, rep), _pin(acc, rep)
+        return self._constrain(new), _pin(tokens, rep), _pin(acc, rep), _pin(t1_from_mtp, rep)
 
     # ---- host loop ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None = None,
@@ -335,6 +369,7 @@ class SpecDecoder:
         tracker = StopTracker(batch.num_rows, max_new_tokens, stop_ids)
         base_key = jax.random.key(seed)
         acceptance: list[list[int]] = [[] for _ in range(batch.num_rows)]
+        first_source: list[list[bool]] = [[] for _ in range(batch.num_rows)]    # T1 from MTP, per round
         limits = (batch.lengths_b + max_new_tokens).astype(np.int32)
 
         t0 = time.perf_counter()
@@ -363,13 +398,14 @@ class SpecDecoder:
             rounds += 1
             active = np.zeros(rows, bool)
             active[:batch.num_rows] = ~tracker.done
-            state, tokens, acc = self.round(states, state, active, limits, sp,
-                                            jax.random.fold_in(base_key, rounds), greedy=greedy)
-            tokens, acc = np.asarray(tokens), np.asarray(acc)
+            state, tokens, acc, from_mtp = self.round(states, state, active, limits, sp,
+                                                      jax.random.fold_in(base_key, rounds), greedy=greedy)
+            tokens, acc, from_mtp = np.asarray(tokens), np.asarray(acc), np.asarray(from_mtp)
             for row in range(batch.num_rows):
                 if not active[row]:
                     continue
                 acceptance[row].append(int(acc[row]) + 1)
+                first_source[row].append(bool(from_mtp[row]))
                 kept = tracker.add(row, tokens[row, :acc[row] + 1])
                 if kept and on_tokens:
                     on_tokens(row, kept)
@@ -388,6 +424,9 @@ class SpecDecoder:
             "exactness_probe": gate.summary(),
             **acceptance_stats(acceptance, self.slots),
         }
+        if self.method == ADAPTIVE:
+            stats["adaptive_threshold"] = self.adaptive_threshold
+            stats.update(first_candidate_by_source(acceptance, first_source))
         return GenerationResult([list(map(int, p)) for p in prompts], tracker.outputs, stats)
 
     def compile_counts(self) -> dict[str, int]:

@@ -45,3 +45,24 @@ def acceptance_stats(acceptance_lengths: list[list[int]], block_size: int) -> di
         "cumulative_acceptance": at_least.tolist(),
         "conditional_acceptance": conditional.tolist(),
     }
+
+
+def first_candidate_by_source(acceptance_lengths: list[list[int]], t1_from_mtp: list[list[bool]]) -> dict:
+    """dmtp-adaptive's split: the fraction of rounds whose first candidate was MTP's, and the
+    first-candidate acceptance and tokens per verify of each kind of round (None when none ran).
+
+    Example:
+        >>> first_candidate_by_source([[3, 1], [1]], [[True, True], [False]])["mtp_t1_fraction"]
+        0.6666666666666666
+    """
+    split: dict = {True: [], False: []}
+    for lengths, sources in zip(acceptance_lengths, t1_from_mtp):
+        for length, from_mtp in zip(lengths, sources):
+            split[bool(from_mtp)].append(length)
+    rounds = len(split[True]) + len(split[False])
+    out = {"mtp_t1_fraction": len(split[True]) / rounds if rounds else None}
+    for name, from_mtp in (("mtp", True), ("drafter", False)):
+        got = np.asarray(split[from_mtp])
+        out[f"first_candidate_acceptance_{name}_t1"] = float(np.mean(got > 1)) if got.size else None
+        out[f"per_verify_acceptance_length_{name}_t1"] = float(np.mean(got)) if got.size else None
+    return out

@@ -40,7 +40,8 @@ class PretrainConfig:
     bench_prompt_max_chars: int = 400
     num_drafter_prompts: int = 1600
     drafter_prompt_tokens: int = 96         # length of the random-window drafter prompts
-    # model (Qwen3 dense)
+    # model: "qwen3" (dense attention) or "qwen3_5" (Gated DeltaNet + gated attention, dense MLP)
+    model_type: str = "qwen3"
     hidden_size: int = 256
     intermediate_size: int = 768
     num_hidden_layers: int = 4
@@ -50,6 +51,14 @@ class PretrainConfig:
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = True
+    # qwen3_5 only: every `full_attention_interval`-th layer is gated attention, the rest DeltaNet
+    full_attention_interval: int = 4
+    partial_rotary_factor: float = 0.25
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 64
+    linear_value_head_dim: int = 64
+    linear_conv_kernel_dim: int = 4
     # objective and optimisation
     mtp_lambda: float = 0.3
     mtp_stop_gradient: bool = False
@@ -87,19 +96,36 @@ class PretrainConfig:
         return cls(**d)
 
     def target_hf_config(self, eos_id: int) -> dict:
-        """The `config.json` dict of the target.
+        """The `config.json` dict of the target (text-only form for `qwen3_5`, one MTP layer).
 
         Example:
             >>> PretrainConfig().target_hf_config(0)["model_type"]
             'qwen3'
+            >>> PretrainConfig(model_type="qwen3_5").target_hf_config(0)["layer_types"][:4]
+            ['linear_attention', 'linear_attention', 'linear_attention', 'full_attention']
         """
-        return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": self.vocab_size,
-                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-                "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
-                "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-                "max_position_embeddings": self.max_position_embeddings, "rope_theta": self.rope_theta,
-                "tie_word_embeddings": self.tie_word_embeddings, "eos_token_id": eos_id,
-                "rms_norm_eps": 1e-6}
+        from dmtp_jax.config import TargetConfig
+
+        if self.model_type not in ("qwen3", "qwen3_5"):
+            raise InputError(f"pretrain model_type must be 'qwen3' or 'qwen3_5', not '{self.model_type}'")
+        d = {"model_type": self.model_type, "vocab_size": self.vocab_size,
+             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+             "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+             "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+             "max_position_embeddings": self.max_position_embeddings, "rope_theta": self.rope_theta,
+             "tie_word_embeddings": self.tie_word_embeddings, "eos_token_id": eos_id, "rms_norm_eps": 1e-6}
+        if self.model_type == "qwen3_5":
+            every = self.full_attention_interval
+            d.update(layer_types=["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                  for i in range(self.num_hidden_layers)],
+                     rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
+                                      "partial_rotary_factor": self.partial_rotary_factor},
+                     linear_num_key_heads=self.linear_num_key_heads,
+                     linear_num_value_heads=self.linear_num_value_heads,
+                     linear_key_head_dim=self.linear_key_head_dim,
+                     linear_value_head_dim=self.linear_value_head_dim,
+                     linear_conv_kernel_dim=self.linear_conv_kernel_dim, mtp_num_hidden_layers=1)
+        return TargetConfig.from_hf_dict(d).to_hf_dict()
 
 
 def _paths(cfg: PretrainConfig) -> dict:
@@ -204,6 +230,69 @@ def _record(step: int, metrics: dict, seconds: float, tokens: int) -> dict:
     return rec
 
 
+def run_steps(trainer, run_dir: str, *, steps: int, batch_fn, seed: int, resume: bool, checkpoint_every: int,
+              keep_checkpoints: int, progress: bool, run_config: dict, postfix: dict[str, str]) -> dict:
+    """The loop `run_pretrain` and `demo.distil.run_distil` share: resumable orbax checkpoints every
+    `checkpoint_every` steps and at exit (interrupts included), `metrics.jsonl`, a progress bar
+    (`postfix`: bar label -> metric). `batch_fn(step)` is pure in the step, so a resumed run sees the
+    batches an uninterrupted one would. Returns `{"state", "step", "start", "last", "train_seconds"}`.
+
+    Example:
+        >>> out = run_steps(pt, "demo_out/target_run", steps=10, batch_fn=lambda s: batch(s), seed=0,
+        ...                 resume=False, checkpoint_every=5, keep_checkpoints=2, progress=False,
+        ...                 run_config={}, postfix={"loss": "loss"})  # doctest: +SKIP
+    """
+    import jax
+    from tqdm.auto import tqdm
+
+    from dmtp_jax.train.loop import checkpoint_manager, restore_checkpoint, save_checkpoint
+
+    os.makedirs(run_dir, exist_ok=True)
+    mngr = checkpoint_manager(run_dir, keep_checkpoints)
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if mngr.latest_step() is not None and not resume:
+        raise InputError(f"{run_dir} already has checkpoints; pass --resume to continue or remove it")
+    if resume and mngr.latest_step() is not None:
+        state, meta = restore_checkpoint(mngr, trainer)
+        start = int(meta["step"])
+        with open(metrics_path) as fh:
+            keep = [line for line in fh if line.strip() and json.loads(line)["step"] <= start]
+        with open(metrics_path, "w") as fh:
+            fh.writelines(keep)
+    else:
+        state, start = trainer.init_state(seed), 0
+        open(metrics_path, "w").close()
+    with open(os.path.join(run_dir, "run_config.json"), "w") as fh:
+        json.dump(run_config, fh, indent=2)
+    bar = tqdm(total=steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
+    step, last_saved, last = start, start, None
+    t_start = t_prev = time.perf_counter()
+    try:
+        while step < steps:
+            batch = batch_fn(step)
+            state, metrics = trainer.step(state, batch)
+            step += 1
+            metrics = jax.device_get(metrics)
+            now = time.perf_counter()
+            last = _record(step, metrics, now - t_prev, int(batch.shape[0] * (batch.shape[1] - 1)))
+            t_prev = now
+            with open(metrics_path, "a") as fh:
+                fh.write(json.dumps(last) + "\n")
+            bar.set_postfix({label: f"{last[key]:.3f}" for label, key in postfix.items()}, refresh=False)
+            bar.update(1)
+            if checkpoint_every and step % checkpoint_every == 0 and step < steps:
+                save_checkpoint(mngr, state, {"step": step})
+                last_saved = step
+    finally:
+        if step > last_saved and not any(x.is_deleted() for x in jax.tree.leaves(state)):
+            save_checkpoint(mngr, state, {"step": step})
+        mngr.wait_until_finished()
+        mngr.close()
+        bar.close()
+    return {"state": state, "step": step, "start": start, "last": last,
+            "train_seconds": time.perf_counter() - t_start}
+
+
 def run_pretrain(cfg: PretrainConfig) -> dict:
     """Data, training (resumable), evaluation and export; returns the summary (also written to
     `<work_dir>/target_run/summary.json`).
@@ -212,11 +301,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
         >>> run_pretrain(PretrainConfig(steps=2, work_dir="/tmp/d", export_dir="/tmp/t"))  # doctest: +SKIP
     """
     import jax
-    from tqdm.auto import tqdm
 
     from dmtp_jax.config import TargetConfig
     from dmtp_jax.demo.pretrain import Pretrainer, PretrainStep, window_batch
-    from dmtp_jax.train.loop import checkpoint_manager, restore_checkpoint, save_checkpoint
     from dmtp_jax.train.step import OptimConfig
 
     p = _paths(cfg)
@@ -228,56 +315,20 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
                        min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
     pt = Pretrainer(target_cfg, PretrainStep(cfg.mtp_lambda, cfg.mtp_stop_gradient, cfg.compute_dtype), ocfg)
     train, val = np.load(p["train"]), np.load(p["val"])
-    os.makedirs(p["run"], exist_ok=True)
-    mngr = checkpoint_manager(p["run"], cfg.keep_checkpoints)
-    metrics_path = os.path.join(p["run"], "metrics.jsonl")
-    if mngr.latest_step() is not None and not cfg.resume:
-        raise InputError(f"{p['run']} already has checkpoints; pass --resume to continue or remove it")
-    if cfg.resume and mngr.latest_step() is not None:
-        state, meta = restore_checkpoint(mngr, pt)
-        start = int(meta["step"])
-        with open(metrics_path) as fh:
-            keep = [line for line in fh if line.strip() and json.loads(line)["step"] <= start]
-        with open(metrics_path, "w") as fh:
-            fh.writelines(keep)
-    else:
-        state, start = pt.init_state(cfg.seed), 0
-        open(metrics_path, "w").close()
-    with open(os.path.join(p["run"], "run_config.json"), "w") as fh:
-        json.dump({"pretrain": dataclasses.asdict(cfg), "target": cfg.target_hf_config(manifest["eos_id"])}, fh,
-                  indent=2)
-    length, tokens = cfg.seq_len + 1, cfg.batch_size * cfg.seq_len
-    bar = tqdm(total=cfg.steps, initial=start, disable=not cfg.progress, unit="step", dynamic_ncols=True)
-    step, last_saved, last = start, start, None
-    t_start = t_prev = time.perf_counter()
-    try:
-        while step < cfg.steps:
-            state, metrics = pt.step(state, window_batch(train, cfg.batch_size, length, cfg.seed, step))
-            step += 1
-            metrics = jax.device_get(metrics)
-            now = time.perf_counter()
-            last = _record(step, metrics, now - t_prev, tokens)
-            t_prev = now
-            with open(metrics_path, "a") as fh:
-                fh.write(json.dumps(last) + "\n")
-            bar.set_postfix(loss=f"{last['loss']:.3f}", ce=f"{last['main_ce']:.3f}", mtp=f"{last['mtp_ce']:.3f}",
-                            refresh=False)
-            bar.update(1)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
-                save_checkpoint(mngr, state, {"step": step})
-                last_saved = step
-    finally:
-        if step > last_saved and not any(x.is_deleted() for x in jax.tree.leaves(state)):
-            save_checkpoint(mngr, state, {"step": step})
-        mngr.wait_until_finished()
-        mngr.close()
-        bar.close()
-    train_s = time.perf_counter() - t_start
+    length = cfg.seq_len + 1
+    run = run_steps(pt, p["run"], steps=cfg.steps, seed=cfg.seed, resume=cfg.resume,
+                    batch_fn=lambda step: window_batch(train, cfg.batch_size, length, cfg.seed, step),
+                    checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints,
+                    progress=cfg.progress, postfix={"loss": "loss", "ce": "main_ce", "mtp": "mtp_ce"},
+                    run_config={"pretrain": dataclasses.asdict(cfg),
+                                "target": cfg.target_hf_config(manifest["eos_id"])})
+    state = run["state"]
     evaluation = pt.evaluate(state.params, [window_batch(val, cfg.batch_size, length, cfg.seed + 1, i)
                                             for i in range(cfg.eval_batches)])
     out = export_target(cfg, state.params, target_cfg, p["tokenizer"])
-    summary = {"steps": step, "start_step": start, "train_seconds": train_s, "last": last,
-               "held_out_eval": evaluation, "export_dir": out, "compile_count": pt.compile_count(),
+    summary = {"steps": run["step"], "start_step": run["start"], "train_seconds": run["train_seconds"],
+               "last": run["last"], "held_out_eval": evaluation, "export_dir": out,
+               "compile_count": pt.compile_count(),
                "params": int(sum(x.size for x in jax.tree.leaves(state.params["target"]))),
                "mtp_params": int(sum(x.size for x in jax.tree.leaves(state.params["mtp"]))), "data": manifest}
     with open(os.path.join(p["run"], "summary.json"), "w") as fh:

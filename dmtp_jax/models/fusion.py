@@ -10,6 +10,11 @@ DFlash block. One module, one variant per method (the seed's section 3):
 | `dmtp-mask-residual`  | `[T1, MASK x6]`                   | `E(T1)`; every MASK row gets `+ W RMS_m(h)`, W = 0 |
 | `dmtp-ctx-fusion`     | `[T1, MASK x6]`                   | `E(T1)`; context = norm(fc(target feats) + W RMS_m(h_ctx)), W = 0 |
 | `dmtp-ctx-mtp`        | `[T1, MASK x6]`                   | `E(T1)`; context = norm(W RMS_m(h_ctx)) (MTP features only), W = I |
+| `dmtp-adaptive`       | `[A, T1+Δ or MASK, MASK x6]`      | per row: `dmtp`'s fused T1, or `MASK` (DFlash's block) |
+
+`dmtp-adaptive` is one drafter with two first-candidate modes in one block shape: a row whose MTP
+is confident (`t1_from_mtp_b`) gets `dmtp`'s block and drafts T2..T7 after MTP's T1; any other row
+gets DFlash's `[A, MASK x7]` and drafts T1..T7 itself. Its params are `dmtp`'s.
 
 The two context variants change the drafter's context pathway instead of the T1 slot: `h_ctx` at
 context position p is the MTP's pre-norm output of row (h_p, x_{p+1}) -- the MTP feature aligned
@@ -45,7 +50,9 @@ DMTP_METHODS = {
     "dmtp-mask-residual": (1, "mask-residual"),
     "dmtp-ctx-fusion": (1, "ctx-fusion"),
     "dmtp-ctx-mtp": (1, "ctx-mtp"),
+    "dmtp-adaptive": (2, "t1-residual"),
 }
+ADAPTIVE = "dmtp-adaptive"
 CONTEXT_VARIANTS = ("ctx-fusion", "ctx-mtp")
 DEFAULT_LOWRANK = 64
 
@@ -119,8 +126,10 @@ def block_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
         ((0, 1, 2, 3, 4, 5, 6, 7), 1)
         >>> block_layout("dmtp", 8)[1], block_layout("dmtp-single", 8)
         (2, ((1, 2, 3, 4, 5, 6, 7), 1))
+        >>> block_layout("dmtp-adaptive", 8)[1]      # row 1 drafts T1 in a row's DFlash mode
+        1
     """
-    if method == "dflash":
+    if method in ("dflash", ADAPTIVE):
         return tuple(range(slots)), 1
     anchors = DMTP_METHODS[method][0]
     if anchors == 2:
@@ -129,13 +138,17 @@ def block_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
 
 
 def draft_block_embeds(method: str, slots: int, embed_fn, dcfg, fusion: T1Fusion | None,
-                       pending_b: jax.Array, t1_b: jax.Array | None, mtp_h_bh: jax.Array | None) -> jax.Array:
+                       pending_b: jax.Array, t1_b: jax.Array | None, mtp_h_bh: jax.Array | None,
+                       t1_from_mtp_b: jax.Array | None = None) -> jax.Array:
     """The drafter's block input `[B, rows, H]` for `method` (see the module table); shared by the
     decode round and the trainer so both build exactly the same block.
 
     `embed_fn` is the target's raw embedding lookup; every row is scaled by the drafter's
-    `input_embedding_scale` before the fusion acts on the T1 row.
+    `input_embedding_scale` before the fusion acts on the T1 row. `t1_from_mtp_b` (bool `[B]`,
+    `dmtp-adaptive` only): rows that take MTP's T1; the others keep `MASK` unfused in the T1 slot.
     """
+    if (method == ADAPTIVE) != (t1_from_mtp_b is not None):
+        raise ValueError("t1_from_mtp_b is given for dmtp-adaptive and only for it")
     b = pending_b.shape[0]
     offsets, _ = block_layout(method, slots)
     tokens = jnp.full((b, len(offsets)), dcfg.mask_token_id, jnp.int32)
@@ -147,7 +160,11 @@ def draft_block_embeds(method: str, slots: int, embed_fn, dcfg, fusion: T1Fusion
         tokens = tokens.at[:, 0].set(pending_b)
     tokens = tokens.at[:, t1_row].set(t1_b)
     embeds = embed_fn(tokens) * dcfg.input_embedding_scale
-    embeds = embeds.at[:, t1_row].set(fusion.t1_input(embeds[:, t1_row], mtp_h_bh).astype(embeds.dtype))
+    fused = fusion.t1_input(embeds[:, t1_row], mtp_h_bh).astype(embeds.dtype)
+    if t1_from_mtp_b is not None:
+        masked = embed_fn(jnp.full((b,), dcfg.mask_token_id, jnp.int32)) * dcfg.input_embedding_scale
+        fused = jnp.where(t1_from_mtp_b[:, None], fused, masked.astype(embeds.dtype))
+    embeds = embeds.at[:, t1_row].set(fused)
     residual = fusion.mask_residual(mtp_h_bh)
     if residual is not None:
         embeds = embeds.at[:, t1_row + 1:].add(residual[:, None].astype(embeds.dtype))

@@ -66,6 +66,7 @@ class TrainConfig:
     num_anchors: int = 16
     gamma: float | None = None          # None: SpecForge's per-block-size default (7 / 5 / 4)
     fusion_rank: int = 0                # dmtp-lowrank (0: the module's default)
+    mask_t1_fraction: float = 0.5       # dmtp-adaptive: anchors trained in DFlash mode (T1 slot MASK)
     mtp: str | None = None              # DMTP methods: directory of the frozen MTP head (default: target)
     # optimisation
     lr: float = 6e-4
@@ -297,7 +298,8 @@ def setup(cfg: TrainConfig):
                              rank=cfg.fusion_rank, seed=cfg.seed)
     scfg = StepConfig(method=cfg.method, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                       gamma=cfg.resolved_gamma(), grad_accum=cfg.grad_accum,
-                      compute_dtype=cfg.compute_dtype, seed=cfg.seed, fusion_rank=cfg.fusion_rank)
+                      compute_dtype=cfg.compute_dtype, seed=cfg.seed, fusion_rank=cfg.fusion_rank,
+                      mask_t1_fraction=cfg.mask_t1_fraction)
     ocfg = OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
                        min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
                        max_grad_norm=cfg.max_grad_norm)
@@ -386,7 +388,9 @@ def run_training(cfg: TrainConfig) -> dict:
     shape = (cfg.batch_size, cfg.seq_len)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     from dmtp_jax.train.loss import method_layout, uses_mtp
-    proxy_layout = (method_layout(cfg.method, cfg.block_size)[1], 2 if uses_mtp(cfg.method) else 1)
+    # (known slots, base): DMTP counts MTP's T1 as given; dmtp-adaptive's proxy is its DFlash mode
+    proxy_layout = (method_layout(cfg.method, cfg.block_size)[1],
+                    2 if uses_mtp(cfg.method) and cfg.method != "dmtp-adaptive" else 1)
     tb = _Tensorboard(cfg.out, lead)
     bar = tqdm(total=cfg.steps, initial=start, disable=not (cfg.progress and lead), unit="step",
                dynamic_ncols=True)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dmtp_jax.errors import InputError
-from dmtp_jax.models.fusion import DMTP_METHODS, block_layout, draft_block_embeds
+from dmtp_jax.models.fusion import ADAPTIVE, DMTP_METHODS, block_layout, draft_block_embeds
 
 METHODS = ("dflash",) + tuple(DMTP_METHODS)
 
@@ -53,21 +53,9 @@ class BlockInputs:
     valid_bnk: jax.Array
 
 
-def slot_decay(block_size: int, known_slots: int, gamma: float | None) -> jax.Array:
-    """`[K]` weights: 0 on known slots, `exp(-(k-known)/gamma)` after (1 without decay).
-
-    Example:
-        >>> [round(float(w), 3) for w in slot_decay(4, 1, 1.0)]
-        [0.0, 1.0, 0.368, 0.135]
-    """
-    k = jnp.arange(block_size, dtype=jnp.float32)
-    w = jnp.exp(-(k - known_slots) / gamma) if gamma else jnp.ones((block_size,), jnp.float32)
-    return jnp.where(k >= known_slots, w, 0.0)
-
-
 def block_inputs(method: str, tokens_bt: jax.Array, loss_mask_bt: jax.Array, anchors_bn: jax.Array,
                  keep_bn: jax.Array, block_size: int, *, mask_token_id: int,
-                 gamma: float | None) -> BlockInputs:
+                 gamma: float | None, t1_masked_bn: jax.Array | None = None) -> BlockInputs:
     """The blocks of `method` for these anchors (`block_size` = verify slots; see the module
     docstring). Rows sit at `anchor + offsets` (`method_layout`); each predicted row is labelled
     with the data token at its position; known rows (A, and T1 for the DMTP methods: T1 comes from
@@ -77,6 +65,9 @@ def block_inputs(method: str, tokens_bt: jax.Array, loss_mask_bt: jax.Array, anc
     `[T1, MASK...]` (single-anchor variants); padded blocks are all MASK. The DMTP T1 row's
     embedding is then fused with the MTP hidden by `drafter_block_logits`.
 
+    `dmtp-adaptive` mixes both per anchor: `t1_masked_bn` (bool) anchors get DFlash's block
+    `[A, MASK...]` with T1 supervised and DFlash's decay; the others `dmtp`'s block, T1 unsupervised.
+
     Example:
         >>> b = block_inputs("dmtp", jnp.array([[5, 6, 7, 8, 9]]), jnp.ones((1, 5), jnp.int32),
         ...                  jnp.array([[1]]), jnp.array([[True]]), 4, mask_token_id=0, gamma=None)
@@ -84,6 +75,8 @@ def block_inputs(method: str, tokens_bt: jax.Array, loss_mask_bt: jax.Array, anc
         ([[[6, 7, 0, 0]]], [[[6, 7, 8, 9]]], [[[0.0, 0.0, 1.0, 1.0]]])
     """
     offsets, known = method_layout(method, block_size)
+    if (method == ADAPTIVE) != (t1_masked_bn is not None):
+        raise ValueError("t1_masked_bn is given for dmtp-adaptive and only for it")
     b, length = tokens_bt.shape
     n = anchors_bn.shape[1]
     rows = len(offsets)
@@ -92,22 +85,27 @@ def block_inputs(method: str, tokens_bt: jax.Array, loss_mask_bt: jax.Array, anc
     flat = jnp.clip(positions_bnk, 0, length - 1).reshape(b, n * rows)
     labels_bnk = jnp.take_along_axis(tokens_bt, flat, axis=1).reshape(b, n, rows)
     lm_bnk = jnp.take_along_axis(loss_mask_bt, flat, axis=1).reshape(b, n, rows).astype(bool)
-    valid_bnk = keep_bn[:, :, None] & (k >= known) & (positions_bnk < length) & lm_bnk
-    weights_bnk = valid_bnk * slot_decay(rows, known, gamma)
-    tokens_bnk = jnp.where((k < known) & keep_bn[:, :, None], labels_bnk, mask_token_id)
+    # known (input, unsupervised) slots per anchor: dmtp-adaptive's MTP-mode anchors also know T1
+    known_bn1 = jnp.full((b, n, 1), known) if t1_masked_bn is None else jnp.where(t1_masked_bn, 1, 2)[..., None]
+    valid_bnk = keep_bn[:, :, None] & (k >= known_bn1) & (positions_bnk < length) & lm_bnk
+    decay_bnk = jnp.exp(-(k - known_bn1) / gamma) if gamma else jnp.ones((b, n, rows), jnp.float32)
+    weights_bnk = valid_bnk * decay_bnk
+    tokens_bnk = jnp.where((k < known_bn1) & keep_bn[:, :, None], labels_bnk, mask_token_id)
     return BlockInputs(tokens_bnk.astype(jnp.int32), positions_bnk.astype(jnp.int32), labels_bnk,
                        weights_bnk, valid_bnk)
 
 
 def drafter_block_logits(drafter, target, feats_btf: jax.Array, valid_bt: jax.Array,
                          blocks: BlockInputs, anchors_bn: jax.Array, *, method: str = "dflash",
-                         fusion=None, mtp_h_bth: jax.Array | None = None) -> jax.Array:
+                         fusion=None, mtp_h_bth: jax.Array | None = None,
+                         t1_masked_bn: jax.Array | None = None) -> jax.Array:
     """Draft logits `[B, N*R, V]` of all blocks in one drafter call (training layout).
 
     Context rows are the target features at positions `0..L-1`; every row of the block of anchor
     `a` sees the context rows `< a` (and `valid`), and its own block. The block input is built by
     `models.fusion.draft_block_embeds`, the function the decode round uses; for the DMTP methods
-    `mtp_h_bth[:, a]` is the frozen MTP hidden that predicts T1 = x_{a+1} (`features.mtp_hidden`).
+    `mtp_h_bth[:, a]` is the frozen MTP hidden that predicts T1 = x_{a+1} (`features.mtp_hidden`);
+    `t1_masked_bn`: dmtp-adaptive's DFlash-mode anchors (as in `block_inputs`).
 
     Example:
         >>> logits = drafter_block_logits(drafter, target, feats, valid, blocks, anchors)  # doctest: +SKIP
@@ -128,12 +126,14 @@ def drafter_block_logits(drafter, target, feats_btf: jax.Array, valid_bt: jax.Ar
     ctx_valid_bts = (jnp.arange(length)[None, None, :] < anchor_bt[:, :, None]) & valid_bt[:, None, :]
     flat_tokens = blocks.tokens_bnk.reshape(b * n, rows)
     mtp_h = None
-    t1_row = 1 if method == "dmtp" else 0
+    two_anchor = method == "dflash" or DMTP_METHODS[method][0] == 2     # block rows start at A
+    t1_row = 1 if two_anchor else 0
     if mtp_h_bth is not None:
         mtp_h = jnp.take_along_axis(mtp_h_bth, anchors_bn[..., None], axis=1).reshape(b * n, -1).astype(dtype)
-    slots = rows if method in ("dflash", "dmtp") else rows + 1
+    slots = rows if two_anchor else rows + 1
+    t1_from_mtp = None if t1_masked_bn is None else ~t1_masked_bn.reshape(b * n)
     embeds = draft_block_embeds(method, slots, lambda t: target.embed(t).astype(dtype), dcfg, fusion,
-                                flat_tokens[:, 0], flat_tokens[:, t1_row], mtp_h).astype(dtype)
+                                flat_tokens[:, 0], flat_tokens[:, t1_row], mtp_h, t1_from_mtp).astype(dtype)
     hidden = drafter(embeds.reshape(b, n * rows, -1), blocks.positions_bnk.reshape(b, n * rows), ctx_k, ctx_v,
                      ctx_pos_bs, ctx_valid_bts, block_len=rows)
     return drafter.draft_logits(hidden, lambda h: target.logits(h.astype(target.dtype)).astype(dtype))

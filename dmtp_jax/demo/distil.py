@@ -1,0 +1,183 @@
+"""`train.py distil-mtp`: the MTP-only phase of the demo target (`demo.pretrain.MtpDistiller`).
+
+The target is frozen. Its MTP head, as joint pretraining left it (the *corpus head*: trained to
+predict the corpus two tokens ahead), is trained further to predict the target's own next-token
+distribution on text the target wrote (`train.py regen` output, the drafters' training data), the
+role a native MTP head plays when it proposes the first candidate. Steps of `run_distil(cfg)`:
+
+1. the corpus head is kept: written once to `cfg.corpus_head_dir` (`mtp.*` tensors and a card),
+   and every run starts from that copy, so re-running never distils a distilled head;
+2. data: the regen rows (`input_ids`), joined with EOS into one stream; batch `s` is
+   `window_batch(stream, ..., seed, s)` (resumable bit for bit, as pretraining);
+3. the loop (`demo.build.run_steps`), then the evaluation of both heads on held-out windows
+   (`val_tokens.npy`: the held-out modules, text the target never trained on; `agree` = MTP top-1
+   equals the target's top-1);
+4. the distilled head replaces the `mtp.*` tensors of the target directory (in `save_dtype`); the
+   target's own tensors are copied byte for byte.
+
+Example:
+    >>> summary = run_distil(DistilConfig.from_dict(get_config()))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from dmtp_jax.errors import InputError
+
+CORPUS_HEAD_CARD = """# {name}: the demo target's corpus-only MTP head
+
+The `mtp.*` tensors of `demo/target` as joint pretraining left them (main CE + {mtp_lambda} x MTP CE on
+the stdlib corpus), before the MTP-only distillation phase (`configs/demo_mtp.py`) made the shipped
+head a predictor of its own target. Kept to show the paper's stated limitation -- a weak MTP head --
+and to train the drafters that run with it:
+
+    python infer.py bench --mtp {name} ...      # dmtp with this head instead of the target's
+
+Same format as the target's `mtp.*` tensors (bf16); loads with `--mtp {name}`.
+"""
+
+
+@dataclasses.dataclass
+class DistilConfig:
+    """The MTP-only phase (`configs/demo_mtp.py` fills it; flags override)."""
+    target: str = "demo/target"                 # frozen target; its mtp.* tensors are replaced
+    data: str = "demo/regen.jsonl"              # text the target wrote
+    corpus_head_dir: str = "demo/mtp_corpus"    # the pretrained (corpus-only) head, kept
+    val_tokens: str = "demo_out/data/val_tokens.npy"
+    run_dir: str = "demo_out/mtp_run"
+    seq_len: int = 256
+    batch_size: int = 16
+    steps: int = 300
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    compute_dtype: str = "float32"
+    seed: int = 0
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    save_dtype: str = "bfloat16"
+    mtp_lambda: float = 0.3                     # for the corpus head's card only
+    resume: bool = False
+    progress: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DistilConfig":
+        """Rejects unknown keys.
+
+        Example:
+            >>> DistilConfig.from_dict({"steps": 3}).steps
+            3
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise InputError(f"unknown distil-mtp config keys: {', '.join(unknown)}")
+        return cls(**d)
+
+
+def regen_stream(path: str, eos_id: int) -> np.ndarray:
+    """The `input_ids` of every regen record, each followed by `eos_id`, as one int32 stream.
+
+    Example:
+        >>> regen_stream("demo/regen.jsonl", 0)[:4]  # doctest: +SKIP
+    """
+    from dmtp_jax.train.data import MalformedRecord, parse_record, read_records
+
+    ids: list[int] = []
+    for raw in read_records(path):
+        try:
+            rec = parse_record(raw)
+        except MalformedRecord:
+            continue
+        if isinstance(rec.get("input_ids"), list):
+            ids.extend(int(t) for t in rec["input_ids"])
+            ids.append(eos_id)
+    if not ids:
+        raise InputError(f"{path} has no records with 'input_ids' (run `train.py regen` first)")
+    return np.asarray(ids, np.int32)
+
+
+def keep_corpus_head(target_dir: str, out_dir: str, card: str) -> None:
+    """Copies the target's `mtp.*` tensors to `out_dir` unless it already holds a head."""
+    from dmtp_jax.checkpoint.mtp_ckpt import MTP_PREFIX, has_mtp
+    from dmtp_jax.checkpoint.safetensors_io import CheckpointReader, write_safetensors
+
+    if os.path.isdir(out_dir) and has_mtp(out_dir):
+        return
+    reader = CheckpointReader(target_dir)
+    tensors = {k: np.array(reader.array(k)) for k in reader.keys() if k.startswith(MTP_PREFIX)}
+    if not tensors:
+        raise InputError(f"{target_dir} has no 'mtp.*' tensors to distil")
+    os.makedirs(out_dir, exist_ok=True)
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
+    with open(os.path.join(out_dir, "README.md"), "w") as fh:
+        fh.write(card)
+
+
+def replace_mtp_tensors(target_dir: str, mtp_tensors: dict[str, np.ndarray]) -> None:
+    """Rewrites the target's single `model.safetensors` with `mtp.*` replaced (atomic)."""
+    from dmtp_jax.checkpoint.mtp_ckpt import MTP_PREFIX
+    from dmtp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
+
+    path = os.path.join(target_dir, "model.safetensors")
+    if not os.path.isfile(path):
+        raise InputError(f"{target_dir}: distil-mtp writes single-file targets (model.safetensors)")
+    f = SafetensorsFile(path)
+    tensors = {k: np.array(f.array(k)) for k in f.keys() if not k.startswith(MTP_PREFIX)}
+    tensors.update(mtp_tensors)
+    write_safetensors(path, tensors, f.metadata)
+
+
+def run_distil(cfg: DistilConfig) -> dict:
+    """Keeps the corpus head, distils, evaluates both heads, writes the distilled head into the
+    target; returns the summary (also `<run_dir>/summary.json`).
+
+    Example:
+        >>> run_distil(DistilConfig(steps=2, target="/tmp/t", data="/tmp/regen.jsonl"))  # doctest: +SKIP
+    """
+    import jax
+
+    from dmtp_jax.checkpoint.hf import load_target
+    from dmtp_jax.checkpoint.mtp_ckpt import load_mtp, mtp_tensors
+    from dmtp_jax.demo.build import run_steps
+    from dmtp_jax.demo.pretrain import MtpDistiller, window_batch
+    from dmtp_jax.train.step import OptimConfig
+
+    name = os.path.basename(os.path.normpath(cfg.corpus_head_dir))
+    keep_corpus_head(cfg.target, cfg.corpus_head_dir, CORPUS_HEAD_CARD.format(name=name, mtp_lambda=cfg.mtp_lambda))
+    target = load_target(cfg.target, "float32")
+    corpus_head = load_mtp(cfg.corpus_head_dir, target.cfg, "float32", target.mesh)
+    stream = regen_stream(cfg.data, target.cfg.eos_token_ids[0])
+    ocfg = OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+                       min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+    distiller = MtpDistiller(target.cfg, target.state, corpus_head.state, ocfg, cfg.compute_dtype)
+    length = cfg.seq_len + 1
+    run = run_steps(distiller, cfg.run_dir, steps=cfg.steps, seed=cfg.seed, resume=cfg.resume,
+                    batch_fn=lambda step: window_batch(stream, cfg.batch_size, length, cfg.seed, step),
+                    checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints,
+                    progress=cfg.progress, postfix={"kl": "kl", "agree": "agree"},
+                    run_config={"distil_mtp": dataclasses.asdict(cfg)})
+    state = run["state"]
+    evaluation = {}
+    if os.path.isfile(cfg.val_tokens):
+        val = np.load(cfg.val_tokens)
+        batches = [window_batch(val, cfg.batch_size, length, cfg.seed + 1, i) for i in range(cfg.eval_batches)]
+        evaluation = {"corpus_head": distiller.evaluate({"mtp": corpus_head.state}, batches),
+                      "distilled_head": distiller.evaluate(state.params, batches)}
+    head = dataclasses.replace(corpus_head, state=state.params["mtp"])
+    replace_mtp_tensors(cfg.target, mtp_tensors(head, dtype=cfg.save_dtype))
+    summary = {"steps": run["step"], "start_step": run["start"], "train_seconds": run["train_seconds"],
+               "last": run["last"], "held_out_eval": evaluation, "stream_tokens": int(len(stream)),
+               "compile_count": distiller.compile_count(),
+               "mtp_params": int(sum(x.size for x in jax.tree.leaves(state.params["mtp"])))}
+    with open(os.path.join(cfg.run_dir, "summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+    return summary
