@@ -19,7 +19,9 @@ predicts the next first candidate. One round with `n` verify slots:
               prefix sent to scratch; rows beyond a row's length are never read and get
               overwritten later. Finished rows keep their state.
 
-The round compiles once per (batch bucket, cache length, method, greedy/sampled).
+The round compiles once per (batch bucket, cache length, method, greedy/sampled). With
+`rounds_per_dispatch` K > 1, one jitted call runs up to K rounds with on-device stopping
+(`decode/multi_round.py`), compiled once per the same key.
 
 Example:
     >>> engine = SpecDecoder(target, drafter)  # doctest: +SKIP
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import time
 from typing import Callable
 
@@ -42,6 +45,7 @@ from flax import nnx
 from dmtp_jax.checkpoint.hf import LoadedModel
 from dmtp_jax.decode.ar import GenerationResult, TargetCaches, gather_rows, new_kv_cache, pin_kv_cache
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
+from dmtp_jax.decode.multi_round import feed_rounds, pad_stop_ids, run_rounds
 from dmtp_jax.decode.sampling import SamplingParams, filtered_probs, pick_tokens, sample_from_probs
 from dmtp_jax.decode.stats import acceptance_stats
 from dmtp_jax.decode.verify import (candidate_probs_to_dense, verify_block, verify_greedy, verify_rejection,
@@ -95,17 +99,23 @@ class SpecDecoder:
     verification with the same probabilities, `decode/verify.py:verify_block`) or "target-only"
     (match target samples). Greedy (temperature 0) is always exact match. `strict`: fail with
     `InexactBackendError` when the exactness probe finds this backend inexact (default: decode
-    plainly instead).
+    plainly instead). `rounds_per_dispatch` K > 1 runs up to K rounds per jitted call with on-device
+    stopping (`decode/multi_round.py`): the host syncs, and `on_tokens` streams, once per K rounds;
+    outputs and statistics are those of K = 1.
     """
 
     def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None, *, method: str = "dflash",
                  mtp: LoadedModel | None = None, fusion: LoadedModel | None = None,
                  block_size: int | None = None, mtp_steps: int = 4, verify: str = "rejection",
-                 context_window: int = DEFAULT_CONTEXT_WINDOW, strict: bool = False):
+                 context_window: int = DEFAULT_CONTEXT_WINDOW, strict: bool = False,
+                 rounds_per_dispatch: int = 1):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got '{verify}'")
         if method not in SPEC_METHODS:
             raise RequestError(f"unknown speculative method '{method}'; known: {', '.join(SPEC_METHODS)}")
+        if isinstance(rounds_per_dispatch, bool) or not isinstance(rounds_per_dispatch, (int, np.integer)) \
+                or rounds_per_dispatch < 1:
+            raise RequestError(f"--rounds-per-dispatch must be an integer >= 1, got {rounds_per_dispatch!r}")
         self.uses_drafter = method != "mtp"
         self.uses_mtp = method != "dflash"
         if self.uses_drafter and drafter is None:
@@ -129,6 +139,8 @@ class SpecDecoder:
         self.caches = TargetCaches(target)
         self.prefill = jax.jit(self._prefill, donate_argnames=("state",), static_argnames=("greedy",))
         self.round = jax.jit(self._round, donate_argnames=("state",), static_argnames=("greedy",))
+        self.rounds_per_dispatch = int(rounds_per_dispatch)
+        self.multi_round = jax.jit(self._multi_round, donate_argnames=("state",), static_argnames=("greedy",))
         self.last_state: SpecState | None = None
 
     # ---- state -------------------------------------------------------------------------------
@@ -307,6 +319,13 @@ class SpecDecoder:
         rep = replicated(self.target.mesh)
         return self._constrain(new), _pin(tokens, rep), _pin(acc, rep)
 
+    def _multi_round(self, states, state: SpecState, active_b, limits_b, sp, base_key, first_round, stop_ids_s,
+                     greedy: bool):
+        """Up to `rounds_per_dispatch` rounds on device (`multi_round.run_rounds` around `_round`)."""
+        return run_rounds(functools.partial(self._round, states), state, active_b, limits_b, sp, base_key,
+                          first_round, stop_ids_s, rounds=self.rounds_per_dispatch, slots=self.slots,
+                          greedy=greedy)
+
     # ---- host loop ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None = None,
                  seed: int = 0, stop_ids=None,
@@ -336,6 +355,7 @@ class SpecDecoder:
         base_key = jax.random.key(seed)
         acceptance: list[list[int]] = [[] for _ in range(batch.num_rows)]
         limits = (batch.lengths_b + max_new_tokens).astype(np.int32)
+        stop_ids_s = pad_stop_ids(stop_ids)
 
         t0 = time.perf_counter()
         states = self._states()
@@ -345,7 +365,10 @@ class SpecDecoder:
         ttft = time.perf_counter() - t0
         if probing is not None:         # nothing is committed (or streamed) before the probe's verdict
             try:
-                if max_new_tokens > 1:  # compiled now, reused by the first round (not counted until it runs)
+                if max_new_tokens > 1 and self.rounds_per_dispatch > 1:   # the same for the K-round loop
+                    self.multi_round.lower(states, state, np.zeros(rows, bool), limits, sp, base_key, np.int32(1),
+                                           stop_ids_s, greedy=greedy).compile()
+                elif max_new_tokens > 1:  # compiled now, reused by the first round (not counted until it runs)
                     self.round.lower(states, state, np.zeros(rows, bool), limits, sp, jax.random.fold_in(base_key, 1),
                                      greedy=greedy).compile()
                 gate = gate_future.result()
@@ -359,7 +382,7 @@ class SpecDecoder:
                 on_tokens(row, kept)
         rounds = 0
         t1 = time.perf_counter()
-        while not tracker.all_done:
+        while not tracker.all_done and self.rounds_per_dispatch == 1:
             rounds += 1
             active = np.zeros(rows, bool)
             active[:batch.num_rows] = ~tracker.done
@@ -373,6 +396,15 @@ class SpecDecoder:
                 kept = tracker.add(row, tokens[row, :acc[row] + 1])
                 if kept and on_tokens:
                     on_tokens(row, kept)
+        while not tracker.all_done:     # rounds_per_dispatch > 1: up to K rounds per call, stopping on device
+            active = np.zeros(rows, bool)
+            active[:batch.num_rows] = ~tracker.done
+            state, tokens_bkn, accepted_bk, ran_bk, ran = self.multi_round(
+                states, state, active, limits, sp, base_key, np.int32(rounds + 1), stop_ids_s, greedy=greedy)
+            ran = int(ran)
+            feed_rounds(tracker, acceptance, np.asarray(tokens_bkn), np.asarray(accepted_bk), np.asarray(ran_bk),
+                        ran, on_tokens)
+            rounds += ran
         decode_s = time.perf_counter() - t1
         self.last_state = state
         new_tokens = sum(len(o) for o in tracker.outputs)
@@ -384,6 +416,7 @@ class SpecDecoder:
             "new_tokens": new_tokens,
             "decode_tokens_per_s": (new_tokens - batch.num_rows) / decode_s if decode_s > 0 else 0.0,
             "batch_bucket": rows, "max_len": batch.max_len, "block_size": self.slots,
+            "rounds_per_dispatch": self.rounds_per_dispatch,
             "acceptance_lengths": acceptance,
             "exactness_probe": gate.summary(),
             **acceptance_stats(acceptance, self.slots),
@@ -391,4 +424,7 @@ class SpecDecoder:
         return GenerationResult([list(map(int, p)) for p in prompts], tracker.outputs, stats)
 
     def compile_counts(self) -> dict[str, int]:
-        return {"prefill": self.prefill._cache_size(), "round": self.round._cache_size()}
+        counts = {"prefill": self.prefill._cache_size(), "round": self.round._cache_size()}
+        if self.rounds_per_dispatch > 1:
+            counts["multi_round"] = self.multi_round._cache_size()
+        return counts
