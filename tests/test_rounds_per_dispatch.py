@@ -119,3 +119,22 @@ def test_stop_and_budget_verdict_is_the_trackers():
                                  jnp.asarray([prompt_len + max_new]), jnp.asarray(pad_stop_ids(stops)),
                                  jnp.asarray([was_running]))
         assert bool(run[0]) == (was_running and not tracker.done[0])
+
+
+def test_cli_passes_rounds_per_dispatch_to_the_decoder(tiny_qwen3_dir, monkeypatch):
+    import infer
+
+    seen = {}
+
+    class Captured(Exception):
+        pass
+
+    def capture(method, target, *args, **options):
+        seen.update(options, method=method)
+        raise Captured
+    monkeypatch.setattr("dmtp_jax.decode.make_decoder", capture)
+    with pytest.raises(Captured):
+        infer.main(["generate", "--target", tiny_qwen3_dir, "--prompt-ids", "1,2", "--rounds-per-dispatch", "3"])
+    assert seen["method"] == "ar" and seen["rounds_per_dispatch"] == 3
+    args = infer.build_parser().parse_args(["bench", "--rounds-per-dispatch", "16"])
+    assert args.rounds_per_dispatch == 16
