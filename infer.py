@@ -46,6 +46,9 @@ def method_args(sp, verify_list: bool = False):
     sp.add_argument("--mtp-steps", type=int, default=None, help="chain length of mtp (default 4: MTP415)")
     sp.add_argument("--block-size", type=int, default=None,
                     help="verify slots per round (default: the drafter's block_size)")
+    sp.add_argument("--rounds-per-dispatch", type=int, default=None, metavar="K",
+                    help="speculative rounds per jitted call, rows stopping on device (default 1: the host syncs "
+                         "after every round); same outputs, streamed every K rounds")
     verify_help = ("sampled verification: rejection (token-level rejection sampling with the proposers' "
                    "probabilities), block (block verification with the same probabilities: lossless, accepts "
                    "at least as much), or target-only (match target samples; what the paper measured). "
@@ -138,7 +141,7 @@ def cmd_generate(args) -> int:
     target_dir = resolve_target(args.target)
     cfg = preflight.target_config(target_dir)
     method = args.method or ("dflash" if args.draft else "ar")
-    preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens)
+    preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch)
     preflight.check_method_models([method], target_dir, args.draft, args.mtp, demo_drafters=uses_demo(args))
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
@@ -162,7 +165,8 @@ def cmd_generate(args) -> int:
     stops = stop_token_ids(target_dir, target.cfg.eos_token_ids, tokenizer)
     stops = sorted(set(stops) | set(args.stop_token_ids or []))
     decoder = make_decoders([method], target, method_models(args, target, [method]), block_size=args.block_size,
-                            verify=args.verify, mtp_steps=args.mtp_steps, strict=args.strict)[method]
+                            verify=args.verify, mtp_steps=args.mtp_steps, strict=args.strict,
+                            rounds_per_dispatch=args.rounds_per_dispatch)[method]
 
     stream = len(prompts) == 1 and tokenizer is not None and not args.json_path
     streamed = []
@@ -234,7 +238,7 @@ def cmd_bench(args) -> int:
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     verifies = verify_modes(args.verify)
-    preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens)
+    preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch)
     preflight.check_method_models(methods, target_dir, args.draft, args.mtp, demo_drafters=demo)
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
@@ -250,7 +254,7 @@ def cmd_bench(args) -> int:
     for verify in verifies:         # several verifiers: every speculative method once per verifier
         made = make_decoders(methods if verify == verifies[0] else [m for m in methods if m != "ar"], target,
                              models, block_size=args.block_size, mtp_steps=args.mtp_steps, verify=verify,
-                             strict=args.strict)
+                             strict=args.strict, rounds_per_dispatch=args.rounds_per_dispatch)
         decoders.update({m if m == "ar" or len(verifies) == 1 else f"{m}/{verify}": d for m, d in made.items()})
     if len(verifies) > 1:           # side by side: method by method, each with every verifier
         order = {m: i for i, m in enumerate(methods)}
@@ -264,7 +268,8 @@ def cmd_bench(args) -> int:
               "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "mtp": args.mtp,
               "mtp_steps": args.mtp_steps, "verify": verifies[0] if len(verifies) == 1 else verifies,
               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
-              "dtype": args.dtype, "mesh": args.mesh, "stop_ids": stops, "strict": args.strict}
+              "dtype": args.dtype, "mesh": args.mesh, "stop_ids": stops, "strict": args.strict,
+              "rounds_per_dispatch": args.rounds_per_dispatch or 1}
     report = rep.build_report(runs, config)
     from dmtp_jax.bench.efficiency import format_efficiency, method_efficiency
     report["efficiency"] = {name: method_efficiency(decoders[name], run) for name, run in runs.items()}

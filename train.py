@@ -23,7 +23,8 @@ import json
 import os
 import sys
 
-from dmtp_jax.cli import ArgumentParser, add_compile_cache_arg, enable_compile_cache, int_list, run_command
+from dmtp_jax.cli import (ArgumentParser, add_compile_cache_arg, enable_compile_cache, int_list, load_config_file,
+                          run_command)
 from dmtp_jax.errors import InputError
 
 
@@ -136,25 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
     for sp in (t, e, r, c, pt, dm):
         add_compile_cache_arg(sp)
     return p
-
-
-def load_config_file(path: str) -> dict:
-    """`get_config()` of a python file, as a dict."""
-    spec = importlib.util.spec_from_file_location("_train_config", path)
-    if spec is None or not path.endswith(".py"):
-        raise InputError(f"--config must be a .py file with get_config(), got '{path}'")
-    if not os.path.isfile(path):
-        raise InputError(f"config file not found: {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise InputError(f"{path} defines no get_config()")
-    cfg = module.get_config()
-    if dataclasses.is_dataclass(cfg):
-        cfg = dataclasses.asdict(cfg)
-    if not isinstance(cfg, dict):
-        raise InputError(f"{path}: get_config() must return a dict or a dataclass")
-    return dict(cfg)
 
 
 def train_config(args):

@@ -8,22 +8,16 @@ hyper-parameters (`configs/demo_dflash.py` `SHARED`), trained from scratch.
 The data file is built as in `configs/demo_dflash.py` (regen of the demo target).
 """
 
-import importlib.util
 import os
+
+from dmtp_jax.cli import load_config_file
 
 COMMAND = "train"
 
 
-def _shared() -> dict:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_dflash.py")
-    spec = importlib.util.spec_from_file_location("_demo_dflash", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return dict(module.SHARED)
-
-
 def get_config() -> dict:
-    return dict(_shared(), method="dmtp", out="demo_out/runs/dmtp")
+    shared = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_dflash.py"))
+    return dict(shared, method="dmtp", out="demo_out/runs/dmtp")
 
 
 # Shipped run (concurrently with demo_dflash on 2 cores).

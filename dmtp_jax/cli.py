@@ -15,11 +15,13 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import os
 import sys
 from typing import Callable
 
-from dmtp_jax.errors import UserError, format_user_error, one_line
+from dmtp_jax.errors import InputError, UserError, format_user_error, one_line
 
 
 def int_list(text: str) -> list[int]:
@@ -130,3 +132,27 @@ def enable_compile_cache(flag: str | None = None) -> str | None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     cc.reset_cache()                    # a second in-process CLI call may move or disable it
     return path
+
+
+def load_config_file(path: str) -> dict:
+    """`get_config()` of a python file, as a dict (config files build on each other with it).
+
+    Example:
+        >>> load_config_file("configs/demo_dflash.py")["method"]  # doctest: +SKIP
+        'dflash'
+    """
+    spec = importlib.util.spec_from_file_location("_train_config", path)
+    if spec is None or not path.endswith(".py"):
+        raise InputError(f"--config must be a .py file with get_config(), got '{path}'")
+    if not os.path.isfile(path):
+        raise InputError(f"config file not found: {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise InputError(f"{path} defines no get_config()")
+    cfg = module.get_config()
+    if dataclasses.is_dataclass(cfg):
+        cfg = dataclasses.asdict(cfg)
+    if not isinstance(cfg, dict):
+        raise InputError(f"{path}: get_config() must return a dict or a dataclass")
+    return dict(cfg)

@@ -34,14 +34,18 @@ def target_config(target_dir: str):
     return load_target_config(target_dir)
 
 
-def check_decode_options(mtp_steps: int | None, block_size: int | None, max_new_tokens: int) -> None:
-    """Ranges of `--mtp-steps`, `--block-size` and `--max-new-tokens` (as the decoders check them)."""
+def check_decode_options(mtp_steps: int | None, block_size: int | None, max_new_tokens: int,
+                         rounds_per_dispatch: int | None = None) -> None:
+    """Ranges of `--mtp-steps`, `--block-size`, `--max-new-tokens` and `--rounds-per-dispatch` (as
+    the decoders check them)."""
     if max_new_tokens < 1:
         raise RequestError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if mtp_steps is not None and not 1 <= mtp_steps <= 15:
         raise RequestError(f"--mtp-steps must be in [1, 15], got {mtp_steps}")
     if block_size is not None and not 3 <= block_size <= 64:
         raise RequestError(f"--block-size must be in [3, 64], got {block_size}")
+    if rounds_per_dispatch is not None and rounds_per_dispatch < 1:
+        raise RequestError(f"--rounds-per-dispatch must be an integer >= 1, got {rounds_per_dispatch}")
 
 
 def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | None,

@@ -24,7 +24,7 @@ def method_needs(method: str) -> dict[str, bool]:
 
 def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, block_size: int | None = None,
                  mtp_steps: int = 4, verify: str = "rejection", strict: bool = False,
-                 adaptive_threshold: float | None = None):
+                 adaptive_threshold: float | None = None, rounds_per_dispatch: int = 1):
     """The decoder for `method` in `METHODS`; every decoder has `.generate(...)` -> GenerationResult
     and `.compile_counts()`. `drafter` is a `LoadedDrafter` (dflash, dmtp*), `mtp` the native MTP
     head (`checkpoint.mtp_ckpt.load_mtp`; mtp, dmtp*), `fusion` the DMTP fusion
@@ -34,7 +34,9 @@ def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, bl
     is always exact match. `adaptive_threshold` overrides dmtp-adaptive's calibrated MTP-confidence
     threshold. A speculative decoder runs the exactness probe
     (`decode/probe.py`) before its first request and falls back to plain decoding when a verify
-    block differs from single-token decoding; `strict=True` raises `InexactBackendError` instead."""
+    block differs from single-token decoding; `strict=True` raises `InexactBackendError` instead.
+    `rounds_per_dispatch` K > 1 runs up to K speculative rounds per jitted call, stopping rows on
+    device (`decode/multi_round.py`); the same outputs, streamed once per K rounds (`ar` ignores it)."""
     from dmtp_jax.decode.batch import RequestError
 
     if method == "ar":
@@ -44,4 +46,5 @@ def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, bl
         raise RequestError(f"unknown method '{method}'; available: {', '.join(METHODS)}")
     from dmtp_jax.decode.spec import SpecDecoder
     return SpecDecoder(target, drafter, method=method, mtp=mtp, fusion=fusion, block_size=block_size,
-                       mtp_steps=mtp_steps, verify=verify, strict=strict, adaptive_threshold=adaptive_threshold)
+                       mtp_steps=mtp_steps, verify=verify, strict=strict, adaptive_threshold=adaptive_threshold,
+                       rounds_per_dispatch=rounds_per_dispatch)

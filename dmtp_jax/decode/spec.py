@@ -21,7 +21,9 @@ predicts the next first candidate. One round with `n` verify slots:
               prefix sent to scratch; rows beyond a row's length are never read and get
               overwritten later. Finished rows keep their state.
 
-The round compiles once per (batch bucket, cache length, method, greedy/sampled).
+The round compiles once per (batch bucket, cache length, method, greedy/sampled). With
+`rounds_per_dispatch` K > 1, one jitted call runs up to K rounds with on-device stopping
+(`decode/multi_round.py`), compiled once per the same key.
 
 Example:
     >>> engine = SpecDecoder(target, drafter)  # doctest: +SKIP
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import time
 from typing import Callable
 
@@ -44,6 +47,7 @@ from flax import nnx
 from dmtp_jax.checkpoint.hf import LoadedModel
 from dmtp_jax.decode.ar import GenerationResult, TargetCaches, gather_rows, new_kv_cache, pin_kv_cache
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
+from dmtp_jax.decode.multi_round import feed_rounds, pad_stop_ids, run_rounds
 from dmtp_jax.decode.sampling import SamplingParams, filtered_probs, pick_tokens, sample_from_probs
 from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
 from dmtp_jax.decode.verify import (candidate_probs_to_dense, verify_block, verify_greedy, verify_rejection,
@@ -100,17 +104,23 @@ class SpecDecoder:
     `InexactBackendError` when the exactness probe finds this backend inexact (default: decode
     plainly instead). `adaptive_threshold` (dmtp-adaptive): the MTP top-1 probability from which
     a row takes MTP's T1 (default: the drafter's calibrated `dmtp_config.threshold`, else 0.5).
+    `rounds_per_dispatch` K > 1 runs up to K rounds per jitted call with on-device
+    stopping (`decode/multi_round.py`): the host syncs, and `on_tokens` streams, once per K rounds;
+    outputs and statistics are those of K = 1.
     """
 
     def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None, *, method: str = "dflash",
                  mtp: LoadedModel | None = None, fusion: LoadedModel | None = None,
                  block_size: int | None = None, mtp_steps: int = 4, verify: str = "rejection",
                  context_window: int = DEFAULT_CONTEXT_WINDOW, strict: bool = False,
-                 adaptive_threshold: float | None = None):
+                 adaptive_threshold: float | None = None, rounds_per_dispatch: int = 1):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got '{verify}'")
         if method not in SPEC_METHODS:
             raise RequestError(f"unknown speculative method '{method}'; known: {', '.join(SPEC_METHODS)}")
+        if isinstance(rounds_per_dispatch, bool) or not isinstance(rounds_per_dispatch, (int, np.integer)) \
+                or rounds_per_dispatch < 1:
+            raise RequestError(f"--rounds-per-dispatch must be an integer >= 1, got {rounds_per_dispatch!r}")
         self.uses_drafter = method != "mtp"
         self.uses_mtp = method != "dflash"
         if self.uses_drafter and drafter is None:
@@ -143,6 +153,8 @@ class SpecDecoder:
         self.caches = TargetCaches(target)
         self.prefill = jax.jit(self._prefill, donate_argnames=("state",), static_argnames=("greedy",))
         self.round = jax.jit(self._round, donate_argnames=("state",), static_argnames=("greedy",))
+        self.rounds_per_dispatch = int(rounds_per_dispatch)
+        self.multi_round = jax.jit(self._multi_round, donate_argnames=("state",), static_argnames=("greedy",))
         self.last_state: SpecState | None = None
 
     # ---- state -------------------------------------------------------------------------------
@@ -341,6 +353,13 @@ class SpecDecoder:
         rep = replicated(self.target.mesh)
         return self._constrain(new), _pin(tokens, rep), _pin(acc, rep), _pin(t1_from_mtp, rep)
 
+    def _multi_round(self, states, state: SpecState, active_b, limits_b, sp, base_key, first_round, stop_ids_s,
+                     greedy: bool):
+        """Up to `rounds_per_dispatch` rounds on device (`multi_round.run_rounds` around `_round`)."""
+        return run_rounds(functools.partial(self._round, states), state, active_b, limits_b, sp, base_key,
+                          first_round, stop_ids_s, rounds=self.rounds_per_dispatch, slots=self.slots,
+                          greedy=greedy)
+
     # ---- host loop ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None = None,
                  seed: int = 0, stop_ids=None,
@@ -371,6 +390,7 @@ class SpecDecoder:
         acceptance: list[list[int]] = [[] for _ in range(batch.num_rows)]
         first_source: list[list[bool]] = [[] for _ in range(batch.num_rows)]    # T1 from MTP, per round
         limits = (batch.lengths_b + max_new_tokens).astype(np.int32)
+        stop_ids_s = pad_stop_ids(stop_ids)
 
         t0 = time.perf_counter()
         states = self._states()
@@ -380,7 +400,10 @@ class SpecDecoder:
         ttft = time.perf_counter() - t0
         if probing is not None:         # nothing is committed (or streamed) before the probe's verdict
             try:
-                if max_new_tokens > 1:  # compiled now, reused by the first round (not counted until it runs)
+                if max_new_tokens > 1 and self.rounds_per_dispatch > 1:   # the same for the K-round loop
+                    self.multi_round.lower(states, state, np.zeros(rows, bool), limits, sp, base_key, np.int32(1),
+                                           stop_ids_s, greedy=greedy).compile()
+                elif max_new_tokens > 1:  # compiled now, reused by the first round (not counted until it runs)
                     self.round.lower(states, state, np.zeros(rows, bool), limits, sp, jax.random.fold_in(base_key, 1),
                                      greedy=greedy).compile()
                 gate = gate_future.result()
@@ -395,20 +418,19 @@ class SpecDecoder:
         rounds = 0
         t1 = time.perf_counter()
         while not tracker.all_done:
-            rounds += 1
             active = np.zeros(rows, bool)
             active[:batch.num_rows] = ~tracker.done
-            state, tokens, acc, from_mtp = self.round(states, state, active, limits, sp,
-                                                      jax.random.fold_in(base_key, rounds), greedy=greedy)
-            tokens, acc, from_mtp = np.asarray(tokens), np.asarray(acc), np.asarray(from_mtp)
-            for row in range(batch.num_rows):
-                if not active[row]:
-                    continue
-                acceptance[row].append(int(acc[row]) + 1)
-                first_source[row].append(bool(from_mtp[row]))
-                kept = tracker.add(row, tokens[row, :acc[row] + 1])
-                if kept and on_tokens:
-                    on_tokens(row, kept)
+            if self.rounds_per_dispatch == 1:       # one round per dispatch: the host streams every round
+                state, tokens_bn, acc_b, from_mtp_b = self.round(
+                    states, state, active, limits, sp, jax.random.fold_in(base_key, rounds + 1), greedy=greedy)
+                out = (np.asarray(tokens_bn)[:, None], np.asarray(acc_b)[:, None], np.asarray(from_mtp_b)[:, None],
+                       active[:, None], 1)
+            else:                                   # up to K rounds per call, stopping on device
+                state, *out = self.multi_round(states, state, active, limits, sp, base_key, np.int32(rounds + 1),
+                                               stop_ids_s, greedy=greedy)
+                out = [np.asarray(x) for x in out[:-1]] + [int(out[-1])]
+            feed_rounds(tracker, acceptance, first_source, *out, on_tokens)
+            rounds += out[-1]
         decode_s = time.perf_counter() - t1
         self.last_state = state
         new_tokens = sum(len(o) for o in tracker.outputs)
@@ -420,6 +442,7 @@ class SpecDecoder:
             "new_tokens": new_tokens,
             "decode_tokens_per_s": (new_tokens - batch.num_rows) / decode_s if decode_s > 0 else 0.0,
             "batch_bucket": rows, "max_len": batch.max_len, "block_size": self.slots,
+            "rounds_per_dispatch": self.rounds_per_dispatch,
             "acceptance_lengths": acceptance,
             "exactness_probe": gate.summary(),
             **acceptance_stats(acceptance, self.slots),
@@ -430,4 +453,7 @@ class SpecDecoder:
         return GenerationResult([list(map(int, p)) for p in prompts], tracker.outputs, stats)
 
     def compile_counts(self) -> dict[str, int]:
-        return {"prefill": self.prefill._cache_size(), "round": self.round._cache_size()}
+        counts = {"prefill": self.prefill._cache_size(), "round": self.round._cache_size()}
+        if self.rounds_per_dispatch > 1:
+            counts["multi_round"] = self.multi_round._cache_size()
+        return counts

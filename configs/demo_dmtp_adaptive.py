@@ -1,0 +1,25 @@
+"""The demo's dmtp-adaptive drafter (one drafter, two first-candidate modes): `dmtp`'s fusion and
+block, trained on a mixture -- half the anchors in DFlash mode (T1 slot MASK, T1 supervised), half
+in DMTP mode (MTP's T1 fused, T2..T7 supervised) -- with exactly the DFlash drafter's data, steps
+and hyper-parameters (`configs/demo_dflash.py` `SHARED`), from scratch. Then its threshold is
+calibrated on target-written training text (never on the held-out prompts):
+
+    python train.py --config configs/demo_dmtp_adaptive.py
+    python train.py export --run demo_out/runs/dmtp_adaptive --out demo/dmtp_adaptive --dtype bfloat16
+    python train.py calibrate --target demo/target --draft demo/dmtp_adaptive --data demo_out/calibration.jsonl
+
+With the corpus-only MTP head (the weak-head table): add `--mtp demo/mtp_corpus --out
+demo_out/runs/dmtp_adaptive_corpus`, export to `demo/dmtp_adaptive_corpus`, calibrate with
+`--mtp demo/mtp_corpus`.
+"""
+
+import os
+
+from dmtp_jax.cli import load_config_file
+
+COMMAND = "train"
+
+
+def get_config() -> dict:
+    shared = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_dflash.py"))
+    return dict(shared, method="dmtp-adaptive", mask_t1_fraction=0.5, out="demo_out/runs/dmtp_adaptive")

@@ -1,0 +1,144 @@
+"""Several speculative rounds per dispatch: an on-device loop around `SpecDecoder._round`.
+
+With `rounds_per_dispatch=K > 1` the host no longer syncs after every round: one jitted call runs
+up to `K` rounds (`run_rounds`, a `jax.lax.while_loop` over the unchanged round), decides on device
+which rows are still running after each round (`rows_still_running`: a row stops once it has
+committed a stop token or reached its token budget, exactly as `batch.StopTracker` decides on the
+host), and leaves every round's committed tokens in `[B, K, n]` buffers. The loop exits early when
+every row is done. The host then replays those rounds into its `StopTracker` in order
+(`feed_rounds`), so outputs, truncation and acceptance statistics are those of one round per
+dispatch; only the streaming granularity (`on_tokens`) changes, to once per dispatch.
+
+Round `r` (counted from 1 over the whole request) uses the key `fold_in(base_key, r)` whatever K
+is, so sampled outputs do not depend on K either.
+
+Example:
+    >>> engine = SpecDecoder(target, drafter, rounds_per_dispatch=8)  # doctest: +SKIP
+    >>> engine.generate([[1, 2, 3]], max_new_tokens=32).output_ids  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dmtp_jax.decode.batch import StopTracker, next_pow2
+
+STOP_IDS_FLOOR = 8      # the stop-id array is padded to a power of two >= this: one compile for all
+NO_STOP = -1            # padding of the stop-id array (never a token)
+
+
+def pad_stop_ids(stop_ids) -> np.ndarray:
+    """Stop ids as a fixed-size int32 array, padded with `NO_STOP` to a power of two >= 8, so one
+    compile serves every request with up to 8 stop ids.
+
+    Example:
+        >>> pad_stop_ids([127, 3]).tolist()
+        [3, 127, -1, -1, -1, -1, -1, -1]
+    """
+    ids = sorted(set(int(s) for s in stop_ids))
+    out = np.full(next_pow2(len(ids), STOP_IDS_FLOOR), NO_STOP, np.int32)
+    out[:len(ids)] = ids
+    return out
+
+
+def rows_still_running(tokens_bn: jax.Array, accepted_b: jax.Array, lengths_b: jax.Array,
+                       limits_b: jax.Array, stop_ids_s: jax.Array, active_b: jax.Array) -> jax.Array:
+    """`[B]` bool: rows that were active in a round and are not done after it.
+
+    A row's round committed `tokens_bn[:accepted + 1]`; it is done if one of them is a stop id or if
+    its new committed length `lengths_b` (tokens in the target KV, one less than the prompt plus the
+    tokens emitted so far: the last one is pending) reaches `limits_b - 1` (prompt + max_new_tokens
+    - 1), i.e. it has emitted its whole budget. Same verdict as `StopTracker.add`.
+
+    Example:
+        >>> run = rows_still_running(jnp.array([[5, 7, 9], [5, 7, 9]]), jnp.array([0, 2]),
+        ...                          jnp.array([4, 6]), jnp.array([20, 20]), jnp.array([9, -1]),
+        ...                          jnp.array([True, True]))
+        >>> run.tolist()          # row 1 committed the stop id 9
+        [True, False]
+    """
+    committed_bn = jnp.arange(tokens_bn.shape[1])[None] <= accepted_b[:, None]
+    hit_stop_b = (committed_bn & (tokens_bn[..., None] == stop_ids_s).any(-1)).any(-1)
+    budget_spent_b = lengths_b + 1 >= limits_b
+    return active_b & ~hit_stop_b & ~budget_spent_b
+
+
+def run_rounds(round_fn: Callable, state, active_b, limits_b, sp, base_key, first_round, stop_ids_s, *,
+               rounds: int, slots: int, greedy: bool):
+    """Up to `rounds` calls of `round_fn(state, active_b, limits_b, sp, key, greedy)` (the round of
+    `SpecDecoder._round` with its model states bound; `slots` verify slots) in one
+    `jax.lax.while_loop`; stops early when no row is running. Round `i` of the loop is round `first_round + i` of the request and uses the
+    key `fold_in(base_key, first_round + i)`.
+
+    Returns `(state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, rounds_run)`: slot `k` holds
+    round `k`'s tokens and accepted count per row (a row committed
+    `tokens_bkn[b, k, :accepted_bk[b, k] + 1]`), whether its first candidate was MTP's, and
+    `ran_bk[b, k]` says whether row `b` was active in it; rounds past `rounds_run` did not run.
+
+    Example:
+        >>> fn = functools.partial(run_rounds, functools.partial(engine._round, states), rounds=4,
+        ...                        slots=engine.slots)
+        ... # doctest: +SKIP
+        >>> state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, n = jax.jit(fn, static_argnames="greedy")(
+        ...     state, active_b, limits_b, sp, key, np.int32(1), pad_stop_ids([127]), greedy=True)
+        ... # doctest: +SKIP
+    """
+    b = active_b.shape[0]
+    tokens_bkn = jnp.zeros((b, rounds, slots), jnp.int32)
+    accepted_bk = jnp.zeros((b, rounds), jnp.int32)
+    from_mtp_bk = jnp.zeros((b, rounds), bool)
+    ran_bk = jnp.zeros((b, rounds), bool)
+
+    def running(carry):
+        i, _, active, *_ = carry
+        return (i < rounds) & active.any()
+
+    def one_round(carry):
+        i, st, active, tokens, accepted, from_mtp, ran = carry
+        key = jax.random.fold_in(base_key, first_round + i)
+        st, tokens_bn, accepted_b, from_mtp_b = round_fn(st, active, limits_b, sp, key, greedy)
+        put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None].astype(buf.dtype), i, axis=1)  # noqa: E731
+        tokens, accepted, from_mtp, ran = (put(tokens, tokens_bn), put(accepted, accepted_b),
+                                           put(from_mtp, from_mtp_b), put(ran, active))
+        active = rows_still_running(tokens_bn, accepted_b, st.lengths_b, limits_b, stop_ids_s, active)
+        return i + 1, st, active, tokens, accepted, from_mtp, ran
+
+    carry = (jnp.int32(0), state, jnp.asarray(active_b), tokens_bkn, accepted_bk, from_mtp_bk, ran_bk)
+    i, state, _, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk = jax.lax.while_loop(running, one_round, carry)
+    return state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, i
+
+
+def feed_rounds(tracker: StopTracker, acceptance: list[list[int]], first_source: list[list[bool]],
+                tokens_bkn: np.ndarray, accepted_bk: np.ndarray, from_mtp_bk: np.ndarray, ran_bk: np.ndarray,
+                rounds_run: int, on_tokens: Callable[[int, list[int]], None] | None = None) -> None:
+    """Replays a dispatch's rounds (one or more) into the host's `tracker`, `acceptance` and
+    `first_source` (T1 from MTP?) lists in round order; then streams each row's kept tokens in one
+    `on_tokens` call. Raises `RuntimeError` if the device and the tracker disagree on which rows ran.
+
+    Example:
+        >>> tracker, acc, src = StopTracker(1, 4, [9]), [[]], [[]]
+        >>> feed_rounds(tracker, acc, src, np.array([[[5, 6], [9, 1]]]), np.array([[1, 0]]),
+        ...             np.array([[True, False]]), np.array([[True, True]]), 2, lambda row, toks: print(row, toks))
+        0 [5, 6, 9]
+        >>> tracker.outputs, acc, src, bool(tracker.done[0])
+        ([[5, 6, 9]], [[2, 1]], [[True, False]], True)
+    """
+    kept_rows: list[list[int]] = [[] for _ in range(len(acceptance))]
+    for k in range(rounds_run):
+        for row in range(len(acceptance)):
+            if bool(ran_bk[row, k]) != (not tracker.done[row]):
+                raise RuntimeError(f"on-device stopping disagrees with the host's StopTracker at row {row}, "
+                                   f"round {k} of the dispatch")
+            if not ran_bk[row, k]:
+                continue
+            acceptance[row].append(int(accepted_bk[row, k]) + 1)
+            first_source[row].append(bool(from_mtp_bk[row, k]))
+            kept_rows[row] += tracker.add(row, tokens_bkn[row, k, :accepted_bk[row, k] + 1])
+    if on_tokens:
+        for row, kept in enumerate(kept_rows):
+            if kept:
+                on_tokens(row, kept)
