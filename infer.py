@@ -32,7 +32,10 @@ from dmtp_jax.errors import InputError
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 DEMO_OUT = os.path.join(tempfile.gettempdir(), "dmtp-jax-demo")
-DEMO_BENCH_ARGV = ["bench", "--methods", "ar,mtp,dflash,dmtp", "--num-prompts", "12", "--max-new-tokens", "64",
+DEMO_METHODS = "ar,mtp,dflash,dmtp,dmtp-adaptive"
+DEMO_WEAK_METHODS = "mtp,dmtp,dmtp-adaptive"     # the second table: the same methods with the corpus-only head
+DEMO_CORPUS_HEAD = os.path.join(DEMO_DIR, "mtp_corpus")
+DEMO_BENCH_ARGV = ["bench", "--methods", DEMO_METHODS, "--num-prompts", "12", "--max-new-tokens", "64",
                    "--json", os.path.join(DEMO_OUT, "bench.json"), "--plot", os.path.join(DEMO_OUT, "acceptance.png"),
                    "--outputs", os.path.join(DEMO_OUT, "outputs.jsonl"), "--show-sample"]
 
@@ -46,6 +49,9 @@ def method_args(sp, verify_list: bool = False):
     sp.add_argument("--mtp-steps", type=int, default=None, help="chain length of mtp (default 4: MTP415)")
     sp.add_argument("--block-size", type=int, default=None,
                     help="verify slots per round (default: the drafter's block_size)")
+    sp.add_argument("--adaptive-threshold", type=float, default=None, metavar="P",
+                    help="dmtp-adaptive: a row takes MTP's T1 when the MTP's top-1 probability is >= P "
+                         "(default: the drafter's calibrated threshold)")
     sp.add_argument("--rounds-per-dispatch", type=int, default=None, metavar="K",
                     help="speculative rounds per jitted call, rows stopping on device (default 1: the host syncs "
                          "after every round); same outputs, streamed every K rounds")
@@ -141,7 +147,8 @@ def cmd_generate(args) -> int:
     target_dir = resolve_target(args.target)
     cfg = preflight.target_config(target_dir)
     method = args.method or ("dflash" if args.draft else "ar")
-    preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch)
+    preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
+                                   args.adaptive_threshold)
     preflight.check_method_models([method], target_dir, args.draft, args.mtp, demo_drafters=uses_demo(args))
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
@@ -166,7 +173,8 @@ def cmd_generate(args) -> int:
     stops = sorted(set(stops) | set(args.stop_token_ids or []))
     decoder = make_decoders([method], target, method_models(args, target, [method]), block_size=args.block_size,
                             verify=args.verify, mtp_steps=args.mtp_steps, strict=args.strict,
-                            rounds_per_dispatch=args.rounds_per_dispatch)[method]
+                            rounds_per_dispatch=args.rounds_per_dispatch,
+                            adaptive_threshold=args.adaptive_threshold)[method]
 
     stream = len(prompts) == 1 and tokenizer is not None and not args.json_path
     streamed = []
@@ -214,6 +222,38 @@ def cmd_compare(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    run_bench(args)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """`python infer.py`: the demo bench with the target's MTP head (the main table), then the MTP
+    methods again with the corpus-only head `demo/mtp_corpus` and their own drafters (the paper's
+    weak-MTP limitation), a table of both heads side by side, and one PNG with every run."""
+    from dmtp_jax.bench import report as rep
+
+    plot, args.plot = args.plot, None
+    main = run_bench(args)
+    every = dict(main["methods"])
+    weak_methods = [m for m in DEMO_WEAK_METHODS.split(",") if m in main["methods"]]
+    if weak_methods and os.path.isdir(DEMO_CORPUS_HEAD) and not args.mtp:
+        json_path = args.json_path and os.path.splitext(args.json_path)[0] + "_corpus_mtp.json"
+        print(f"\n== the same methods with the corpus-only MTP head ({os.path.relpath(DEMO_CORPUS_HEAD)}: "
+              "the head before its distillation phase) and drafters trained with it ==")
+        weak = run_bench(argparse.Namespace(**{**vars(args), "methods": ",".join(weak_methods), "mtp": DEMO_CORPUS_HEAD,
+                                               "json_path": json_path, "outputs": None, "show_sample": False,
+                                               "no_phases": True}))
+        print("\n== both MTP heads: first-candidate acceptance decides whether MTP's T1 pays ==")
+        print(rep.format_head_comparison(main, weak, "distilled", "corpus-only"))
+        every.update({f"{m} (corpus-only MTP)": v for m, v in weak["methods"].items()})
+    if plot:
+        rep.plot_cumulative({**main, "methods": every}, plot)
+        print(f"wrote {plot}")
+    return 0
+
+
+def run_bench(args) -> dict:
+    """The bench: runs, prints the tables, writes the requested files; returns the report."""
     from dmtp_jax import preflight
     from dmtp_jax.bench import report as rep
     from dmtp_jax.bench.runner import run_benchmark
@@ -228,7 +268,7 @@ def cmd_bench(args) -> int:
     target_dir = resolve_target(args.target)
     preflight.target_config(target_dir)             # "model directory not found" before anything else
     demo = uses_demo(args)
-    default_methods = "ar,dflash" if args.draft else ("ar,mtp,dflash,dmtp" if demo else "ar")
+    default_methods = "ar,dflash" if args.draft else (DEMO_METHODS if demo else "ar")
     methods = [m.strip() for m in (args.methods or default_methods).split(",") if m.strip()]
     if args.workload is None:
         args.workload = os.path.join(DEMO_DIR, "prompts.jsonl") if demo else "gsm8k"
@@ -238,7 +278,8 @@ def cmd_bench(args) -> int:
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     verifies = verify_modes(args.verify)
-    preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch)
+    preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
+                                   args.adaptive_threshold)
     preflight.check_method_models(methods, target_dir, args.draft, args.mtp, demo_drafters=demo)
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
@@ -254,7 +295,8 @@ def cmd_bench(args) -> int:
     for verify in verifies:         # several verifiers: every speculative method once per verifier
         made = make_decoders(methods if verify == verifies[0] else [m for m in methods if m != "ar"], target,
                              models, block_size=args.block_size, mtp_steps=args.mtp_steps, verify=verify,
-                             strict=args.strict, rounds_per_dispatch=args.rounds_per_dispatch)
+                             strict=args.strict, rounds_per_dispatch=args.rounds_per_dispatch,
+                             adaptive_threshold=args.adaptive_threshold)
         decoders.update({m if m == "ar" or len(verifies) == 1 else f"{m}/{verify}": d for m, d in made.items()})
     if len(verifies) > 1:           # side by side: method by method, each with every verifier
         order = {m: i for i, m in enumerate(methods)}
@@ -294,7 +336,7 @@ def cmd_bench(args) -> int:
             print(f"wrote {path}")
     if args.show_sample:
         print(format_sample(runs, tokenizer))
-    return 0
+    return report
 
 
 def format_sample(runs: dict, tokenizer) -> str:
@@ -419,17 +461,24 @@ def uses_demo(args) -> bool:
     return not args.target and demo_available()
 
 
-def demo_drafter(method: str) -> str | None:
-    """The demo drafter of a method: `demo/dflash` for dflash, `demo/dmtp` for the DMTP methods.
+def demo_drafter(method: str, mtp_dir: str | None = None) -> str | None:
+    """The demo drafter of a method: `demo/dflash`, `demo/dmtp`, `demo/dmtp_adaptive`; the DMTP
+    drafters trained against the corpus-only head (`demo/*_corpus`) when `mtp_dir` is that head.
 
     Example:
         >>> os.path.basename(demo_drafter("dmtp")), demo_drafter("ar")
         ('dmtp', None)
+        >>> os.path.basename(demo_drafter("dmtp-adaptive", DEMO_CORPUS_HEAD))
+        'dmtp_adaptive_corpus'
     """
     from dmtp_jax.decode import method_needs
     if not method_needs(method)["drafter"]:
         return None
-    return os.path.join(DEMO_DIR, "dmtp" if method_needs(method)["fusion"] else "dflash")
+    if not method_needs(method)["fusion"]:
+        return os.path.join(DEMO_DIR, "dflash")
+    name = method.replace("-", "_") if method == "dmtp-adaptive" else "dmtp"
+    corpus = mtp_dir is not None and os.path.abspath(mtp_dir) == os.path.abspath(DEMO_CORPUS_HEAD)
+    return os.path.join(DEMO_DIR, name + ("_corpus" if corpus else ""))
 
 
 def method_models(args, target, methods) -> dict:
@@ -440,7 +489,7 @@ def method_models(args, target, methods) -> dict:
         return load_method_models(args, target, methods)
     groups: dict = {}
     for m in methods:
-        groups.setdefault(demo_drafter(m), []).append(m)
+        groups.setdefault(demo_drafter(m, args.mtp), []).append(m)
     out = {}
     for draft, group in groups.items():
         out.update(load_method_models(argparse.Namespace(**{**vars(args), "draft": draft}), target, group))
@@ -475,7 +524,9 @@ def main(argv=None) -> int:
         argv = demo
     args = build_parser().parse_args(argv)
     enable_compile_cache(args.compile_cache)
-    return run_command({"generate": cmd_generate, "compare": cmd_compare, "bench": cmd_bench}[args.command], args)
+    handler = cmd_demo if demo is not None else {"generate": cmd_generate, "compare": cmd_compare,
+                                                 "bench": cmd_bench}[args.command]
+    return run_command(handler, args)
 
 
 if __name__ == "__main__":

@@ -46,8 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "methods train against the target's frozen native MTP head")
     t.add_argument("--mtp", help="directory of the frozen MTP head (default: the target directory)")
     t.add_argument("--fusion-rank", type=int, help="rank of dmtp-lowrank's residual")
-    t.add_argument("--mask-t1-fraction", type=float,
-                   help="dmtp-adaptive: fraction of anchors trained in DFlash mode (T1 slot MASK, supervised)")
     t.add_argument("--data", help="training data (.jsonl or .parquet)")
     t.add_argument("--out", help="run directory (checkpoints, metrics.jsonl, run_config.json)")
     t.add_argument("--steps", type=int)

@@ -131,17 +131,19 @@ def time_ar(decoder, batch: int, max_len: int, context: int, iters: int) -> floa
     return _median_time(step, iters)
 
 
-def time_round(decoder, batch: int, max_len: int, context: int, iters: int) -> float:
-    """Median seconds of one greedy verify round with `context` committed tokens per row (the
-    committed length is reset every round, so every round sees the same context)."""
+def time_round(decoder, batch: int, max_len: int, context: int, iters: int, greedy: bool = True) -> float:
+    """Median seconds of one verify round (greedy, or sampled at temperature 1) with `context`
+    committed tokens per row (the committed length is reset every round, so every round sees the
+    same context)."""
     from dmtp_jax.decode.sampling import SamplingParams
-    sp, key = SamplingParams.make(), jax.random.key(0)
+    sp = SamplingParams.make() if greedy else SamplingParams.make(temperature=1.0)
+    key = jax.random.key(0)
     lengths = np.full(batch, context, np.int32)
     holder = {"state": dataclasses.replace(decoder.new_state(batch, max_len), lengths_b=lengths)}
     states, active, limits = decoder._states(), np.ones(batch, bool), np.full(batch, max_len, np.int32)
 
     def step():
-        st, tokens, acc, _ = decoder.round(states, holder["state"], active, limits, sp, key, greedy=True)
+        st, tokens, acc, _ = decoder.round(states, holder["state"], active, limits, sp, key, greedy=greedy)
         holder["state"] = dataclasses.replace(st, lengths_b=lengths)
         return acc
     return _median_time(step, iters)

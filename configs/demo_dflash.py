@@ -1,6 +1,7 @@
 """The demo's DFlash drafter: 2 layers, block 8 (7 candidates), trained on the demo target's own
 greedy continuations of training-module prompts.
 
+    # every step of the demo, in order and resumable: bash configs/rebuild_demo.sh
     # the shipped demo/regen.jsonl was made by (rebuild it after re-training the target):
     python train.py pretrain --config configs/demo_target.py --data-only     # prompts (if missing)
     python train.py regen --target demo/target --data demo_out/data/drafter_prompts.jsonl \\
@@ -8,12 +9,13 @@ greedy continuations of training-module prompts.
     python train.py --config configs/demo_dflash.py                          # = train --config ...
     python train.py export --run demo_out/runs/dflash --out demo/dflash --dtype bfloat16
 
-`configs/demo_dmtp.py` uses the same data, steps and hyper-parameters (`SHARED`).
+`configs/demo_dmtp.py` and `configs/demo_dmtp_adaptive.py` use the same data, steps and
+hyper-parameters (`SHARED`), with either MTP head.
 """
 
 COMMAND = "train"
 
-# Everything but the method is shared with configs/demo_dmtp.py (the paper's protocol).
+# Everything but the method is shared with the DMTP drafters (the paper's protocol).
 SHARED = dict(
     target="demo/target", data="demo/regen.jsonl",
     steps=200, batch_size=16, seq_len=256, draft_layers=2, block_size=8,

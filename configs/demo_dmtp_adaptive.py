@@ -1,7 +1,8 @@
 """The demo's dmtp-adaptive drafter (one drafter, two first-candidate modes): `dmtp`'s fusion and
-block, trained on a mixture -- half the anchors in DFlash mode (T1 slot MASK, T1 supervised), half
-in DMTP mode (MTP's T1 fused, T2..T7 supervised) -- with exactly the DFlash drafter's data, steps
-and hyper-parameters (`configs/demo_dflash.py` `SHARED`), from scratch. Then its threshold is
+block, trained on both blocks at every anchor -- DMTP mode (MTP's T1 fused, T2..T7 supervised) and
+DFlash mode (T1 slot MASK, T1..T7 supervised) -- with exactly the DFlash drafter's data, steps,
+anchors and hyper-parameters (`configs/demo_dflash.py` `SHARED`), from scratch; each step runs the
+drafter over twice the blocks of the other drafters. Then its threshold is
 calibrated on target-written training text (never on the held-out prompts):
 
     python train.py --config configs/demo_dmtp_adaptive.py
@@ -22,4 +23,4 @@ COMMAND = "train"
 
 def get_config() -> dict:
     shared = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_dflash.py"))
-    return dict(shared, method="dmtp-adaptive", mask_t1_fraction=0.5, out="demo_out/runs/dmtp_adaptive")
+    return dict(shared, method="dmtp-adaptive", out="demo_out/runs/dmtp_adaptive")

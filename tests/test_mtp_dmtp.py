@@ -269,17 +269,23 @@ def test_adaptive_training_block_equals_the_decode_round_in_both_modes(models, d
         assert (got if t1_masked else got[1:]) == want
 
 
+def splitting_threshold(models, drafter, fusion):
+    """The median of the MTP's first-round top-1 probabilities over PROMPTS: rows fall on both sides."""
+    target, mtp = models
+    probe = make_decoder("dmtp-adaptive", target, drafter, mtp=mtp, fusion=fusion)
+    _, st = first_round_drafts(probe, PROMPTS)
+    head, model = nnx.merge(mtp.graphdef, mtp.state), nnx.merge(target.graphdef, target.state)
+    top_p = np.asarray(jax.nn.softmax(model.logits(head.post_norm(st.mtp_h_bh)), -1).max(-1))[:len(PROMPTS)]
+    return float(np.median(top_p))
+
+
 def test_adaptive_mixes_modes_per_row_and_equals_ar(models, dmtp_dirs, ar_outputs):
     """A threshold inside the range of the MTP's confidences splits rows between the modes within
     rounds; greedy output stays exactly `ar`'s, stats split acceptance by mode, one round compile."""
     target, mtp = models
     drafter, fusion = load_dmtp_drafter(dmtp_dirs["dmtp-adaptive"], target.cfg)
-    probe = make_decoder("dmtp-adaptive", target, drafter, mtp=mtp, fusion=fusion)
-    _, st = first_round_drafts(probe, PROMPTS)
-    head, model = nnx.merge(mtp.graphdef, mtp.state), nnx.merge(target.graphdef, target.state)
-    top_p = np.asarray(jax.nn.softmax(model.logits(head.post_norm(st.mtp_h_bh)), -1).max(-1))[:len(PROMPTS)]
     engine = make_decoder("dmtp-adaptive", target, drafter, mtp=mtp, fusion=fusion,
-                          adaptive_threshold=float(np.median(top_p)))
+                          adaptive_threshold=splitting_threshold(models, drafter, fusion))
     res = engine.generate(PROMPTS, 20, stop_ids=[])
     assert res.output_ids == ar_outputs[0]
     s = res.stats
@@ -291,8 +297,12 @@ def test_adaptive_mixes_modes_per_row_and_equals_ar(models, dmtp_dirs, ar_output
 def test_sampled_adaptive_is_lossless(models, dmtp_dirs):
     target, mtp = models
     drafter, fusion = load_dmtp_drafter(dmtp_dirs["dmtp-adaptive"], target.cfg)
-    engine = make_decoder("dmtp-adaptive", target, drafter, mtp=mtp, fusion=fusion, adaptive_threshold=0.05)
+    engine = make_decoder("dmtp-adaptive", target, drafter, mtp=mtp, fusion=fusion,
+                          adaptive_threshold=splitting_threshold(models, drafter, fusion))
     assert_matches_target_joint(engine, target, PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
+    sources = [s for row in engine.generate(PROMPTS, 6, SamplingParams.make(temperature=1.0, top_k=3),
+                                            stop_ids=[]).stats["t1_from_mtp"] for s in row]
+    assert any(sources) and not all(sources), "both proposers must have been used for T1"
 
 
 def test_calibration_scores_each_mode_as_the_round_commits(models, dmtp_dirs, ar_outputs):
@@ -313,3 +323,27 @@ def test_calibration_scores_each_mode_as_the_round_commits(models, dmtp_dirs, ar
                                                     jnp.asarray([[len(prompt)]]), jnp.asarray([[True]]))
         assert 0.0 < float(top_p[0, 0]) <= 1.0
         assert (int(by_mtp[0, 0]), int(by_drafter[0, 0])) == (firsts[0.0][row], firsts[1.0][row])
+
+
+def test_mtp_advance_is_the_full_layer_at_the_last_row(models):
+    """`MtpHead.advance` (keys and values of every row, the rest of the layer for one row) writes
+    the cache `__call__` writes and returns `__call__`'s output at that row."""
+    from dmtp_jax.layers.kv_cache import KVCache
+    target, mtp = models
+    head = nnx.merge(mtp.graphdef, mtp.state)
+    cfg = target.cfg
+    b, n, slots = 3, 8, 32
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    embeds = jax.random.normal(k1, (b, n, cfg.hidden_size))
+    hidden = jax.random.normal(k2, (b, n, cfg.hidden_size))
+    shape = (1, b, slots, cfg.num_key_value_heads, cfg.head_dim)
+    cache = KVCache(jax.random.normal(k3, shape), jax.random.normal(k4, shape))   # history at slots < 6
+    j = jnp.arange(n)[None]
+    last = jnp.asarray([7, 0, 3])
+    positions = jnp.where(j <= last[:, None], 6 + j, slots)                       # rows past `last`: scratch
+    h_full, c_full = head(embeds, hidden, positions, cache)
+    h_last, c_last = head.advance(embeds, hidden, positions, cache, last)
+    for got, want in ((c_last.k_lbskd, c_full.k_lbskd), (c_last.v_lbskd, c_full.v_lbskd)):
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+    want = np.asarray(jnp.take_along_axis(h_full, last[:, None, None], axis=1)[:, 0])
+    assert np.abs(np.asarray(h_last) - want).max() < 1e-5

@@ -137,7 +137,7 @@ def phase_breakdown(decoder, state=None, *, repeats: int = 10, warmup: int = 2, 
         verify_tokens = jnp.concatenate([st.pending_b[:, None], drafts], axis=1)
         mtp_h = mtp_rows = None
         if mtp is not None:
-            mtp_cache, mtp_h, mtp_rows = decoder._mtp_advance(target, mtp, st, mtp_cache, verify_tokens,
+            mtp_cache, mtp_h, mtp_rows = decoder._mtp_advance(target, mtp, fusion, st, mtp_cache, verify_tokens,
                                                               out.hidden_bth, acc, bonus, active_b)
         if drafter is not None:
             ctx_cache = decoder._write_context(drafter, fusion, ctx_cache, out.captured, positions, mtp_rows)

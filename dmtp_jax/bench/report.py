@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 
 from dmtp_jax.bench.runner import MethodRun
-from dmtp_jax.decode.stats import acceptance_stats
+from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
 
 
 def _ratio(a, b):
@@ -54,6 +54,8 @@ def summarize_run(run: MethodRun) -> dict:
         rows, block = [[1] * max(0, len(g.output_ids) - 1) for g in run.generations], 1
     st = acceptance_stats(rows, block)
     empty = st["rounds"] == 0
+    sources = [g.t1_from_mtp for g in run.generations if g.t1_from_mtp is not None]
+    by_source = first_candidate_by_source(rows, sources) if sources else None
     first_tokens = len(run.generations)
     return {
         "per_request_acceptance_length": 1.0 if empty else st["per_request_acceptance_length"],
@@ -81,6 +83,7 @@ def summarize_run(run: MethodRun) -> dict:
         "skipped": len(run.skipped),
         "compiles": run.compiles,
         "exactness_probe": run.exactness_probe,
+        "first_candidate_by_source": by_source,     # dmtp-adaptive: MTP's T1 vs the drafter's
     }
 
 
@@ -152,6 +155,37 @@ def format_footer(report: dict) -> str:
                    + ("; exactness probe failed: ran plain decoding" if (m.get("exactness_probe") or {}).get(
                        "decision") == "plain" else ""))
     return "\n".join(out)
+
+
+def format_head_comparison(strong: dict, weak: dict, strong_head: str, weak_head: str) -> str:
+    """The demo's two-heads table: each MTP method with the target's head (`strong`, the main
+    report) and with another head (`weak`), next to the methods without MTP: first-candidate
+    acceptance, tokens per verify, the share of rounds given MTP's T1 (dmtp-adaptive) and speedup
+    over the main report's `ar`.
+
+    Example:
+        >>> r = build_report({"ar": MethodRun("ar", new_tokens=10, wall_s=1.0)}, {})
+        >>> print(format_head_comparison(r, {"methods": {}}, "distilled", "corpus"))  # doctest: +NORMALIZE_WHITESPACE
+        method  MTP head   first tau/ver MTP T1 speedup
+        ar      -          0.000   1.000      -   1.00x
+    """
+    ar = strong["methods"].get("ar")
+    rows = []
+    for name, m in strong["methods"].items():
+        rows.append((name, strong_head if name in weak["methods"] else "-", m))
+        if name in weak["methods"]:
+            rows.append((name, weak_head, weak["methods"][name]))
+    width = max([len(r[0]) for r in rows] + [6])
+    hw = max([len(r[1]) for r in rows] + [8])
+    lines = [f"{'method':<{width}} {'MTP head':<{hw}} {'first':>7} {'tau/ver':>7} {'MTP T1':>6} {'speedup':>7}"]
+    for name, head, m in rows:
+        src = m.get("first_candidate_by_source") or {}
+        share = src.get("mtp_t1_fraction")
+        speed = _ratio(m["tokens_per_second"], ar["tokens_per_second"]) if ar else None
+        lines.append(f"{name:<{width}} {head:<{hw}} {_fmt(m['first_candidate_acceptance'])} "
+                     f"{_fmt(m['per_verify_acceptance_length'])} {_fmt(share, '.0%', 6)} "
+                     + (f"{speed:>6.2f}x" if speed is not None else f"{'-':>7}"))
+    return "\n".join(lines)
 
 
 def write_json(report: dict, path: str) -> None:

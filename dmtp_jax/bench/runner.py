@@ -44,6 +44,7 @@ class Generation:
     prompt_ids: list[int]
     output_ids: list[int]
     acceptance_lengths: list[int] | None = None
+    t1_from_mtp: list[bool] | None = None    # per round: the first candidate was MTP's (dmtp-adaptive)
 
 
 @dataclasses.dataclass
@@ -160,6 +161,7 @@ def _run_batch(run: MethodRun, decoder, batch: list[Request], tokenizer, fits, m
         stats = result.stats
         run.exactness_probe = stats.get("exactness_probe", run.exactness_probe)
         acceptance = stats.get("acceptance_lengths")
+        sources = stats.get("t1_from_mtp")
         if acceptance is not None:
             run.block_size = int(stats.get("block_size") or len(stats["histogram"]))
         run.calls += 1
@@ -173,7 +175,8 @@ def _run_batch(run: MethodRun, decoder, batch: list[Request], tokenizer, fits, m
         for j, i in enumerate(rows):
             out = list(map(int, result.output_ids[j]))
             run.generations.append(Generation(batch[i].id, turn, list(map(int, prompts[j])), out,
-                                              None if acceptance is None else list(acceptance[j])))
+                                              None if acceptance is None else list(acceptance[j]),
+                                              None if sources is None else list(sources[j])))
             run.new_tokens += len(out)
             if batch[i].is_text and turn + 1 < batch[i].num_turns:
                 answers[i].append(_decode_answer(tokenizer, out, stop_ids))

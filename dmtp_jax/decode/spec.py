@@ -144,8 +144,8 @@ class SpecDecoder:
                 raise RequestError("dmtp-adaptive needs a DFlash (version 1) drafter")
             if adaptive_threshold is None:
                 adaptive_threshold = fusion.cfg.get("threshold", DEFAULT_ADAPTIVE_THRESHOLD)
-            if not 0.0 <= adaptive_threshold <= 1.0 + 1e-9:
-                raise RequestError(f"adaptive threshold must be in [0, 1], got {adaptive_threshold}")
+            if not 0.0 <= adaptive_threshold <= 1.01:     # 1.01: never MTP's T1 (calibration's "never")
+                raise RequestError(f"--adaptive-threshold must be in [0, 1], got {adaptive_threshold}")
             self.adaptive_threshold = float(adaptive_threshold)
         self.target, self.drafter, self.mtp, self.fusion = target, drafter, mtp, fusion
         self.method, self.verify_mode, self.context_window = method, verify, context_window
@@ -301,18 +301,25 @@ class SpecDecoder:
         q_all = None if greedy else jnp.stack(qs, axis=1)
         return jnp.stack(drafts, axis=1), q_all, mtp_cache, t1_from_mtp
 
-    def _mtp_advance(self, target, mtp, st: SpecState, mtp_cache, verify_tokens, hidden_bnh, acc, bonus, active_b):
+    def _mtp_advance(self, target, mtp, fusion, st: SpecState, mtp_cache, verify_tokens, hidden_bnh, acc, bonus,
+                     active_b):
         """MTP over rows (h_{L+j}, next committed token) at L+j+1 for j <= accepted; the rest go
-        to scratch. Returns the cache, the hidden that predicts the next T1, and every row's hidden
-        (row j is aligned with context position L+j)."""
+        to scratch. Returns the cache, the hidden that predicts the next T1, and (for the DMTP
+        context variants, which feed every row to the drafter's context; else None) every row's
+        hidden (row j is aligned with context position L+j). Without the context variants only the
+        last accepted row runs the whole layer; the others only write their keys and values."""
         n = verify_tokens.shape[1]
         j = jnp.arange(n)[None]
         shifted = jnp.concatenate([verify_tokens[:, 1:], verify_tokens[:, :1]], axis=1)
         nxt = jnp.where(j < acc[:, None], shifted, bonus[:, None])
         valid = (j <= acc[:, None]) & active_b[:, None]
         pos = jnp.where(valid, st.lengths_b[:, None] + j + 1, mtp_cache.max_len)
-        h, mtp_cache = mtp(target.embed(nxt), hidden_bnh, pos, mtp_cache)
-        return mtp_cache, jnp.where(active_b[:, None], gather_rows(h, acc), st.mtp_h_bh), h
+        if fusion is not None and fusion.uses_mtp_context:
+            rows, mtp_cache = mtp(target.embed(nxt), hidden_bnh, pos, mtp_cache)
+            last = gather_rows(rows, acc)
+        else:
+            (last, mtp_cache), rows = mtp.advance(target.embed(nxt), hidden_bnh, pos, mtp_cache, acc), None
+        return mtp_cache, jnp.where(active_b[:, None], last, st.mtp_h_bh), rows
 
     def _round(self, states, state: SpecState, active_b, limits_b, sp, key, greedy: bool):
         """One propose / verify / accept / commit round. Returns `(state, tokens [B, n], accepted [B],
@@ -339,7 +346,7 @@ class SpecDecoder:
             acc, bonus = verify_rejection(filtered_probs(logits, sp), q, drafts, k_verify)
         ctx, mtp_h, mtp_rows = state.ctx_cache, state.mtp_h_bh, None
         if mtp is not None:
-            mtp_cache, mtp_h, mtp_rows = self._mtp_advance(target, mtp, state, mtp_cache, verify_tokens,
+            mtp_cache, mtp_h, mtp_rows = self._mtp_advance(target, mtp, fusion, state, mtp_cache, verify_tokens,
                                                            out.hidden_bth, acc, bonus, active_b)
         if drafter is not None:
             ctx = self._write_context(drafter, fusion, ctx, out.captured, positions, mtp_rows)
@@ -449,6 +456,7 @@ class SpecDecoder:
         }
         if self.method == ADAPTIVE:
             stats["adaptive_threshold"] = self.adaptive_threshold
+            stats["t1_from_mtp"] = first_source
             stats.update(first_candidate_by_source(acceptance, first_source))
         return GenerationResult([list(map(int, p)) for p in prompts], tracker.outputs, stats)
 

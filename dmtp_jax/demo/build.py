@@ -40,6 +40,7 @@ class PretrainConfig:
     bench_prompt_max_chars: int = 400
     num_drafter_prompts: int = 1600
     num_calibration_prompts: int = 200      # dmtp-adaptive's threshold (training modules, another seed)
+    num_mtp_prompts: int = 3000             # extra target-written text for the MTP-only phase (another seed)
     drafter_prompt_tokens: int = 96         # length of the random-window drafter prompts
     # model: "qwen3" (dense attention) or "qwen3_5" (Gated DeltaNet + gated attention, dense MLP)
     model_type: str = "qwen3"
@@ -134,6 +135,7 @@ def _paths(cfg: PretrainConfig) -> dict:
     return {"data": d, "tokenizer": os.path.join(d, "tokenizer"), "train": os.path.join(d, "train_tokens.npy"),
             "val": os.path.join(d, "val_tokens.npy"), "drafter_prompts": os.path.join(d, "drafter_prompts.jsonl"),
             "calibration_prompts": os.path.join(d, "calibration_prompts.jsonl"),
+            "mtp_prompts": os.path.join(d, "mtp_prompts.jsonl"),
             "manifest": os.path.join(d, "manifest.json"), "run": os.path.join(cfg.work_dir, "target_run")}
 
 
@@ -172,8 +174,7 @@ def prepare_data(cfg: PretrainConfig) -> dict:
     if os.path.isfile(p["manifest"]):
         with open(p["manifest"]) as fh:
             manifest = json.load(fh)
-        if not os.path.isfile(p["calibration_prompts"]):
-            write_calibration_prompts(cfg, p)
+        write_extra_prompts(cfg, p)
         return manifest
     os.makedirs(p["data"], exist_ok=True)
     t0 = time.perf_counter()
@@ -192,7 +193,7 @@ def prepare_data(cfg: PretrainConfig) -> dict:
         for rec in drafter_prompts(train_files, train, tok, cfg.num_drafter_prompts, cfg.drafter_prompt_tokens,
                                    cfg.seed):
             fh.write(json.dumps(rec) + "\n")
-    write_calibration_prompts(cfg, p)
+    write_extra_prompts(cfg, p)
     manifest = {"stdlib": corpus.stdlib_root(), "train_files": len(train_files),
                 "train_bytes": sum(map(len, texts)), "train_tokens": int(len(train)),
                 "held_out": held, "val_tokens": int(len(val)), "bench_prompts": len(bench),
@@ -203,20 +204,26 @@ def prepare_data(cfg: PretrainConfig) -> dict:
     return manifest
 
 
-def write_calibration_prompts(cfg: PretrainConfig, paths: dict) -> None:
-    """`calibration_prompts.jsonl`: prompts drawn like the drafter prompts (training modules only)
-    with another seed; `train.py regen` answers them and `train.py calibrate` picks dmtp-adaptive's
-    threshold on that text (the held-out modules are never used)."""
+def write_extra_prompts(cfg: PretrainConfig, paths: dict) -> None:
+    """The prompt files drawn like the drafter prompts (training modules only) with other seeds,
+    where missing: `calibration_prompts.jsonl` (`train.py regen` answers them, `train.py calibrate`
+    picks dmtp-adaptive's threshold on that text) and `mtp_prompts.jsonl` (their answers are the
+    MTP-only phase's extra text). The held-out modules are never used."""
     from transformers import AutoTokenizer
 
     from dmtp_jax.demo import corpus
+    wanted = [(key, num, cfg.seed + offset) for key, num, offset in
+              (("calibration_prompts", cfg.num_calibration_prompts, 1000), ("mtp_prompts", cfg.num_mtp_prompts, 2000))
+              if not os.path.isfile(paths[key])]
+    if not wanted:
+        return
     tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
     train_files = corpus.corpus_files(max_bytes=cfg.corpus_bytes)
-    recs = drafter_prompts(train_files, np.load(paths["train"]), tok, cfg.num_calibration_prompts,
-                           cfg.drafter_prompt_tokens, cfg.seed + 1000)
-    with open(paths["calibration_prompts"], "w") as fh:
-        for rec in recs:
-            fh.write(json.dumps(rec) + "\n")
+    stream = np.load(paths["train"])
+    for key, num, seed in wanted:
+        with open(paths[key], "w") as fh:
+            for rec in drafter_prompts(train_files, stream, tok, num, cfg.drafter_prompt_tokens, seed):
+                fh.write(json.dumps(rec) + "\n")
 
 
 def export_target(cfg: PretrainConfig, params, target_cfg, tokenizer_dir: str) -> str:

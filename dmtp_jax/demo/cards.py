@@ -22,41 +22,66 @@ def _fmt(x, spec=".3f"):
     return "-" if x is None else format(x, spec)
 
 
-def target_card(summary: dict) -> str:
-    """The target's card from `target_run/summary.json`.
+def target_card(summary: dict, distil: dict | None = None) -> str:
+    """The target's card from `target_run/summary.json` (and the MTP-only phase's
+    `mtp_run/summary.json`).
 
     Example:
         >>> target_card({"steps": 1, "train_seconds": 2.0, "last": {}, "held_out_eval": {}, "params": 3,
         ...              "mtp_params": 1, "data": {}}).splitlines()[0]
-        '# demo/target: a tiny Qwen3 pretrained on the Python stdlib, with a native MTP head'
+        '# demo/target: a miniature Qwen3.6 (Qwen3.5-format hybrid) pretrained on the Python stdlib, with its native MTP head'
     """
     d, last, ev = summary.get("data", {}), summary.get("last") or {}, summary.get("held_out_eval", {})
-    return "\n".join([
-        "# demo/target: a tiny Qwen3 pretrained on the Python stdlib, with a native MTP head",
+    lines = [
+        "# demo/target: a miniature Qwen3.6 (Qwen3.5-format hybrid) pretrained on the Python stdlib, "
+        "with its native MTP head",
         "",
-        f"Qwen3 (dense, tied embeddings), {summary['params'] / 1e6:.2f} M parameters, plus a Qwen3.5-format "
-        f"MTP head (`mtp.*`, {summary['mtp_params'] / 1e6:.2f} M) trained jointly from scratch: loss = "
-        "main CE + 0.3 x MTP CE, MTP gradients flowing into the trunk (DeepSeek-V3 style). Weights bf16.",
+        f"`Qwen3_5ForCausalLM` format, {summary['params'] / 1e6:.2f} M parameters: 4 layers (Gated DeltaNet, Gated "
+        "DeltaNet, Gated DeltaNet, gated attention), hidden 256, dense SwiGLU MLP 768, tied embeddings, zero-centred "
+        "norms, partial RoPE (0.25 of head_dim 64). Plus the native MTP head (`mtp.*`, "
+        f"{summary['mtp_params'] / 1e6:.2f} M: one gated-attention layer, fc, three norms). Weights bf16.",
         "",
         f"Data: {d.get('train_files', '?')} stdlib modules of CPython ({d.get('train_bytes', 0) / 1e6:.1f} MB, "
         f"{d.get('train_tokens', 0) / 1e6:.2f} M tokens, byte-level BPE of 4096 tokens trained on the same "
         "text); test directories and 30 held-out modules excluded (`dmtp_jax/demo/corpus.py`).",
         "",
-        f"Training: {summary['steps']} steps x 16 windows x 256 tokens, AdamW, "
+        f"Pretraining: {summary['steps']} steps x 16 windows x 256 tokens, AdamW, loss = main CE + 0.3 x MTP CE "
+        "(MTP gradients flowing into the trunk, DeepSeek-V3 style), "
         f"{summary['train_seconds'] / 60:.1f} min on 2 CPU cores (`configs/demo_target.py`).",
         f"Last step: main CE {_fmt(last.get('main_ce'))}, MTP CE {_fmt(last.get('mtp_ce'))}. Held-out modules: "
         f"main CE {_fmt(ev.get('main_ce'))} (top-1 {_fmt(ev.get('main_acc'))}), MTP CE {_fmt(ev.get('mtp_ce'))} "
         f"(top-1 {_fmt(ev.get('mtp_acc'))}).",
+    ]
+    if distil:
+        cfg = distil.get("config", {})
+        hev = distil.get("held_out_eval", {})
+        corpus, distilled = hev.get("corpus_head", {}), hev.get("distilled_head", {})
+        lines += [
+            "",
+            "MTP-only phase (`configs/demo_mtp.py`, `train.py distil-mtp`): the target frozen, the head -- as "
+            "pretraining left it, kept in `demo/mtp_corpus` -- trained to match the target's own next-token "
+            "distribution (soft cross-entropy to softmax of the target's logits) on text the target wrote: its "
+            "greedy answers to training-module prompts, the drafters' 1595 plus 3000 more "
+            f"({distil.get('stream_tokens', 0) / 1e3:.0f} k tokens); {distil.get('steps', '?')} steps x "
+            f"{cfg.get('batch_size', 16)} windows x {cfg.get('seq_len', 256)} tokens, lr {cfg.get('lr', '?')}, "
+            f"{distil.get('train_seconds', 0) / 60:.1f} min.",
+            f"Agreement of the head's top-1 with the target's top-1 on held-out modules (human-written text): "
+            f"corpus-only head {_fmt(corpus.get('agree'))}, distilled head {_fmt(distilled.get('agree'))} "
+            f"(KL {_fmt(corpus.get('kl'))} -> {_fmt(distilled.get('kl'))}).",
+        ]
+    lines += [
         "",
         "It writes Python-flavoured text (keywords, indentation, `self.` chains, docstring-like comments), "
         "often repetitive under greedy decoding, never correct programs: a model for demonstrating the "
         "decoding methods on a CPU, not a code model.",
         "",
-        LICENCE, ""])
+        LICENCE, ""]
+    return "\n".join(lines)
 
 
-def drafter_card(name: str, run_dir: str, method_text: str) -> str:
-    """A drafter's card from its run directory (`run_config.json`, `metrics.jsonl`).
+def drafter_card(name: str, run_dir: str, method_text: str, calibration: str | None = None) -> str:
+    """A drafter's card from its run directory (`run_config.json`, `metrics.jsonl`, and for
+    dmtp-adaptive its `calibration.json`, written by `train.py calibrate` next to the weights).
 
     Example:
         >>> drafter_card("dflash", "demo_out/runs/dflash", "DFlash")  # doctest: +SKIP
@@ -69,26 +94,48 @@ def drafter_card(name: str, run_dir: str, method_text: str) -> str:
     tail = recs[-20:]
     mean = (lambda k: sum(r[k] for r in tail) / len(tail)) if tail else (lambda k: None)
     seconds = sum(r.get("step_s", 0.0) for r in recs)
-    return "\n".join([
+    head = cfg.get("mtp") or "the target's own (distilled) MTP head"
+    lines = [
         f"# demo/{name}: {method_text}",
         "",
         f"Drafter for `demo/target`: {cfg['draft_layers']} layers, block {cfg['block_size']} "
         f"({cfg['block_size'] - 1} candidates), context from target layers {cfg['target_layer_ids']}. "
-        "Weights bf16; embedding and LM head are the target's.",
+        "Weights bf16; embedding and LM head are the target's."
+        + (f" Trained and run with MTP head: {head}." if cfg["method"] != "dflash" else ""),
         "",
         "Data: the target's greedy continuations (64 new tokens) of 1595 prompts from the training modules "
-        "(`train.py regen`); the held-out modules are never seen.",
+        "(`demo/regen.jsonl`, `train.py regen`); the held-out modules are never seen. Every demo drafter has "
+        "the same data, steps and hyper-parameters (`configs/demo_dflash.py` `SHARED`).",
         "",
-        f"Training: {last.get('step', '?')} steps x {cfg['batch_size']} sequences x {cfg['seq_len']} tokens, "
-        f"{cfg['num_anchors']} anchors, lr {cfg['lr']}, {seconds / 60:.1f} min on 2 CPU cores "
-        f"(`configs/demo_{name}.py`). Final loss {_fmt(last.get('loss'))} (mean of the last 20 steps "
-        f"{_fmt(mean('loss'))}), top-1 accuracy on the predicted slots {_fmt(mean('acc'))} (last 20 steps).",
-        "",
-        LICENCE, ""])
+        f"Training (method `{cfg['method']}`): {last.get('step', '?')} steps x {cfg['batch_size']} sequences x "
+        f"{cfg['seq_len']} tokens, {cfg['num_anchors']} anchors, lr {cfg['lr']}, {seconds / 60:.1f} min on 2 CPU "
+        f"cores. Final loss {_fmt(last.get('loss'))} (mean of the last 20 steps {_fmt(mean('loss'))}).",
+    ]
+    if cfg["method"] == "dmtp-adaptive":
+        lines += ["", "Both blocks at every anchor: DMTP mode (MTP's T1 fused, T1 unsupervised) and DFlash mode "
+                  "(T1 slot MASK, T1 supervised), so a step runs the drafter over twice the blocks."]
+        if calibration and os.path.isfile(calibration):
+            with open(calibration) as fh:
+                cal = json.load(fh)
+            lines += [f"Threshold {cal['threshold']:.2f} on the MTP's top-1 probability, calibrated with "
+                      f"`train.py calibrate` on {cal['anchors']} anchors of target-written training text "
+                      f"(`demo_out/calibration.jsonl`, 200 more training-module prompts): expected tokens per verify "
+                      f"{cal['tokens_per_verify']:.3f} (always MTP's T1 {cal['always_mtp']:.3f}, never "
+                      f"{cal['never_mtp']:.3f}); MTP's T1 in {cal['mtp_fraction']:.0%} of rounds."]
+    return "\n".join(lines + ["", LICENCE, ""])
+
+
+DRAFTERS = {
+    "dflash": "a DFlash block-diffusion drafter",
+    "dmtp": "a DMTP drafter (DFlash + T1 fusion, main variant `dmtp`)",
+    "dmtp_adaptive": "a dmtp-adaptive drafter (one drafter, MTP's T1 or its own per row)",
+    "dmtp_corpus": "a DMTP drafter trained with the corpus-only MTP head (the weak-head case)",
+    "dmtp_adaptive_corpus": "a dmtp-adaptive drafter trained with the corpus-only MTP head",
+}
 
 
 def main(argv=None) -> int:
-    """Writes the three cards."""
+    """Writes the cards of the target and of every drafter present."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--work-dir", default="demo_out")
     p.add_argument("--runs", default="demo_out/runs")
@@ -96,11 +143,18 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     with open(os.path.join(args.work_dir, "target_run", "summary.json")) as fh:
         summary = json.load(fh)
-    cards = {"target": target_card(summary),
-             "dflash": drafter_card("dflash", os.path.join(args.runs, "dflash"),
-                                    "a DFlash block-diffusion drafter"),
-             "dmtp": drafter_card("dmtp", os.path.join(args.runs, "dmtp"),
-                                  "a DMTP drafter (DFlash + T1 fusion, main variant `dmtp`)")}
+    distil = None
+    distil_path = os.path.join(args.work_dir, "mtp_run", "summary.json")
+    if os.path.isfile(distil_path):
+        with open(distil_path) as fh:
+            distil = json.load(fh)
+        with open(os.path.join(args.work_dir, "mtp_run", "run_config.json")) as fh:
+            distil["config"] = json.load(fh)["distil_mtp"]
+    cards = {"target": target_card(summary, distil)}
+    for name, text in DRAFTERS.items():
+        if os.path.isdir(os.path.join(args.runs, name)) and os.path.isdir(os.path.join(args.demo, name)):
+            cards[name] = drafter_card(name, os.path.join(args.runs, name), text,
+                                       os.path.join(args.demo, name, "calibration.json"))
     for name, text in cards.items():
         with open(os.path.join(args.demo, name, "README.md"), "w") as fh:
             fh.write(text)

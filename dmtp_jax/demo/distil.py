@@ -7,7 +7,7 @@ role a native MTP head plays when it proposes the first candidate. Steps of `run
 
 1. the corpus head is kept: written once to `cfg.corpus_head_dir` (`mtp.*` tensors and a card),
    and every run starts from that copy, so re-running never distils a distilled head;
-2. data: the regen rows (`input_ids`), joined with EOS into one stream; batch `s` is
+2. data: the regen rows (`input_ids`) of every file, joined with EOS into one stream; batch `s` is
    `window_batch(stream, ..., seed, s)` (resumable bit for bit, as pretraining);
 3. the loop (`demo.build.run_steps`), then the evaluation of both heads on held-out windows
    (`val_tokens.npy`: the held-out modules, text the target never trained on; `agree` = MTP top-1
@@ -46,7 +46,7 @@ Same format as the target's `mtp.*` tensors (bf16); loads with `--mtp {name}`.
 class DistilConfig:
     """The MTP-only phase (`configs/demo_mtp.py` fills it; flags override)."""
     target: str = "demo/target"                 # frozen target; its mtp.* tensors are replaced
-    data: str = "demo/regen.jsonl"              # text the target wrote
+    data: str | tuple[str, ...] = "demo/regen.jsonl"    # text the target wrote (one file or several)
     corpus_head_dir: str = "demo/mtp_corpus"    # the pretrained (corpus-only) head, kept
     val_tokens: str = "demo_out/data/val_tokens.npy"
     run_dir: str = "demo_out/mtp_run"
@@ -83,16 +83,18 @@ class DistilConfig:
         return cls(**d)
 
 
-def regen_stream(path: str, eos_id: int) -> np.ndarray:
-    """The `input_ids` of every regen record, each followed by `eos_id`, as one int32 stream.
+def regen_stream(paths: str | tuple[str, ...], eos_id: int) -> np.ndarray:
+    """The `input_ids` of every regen record of `paths` (one file or several, in order), each
+    followed by `eos_id`, as one int32 stream.
 
     Example:
         >>> regen_stream("demo/regen.jsonl", 0)[:4]  # doctest: +SKIP
     """
     from dmtp_jax.train.data import MalformedRecord, parse_record, read_records
 
+    paths = (paths,) if isinstance(paths, str) else tuple(paths)
     ids: list[int] = []
-    for raw in read_records(path):
+    for raw in (raw for path in paths for raw in read_records(path)):
         try:
             rec = parse_record(raw)
         except MalformedRecord:
@@ -101,7 +103,7 @@ def regen_stream(path: str, eos_id: int) -> np.ndarray:
             ids.extend(int(t) for t in rec["input_ids"])
             ids.append(eos_id)
     if not ids:
-        raise InputError(f"{path} has no records with 'input_ids' (run `train.py regen` first)")
+        raise InputError(f"{', '.join(paths)}: no records with 'input_ids' (run `train.py regen` first)")
     return np.asarray(ids, np.int32)
 
 

@@ -436,7 +436,7 @@ class DFlashDrafter(nnx.Module):
         cos, sin = rope_cos_sin(positions_bt, self.cfg.head_dim, self.cfg.rope_theta, ctx_bth.dtype)
         ks, vs = [], []
         for layer in self.layers:
-            _, k, v = layer.self_attn.qkv(ctx_bth, cos, sin)   # q is dead code under jit
+            k, v = layer.self_attn.kv(ctx_bth, cos, sin)
             ks.append(k)
             vs.append(v)
         return jnp.stack(ks), jnp.stack(vs)

@@ -85,12 +85,39 @@ class MtpHead(nnx.Module):
         Returns the pre-norm output `h [B, T, H]` and the cache (slot == position; positions
         `>= max_len` are scratch: not written). Use `post_norm(h)` for logits and chaining.
         """
-        x = jnp.concatenate([self._norm(embeds_bth, self.pre_fc_norm_embedding),
-                             self._norm(hidden_bth, self.pre_fc_norm_hidden)], axis=-1) @ self.fc[...]
-        cfg = self.mcfg.layer_cfg
-        cos, sin = rope_cos_sin(positions_bt, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+        x = self._fuse(embeds_bth, hidden_bth)
+        cos, sin = self._rope(positions_bt, x.dtype)
         h, cache = self.layers[0](x, positions_bt, cos, sin, cache, kv_valid_bt)
         return h, cache
+
+    def _fuse(self, embeds_bth, hidden_bth):
+        return jnp.concatenate([self._norm(embeds_bth, self.pre_fc_norm_embedding),
+                                self._norm(hidden_bth, self.pre_fc_norm_hidden)], axis=-1) @ self.fc[...]
+
+    def _rope(self, positions_bt, dtype):
+        cfg = self.mcfg.layer_cfg
+        return rope_cos_sin(positions_bt, cfg.rotary_dim, cfg.rope_theta, dtype)
+
+    def advance(self, embeds_bth: jax.Array, hidden_bth: jax.Array, positions_bt: jax.Array, cache: KVCache,
+                last_b: jax.Array) -> tuple[jax.Array, KVCache]:
+        """The decode round's MTP advance: writes the keys and values of every row (positions
+        `>= max_len` are scratch) and runs the rest of the layer for row `last_b` only -- the one
+        whose output predicts the next first candidate; the other rows are only ever keys. Returns
+        that row's pre-norm output `[B, H]` (what `__call__` gives at `last_b`) and the cache.
+
+        Example:
+            >>> h_bh, cache = head.advance(embeds_bth, hidden_bth, positions_bt, cache, accepted_b)  # doctest: +SKIP
+        """
+        layer = self.layers[0]
+        attn = layer.self_attn
+        x = self._fuse(embeds_bth, hidden_bth)
+        x_norm = layer.norm(x, layer.input_layernorm)
+        cos, sin = self._rope(positions_bt, x.dtype)
+        cache = attn.write(cache, *attn.kv(x_norm, cos, sin), positions_bt)
+        pick = lambda a: jnp.take_along_axis(a, last_b.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)  # noqa: E731
+        q, gate = attn.q_gate(pick(x_norm), pick(cos), pick(sin))
+        h = layer.finish(pick(x), attn.attend_cache(q, gate, pick(positions_bt), cache))
+        return h[:, 0], cache
 
     def post_norm(self, h_bth: jax.Array) -> jax.Array:
         """`mtp.norm`: the state that feeds the LM head and the next chained step."""

@@ -84,26 +84,33 @@ class Attention(nnx.Module):
         self.q_norm = norm_init((hd,), (None,), dtype)
         self.k_norm = norm_init((hd,), (None,), dtype)
 
-    def qkv_gate(self, x_bth, cos, sin):
-        """Projected, per-head normed and rotated q `[B,T,nh,D]`, k and v `[B,T,kv,D]`, and the
-        output gate `[B,T,nh*D]` (None without one)."""
+    def q_gate(self, x_bth, cos, sin):
+        """Projected, per-head normed and rotated q `[B,T,nh,D]` and the output gate `[B,T,nh*D]`
+        (None without one)."""
         b, t, _ = x_bth.shape
-        q, k, v = x_bth @ self.q_proj[...], x_bth @ self.k_proj[...], x_bth @ self.v_proj[...]
+        q = x_bth @ self.q_proj[...]
         if self.has_bias:
-            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+            q = q + self.q_bias[...]
         gate = None
         if self.gated:
             q = q.reshape(b, t, self.num_heads, 2 * self.head_dim)
             q, gate = q[..., :self.head_dim], q[..., self.head_dim:].reshape(b, t, -1)
         q = rms_norm(q.reshape(b, t, self.num_heads, self.head_dim), self.q_norm[...], self.eps, self.zero_centred)
+        return apply_rope(q, cos, sin), gate
+
+    def kv(self, x_bth, cos, sin):
+        """Projected k (per-head normed, rotated) and v, both `[B,T,kv,D]`."""
+        b, t, _ = x_bth.shape
+        k, v = x_bth @ self.k_proj[...], x_bth @ self.v_proj[...]
+        if self.has_bias:
+            k, v = k + self.k_bias[...], v + self.v_bias[...]
         k = rms_norm(k.reshape(b, t, self.num_kv_heads, self.head_dim), self.k_norm[...], self.eps,
                      self.zero_centred)
-        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+        return apply_rope(k, cos, sin), v.reshape(b, t, self.num_kv_heads, self.head_dim)
 
     def qkv(self, x_bth, cos, sin):
-        """`qkv_gate` without the gate."""
-        return self.qkv_gate(x_bth, cos, sin)[:3]
+        """q, k and v (`q_gate` without the gate, and `kv`)."""
+        return (self.q_gate(x_bth, cos, sin)[0], *self.kv(x_bth, cos, sin))
 
     def out(self, attn_bthd, gate_btf=None):
         b, t = attn_bthd.shape[:2]
@@ -113,19 +120,29 @@ class Attention(nnx.Module):
         y = y @ self.o_proj[...]
         return y + self.o_bias[...] if self.has_bias else y
 
-    def __call__(self, x_bth, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt):
-        q, k, v, gate = self.qkv_gate(x_bth, cos, sin)
-        if cache is None:
-            keys, values, k_pos, valid = k, v, positions_bt, kv_valid_bt
-        else:
-            i = self.kv_index
-            cache = KVCache(write_layer(cache.k_lbskd, i, k, positions_bt),
-                            write_layer(cache.v_lbskd, i, v, positions_bt))
-            keys, values = cache.k_lbskd[i], cache.v_lbskd[i]
-            k_pos = jnp.broadcast_to(jnp.arange(cache.max_len), keys.shape[:2])
-            valid = k_pos >= self.first_key_slot if self.first_key_slot else None
+    def write(self, cache: KVCache, k_btkd, v_btkd, positions_bt) -> KVCache:
+        """The cache with this layer's new keys and values at their positions (slot == position)."""
+        i = self.kv_index
+        return KVCache(write_layer(cache.k_lbskd, i, k_btkd, positions_bt),
+                       write_layer(cache.v_lbskd, i, v_btkd, positions_bt))
+
+    def attend_cache(self, q_bthd, gate_btf, positions_bt, cache: KVCache):
+        """Output of queries at `positions_bt` over this layer's cached keys (causal, window, never
+        a slot below `first_key_slot`)."""
+        keys, values = cache.k_lbskd[self.kv_index], cache.v_lbskd[self.kv_index]
+        k_pos = jnp.broadcast_to(jnp.arange(cache.max_len), keys.shape[:2])
+        valid = k_pos >= self.first_key_slot if self.first_key_slot else None
         mask = attention_mask(positions_bt, k_pos, valid, True, self.window)
-        return self.out(grouped_attention(q, keys, values, mask), gate), cache
+        return self.out(grouped_attention(q_bthd, keys, values, mask), gate_btf)
+
+    def __call__(self, x_bth, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt):
+        q, gate = self.q_gate(x_bth, cos, sin)
+        k, v = self.kv(x_bth, cos, sin)
+        if cache is None:
+            mask = attention_mask(positions_bt, positions_bt, kv_valid_bt, True, self.window)
+            return self.out(grouped_attention(q, k, v, mask), gate), cache
+        cache = self.write(cache, k, v, positions_bt)
+        return self.attend_cache(q, gate, positions_bt, cache), cache
 
 
 class DenseMLP(nnx.Module):

@@ -66,7 +66,6 @@ class TrainConfig:
     num_anchors: int = 16
     gamma: float | None = None          # None: SpecForge's per-block-size default (7 / 5 / 4)
     fusion_rank: int = 0                # dmtp-lowrank (0: the module's default)
-    mask_t1_fraction: float = 0.5       # dmtp-adaptive: anchors trained in DFlash mode (T1 slot MASK)
     mtp: str | None = None              # DMTP methods: directory of the frozen MTP head (default: target)
     # optimisation
     lr: float = 6e-4
@@ -298,8 +297,7 @@ def setup(cfg: TrainConfig):
                              rank=cfg.fusion_rank, seed=cfg.seed)
     scfg = StepConfig(method=cfg.method, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                       gamma=cfg.resolved_gamma(), grad_accum=cfg.grad_accum,
-                      compute_dtype=cfg.compute_dtype, seed=cfg.seed, fusion_rank=cfg.fusion_rank,
-                      mask_t1_fraction=cfg.mask_t1_fraction)
+                      compute_dtype=cfg.compute_dtype, seed=cfg.seed, fusion_rank=cfg.fusion_rank)
     ocfg = OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
                        min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
                        max_grad_norm=cfg.max_grad_norm)

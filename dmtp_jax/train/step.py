@@ -47,7 +47,6 @@ class StepConfig:
     compute_dtype: str = "bfloat16"
     seed: int = 0
     fusion_rank: int = 0          # dmtp-lowrank
-    mask_t1_fraction: float = 0.5  # dmtp-adaptive: anchors trained in DFlash mode (T1 slot MASK)
 
 
 def abstract_params(dcfg: DFlashConfig, scfg: StepConfig):
@@ -131,8 +130,10 @@ def loss_sums(params, graphdefs, target_graphdef, target_state, mtp_graphdef, mt
     anchors_bn, keep_bn = sample_anchors(key, loss_mask_bt, scfg.num_anchors, offsets[-1] + 1,
                                          first_label=offsets[known], min_anchor=int(uses_mtp(scfg.method)))
     t1_masked = None
-    if scfg.method == ADAPTIVE:     # which anchors train the DFlash mode (independent of the anchors)
-        t1_masked = jax.random.bernoulli(jax.random.fold_in(key, 1), scfg.mask_t1_fraction, anchors_bn.shape)
+    if scfg.method == ADAPTIVE:     # every anchor twice: dmtp's block (MTP's T1), then DFlash's (T1 slot MASK)
+        n = anchors_bn.shape[1]
+        anchors_bn, keep_bn = (jnp.concatenate([x, x], axis=1) for x in (anchors_bn, keep_bn))
+        t1_masked = jnp.broadcast_to(jnp.arange(2 * n) >= n, anchors_bn.shape)
     blocks = block_inputs(scfg.method, tokens_bt, loss_mask_bt, anchors_bn, keep_bn, block_size,
                           mask_token_id=dcfg.mask_token_id, gamma=scfg.gamma, t1_masked_bn=t1_masked)
     logits = drafter_block_logits(drafter, target, feats_btf, valid_bt, blocks, anchors_bn,
@@ -152,8 +153,6 @@ class Trainer:
     def __init__(self, target, dcfg: DFlashConfig, scfg: StepConfig, ocfg: OptimConfig, mesh,
                  mesh_rules: MeshRules = DEFAULT_RULES, mtp=None):
         method_layout(scfg.method, scfg.block_size or dcfg.block_size)     # validates the method
-        if not 0.0 <= scfg.mask_t1_fraction <= 1.0:
-            raise ValueError(f"mask_t1_fraction must be in [0, 1], got {scfg.mask_t1_fraction}")
         if uses_mtp(scfg.method) and mtp is None:
             raise ValueError(f"method '{scfg.method}' trains against the target's frozen MTP head (mtp=...)")
         self.mtp = mtp if uses_mtp(scfg.method) else None
