@@ -213,8 +213,8 @@ def write_outputs(runs: dict[str, MethodRun], path: str, tokenizer=None) -> None
 
 def plot_cumulative(report: dict, path: str, title: str | None = None) -> None:
     """PNG of the cumulative acceptance `P(L >= k)` by draft position k, one line per method
-    (methods without drafts have no points and are listed in the legend as such). Agg backend,
-    no global matplotlib state.
+    (methods without drafts have no points and are listed in the legend as such; a run named
+    "method (variant)" is drawn dashed in its method's colour). Agg backend, no global matplotlib state.
 
     Example:
         >>> plot_cumulative(report, "/tmp/acceptance.png")  # doctest: +SKIP
@@ -222,15 +222,19 @@ def plot_cumulative(report: dict, path: str, title: str | None = None) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.4, 4.2), dpi=120)
+    fig = Figure(figsize=(8.4, 4.2), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    n_pos = 1
+    n_pos, colors = 1, {}
     for name, m in report["methods"].items():
         cum = m["cumulative_acceptance"]
+        base = name.split(" (")[0]          # "dmtp (corpus-only MTP)": dmtp's colour, dashed
+        style = dict(linestyle="--" if base != name else "-", color=colors.get(base))
         if cum:
             ks = list(range(1, len(cum) + 1))
-            ax.plot(ks, cum, marker="o", label=f"{name} (tau/ver {m['per_verify_acceptance_length']:.2f})")
+            line, = ax.plot(ks, cum, marker="o", label=f"{name} (tau/ver {m['per_verify_acceptance_length']:.2f})",
+                            **style)
+            colors.setdefault(base, line.get_color())
             n_pos = max(n_pos, len(cum))
         else:
             ax.plot([], [], linestyle="none", label=f"{name} (no drafts)")
@@ -242,6 +246,6 @@ def plot_cumulative(report: dict, path: str, title: str | None = None) -> None:
     cfg = report.get("config", {})
     ax.set_title(title or f"cumulative acceptance - {cfg.get('workload', '')} "
                           f"(T={cfg.get('temperature', 0)})")
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, format="png")
