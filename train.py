@@ -25,7 +25,6 @@ import sys
 
 from dmtp_jax.cli import (ArgumentParser, add_compile_cache_arg, enable_compile_cache, int_list, load_config_file,
                           run_command)
-from dmtp_jax.errors import InputError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -156,3 +156,15 @@ def load_config_file(path: str) -> dict:
     if not isinstance(cfg, dict):
         raise InputError(f"{path}: get_config() must return a dict or a dataclass")
     return dict(cfg)
+
+
+def check_config_keys(cls, d: dict, what: str) -> None:
+    """Raises one `InputError` naming the keys of `d` that are not fields of the dataclass `cls`.
+
+    Example:
+        >>> check_config_keys(argparse.Namespace, {}, "demo")   # no fields, no keys: fine
+    """
+    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise InputError(f"unknown {what} config keys: {', '.join(unknown)}")

@@ -25,7 +25,8 @@ def demo_models():
     dflash = load_drafter(os.path.join(DEMO, "dflash"), target.cfg, "float32", target.mesh)
     out = {"target": target, "mtp": mtp, "dflash": dflash, "tokenizer": load_tokenizer(tdir),
            "mtp_corpus": load_mtp(os.path.join(DEMO, "mtp_corpus"), target.cfg, "float32", target.mesh)}
-    for name, method in (("dmtp", "dmtp"), ("dmtp_adaptive", "dmtp-adaptive"), ("dmtp_adaptive_corpus", "dmtp-adaptive")):
+    for name, method in (("dmtp", "dmtp"), ("dmtp_adaptive", "dmtp-adaptive"),
+                         ("dmtp_adaptive_corpus", "dmtp-adaptive")):
         out[name] = load_dmtp_drafter(os.path.join(DEMO, name), target.cfg, method, "float32", target.mesh)
     return out
 

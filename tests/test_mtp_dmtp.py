@@ -317,12 +317,15 @@ def test_calibration_scores_each_mode_as_the_round_commits(models, dmtp_dirs, ar
         engine = make_decoder("dmtp-adaptive", target, drafter, mtp=mtp, fusion=fusion, adaptive_threshold=threshold)
         res = engine.generate(PROMPTS, 9, stop_ids=[])
         firsts[threshold] = [lengths[0] for lengths in res.stats["acceptance_lengths"]]
-    for row, prompt in enumerate(PROMPTS):
-        tokens = jnp.asarray([prompt + ar_outputs[0][row]])
-        top_p, by_mtp, by_drafter = anchor_outcomes(model, head, dr, fu, tokens, jnp.ones(tokens.shape, jnp.int32),
-                                                    jnp.asarray([[len(prompt)]]), jnp.asarray([[True]]))
-        assert 0.0 < float(top_p[0, 0]) <= 1.0
-        assert (int(by_mtp[0, 0]), int(by_drafter[0, 0])) == (firsts[0.0][row], firsts[1.0][row])
+    rows = [prompt + out for prompt, out in zip(PROMPTS, ar_outputs[0])]
+    width = max(map(len, rows))
+    tokens = jnp.asarray([r + [0] * (width - len(r)) for r in rows])       # right padding: causal, unseen
+    anchors = jnp.asarray([[len(p)] for p in PROMPTS])
+    top_p, by_mtp, by_drafter = jax.jit(anchor_outcomes)(model, head, dr, fu, tokens, jnp.ones(tokens.shape, jnp.int32),
+                                                         anchors, jnp.ones(anchors.shape, bool))
+    assert ((np.asarray(top_p) > 0) & (np.asarray(top_p) <= 1)).all()
+    assert np.asarray(by_mtp)[:, 0].tolist() == firsts[0.0]
+    assert np.asarray(by_drafter)[:, 0].tolist() == firsts[1.0]
 
 
 def test_mtp_advance_is_the_full_layer_at_the_last_row(models):

@@ -71,8 +71,8 @@ def run_rounds(round_fn: Callable, state, active_b, limits_b, sp, base_key, firs
                rounds: int, slots: int, greedy: bool):
     """Up to `rounds` calls of `round_fn(state, active_b, limits_b, sp, key, greedy)` (the round of
     `SpecDecoder._round` with its model states bound; `slots` verify slots) in one
-    `jax.lax.while_loop`; stops early when no row is running. Round `i` of the loop is round `first_round + i` of the request and uses the
-    key `fold_in(base_key, first_round + i)`.
+    `jax.lax.while_loop`; stops early when no row is running. Round `i` of the loop is round
+    `first_round + i` of the request and uses the key `fold_in(base_key, first_round + i)`.
 
     Returns `(state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, rounds_run)`: slot `k` holds
     round `k`'s tokens and accepted count per row (a row committed
@@ -101,7 +101,9 @@ def run_rounds(round_fn: Callable, state, active_b, limits_b, sp, base_key, firs
         i, st, active, tokens, accepted, from_mtp, ran = carry
         key = jax.random.fold_in(base_key, first_round + i)
         st, tokens_bn, accepted_b, from_mtp_b = round_fn(st, active, limits_b, sp, key, greedy)
-        put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None].astype(buf.dtype), i, axis=1)  # noqa: E731
+
+        def put(buf, x):
+            return jax.lax.dynamic_update_slice_in_dim(buf, x[:, None].astype(buf.dtype), i, axis=1)
         tokens, accepted, from_mtp, ran = (put(tokens, tokens_bn), put(accepted, accepted_b),
                                            put(from_mtp, from_mtp_b), put(ran, active))
         active = rows_still_running(tokens_bn, accepted_b, st.lengths_b, limits_b, stop_ids_s, active)

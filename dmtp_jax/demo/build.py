@@ -91,10 +91,8 @@ class PretrainConfig:
             >>> PretrainConfig.from_dict({"steps": 3}).steps
             3
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise InputError(f"unknown pretrain config keys: {', '.join(unknown)}")
+        from dmtp_jax.cli import check_config_keys
+        check_config_keys(cls, d, "pretrain")
         return cls(**d)
 
     def target_hf_config(self, eos_id: int) -> dict:

@@ -76,10 +76,8 @@ class DistilConfig:
             >>> DistilConfig.from_dict({"steps": 3}).steps
             3
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise InputError(f"unknown distil-mtp config keys: {', '.join(unknown)}")
+        from dmtp_jax.cli import check_config_keys
+        check_config_keys(cls, d, "distil-mtp")
         return cls(**d)
 
 

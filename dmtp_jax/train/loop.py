@@ -97,10 +97,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise InputError(f"unknown training config keys: {', '.join(unknown)}")
+        from dmtp_jax.cli import check_config_keys
+        check_config_keys(cls, d, "training")
         d = dict(d)
         if d.get("target_layer_ids") is not None:
             d["target_layer_ids"] = tuple(int(i) for i in d["target_layer_ids"])
