@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from dmtp_jax.platform import compile_platform
 from dmtp_jax.sharding import DEFAULT_RULES, spec_for
 
 MAX_BLOCK_ROWS = 128
@@ -169,9 +170,9 @@ AUTO_IMPL = {"tpu": "ragged", "gpu": "blocked", "cpu": "scan"}
 
 
 def resolve_impl(impl: str) -> str:
-    """`"auto"` -> the kernel for the default backend (`AUTO_IMPL`); checks the name."""
+    """`"auto"` -> the kernel for the platform compiled for (`dmtp_jax.platform`, `AUTO_IMPL`); checks the name."""
     if impl == "auto":
-        return AUTO_IMPL.get(jax.default_backend(), "blocked")
+        return AUTO_IMPL.get(compile_platform(), "blocked")
     if impl not in GROUPED_EXPERT_MLPS:
         raise ValueError(f"unknown MoE impl '{impl}'; use auto, {', '.join(GROUPED_EXPERT_MLPS)}")
     return impl
