@@ -592,3 +592,37 @@ class DFlashDrafter(nnx.Module):
         """
         return self.select_tokens(hidden_bth, self.draft_logits(hidden_bth, target_logits_fn),
                                   anchor_b, temperature, key)
+
+
+DEFAULT_DRAFT_LAYERS = 5      # every published z-lab / SpecForge DFlash drafter
+DEFAULT_PLAN_BLOCK = 8        # DMTP's eight slots
+
+
+def default_drafter_config(target_cfg, num_layers: int = DEFAULT_DRAFT_LAYERS,
+                           block_size: int = DEFAULT_PLAN_BLOCK) -> DFlashConfig:
+    """The DFlash (version 1) drafter shape assumed for a target when no drafter is given (sizing,
+    benchmarks on random weights): `num_layers` Qwen3 layers of the target's width, heads, KV heads
+    and head dim; the MLP of the target's dense intermediate size (3 x hidden for an all-MoE
+    target); context from `build_target_layer_ids`; full attention; mask token = last vocab id.
+
+    Example:
+        >>> from dmtp_jax.config import TargetConfig
+        >>> t = TargetConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 64, "hidden_size": 16,
+        ...     "intermediate_size": 32, "num_hidden_layers": 8, "num_attention_heads": 2,
+        ...     "num_key_value_heads": 1, "head_dim": 8})
+        >>> default_drafter_config(t).target_layer_ids
+        (1, 2, 3, 4, 5)
+    """
+    inter = target_cfg.intermediate_size
+    if inter < target_cfg.hidden_size:          # an all-MoE target has no dense MLP width
+        inter = 3 * target_cfg.hidden_size
+    n = target_cfg.num_hidden_layers
+    return DFlashConfig.from_hf_dict({
+        "architectures": ["DFlashDraftModel"], "hidden_size": target_cfg.hidden_size,
+        "intermediate_size": inter, "num_hidden_layers": num_layers,
+        "num_attention_heads": target_cfg.num_attention_heads,
+        "num_key_value_heads": target_cfg.num_key_value_heads, "head_dim": target_cfg.head_dim,
+        "vocab_size": target_cfg.vocab_size, "rms_norm_eps": target_cfg.rms_norm_eps,
+        "rope_theta": target_cfg.rope_theta, "num_target_layers": n,
+        "dflash_config": {"block_size": block_size, "mask_token_id": target_cfg.vocab_size - 1,
+                          "target_layer_ids": list(build_target_layer_ids(n, num_layers))}})

@@ -1,0 +1,175 @@
+"""The machine a plan compiles for, without the machine: TPU slices through libtpu, GPU hosts
+through the CUDA plugin and a device spec, or N host CPU devices.
+
+Names (`--topology`):
+- TPU slices as libtpu spells them: `v5p:2x2x1` (4 chips), `v5p:2x2x2`, `v5p:4x4x4` (64 chips),
+  `v5e:4x4`, `v6e:2x4`, `v4:2x2x1`. Needs the `plan-tpu` extra (libtpu).
+- GPU hosts: `h100x8`, `h200x8`, `b200x8` (or `x1`, `x2`, `x4`). Needs the `plan-gpu` extra (the
+  CUDA plugin and its compiler). The device spec below is XLA's GPU target-config proto, filled
+  from each part's datasheet (SM count, memory, bandwidth, compute capability).
+- `cpu:N`: N host CPU devices (must be set before JAX starts its CPU backend). Memory and bytes
+  on CPU are not evidence for an accelerator: the CPU backend computes bf16 in fp32.
+
+Example:
+    >>> topo = open_topology("cpu:1")
+    >>> topo.platform, len(topo.devices)
+    ('cpu', 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+from dmtp_jax.errors import UserError
+
+GB = 1e9
+
+
+class TopologyError(UserError, ValueError):
+    """A topology name that cannot be compiled for here (unknown, or its compiler is missing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str
+    platform: str                 # "tpu" | "gpu" | "cpu"
+    devices: tuple                # compile-only (TPU / GPU) or real (CPU) jax devices
+    device_kind: str
+    hbm_bytes: int                # memory per device
+    peak_bytes_per_s: float | None    # HBM bandwidth per device (datasheet)
+    peak_flops: float | None          # dense bf16 FLOP/s per device (datasheet)
+
+
+# per chip: (HBM bytes, HBM bytes/s, bf16 FLOP/s), datasheet values
+TPU_CHIPS = {
+    "v4": (32 * 2**30, 1.2e12, 275e12),
+    "v5e": (16 * 2**30, 0.82e12, 197e12),
+    "v5p": (95 * 2**30, 2.76e12, 459e12),
+    "v6e": (32 * 2**30, 1.64e12, 918e12),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPart:
+    description: str
+    compute_capability: tuple[int, int]
+    sm_count: int
+    memory_bytes: int
+    bandwidth: float              # bytes/s
+    clock_ghz: float
+    l2_bytes: int
+    bf16_flops: float
+
+
+GPU_PARTS = {
+    "h100": GpuPart("NVIDIA H100 80GB HBM3", (9, 0), 132, 84978434048, 3.35232e12, 1.755, 52428800, 989e12),
+    "h200": GpuPart("NVIDIA H200", (9, 0), 132, 150754820096, 4.8e12, 1.755, 52428800, 989e12),
+    "b200": GpuPart("NVIDIA B200", (10, 0), 148, 192265846784, 8.0e12, 1.965, 132644864, 2250e12),
+}
+
+
+def gpu_target_config(part: GpuPart) -> str:
+    """XLA's GPU target-config text proto for `part` (what the compiler needs to know of the GPU)."""
+    major, minor = part.compute_capability
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: {part.sm_count}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(part.bandwidth)}
+  l2_cache_size: {part.l2_bytes}
+  clock_rate_ghz: {part.clock_ghz}
+  device_memory_size: {part.memory_bytes}
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{
+    major: {major}
+    minor: {minor}
+  }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{
+  major: 9
+  minor: 1
+}}
+device_description_str: "{part.description}"
+"""
+
+
+def _tpu(name: str) -> Topology:
+    chip = name.split(":", 1)[0]
+    if chip not in TPU_CHIPS:
+        raise TopologyError(f"unknown TPU '{chip}' in '{name}'; known: {', '.join(TPU_CHIPS)} "
+                            "(e.g. v5p:2x2x2, v5e:4x4, v6e:2x4)")
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise TopologyError(f"compiling for '{name}' needs libtpu: pip install -e \".[plan-tpu]\"") from None
+    # compile-only: no chip is opened, so several planners (or a planner beside a TPU job) may share libtpu
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    try:
+        desc = topologies.get_topology_desc(topology_name=name, platform="tpu")
+    except Exception as e:      # libtpu's own message names what is wrong with the shape
+        raise TopologyError(f"libtpu cannot describe topology '{name}': {str(e).splitlines()[0]}") from None
+    hbm, bw, flops = TPU_CHIPS[chip]
+    return Topology(name, "tpu", tuple(desc.devices), desc.devices[0].device_kind, hbm, bw, flops)
+
+
+def _gpu(name: str, part_name: str, count: int) -> Topology:
+    part = GPU_PARTS[part_name]
+    try:
+        import jax_cuda12_plugin  # noqa: F401
+    except ImportError:
+        raise TopologyError(f"compiling for '{name}' needs the CUDA plugin: pip install -e \".[plan-gpu]\"") from None
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    from jax.experimental import topologies
+    desc = topologies.get_topology_desc(part_name, "cuda", target_config=gpu_target_config(part),
+                                        topology=f"1x1x{count}")
+    return Topology(name, "gpu", tuple(desc.devices), part.description, part.memory_bytes, part.bandwidth,
+                    part.bf16_flops)
+
+
+def _cpu(name: str, count: int) -> Topology:
+    import jax
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except Exception:           # the CPU backend already started: use what it has
+        pass
+    devices = jax.devices("cpu")
+    if len(devices) < count:
+        raise TopologyError(f"'{name}' needs {count} CPU devices but JAX started with {len(devices)}; run plan "
+                            f"in a fresh process (or set XLA_FLAGS=--xla_force_host_platform_device_count={count})")
+    mem = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return Topology(name, "cpu", tuple(devices[:count]), devices[0].device_kind, mem, None, None)
+
+
+def open_topology(name: str) -> Topology:
+    """The compile-only devices of `name` (see the module docstring); one-line `TopologyError`s
+    for unknown names and missing compiler packages.
+
+    Example:
+        >>> open_topology("h100x8").hbm_bytes  # doctest: +SKIP
+        84978434048
+    """
+    name = name.strip().lower()
+    if m := re.fullmatch(r"cpu(?::(\d+))?", name):
+        return _cpu(name, int(m.group(1) or 1))
+    if m := re.fullmatch(r"([a-z]\d+)x(\d+)", name):
+        if m.group(1) not in GPU_PARTS:
+            raise TopologyError(f"unknown GPU '{m.group(1)}' in '{name}'; known: "
+                                f"{', '.join(p + 'x8' for p in GPU_PARTS)}")
+        return _gpu(name, m.group(1), int(m.group(2)))
+    if re.fullmatch(r"v\d+[a-z]?:\d+(x\d+)+", name):
+        return _tpu(name)
+    raise TopologyError(f"unknown topology '{name}'; use a TPU slice (v5p:2x2x2, v5e:4x4, v6e:2x4), "
+                        f"a GPU host ({', '.join(p + 'x8' for p in GPU_PARTS)}) or cpu:N")
