@@ -327,9 +327,12 @@ class TargetConfig:
 
 
 def read_config_json(model_dir: str | os.PathLike) -> dict[str, Any]:
-    """Reads `<model_dir>/config.json`, with one clear error when it is missing or unreadable."""
+    """Reads `<model_dir>/config.json` (or `model_dir` itself when it is a `.json` file: a config
+    without weights, for planning), with one clear error when it is missing or unreadable."""
     path = os.path.join(model_dir, "config.json")
-    if not os.path.isdir(model_dir):
+    if str(model_dir).endswith(".json") and os.path.isfile(model_dir):
+        path = model_dir
+    elif not os.path.isdir(model_dir):
         raise ConfigError(f"model directory not found: {model_dir}")
     if not os.path.isfile(path):
         raise ConfigError(f"no config.json in {model_dir}")

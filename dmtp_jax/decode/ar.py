@@ -53,15 +53,6 @@ def new_kv_cache(mesh, shape, dtype) -> KVCache:
     return _zeros_cache_maker(mesh, tuple(shape), jnp.dtype(dtype))()
 
 
-def pin_kv_cache(mesh, cache: KVCache | None) -> KVCache | None:
-    """Pins a cache to its sharding inside a jitted function (None passes through)."""
-    if cache is None:
-        return None
-    s = kv_cache_sharding(mesh, cache.k_lbskd.shape)
-    return KVCache(jax.lax.with_sharding_constraint(cache.k_lbskd, s),
-                   jax.lax.with_sharding_constraint(cache.v_lbskd, s))
-
-
 @functools.lru_cache(maxsize=None)
 def _zeros_maker(mesh, shape, dtype):
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=recurrent_state_sharding(mesh, shape))
@@ -113,11 +104,15 @@ class TargetCaches:
     def shape(self, batch: int, max_len: int):
         return kv_cache_shape(self.target.cfg, batch, max_len)
 
-    def constrain(self, cache: TargetCache) -> TargetCache:
+    def shardings(self, cache: TargetCache) -> TargetCache:
+        """The sharding of every array of a cache (or of its shapes), as a `TargetCache` tree."""
         mesh = self.target.mesh
-        pin = lambda x: None if x is None else jax.lax.with_sharding_constraint(  # noqa: E731
-            x, recurrent_state_sharding(mesh, x.shape))
-        return TargetCache(pin_kv_cache(mesh, cache.kv), pin(cache.conv_lbwc), pin(cache.ssm_lbhkv))
+        state = lambda x: None if x is None else recurrent_state_sharding(mesh, x.shape)  # noqa: E731
+        kv = kv_cache_sharding(mesh, cache.kv.k_lbskd.shape)
+        return TargetCache(KVCache(kv, kv), state(cache.conv_lbwc), state(cache.ssm_lbhkv))
+
+    def constrain(self, cache: TargetCache) -> TargetCache:
+        return jax.tree.map(jax.lax.with_sharding_constraint, cache, self.shardings(cache))
 
     def new(self, batch: int, max_len: int) -> TargetCache:
         mesh = self.target.mesh

@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 from dmtp_jax.checkpoint.hf import LoadedModel
-from dmtp_jax.decode.ar import GenerationResult, TargetCaches, gather_rows, new_kv_cache, pin_kv_cache
+from dmtp_jax.decode.ar import GenerationResult, TargetCaches, gather_rows, new_kv_cache
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
 from dmtp_jax.decode.multi_round import feed_rounds, pad_stop_ids, run_rounds
 from dmtp_jax.decode.sampling import SamplingParams, filtered_probs, pick_tokens, sample_from_probs
@@ -54,7 +54,7 @@ from dmtp_jax.decode.verify import (candidate_probs_to_dense, verify_block, veri
                                     verify_target_only)
 from dmtp_jax.layers.kv_cache import KVCache, TargetCache, write_layer
 from dmtp_jax.models.fusion import ADAPTIVE, DMTP_METHODS, block_layout, draft_block_embeds
-from dmtp_jax.sharding import replicated
+from dmtp_jax.sharding import kv_cache_sharding, replicated
 
 DEFAULT_CONTEXT_WINDOW = 4096
 DEFAULT_ADAPTIVE_THRESHOLD = 0.5     # dmtp-adaptive without a calibrated threshold in its drafter
@@ -172,12 +172,16 @@ class SpecDecoder:
             mtp_h = np.zeros((batch, c.hidden_size), self.mtp.state_dtype)
         return SpecState(self.caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros, zeros)
 
-    def _constrain(self, st: SpecState) -> SpecState:
+    def state_shardings(self, st: SpecState) -> SpecState:
+        """The sharding of every array of a state (or of its shapes), as a `SpecState` tree."""
         mesh = self.target.mesh
         rep = replicated(mesh)
-        return SpecState(self.caches.constrain(st.target_cache), pin_kv_cache(mesh, st.ctx_cache),
-                         pin_kv_cache(mesh, st.mtp_cache), _pin(st.mtp_h_bh, rep), _pin(st.lengths_b, rep),
-                         _pin(st.pending_b, rep))
+        kv = lambda c: None if c is None else KVCache(*(kv_cache_sharding(mesh, c.k_lbskd.shape),) * 2)  # noqa: E731
+        return SpecState(self.caches.shardings(st.target_cache), kv(st.ctx_cache), kv(st.mtp_cache),
+                         None if st.mtp_h_bh is None else rep, rep, rep)
+
+    def _constrain(self, st: SpecState) -> SpecState:
+        return jax.tree.map(jax.lax.with_sharding_constraint, st, self.state_shardings(st))
 
     def _models(self, states):
         t_state, d_state, m_state, f_state = states

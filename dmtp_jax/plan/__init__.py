@@ -1,0 +1,90 @@
+"""Plan before you rent: compile the functions a run would use, for the machine it would run on,
+on this CPU machine, without the weights and without the hardware.
+
+`plan_inference` (`infer.py plan`) and `plan_training` (`train.py plan`) build abstract models
+(`plan.models`), lower the very jitted functions `generate` / the trainer compile with their real
+shapes and shardings, compile them with the target machine's compiler (`plan.topology`: libtpu for
+TPU slices, the CUDA plugin for GPU hosts, host devices for `cpu:N`) and report per-device memory,
+FLOPs, bytes accessed against the analytic minimum and, on TPU, the compiler's time estimate
+(`plan.report`).
+
+Example:
+    >>> plan = plan_inference("configs/models/qwen3.6-27b.json", method="dmtp", mesh="tensor=8",
+    ...                       topology="h100x8", batch_size=32, prompt_len=32768)  # doctest: +SKIP
+    >>> plan.fits, plan.per_device_peak_bytes  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dmtp_jax.plan.report import DoesNotFitError, PlanResult, format_plan  # noqa: F401
+
+
+def _mesh_sizes(mesh) -> dict:
+    return {k: int(v) for k, v in mesh.shape.items()}
+
+
+def _hbm(topo, hbm_gb: float | None) -> int:
+    return int(hbm_gb * 2**30) if hbm_gb else topo.hbm_bytes
+
+
+def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = None, block_size: int | None = None,
+                   mesh: str | None = None, batch_size: int = 1, prompt_len: int = 1024, max_new_tokens: int = 256,
+                   dtype: str = "bfloat16", rounds_per_dispatch: int = 1, topology: str = "cpu:1",
+                   hbm_gb: float | None = None, temperature: float = 0.0, mtp_steps: int = 4,
+                   verify: str = "rejection", accept_len: float | None = None,
+                   progress=None) -> PlanResult:
+    """Compiles the prefill and the decode step / round / K-round dispatch of `method` for one
+    request of `batch_size` prompts of `prompt_len` tokens and `max_new_tokens` new ones.
+
+    `target` / `draft` are checkpoint directories or `config.json` files (no weights needed);
+    without `draft`, the documented default drafter shape (`models.dflash.default_drafter_config`).
+    `accept_len` (tokens committed per round, e.g. from a bench) turns the round's time estimate
+    into tokens/s. `progress(name)` is called before each compile.
+
+    Example:
+        >>> plan = plan_inference("configs/models/qwen3.6-27b.json", topology="v5p:2x2x1",
+        ...                       mesh="tensor=4")  # doctest: +SKIP
+    """
+    from dmtp_jax.decode import make_decoder
+    from dmtp_jax.plan.compile import compile_function
+    from dmtp_jax.plan.inference import inference_calls
+    from dmtp_jax.plan.models import plan_models, shard_bytes
+    from dmtp_jax.plan.topology import open_topology
+    from dmtp_jax.platform import compiling_for
+    from dmtp_jax.sharding import make_mesh
+
+    topo = open_topology(topology)
+    device_mesh = make_mesh(mesh, devices=topo.devices)
+    notes = []
+    with compiling_for(topo.platform):
+        models = plan_models(target, method, device_mesh, dtype, draft, block_size)
+        if "mtp" in models and models["mtp"].model_dir is None:
+            notes.append("the target's config declares no MTP layer (mtp_num_hidden_layers); planned with one "
+                         "native MTP head of the target's layer shape")
+        decoder = make_decoder(method, models["target"], models.get("drafter"), mtp=models.get("mtp"),
+                               fusion=models.get("fusion"), block_size=block_size, mtp_steps=mtp_steps,
+                               verify=verify, rounds_per_dispatch=rounds_per_dispatch)
+        calls = inference_calls(decoder, batch_size, prompt_len, max_new_tokens, temperature, accept_len)
+        functions = []
+        for call in calls:
+            if progress:
+                progress(call.name)
+            functions.append(compile_function(call.name, call.lower, min_bytes=call.min_bytes, calls=call.calls,
+                                              tokens_per_call=call.tokens_per_call, parts=call.parts))
+    weights = {name: shard_bytes(m.state) for name, m in models.items()}
+    state = {k.split(":", 1)[1]: v for k, v in calls[0].parts.items() if k.startswith("cache:")}
+    settings = {"method": method, "batch": batch_size, "prompt": prompt_len, "new tokens": max_new_tokens,
+                "dtype": dtype}
+    if method != "ar":
+        settings["block"] = decoder.slots
+    if rounds_per_dispatch > 1:
+        settings["rounds/dispatch"] = rounds_per_dispatch
+    if temperature:
+        settings["temperature"] = temperature
+    if draft is None and "drafter" in models:
+        d = models["drafter"].cfg
+        notes.append(f"drafter: the default shape ({d.num_hidden_layers} layers of the target's width, "
+                     f"context from target layers {list(d.target_layer_ids)}); --draft DIR|CONFIG.json for yours")
+    return PlanResult("inference", topology, topo.platform, topo.device_kind, device_mesh.size,
+                      _mesh_sizes(device_mesh), _hbm(topo, hbm_gb), topo.peak_bytes_per_s, settings, weights, state,
+                      functions, notes)

@@ -1,0 +1,121 @@
+"""Abstract models for planning: every parameter a `jax.ShapeDtypeStruct` placed at its mesh
+sharding, nothing allocated, built from a checkpoint directory or a bare `config.json` in seconds.
+
+The result is the same `LoadedModel` the decoders and the trainer take, so `plan` lowers the very
+jitted functions a run compiles.
+
+Example:
+    >>> from dmtp_jax.sharding import make_mesh
+    >>> m = plan_models("configs/models/qwen3.6-27b.json", "dmtp", make_mesh(), "bfloat16")  # doctest: +SKIP
+    >>> sorted(m)  # doctest: +SKIP
+    ['drafter', 'fusion', 'mtp', 'target']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from dmtp_jax.checkpoint.hf import LoadedModel, abstract_target
+from dmtp_jax.config import ConfigError, TargetConfig, read_config_json
+from dmtp_jax.decode import method_needs
+from dmtp_jax.sharding import replicated, state_shardings
+
+
+def place_abstract(cfg, graphdef, abstract: nnx.State, mesh: Mesh, source: str | None = None) -> LoadedModel:
+    """A `LoadedModel` whose state leaves are `ShapeDtypeStruct`s at their mesh shardings."""
+    shardings = state_shardings(abstract, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return LoadedModel(cfg, graphdef, state, mesh, source)
+
+
+def abstract_args(tree, mesh: Mesh):
+    """Every leaf of `tree` as a `ShapeDtypeStruct`; leaves without a sharding are replicated on
+    `mesh` (host arrays, PRNG keys, scalars)."""
+    def one(x):
+        if x is None:
+            return None
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh != mesh:
+            sharding = replicated(mesh)
+        shape = x.shape if hasattr(x, "shape") else np.shape(x)
+        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return jax.tree.map(one, tree)
+
+
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded arrays / `ShapeDtypeStruct`s (its own shard of
+    each leaf; a replicated leaf counts whole)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+        total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def target_config_of(path: str) -> TargetConfig:
+    """The target config of a checkpoint directory or of a `config.json` file."""
+    return TargetConfig.from_hf_dict(read_config_json(path))
+
+
+def abstract_target_model(path: str, mesh: Mesh, dtype) -> LoadedModel:
+    cfg = target_config_of(path)
+    graphdef, abstract = abstract_target(cfg, dtype)
+    return place_abstract(cfg, graphdef, abstract, mesh, path)
+
+
+def drafter_config_of(path: str | None, target_cfg: TargetConfig, block_size: int | None):
+    """The drafter config of `--draft DIR|CONFIG.json`, or `default_drafter_config` for the target;
+    `(DFlashConfig, the stored dmtp_config block or None)`."""
+    from dmtp_jax.models.dflash import DFlashConfig, DEFAULT_PLAN_BLOCK, check_fits_target, default_drafter_config
+    if path is None:
+        return default_drafter_config(target_cfg, block_size=block_size or DEFAULT_PLAN_BLOCK), None
+    raw = read_config_json(path)
+    dcfg = DFlashConfig.from_hf_dict(raw)
+    check_fits_target(dcfg, target_cfg)
+    if dcfg.num_target_layers is None:
+        dcfg = dataclasses.replace(dcfg, num_target_layers=target_cfg.num_hidden_layers)
+    return dcfg, raw.get("dmtp_config")
+
+
+def plan_models(target_path: str, method: str, mesh: Mesh, dtype, draft_path: str | None = None,
+                block_size: int | None = None) -> dict[str, LoadedModel]:
+    """`{"target", and as `method` needs them "drafter", "mtp", "fusion"}`, all abstract.
+
+    The MTP head is the target's native one (`mtp_config_for`); a target whose config declares no
+    MTP layer (`mtp_num_hidden_layers`) gets one all the same (Qwen3-Next ships `mtp.*` without
+    declaring it) and the caller is told so through `models["mtp"].model_dir is None`.
+    """
+    from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
+    from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
+    from dmtp_jax.models.fusion import T1Fusion
+    from dmtp_jax.models.mtp import mtp_config_for
+
+    target = abstract_target_model(target_path, mesh, dtype)
+    models = {"target": target}
+    needs = method_needs(method)
+    if needs["drafter"]:
+        dcfg, stored = drafter_config_of(draft_path, target.cfg, block_size)
+        models["drafter"] = place_abstract(dcfg, *abstract_drafter(dcfg, dtype), mesh, draft_path)
+        if needs["fusion"]:
+            stored = stored or {}
+            if stored.get("method") not in (None, method):
+                raise ConfigError(f"{draft_path} holds a '{stored.get('method')}' drafter, not '{method}'")
+            rank = int(stored.get("rank", 0))
+            fusion = nnx.eval_shape(lambda: T1Fusion(method, hidden=dcfg.hidden_size, rank=rank,
+                                                     eps=dcfg.rms_norm_eps, dtype=jnp.dtype(dtype),
+                                                     rngs=nnx.Rngs(0)))
+            cfg = {"method": method, "rank": rank, **({"threshold": stored["threshold"]} if "threshold" in stored
+                                                       else {})}
+            models["fusion"] = place_abstract(cfg, *nnx.split(fusion), mesh, draft_path)
+    if needs["mtp"]:
+        models["mtp"] = place_abstract(mtp_config_for(target.cfg), *abstract_mtp(target.cfg, dtype), mesh,
+                                       target_path if target.cfg.mtp_num_hidden_layers else None)
+    return models
