@@ -27,9 +27,11 @@ import os
 import sys
 import tempfile
 
-from dmtp_jax.cli import ArgumentParser, add_compile_cache_arg, enable_compile_cache, int_list, run_command
+from dmtp_jax.cli import (ArgumentParser, add_compile_cache_arg, add_plan_args, enable_compile_cache, int_list,
+                          run_command, use_host_backend)
 from dmtp_jax.errors import InputError
 
+DTYPES = ["float32", "bfloat16", "float16"]
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 DEMO_OUT = os.path.join(tempfile.gettempdir(), "dmtp-jax-demo")
 DEMO_METHODS = "ar,mtp,dflash,dmtp,dmtp-adaptive"
@@ -78,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp):
         sp.add_argument("--target", help="HF target directory (default: the shipped demo, demo/target)")
-        sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        sp.add_argument("--dtype", default="float32", choices=DTYPES)
         sp.add_argument("--mesh", default=None, help="mesh axes, e.g. tensor=4,data=2 (default: 1 device)")
         sp.add_argument("--json", dest="json_path", help="write the result as JSON to this file")
         add_compile_cache_arg(sp)
@@ -132,6 +134,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--show-sample", action="store_true", help="print the first prompt and each method's answer")
     b.add_argument("--no-phases", action="store_true",
                    help="skip the per-phase breakdown (propose / verify / accept / commit) of each speculative round")
+
+    pl = sub.add_parser("plan", help="dry run: compile prefill and the round for a TPU slice / GPU host / CPU "
+                                     "without the weights or the hardware; per-device memory, bytes, time")
+    add_plan_args(pl)
+    pl.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weights and caches (default bfloat16)")
+    pl.add_argument("--draft", help="DFlash / DMTP drafter directory or its config.json (default: a 5-layer "
+                                    "DFlash drafter of the target's width)")
+    pl.add_argument("--method", default="dmtp", choices=METHODS)
+    pl.add_argument("--block-size", type=int, default=None, help="verify slots per round (default: the drafter's; 8)")
+    pl.add_argument("--mtp-steps", type=int, default=4, help="chain length of mtp")
+    pl.add_argument("--verify", default="rejection", choices=["rejection", "target-only", "block"])
+    pl.add_argument("--batch-size", type=int, default=1)
+    pl.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per row")
+    pl.add_argument("--max-new-tokens", type=int, default=256)
+    pl.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the sampled round is larger)")
+    pl.add_argument("--rounds-per-dispatch", type=int, default=1, metavar="K")
+    pl.add_argument("--accept-len", type=float, default=None, metavar="TAU",
+                    help="tokens committed per round (from a bench): turns the round's time estimate into tokens/s")
     return p
 
 
@@ -219,6 +239,39 @@ def cmd_compare(args) -> int:
         with open(args.json_path, "w") as fh:
             json.dump(report, fh, indent=2)
     return 0 if report["ok"] else 1
+
+
+def cmd_plan(args) -> int:
+    """`infer.py plan`: the table, the JSON, and exit status 2 with one `error:` line when the run
+    would not fit the devices' memory."""
+    from dmtp_jax import preflight
+    from dmtp_jax.plan import plan_inference
+
+    preflight.check_plan_options(args)
+    plan = plan_inference(args.target, method=args.method, draft=args.draft, block_size=args.block_size,
+                          mesh=args.mesh, batch_size=args.batch_size, prompt_len=args.prompt_len,
+                          max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+                          rounds_per_dispatch=args.rounds_per_dispatch, topology=args.topology, hbm_gb=args.hbm_gb,
+                          temperature=args.temperature, mtp_steps=args.mtp_steps, verify=args.verify,
+                          accept_len=args.accept_len, progress=plan_progress)
+    return finish_plan(plan, args.json_path)
+
+
+def plan_progress(name: str) -> None:
+    print(f"compiling {name} ...", file=sys.stderr, flush=True)
+
+
+def finish_plan(plan, json_path: str | None) -> int:
+    """Prints the plan, writes its JSON, and raises `DoesNotFitError` when it does not fit."""
+    from dmtp_jax.plan import DoesNotFitError, format_plan
+
+    print(format_plan(plan))
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(plan.to_json(), fh, indent=2)
+    if not plan.fits:
+        raise DoesNotFitError(plan.misfit_message())
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -523,9 +576,12 @@ def main(argv=None) -> int:
         os.makedirs(DEMO_OUT, exist_ok=True)
         argv = demo
     args = build_parser().parse_args(argv)
-    enable_compile_cache(args.compile_cache)
+    if args.command == "plan":      # compile-only: no backend but the host's, no cache (compile time is reported)
+        use_host_backend()
+    else:
+        enable_compile_cache(args.compile_cache)
     handler = cmd_demo if demo is not None else {"generate": cmd_generate, "compare": cmd_compare,
-                                                 "bench": cmd_bench}[args.command]
+                                                 "bench": cmd_bench, "plan": cmd_plan}[args.command]
     return run_command(handler, args)
 
 

@@ -168,3 +168,27 @@ def check_config_keys(cls, d: dict, what: str) -> None:
     unknown = sorted(set(d) - names)
     if unknown:
         raise InputError(f"unknown {what} config keys: {', '.join(unknown)}")
+
+
+def add_plan_args(sp) -> None:
+    """The flags `infer.py plan` and `train.py plan` share: the models' source, the machine, the
+    mesh, the output."""
+    sp.add_argument("--target", required=True, help="HF target directory or a config.json (configs/models/)")
+    sp.add_argument("--topology", default="cpu:1",
+                    help="the machine to compile for: a TPU slice as libtpu names it (v5p:2x2x2, v5p:4x4x4, v5e:4x4, "
+                         "v6e:2x4; pip install -e '.[plan-tpu]'), a GPU host (h100x8, h200x8, b200x8; "
+                         "pip install -e '.[plan-gpu]') or cpu:N (default cpu:1)")
+    sp.add_argument("--mesh", default=None, help="mesh axes, e.g. tensor=8 or expert=4,tensor=2 (default: 1 device)")
+    sp.add_argument("--hbm-gb", type=float, default=None, metavar="G",
+                    help="memory per device in GiB (default: the topology's)")
+    sp.add_argument("--json", dest="json_path", help="write the plan as JSON to this file")
+
+
+def use_host_backend() -> None:
+    """Compile-only runs (`plan`) never open an accelerator: JAX's own backend is the host CPU
+    (the TPU / GPU targets are compile-only devices). A no-op once a backend has started."""
+    import jax
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except Exception:       # noqa: BLE001 -- a backend is already up (in-process callers, tests)
+        pass

@@ -90,3 +90,31 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, cfg) -> None:
         RequestError: prompt 0 has token ids outside the vocabulary [0, 128): [500]
     """
     pad_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
+
+
+def check_plan_options(args) -> None:
+    """`infer.py plan`: sizes and budgets in range, the target / drafter configs readable, and the
+    request within the target's positions, before any compile.
+
+    Example:
+        >>> import argparse
+        >>> check_plan_options(argparse.Namespace(target="/nope.json", draft=None, batch_size=1, topology="cpu:1",
+        ...     prompt_len=8, max_new_tokens=8, mtp_steps=4, block_size=None, rounds_per_dispatch=1))
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.config.ConfigError: model directory not found: /nope.json
+    """
+    from dmtp_jax.plan.topology import parse_topology
+    parse_topology(args.topology)
+    if args.batch_size < 1:
+        raise RequestError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.prompt_len < 1:
+        raise RequestError(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch)
+    cfg = target_config(args.target)
+    if args.draft:
+        from dmtp_jax.config import read_config_json
+        read_config_json(args.draft)
+    if args.prompt_len + args.max_new_tokens > cfg.max_position_embeddings:
+        raise RequestError(f"--prompt-len ({args.prompt_len}) + --max-new-tokens ({args.max_new_tokens}) exceeds "
+                           f"the target's max_position_embeddings ({cfg.max_position_embeddings})")

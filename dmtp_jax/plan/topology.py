@@ -107,9 +107,6 @@ device_description_str: "{part.description}"
 
 def _tpu(name: str) -> Topology:
     chip = name.split(":", 1)[0]
-    if chip not in TPU_CHIPS:
-        raise TopologyError(f"unknown TPU '{chip}' in '{name}'; known: {', '.join(TPU_CHIPS)} "
-                            "(e.g. v5p:2x2x2, v5e:4x4, v6e:2x4)")
     try:
         import libtpu  # noqa: F401
     except ImportError:
@@ -153,6 +150,32 @@ def _cpu(name: str, count: int) -> Topology:
     return Topology(name, "cpu", tuple(devices[:count]), devices[0].device_kind, mem, None, None)
 
 
+def parse_topology(name: str) -> tuple[str, str, int]:
+    """`(kind, part, count)` of a topology name, checked without loading any compiler: kind is
+    "cpu", "gpu" or "tpu" (part and count: the GPU part and devices; for TPU the whole name).
+
+    Example:
+        >>> parse_topology("h100x8"), parse_topology("v5p:2x2x2"), parse_topology("cpu:4")
+        (('gpu', 'h100', 8), ('tpu', 'v5p:2x2x2', 0), ('cpu', 'cpu', 4))
+    """
+    name = name.strip().lower()
+    if m := re.fullmatch(r"cpu(?::(\d+))?", name):
+        return "cpu", "cpu", int(m.group(1) or 1)
+    if m := re.fullmatch(r"([a-z]\d+)x(\d+)", name):
+        if m.group(1) not in GPU_PARTS:
+            raise TopologyError(f"unknown GPU '{m.group(1)}' in '{name}'; known: "
+                                f"{', '.join(p + 'x8' for p in GPU_PARTS)}")
+        return "gpu", m.group(1), int(m.group(2))
+    if re.fullmatch(r"v\d+[a-z]?:\d+(x\d+)+", name):
+        chip = name.split(":", 1)[0]
+        if chip not in TPU_CHIPS:
+            raise TopologyError(f"unknown TPU '{chip}' in '{name}'; known: {', '.join(TPU_CHIPS)} "
+                                "(e.g. v5p:2x2x2, v5e:4x4, v6e:2x4)")
+        return "tpu", name, 0
+    raise TopologyError(f"unknown topology '{name}'; use a TPU slice (v5p:2x2x2, v5e:4x4, v6e:2x4), "
+                        f"a GPU host ({', '.join(p + 'x8' for p in GPU_PARTS)}) or cpu:N")
+
+
 def open_topology(name: str) -> Topology:
     """The compile-only devices of `name` (see the module docstring); one-line `TopologyError`s
     for unknown names and missing compiler packages.
@@ -161,15 +184,10 @@ def open_topology(name: str) -> Topology:
         >>> open_topology("h100x8").hbm_bytes  # doctest: +SKIP
         84978434048
     """
+    kind, part, count = parse_topology(name)
     name = name.strip().lower()
-    if m := re.fullmatch(r"cpu(?::(\d+))?", name):
-        return _cpu(name, int(m.group(1) or 1))
-    if m := re.fullmatch(r"([a-z]\d+)x(\d+)", name):
-        if m.group(1) not in GPU_PARTS:
-            raise TopologyError(f"unknown GPU '{m.group(1)}' in '{name}'; known: "
-                                f"{', '.join(p + 'x8' for p in GPU_PARTS)}")
-        return _gpu(name, m.group(1), int(m.group(2)))
-    if re.fullmatch(r"v\d+[a-z]?:\d+(x\d+)+", name):
-        return _tpu(name)
-    raise TopologyError(f"unknown topology '{name}'; use a TPU slice (v5p:2x2x2, v5e:4x4, v6e:2x4), "
-                        f"a GPU host ({', '.join(p + 'x8' for p in GPU_PARTS)}) or cpu:N")
+    if kind == "cpu":
+        return _cpu(name, count)
+    if kind == "gpu":
+        return _gpu(name, part, count)
+    return _tpu(name)

@@ -1,0 +1,122 @@
+"""`plan`: a dry run compiles the very functions a run compiles. On `cpu:N` the planned numbers
+must be those of a real compile-and-run of the same function; the verdict, the exit status and the
+JSON keys are the contract of `infer.py plan`.
+
+The TPU / GPU compilers are optional extras; `benchmarks/plan_real.py` runs the real configs on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def planned_dmtp(tiny_qwen3_5_dir):
+    from dmtp_jax.plan import plan_inference
+    return plan_inference(tiny_qwen3_5_dir, method="dmtp", topology="cpu:1", batch_size=2, prompt_len=20,
+                          max_new_tokens=16, dtype="float32")
+
+
+def test_plan_matches_a_real_compile_and_run(tiny_qwen3_5_dir, planned_dmtp):
+    """The planned round has the FLOPs and the memory of the round compiled from real weights and a
+    real prefilled state, which then runs."""
+    from dmtp_jax.checkpoint.dmtp_ckpt import init_fusion
+    from dmtp_jax.checkpoint.dflash_ckpt import init_drafter
+    from dmtp_jax.checkpoint.hf import load_target
+    from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
+    from dmtp_jax.decode import make_decoder
+    from dmtp_jax.decode.batch import pad_prompts
+    from dmtp_jax.decode.sampling import SamplingParams
+    from dmtp_jax.models.dflash import default_drafter_config
+    from dmtp_jax.plan.compile import cost_of
+
+    target = load_target(tiny_qwen3_5_dir, "float32")
+    dcfg = default_drafter_config(target.cfg)
+    drafter = init_drafter(dcfg, "float32")
+    decoder = make_decoder("dmtp", target, drafter, mtp=load_mtp(tiny_qwen3_5_dir, target.cfg, "float32"),
+                           fusion=init_fusion("dmtp", dcfg.hidden_size, dcfg.rms_norm_eps, "float32"))
+    batch = pad_prompts([[1] * 20, [2] * 20], 16, target.cfg.vocab_size, slack=decoder.slots)
+    sp, key = SamplingParams.make(), jax.random.key(0)
+    state = decoder.prefill(decoder._states(), batch.tokens_bt, batch.lengths_b,
+                            decoder.new_state(2, batch.max_len), sp, key, greedy=True)
+    active, limits = np.ones(2, bool), np.full(2, 40, np.int32)
+    compiled = decoder.round.lower(decoder._states(), state, active, limits, sp, key, greedy=True).compile()
+    real_mem, real_cost = compiled.memory_analysis(), cost_of(compiled)
+    planned = {f.name: f for f in planned_dmtp.functions}["round"]
+    assert planned.flops == real_cost["flops"]
+    assert planned.bytes_accessed == real_cost["bytes accessed"]
+    assert planned.argument_bytes == real_mem.argument_size_in_bytes
+    assert planned.temp_bytes == real_mem.temp_size_in_bytes
+    assert planned.alias_bytes == real_mem.alias_size_in_bytes
+    tokens = compiled(decoder._states(), state, active, limits, sp, key)[1]
+    assert np.asarray(tokens).shape == (2, decoder.slots)
+
+
+def test_plan_accounts_weights_and_caches(planned_dmtp):
+    """Per-device weights are the models' bytes; the minimum of a round is weights + caches."""
+    p = planned_dmtp
+    assert set(p.weight_bytes) == {"target", "drafter", "mtp", "fusion"}
+    assert set(p.state_bytes) == {"target_cache", "mtp_cache", "ctx_cache"}
+    rnd = {f.name: f for f in p.functions}["round"]
+    assert rnd.min_bytes == pytest.approx(sum(p.weight_bytes.values()) + sum(p.state_bytes.values()), abs=1)
+    assert rnd.argument_bytes >= sum(p.weight_bytes.values())
+    assert p.fits and p.per_device_peak_bytes == max(f.peak_bytes for f in p.functions)
+    assert rnd.calls == 16          # without --accept-len: one token per round, the upper bound
+
+
+def test_cli_does_not_fit_exits_2_after_the_table(tiny_qwen3_dir, tmp_path, capsys):
+    import infer
+    out = tmp_path / "plan.json"
+    rc = infer.main(["plan", "--target", os.path.join(tiny_qwen3_dir, "config.json"), "--method", "ar",
+                     "--prompt-len", "8", "--max-new-tokens", "4", "--dtype", "float32", "--hbm-gb", "0.0001",
+                     "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert "per-device peak" in captured.out and "decode_step" in captured.out
+    err = captured.err.strip().splitlines()[-1]
+    assert err.startswith("error: does not fit 0.00 GiB per device:") and "needs" in err
+    plan = json.loads(out.read_text())
+    assert {"fits", "per_device_peak_bytes", "weight_bytes", "functions"} <= set(plan)
+    assert plan["fits"] is False and plan["weight_bytes"]["target"] > 0
+    for f in plan["functions"]:
+        assert {"name", "compile_s", "peak_bytes", "flops", "bytes_accessed", "min_bytes", "estimated_s"} <= set(f)
+        assert f["estimated_s"] is None         # the CPU compiler gives no time estimate
+
+
+def test_cli_bad_input_is_one_line(tiny_qwen3_dir, tmp_path, capsys):
+    import infer
+    assert infer.main(["plan", "--target", str(tmp_path / "none.json")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: model directory not found: {tmp_path / 'none.json'}"
+    assert infer.main(["plan", "--target", tiny_qwen3_dir, "--topology", "v9z:1x1"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: unknown TPU 'v9z' in 'v9z:1x1'; known: v4, v5e, v5p, v6e "
+                                               "(e.g. v5p:2x2x2, v5e:4x4, v6e:2x4)")
+    assert infer.main(["plan", "--target", tiny_qwen3_dir, "--prompt-len", "500", "--max-new-tokens", "100"]) == 2
+    assert "exceeds the target's max_position_embeddings (512)" in capsys.readouterr().err
+
+
+def test_cpu_mesh_of_two_devices(tiny_qwen3_dir, tmp_path):
+    """`--topology cpu:2 --mesh tensor=2`: the weights split over two host devices (a fresh process:
+    the CPU device count is fixed when JAX starts)."""
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "infer.py"), "plan", "--target", tiny_qwen3_dir,
+                           "--method", "ar", "--topology", "cpu:2", "--mesh", "tensor=2", "--prompt-len", "8",
+                           "--max-new-tokens", "4", "--dtype", "float32", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(out.read_text())
+    assert plan["num_devices"] == 2 and plan["mesh"]["tensor"] == 2 and plan["fits"]
+    from dmtp_jax.checkpoint.hf import abstract_target
+    from dmtp_jax.config import load_target_config
+    _, abstract = abstract_target(load_target_config(tiny_qwen3_dir), "float32")
+    one = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(abstract))
+    assert plan["weight_bytes"]["target"] < one         # split, not replicated
