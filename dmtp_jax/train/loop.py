@@ -122,48 +122,21 @@ class TrainConfig:
             raise InputError(f"--lr must be positive, got {self.lr}")
 
 
-def default_layer_ids(num_target_layers: int, draft_layers: int) -> tuple[int, ...]:
-    """`dflash`'s default capture layers, or evenly spaced ones for very shallow targets.
-
-    Example:
-        >>> default_layer_ids(36, 5), default_layer_ids(2, 2)
-        ((1, 9, 17, 25, 33), (0, 1))
-    """
-    from dmtp_jax.models.dflash import build_target_layer_ids
-    ids = build_target_layer_ids(num_target_layers, draft_layers)
-    if all(0 <= i < num_target_layers for i in ids) and len(set(ids)) == len(ids):
-        return ids
-    return tuple(sorted(set(int(round(x)) for x in np.linspace(0, num_target_layers - 1, draft_layers))))
-
-
-def default_mask_token(target_cfg, tokenizer=None) -> int:
-    """The tokenizer's mask token, else the highest id that is not an EOS id."""
-    if tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is not None:
-        return int(tokenizer.mask_token_id)
-    i = target_cfg.vocab_size - 1
-    while i in set(target_cfg.eos_token_ids):
-        i -= 1
-    return i
-
-
 def fresh_drafter_config(cfg: TrainConfig, target_cfg, tokenizer=None):
-    """A DFlash (v1) drafter config shaped like the target (hidden, heads, head_dim, vocab).
+    """The drafter a run starts from without `--init-from`: `default_drafter_config` with the
+    run's layers, block, intermediate size, capture layers and mask token (the tokenizer's mask
+    token when it has one).
 
     Example:
         >>> dcfg = fresh_drafter_config(TrainConfig(draft_layers=2), target.cfg)  # doctest: +SKIP
     """
-    from dmtp_jax.models.dflash import DFlashConfig
-    ids = cfg.target_layer_ids or default_layer_ids(target_cfg.num_hidden_layers, cfg.draft_layers)
-    mask = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token(target_cfg, tokenizer)
-    return DFlashConfig.from_hf_dict({
-        "architectures": ["DFlashDraftModel"], "hidden_size": target_cfg.hidden_size,
-        "intermediate_size": cfg.draft_intermediate_size or target_cfg.intermediate_size,
-        "num_hidden_layers": cfg.draft_layers, "num_attention_heads": target_cfg.num_attention_heads,
-        "num_key_value_heads": target_cfg.num_key_value_heads, "head_dim": target_cfg.head_dim,
-        "vocab_size": target_cfg.vocab_size, "rms_norm_eps": target_cfg.rms_norm_eps,
-        "rope_theta": target_cfg.rope_theta, "num_target_layers": target_cfg.num_hidden_layers,
-        "dflash_config": {"block_size": cfg.block_size, "mask_token_id": mask,
-                          "target_layer_ids": list(ids)}})
+    from dmtp_jax.models.dflash import default_drafter_config
+    mask = cfg.mask_token_id
+    if mask is None and tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is not None:
+        mask = int(tokenizer.mask_token_id)
+    return default_drafter_config(target_cfg, cfg.draft_layers, cfg.block_size,
+                                  intermediate_size=cfg.draft_intermediate_size,
+                                  target_layer_ids=cfg.target_layer_ids, mask_token_id=mask)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
