@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 from dmtp_jax.cli import (ArgumentParser, add_compile_cache_arg, add_plan_args, enable_compile_cache, int_list,
-                          run_command, use_host_backend)
+                          finish_plan, plan_progress, run_command, use_host_backend)
 from dmtp_jax.errors import InputError
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -255,23 +255,6 @@ def cmd_plan(args) -> int:
                           temperature=args.temperature, mtp_steps=args.mtp_steps, verify=args.verify,
                           accept_len=args.accept_len, progress=plan_progress)
     return finish_plan(plan, args.json_path)
-
-
-def plan_progress(name: str) -> None:
-    print(f"compiling {name} ...", file=sys.stderr, flush=True)
-
-
-def finish_plan(plan, json_path: str | None) -> int:
-    """Prints the plan, writes its JSON, and raises `DoesNotFitError` when it does not fit."""
-    from dmtp_jax.plan import DoesNotFitError, format_plan
-
-    print(format_plan(plan))
-    if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(plan.to_json(), fh, indent=2)
-    if not plan.fits:
-        raise DoesNotFitError(plan.misfit_message())
-    return 0
 
 
 def cmd_bench(args) -> int:

@@ -8,6 +8,7 @@
     python train.py pretrain --config configs/demo_target.py [--steps N] [--resume] [--data-only]
     python train.py distil-mtp --config configs/demo_mtp.py [--steps N] [--resume]
     python train.py --config configs/demo_dmtp.py      # the subcommand named by the config's COMMAND
+    python train.py plan --target configs/models/qwen3.6-27b.json --topology v5p:2x2x2 --mesh data=2,fsdp=4
 
 A config file defines `get_config()` returning a dict (or dataclass) of `TrainConfig` fields; flags
 given on the command line override it. Many hosts: `--coordinator HOST:PORT --num-processes N
@@ -23,8 +24,9 @@ import json
 import os
 import sys
 
-from dmtp_jax.cli import (ArgumentParser, add_compile_cache_arg, enable_compile_cache, int_list, load_config_file,
-                          run_command)
+from dmtp_jax.cli import (ArgumentParser, add_compile_cache_arg, add_plan_args, enable_compile_cache, int_list,
+                          finish_plan, load_config_file, plan_progress, run_command,
+                          use_host_backend)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,7 +135,36 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     for sp in (t, e, r, c, pt, dm):
         add_compile_cache_arg(sp)
+
+    pl = sub.add_parser("plan", help="dry run: compile the train step for a TPU slice / GPU host / CPU without "
+                                     "the weights or the hardware; per-device memory, FLOPs, time")
+    add_plan_args(pl)
+    pl.add_argument("--method", default="dmtp", choices=TRAIN_METHODS)
+    pl.add_argument("--batch-size", type=int, default=8, help="global batch (sequences per optimizer step)")
+    pl.add_argument("--seq-len", type=int, default=4096)
+    pl.add_argument("--draft-layers", type=int, default=5, help="layers of the fresh drafter (default 5)")
+    pl.add_argument("--block-size", type=int, default=8)
+    pl.add_argument("--num-anchors", type=int, default=16)
+    pl.add_argument("--grad-accum", type=int, default=1)
+    pl.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    pl.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     return p
+
+
+def cmd_plan(args) -> int:
+    """`train.py plan`: the train step's table, `--json`, exit 2 when it does not fit."""
+    from dmtp_jax.plan.topology import parse_topology
+    from dmtp_jax.plan.training import plan_training
+    from dmtp_jax.preflight import target_config
+
+    parse_topology(args.topology)
+    target_config(args.target)
+    plan = plan_training(args.target, method=args.method, mesh=args.mesh, batch_size=args.batch_size,
+                         seq_len=args.seq_len, target_dtype=args.target_dtype, compute_dtype=args.compute_dtype,
+                         draft_layers=args.draft_layers, block_size=args.block_size, num_anchors=args.num_anchors,
+                         grad_accum=args.grad_accum, topology=args.topology, hbm_gb=args.hbm_gb,
+                         progress=plan_progress)
+    return finish_plan(plan, args.json_path)
 
 
 def train_config(args):
@@ -234,9 +265,12 @@ def _config_command(argv: list[str]) -> list[str]:
 def main(argv=None) -> int:
     argv = _config_command(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
-    enable_compile_cache(args.compile_cache)
+    if args.command == "plan":
+        use_host_backend()
+    else:
+        enable_compile_cache(args.compile_cache)
     return run_command({"train": cmd_train, "export": cmd_export, "regen": cmd_regen, "calibrate": cmd_calibrate,
-                        "pretrain": cmd_pretrain, "distil-mtp": cmd_distil}[args.command], args)
+                        "pretrain": cmd_pretrain, "distil-mtp": cmd_distil, "plan": cmd_plan}[args.command], args)
 
 
 if __name__ == "__main__":

@@ -192,3 +192,23 @@ def use_host_backend() -> None:
         jax.config.update("jax_platforms", "cpu")
     except Exception:       # noqa: BLE001 -- a backend is already up (in-process callers, tests)
         pass
+
+
+def plan_progress(name: str) -> None:
+    print(f"compiling {name} ...", file=sys.stderr, flush=True)
+
+
+def finish_plan(plan, json_path: str | None) -> int:
+    """Prints the plan, writes its JSON, and raises `DoesNotFitError` when it does not fit (after
+    the table: the user sees what does not fit)."""
+    import json
+
+    from dmtp_jax.plan import DoesNotFitError, format_plan
+
+    print(format_plan(plan))
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(plan.to_json(), fh, indent=2)
+    if not plan.fits:
+        raise DoesNotFitError(plan.misfit_message())
+    return 0

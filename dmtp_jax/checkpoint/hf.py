@@ -221,6 +221,20 @@ def abstract_target(cfg: TargetConfig, dtype):
     return nnx.split(model)
 
 
+def place_abstract(cfg, graphdef, abstract: nnx.State, mesh: Mesh, source: str | None = None,
+                   mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedModel:
+    """A weightless `LoadedModel`: every state leaf a `jax.ShapeDtypeStruct` at its mesh sharding
+    (nothing allocated), which jitted functions lower and compile exactly as they would the loaded
+    model (`plan`, `Trainer.lower_step`).
+
+    Example:
+        >>> model = place_abstract(cfg, *abstract_target(cfg, "bfloat16"), make_mesh())  # doctest: +SKIP
+    """
+    shardings = state_shardings(abstract, mesh, mesh_rules)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return LoadedModel(cfg, graphdef, state, mesh, source)
+
+
 def load_target(model_dir: str, dtype="float32", mesh: Mesh | None = None,
                 mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedTarget:
     """Loads an HF target directory into sharded params.

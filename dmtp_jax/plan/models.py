@@ -21,17 +21,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dmtp_jax.checkpoint.hf import LoadedModel, abstract_target
+from dmtp_jax.checkpoint.hf import LoadedModel, abstract_target, place_abstract
 from dmtp_jax.config import ConfigError, TargetConfig, read_config_json
 from dmtp_jax.decode import method_needs
-from dmtp_jax.sharding import replicated, state_shardings
-
-
-def place_abstract(cfg, graphdef, abstract: nnx.State, mesh: Mesh, source: str | None = None) -> LoadedModel:
-    """A `LoadedModel` whose state leaves are `ShapeDtypeStruct`s at their mesh shardings."""
-    shardings = state_shardings(abstract, mesh)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return LoadedModel(cfg, graphdef, state, mesh, source)
+from dmtp_jax.sharding import replicated
 
 
 def abstract_args(tree, mesh: Mesh):

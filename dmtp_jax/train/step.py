@@ -143,23 +143,19 @@ def loss_sums(params, graphdefs, target_graphdef, target_state, mtp_graphdef, mt
 
 
 def abstract_models(target_cfg, dtype, mesh, mesh_rules: MeshRules = DEFAULT_RULES, *, with_mtp: bool = False):
-    """`(target, mtp)`: `LoadedModel`s whose states are ShapeDtypeStructs at their mesh shardings
-    (no weights read, nothing allocated), for building a `Trainer` that only lowers / compiles
-    (`Trainer.lower_step`). `mtp` is None unless `with_mtp`.
+    """`(target, mtp)`: weightless `LoadedModel`s (`checkpoint.hf.place_abstract`), for building a
+    `Trainer` that only lowers / compiles (`Trainer.lower_step`). `mtp` is None unless `with_mtp`.
 
     Example:
         >>> target, _ = abstract_models(target_cfg, "bfloat16", make_mesh("fsdp=8"))  # doctest: +SKIP
     """
-    from dmtp_jax.checkpoint.hf import LoadedModel, abstract_target
+    from dmtp_jax.checkpoint.hf import abstract_target, place_abstract
     from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
     from dmtp_jax.models.mtp import mtp_config_for
 
-    def placed(cfg, graphdef, abstract):
-        shardings = state_shardings(abstract, mesh, mesh_rules)
-        state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, shardings)
-        return LoadedModel(cfg, graphdef, state, mesh)
-    target = placed(target_cfg, *abstract_target(target_cfg, dtype))
-    mtp = placed(mtp_config_for(target_cfg), *abstract_mtp(target_cfg, dtype)) if with_mtp else None
+    target = place_abstract(target_cfg, *abstract_target(target_cfg, dtype), mesh, mesh_rules=mesh_rules)
+    mtp = (place_abstract(mtp_config_for(target_cfg), *abstract_mtp(target_cfg, dtype), mesh, mesh_rules=mesh_rules)
+           if with_mtp else None)
     return target, mtp
 
 
