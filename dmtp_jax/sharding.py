@@ -144,6 +144,26 @@ def recurrent_state_sharding(mesh: Mesh, shape, rules: MeshRules = DEFAULT_RULES
     return named_sharding(axes, shape, mesh, rules)
 
 
+def cache_kv_heads(num_kv_heads: int, num_heads: int, mesh: Mesh | None, rules: MeshRules = DEFAULT_RULES) -> int:
+    """KV heads a cache holds on `mesh`: the model's, or -- when the mesh axes of `"cache_heads"`
+    (`tensor`) are wider than the KV heads and split the query heads -- one (repeated) KV head per
+    shard, so that each device holds only the heads its queries read instead of all of them
+    (Qwen3.6-27B: 4 KV heads on `tensor=8` -> 8 cache heads, a quarter of the cache per device
+    instead of all of it).
+
+    Example:
+        >>> cache_kv_heads(4, 24, None), cache_kv_heads(4, 24, make_mesh("tensor=1"))
+        (4, 4)
+    """
+    if mesh is None:
+        return num_kv_heads
+    sizes = dict(mesh.shape)
+    width = int(np.prod([sizes.get(a, 1) for a in rules.lookup("cache_heads")]))
+    if width > num_kv_heads and width % num_kv_heads == 0 and num_heads % width == 0:
+        return width
+    return num_kv_heads
+
+
 def kv_cache_sharding(mesh: Mesh, shape, rules: MeshRules = DEFAULT_RULES) -> NamedSharding:
     """`[layers, batch, max_len, kv_heads, head_dim]`: batch over data axes, heads over tensor."""
     return named_sharding((None, "batch", None, "cache_heads", None), shape, mesh, rules)

@@ -26,7 +26,7 @@ from dmtp_jax.checkpoint.hf import LoadedTarget
 from dmtp_jax.decode.batch import StopTracker, pad_prompts
 from dmtp_jax.decode.sampling import SamplingParams, pick_tokens
 from dmtp_jax.layers.kv_cache import KVCache, TargetCache
-from dmtp_jax.sharding import kv_cache_sharding, recurrent_state_sharding, replicated
+from dmtp_jax.sharding import cache_kv_heads, kv_cache_sharding, recurrent_state_sharding, replicated
 
 
 @dataclasses.dataclass
@@ -58,9 +58,11 @@ def _zeros_maker(mesh, shape, dtype):
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=recurrent_state_sharding(mesh, shape))
 
 
-def kv_cache_shape(cfg, batch: int, max_len: int) -> tuple[int, ...]:
-    """`[attention layers, B, S, kv_heads, head_dim]`."""
-    return (len(cfg.attention_layers), batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+def kv_cache_shape(cfg, batch: int, max_len: int, mesh=None, layers: int | None = None) -> tuple[int, ...]:
+    """`[attention layers (or layers), B, S, kv_heads, head_dim]`, the KV heads as laid out on
+    `mesh` (`sharding.cache_kv_heads`; the model's own without one)."""
+    heads = cache_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads, mesh)
+    return (len(cfg.attention_layers) if layers is None else layers, batch, max_len, heads, cfg.head_dim)
 
 
 def recurrent_state_shapes(cfg, batch: int):
@@ -102,7 +104,7 @@ class TargetCaches:
         self.target = target
 
     def shape(self, batch: int, max_len: int):
-        return kv_cache_shape(self.target.cfg, batch, max_len)
+        return kv_cache_shape(self.target.cfg, batch, max_len, self.target.mesh)
 
     def shardings(self, cache: TargetCache) -> TargetCache:
         """The sharding of every array of a cache (or of its shapes), as a `TargetCache` tree."""

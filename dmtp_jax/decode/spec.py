@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 from dmtp_jax.checkpoint.hf import LoadedModel
-from dmtp_jax.decode.ar import GenerationResult, TargetCaches, gather_rows, new_kv_cache
+from dmtp_jax.decode.ar import GenerationResult, TargetCaches, gather_rows, kv_cache_shape, new_kv_cache
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
 from dmtp_jax.decode.multi_round import feed_rounds, pad_stop_ids, run_rounds
 from dmtp_jax.decode.sampling import SamplingParams, filtered_probs, pick_tokens, sample_from_probs
@@ -163,11 +163,11 @@ class SpecDecoder:
         ctx = mtp_cache = mtp_h = None
         if self.uses_drafter:
             d = self.drafter.cfg
-            ctx = new_kv_cache(self.target.mesh, (d.num_hidden_layers, batch, max_len, d.num_key_value_heads,
-                                                  d.head_dim), self.drafter.state_dtype)
+            ctx = new_kv_cache(self.target.mesh, kv_cache_shape(d, batch, max_len, self.target.mesh,
+                                                                d.num_hidden_layers), self.drafter.state_dtype)
         if self.uses_mtp:
             c = self.target.cfg
-            mtp_cache = new_kv_cache(self.target.mesh, (1, batch, max_len, c.num_key_value_heads, c.head_dim),
+            mtp_cache = new_kv_cache(self.target.mesh, kv_cache_shape(c, batch, max_len, self.target.mesh, 1),
                                      self.mtp.state_dtype)
             mtp_h = np.zeros((batch, c.hidden_size), self.mtp.state_dtype)
         return SpecState(self.caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros, zeros)

@@ -32,10 +32,25 @@ class KVCache:
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
+def repeat_kv_heads(x_btkd: jax.Array, heads: int) -> jax.Array:
+    """`x [B, T, kv, D]` with each KV head repeated to `heads` (a multiple of kv): the cache layout
+    of a `tensor` axis wider than the KV heads (`sharding.cache_kv_heads`). Query head `i` of a GQA
+    group of `h / kv` keeps its key: virtual head `i // (h / heads)` is a copy of head `i // (h / kv)`.
+
+    Example:
+        >>> repeat_kv_heads(jnp.arange(2.0).reshape(1, 1, 2, 1), 4)[0, 0, :, 0].tolist()
+        [0.0, 0.0, 1.0, 1.0]
+    """
+    kv = x_btkd.shape[2]
+    return x_btkd if heads == kv else jnp.repeat(x_btkd, heads // kv, axis=2)
+
+
 def write_layer(cache_lbskd: jax.Array, layer: int, new_btkd: jax.Array,
                 positions_bt: jax.Array) -> jax.Array:
-    """Scatters `new [B, T, kv, D]` into layer `layer` at slots `positions [B, T]` (OOB dropped)."""
+    """Scatters `new [B, T, kv, D]` into layer `layer` at slots `positions [B, T]` (OOB dropped);
+    KV heads are repeated to the cache's head count (`repeat_kv_heads`)."""
     rows_b1 = jnp.arange(new_btkd.shape[0])[:, None]
+    new_btkd = repeat_kv_heads(new_btkd, cache_lbskd.shape[3])
     return cache_lbskd.at[layer, rows_b1, positions_bt].set(new_btkd.astype(cache_lbskd.dtype),
                                                             mode="drop")
 

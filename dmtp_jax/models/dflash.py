@@ -41,6 +41,7 @@ from flax import nnx
 from dmtp_jax.config import ConfigError, _rope, validate_decoder_stack
 from dmtp_jax.layers import params
 from dmtp_jax.layers.attention import attention_mask, grouped_attention
+from dmtp_jax.layers.kv_cache import repeat_kv_heads
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import rope_cos_sin
 from dmtp_jax.models.qwen3 import Attention, DenseMLP
@@ -490,8 +491,9 @@ class DFlashDrafter(nnx.Module):
             if cfg.version == 2:
                 h, attn_dyn = layer.attention_conv.prepare(h, block_len)
             q, k, v = layer.self_attn.qkv(h, cos, sin)
-            keys = jnp.concatenate([ctx_k_lbskd[i].astype(k.dtype), k], axis=1)
-            values = jnp.concatenate([ctx_v_lbskd[i].astype(v.dtype), v], axis=1)
+            heads = ctx_k_lbskd.shape[3]        # the context cache may repeat KV heads (cache_kv_heads)
+            keys = jnp.concatenate([ctx_k_lbskd[i].astype(k.dtype), repeat_kv_heads(k, heads)], axis=1)
+            values = jnp.concatenate([ctx_v_lbskd[i].astype(v.dtype), repeat_kv_heads(v, heads)], axis=1)
             mask = masks[(cfg.layer_is_causal(i), cfg.layer_window(i))]
             y = layer.self_attn.out(grouped_attention(q, keys, values, mask))
             if cfg.version == 2:
