@@ -67,6 +67,7 @@ def test_plan_accounts_weights_and_caches(planned_dmtp):
     assert set(p.weight_bytes) == {"target", "drafter", "mtp", "fusion"}
     assert set(p.state_bytes) == {"target_cache", "mtp_cache", "ctx_cache"}
     rnd = {f.name: f for f in p.functions}["round"]
+    # the drafter's context cache counts whole in memory; the cache here is shorter than its window
     assert rnd.min_bytes == pytest.approx(sum(p.weight_bytes.values()) + sum(p.state_bytes.values()), abs=1)
     assert rnd.argument_bytes >= sum(p.weight_bytes.values())
     assert p.fits and p.per_device_peak_bytes == max(f.peak_bytes for f in p.functions)

@@ -73,10 +73,12 @@ def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, t
         caches = {"target_cache": shard_bytes(state.target_cache)}
         if state.mtp_cache is not None:
             caches["mtp_cache"] = shard_bytes(state.mtp_cache)
+        read = dict(caches)
         if state.ctx_cache is not None:     # the drafter reads its context window, not the whole cache
-            caches["ctx_cache"] = shard_bytes(state.ctx_cache) * min(1.0, decoder.context_window / max_len)
-        parts = {**{f"weights:{k}": v for k, v in weights.items()}, **{f"cache:{k}": int(v) for k, v in caches.items()}}
-        minimum = int(sum(weights.values()) + sum(caches.values()))
+            caches["ctx_cache"] = shard_bytes(state.ctx_cache)
+            read["ctx_cache"] = caches["ctx_cache"] * min(1.0, decoder.context_window / max_len)
+        parts = {**{f"weights:{k}": v for k, v in weights.items()}, **{f"cache:{k}": v for k, v in caches.items()}}
+        minimum = int(sum(weights.values()) + sum(read.values()))
         states = decoder._states()
         active = jax.ShapeDtypeStruct((rows,), np.bool_)
         limits = jax.ShapeDtypeStruct((rows,), np.int32)
