@@ -5,7 +5,8 @@
         [--impls auto] [--targets tpu,gpu] [--tpu-meshes expert=4] [--gpu-meshes "expert=8;expert=4,tensor=2"]
 
 Needs a jax with libtpu (TPU) and/or the CUDA plugin (GPU) installed; a target whose compiler package
-is missing is skipped with a one-line note. Layer: hidden 2048, 256 experts, top-8, expert
+is missing (or, for libtpu, held by another process: `ALLOW_MULTIPLE_LIBTPU_LOAD=1` lets compile-only
+runs share it) is skipped with a one-line note. Layer: hidden 2048, 256 experts, top-8, expert
 intermediate 512, bf16 (the shared expert is a plain dense MLP outside `moe_mlp`). Tokens are `[N, H]`
 (decode: batch 1..32 x 1..8 tokens; prefill: 4K-token chunks, 32 x 512 = 16K tokens), replicated over
 the expert / tensor axes, weights placed like the model places them (`dmtp_jax.sharding`).
@@ -24,7 +25,7 @@ Per (target, mesh, tokens, kernel) it prints, per device:
 Under expert parallelism each shard is sized (and, for ragged on TPU, costed) for the worst case
 where all N*k rows are routed to its experts, so static flops are `devices` times the routed share.
 
-Compile times on a 2-core machine: about 2 minutes for the defaults.
+Compile times on a busy 2-core machine: 2-3 minutes for the defaults.
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ def layer_args(mesh, tokens: int):
 
 
 def measure(target: str, mesh, tokens: int, impl: str) -> dict:
+    local_tokens = tokens // (mesh.shape["data"] * mesh.shape["fsdp"])
     with compiling_for(target):
-        kernel = mlp.resolve_impl(impl)
-        fn = jax.jit(lambda *a: mlp.moe_mlp(*a, K, True, impl=kernel))
+        kernel = mlp.resolve_impl(impl, local_tokens)        # what moe_mlp picks in each shard
+        fn = jax.jit(lambda *a: mlp.moe_mlp(*a, K, True, impl=impl))
         t0 = time.perf_counter()
         compiled = fn.lower(*layer_args(mesh, tokens)).compile()
     mem = compiled.memory_analysis()
@@ -98,7 +100,7 @@ def measure(target: str, mesh, tokens: int, impl: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,32,256,4096,16384")
-    ap.add_argument("--impls", default="auto", help="of auto, ragged, blocked, scan")
+    ap.add_argument("--impls", default="auto", help="of auto, ragged, blocked, scan, dense")
     ap.add_argument("--targets", default="tpu,gpu")
     ap.add_argument("--tpu-meshes", default="expert=4", help="';'-separated mesh specs")
     ap.add_argument("--gpu-meshes", default="expert=8;expert=4,tensor=2", help="';'-separated mesh specs")
@@ -106,7 +108,8 @@ def main() -> None:
     tokens_list = [int(t) for t in args.tokens.split(",")]
     impls = args.impls.split(",")
     print(f"MoE layer H={H} E={E} top-{K} I={I} bf16, compile-only; per device; "
-          f"ragged/blocked token chunk {mlp.MAX_ROUTED_ROWS // K} tokens; AUTO_IMPL {mlp.AUTO_IMPL}")
+          f"ragged/blocked token chunk {mlp.MAX_ROUTED_ROWS // K} tokens; AUTO_IMPL {mlp.AUTO_IMPL}, "
+          f"dense up to {mlp.AUTO_DENSE_MAX_TOKENS} tokens")
     header = (f"{'target':6} {'mesh':16} {'tokens':>6} {'kernel':8} {'temp MiB':>9} {'rows*(H+I)':>10} "
               f"{'E_loc*H*I':>9} {'args MiB':>8} {'GFLOP':>9} {'/routed':>7} {'GB read':>8} {'/routed':>7} "
               f"{'compile s':>9}")
@@ -130,7 +133,8 @@ def main() -> None:
                 routed_bytes = touched * 3 * H * I * 2 / ndev
                 for impl in impls:
                     r = measure(target, mesh, tokens, impl)
-                    chunks = math.ceil(tokens / max(1, mlp.MAX_ROUTED_ROWS // K))
+                    rows_per_token = E // ep if r["kernel"] == "dense" else K
+                    chunks = math.ceil(tokens / max(1, mlp.MAX_ROUTED_ROWS // rows_per_token))
                     if r["flops"] is None:
                         flops = nbytes = "-"
                         f_ratio = b_ratio = ""

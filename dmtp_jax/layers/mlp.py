@@ -4,9 +4,9 @@ Router (same as transformers' Qwen3MoeTopKRouter): softmax over experts in fp32,
 renormalisation of the k weights, weights cast to the activation dtype. Expert `e` computes
 `down_e(silu(x @ gate_e) * (x @ up_e))`; a token's output is `sum_k weight_k * y_{e_k}`.
 
-`moe_mlp` computes only the N*k routed (token, expert) pairs: the assignments are sorted by expert
-and the three expert matmuls run as a grouped matmul over the per-expert group sizes. Shapes are
-fixed (N*k rows), so it jits, and it is differentiable. Grouped-matmul kernels (`impl`):
+`moe_mlp` computes the N*k routed (token, expert) pairs: the assignments are sorted by expert and
+the three expert matmuls run as a grouped matmul over the per-expert group sizes. Shapes are fixed
+(N*k rows), so it jits, and it is differentiable. Kernels (`impl`):
 
 - `"ragged"`: the tokens gathered into expert order (`[N*k, H]`), three `jax.lax.ragged_dot`s, the
   rows unsorted and weighted back into `[N, H]`. On TPU a real grouped GEMM (a `tpu_custom_call` with
@@ -22,36 +22,45 @@ fixed (N*k rows), so it jits, and it is differentiable. Grouped-matmul kernels (
   `[N, H]` accumulator; blocks past the last used one are skipped at run time (`lax.cond`), so under
   expert parallelism a shard computes only its own rows. No `[N*k, H]` copy, no weight copies; the
   backward pass re-slices the weights (checkpoint policy) instead of saving each block's slice.
-- `"auto"` (default): `AUTO_IMPL`, by `dmtp_jax.platform.compile_platform()`: `"ragged"` on TPU
-  (native), `"scan"` on GPU (the only kernel here whose GPU temporaries scale with the routed rows)
-  and on CPU (fastest there: `benchmarks/bench_moe.py`).
+- `"dense"`: every local expert on every token as batched matmuls over the experts (the weights as
+  laid out, no copies), the unrouted pairs masked out before the down projection. No sort, no loop,
+  one read of the local weights; `E/k` times the routed flops and `[N, G, I]` temporaries, so meant
+  for decode-sized calls, where reading the weights costs more than those flops.
+- `"auto"` (default): by `dmtp_jax.platform.compile_platform()`, per shard: `"ragged"` on TPU
+  (native); on GPU `"dense"` up to 256 tokens per shard (`AUTO_DENSE_MAX_TOKENS`: H100 bf16 peak /
+  HBM bandwidth ~ 295 tokens, below which the dense flops cost less than reading the local weights)
+  and `"scan"` beyond (bounded temporaries, flops near the routed ones); `"scan"` on CPU (fastest
+  there: `benchmarks/bench_moe.py`). `AUTO_IMPL` holds the per-platform kernel.
 
-ragged and blocked hold `[N*k, H]` rows, so they run one call per at most `MAX_ROUTED_ROWS` rows
-(`MAX_ROUTED_ROWS // k` tokens: 4096 at top-8) in a `lax.map` over token chunks. Each chunk reads
-the local weights again: for 16K tokens on TPU expert=4, 526 instead of 1087 MiB of temporaries for
-23% more bytes accessed (XLA's cost model). scan needs no chunking.
+ragged, blocked and dense hold `[N*k, H]` / `[N, G, I]` rows, so they run one call per at most
+`MAX_ROUTED_ROWS` rows (`MAX_ROUTED_ROWS // k` tokens, 4096 at top-8; dense: `// G`) in a `lax.map`
+over token chunks. Each chunk reads the local weights again: for 16K tokens on TPU expert=4, ragged
+has 526 instead of 1087 MiB of temporaries for 23% more bytes accessed (XLA's cost model). scan
+needs no chunking.
 
 Measured (`benchmarks/bench_moe_memory.py`: the real TPU / GPU compilers on a CPU machine, no chips;
 jax 0.10.2, libtpu 0.0.42) for one Qwen3.6-35B-A3B MoE layer (H=2048, 256 experts, top-8, I=512,
-bf16), temporaries per device, 32 decode tokens / 16K prefill tokens:
+bf16), temporaries per device, 32 decode tokens / 16K prefill tokens, MiB:
 
-| MiB, 32 / 16K tokens    | ragged (unchunked 16K) | blocked (unchunked 16K) | scan        |
-|-------------------------|------------------------|-------------------------|-------------|
-| TPU v5p 2x2x1, expert=4 | 2.7 / 526 (1087)       | 329 / 1333 (3523)       | 1.0 / 167   |
-| 8xH100, expert=8        | 40 / 4257 (16641)      | 387 / 2037 (6998)       | 4.5 / 133   |
+| target, mesh            | ragged (16K unchunked) | blocked (16K unchunked) | scan      | dense     |
+|-------------------------|------------------------|-------------------------|-----------|-----------|
+| TPU v5p 2x2x1, expert=4 | 2.7 / 526 (1087)       | 329 / 1333 (3523)       | 1.0 / 167 | 2.5 / 130 |
+| 8xH100, expert=8        | 40 / 4257 (16641)      | 387 / 2037 (6998)       | 4.5 / 133 | 5.0 / 193 |
 
-(Before: auto was ragged on TPU and unchunked blocked on GPU.) The routed rows `N*k*(H+I)` are 1.2 /
-640 MiB there (counted whole on every shard: a shard is sized for all N*k rows being routed to its
-experts; the 4 / 8 shards' rows add up to one N*k). On TPU, XLA's cost analysis gives ragged 4.1x
-the routed flops per device at expert=4 (static worst case; the kernel's tile count is dynamic) and
-1.7x the touched experts' weight bytes at 32-256 decode tokens; at prefill its bytes are the routed
-rows' gathers into and out of expert order.
+Before this table, auto was ragged on TPU and (unchunked) blocked on GPU. The routed rows'
+`N*k*(H+I)` are 1.2 / 640 MiB there (counted whole on every shard: a shard is sized for all N*k rows
+being routed to its experts). On TPU, XLA's cost analysis gives ragged 4.1x the routed flops per
+device at expert=4 (static worst case; the kernel's tile count is dynamic) and 1.7x the touched
+experts' weight bytes at 32-256 decode tokens (dense: 32x and 1.6x); at prefill ragged's bytes are
+the routed rows' gathers into and out of expert order.
 
-Not measured: GPU run times. scan runs one loop iteration per block (`N*k/B + G` per shard; a
-skipped one still costs a conditional, which XLA GPU may resolve on the host), so it may be bound by
-launches on GPU. `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` (a Mosaic GPU grouped GEMM for
-Hopper) compiles for the H100 target with 0 temporary bytes: the candidate to time there (forward
-only; not wired in).
+Not measured: GPU run times. scan runs one loop iteration per block (`N*k/B + G` per shard), each
+about 4-11 kernels and a conditional, and XLA GPU's conditional thunk copies its predicate to the
+host and waits for the stream; so at prefill on GPU scan may be bound by launches and syncs, and
+`impl="dense"` (a few kernels per 1024-token chunk at expert=8, 32x the flops) is the loop-free
+alternative to time against it. `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` (a Mosaic GPU
+grouped GEMM for Hopper) compiles for the H100 target with 0 temporary bytes: the candidate for a
+real GPU grouped GEMM (forward only; not wired in).
 
 Expert parallelism. When the weights live on a mesh with more than one device, the routed part runs
 under `jax.shard_map` over that mesh: expert weights are split over the mesh axes of the logical
@@ -181,6 +190,22 @@ def _blocked_expert_mlp(x_mh, group_sizes_g, gate_ghi, up_ghi, down_gih):
     return jnp.where(in_group_m[:, None], y_rows[jnp.where(in_group_m, pos_m, 0)], 0)
 
 
+def _dense_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, first_expert=0):
+    """Every local expert on every token, the unrouted (token, expert) pairs masked out before the
+    down projection: fp32 `[N, H]`. One pass over the local weights, no sort, no loop; `G/k` times
+    the routed flops and `[N, G, I]` temporaries, so for few tokens only (decode)."""
+    g = gate_ghi.shape[0]
+    onehot_nkg = jax.nn.one_hot(experts_nk - first_expert, g, dtype=weights_nk.dtype)  # not local: 0
+    combine_ng = jnp.einsum("nk,nkg->ng", weights_nk, onehot_nkg)
+    routed_ng = jnp.any(onehot_nkg > 0, axis=1)
+    # batched over the experts (as the weights are laid out: no weight transposes)
+    x_gnh = jnp.broadcast_to(x_nh, (g,) + x_nh.shape)
+    h_gni = (jax.nn.silu(jnp.einsum("gnh,ghi->gni", x_gnh, gate_ghi))
+             * jnp.einsum("gnh,ghi->gni", x_gnh, up_ghi))
+    h_gni = jnp.where(routed_ng.T[..., None], h_gni * combine_ng.T[..., None], 0)   # no inf * 0
+    return jnp.einsum("gni,gih->nh", h_gni, down_gih, preferred_element_type=jnp.float32)
+
+
 def _scan_expert_mlp(x_nh, token_m, weight_m, group_sizes_g, gate_ghi, up_ghi, down_gih):
     """`sum` over the sorted local assignments `m` of `weight_m * expert(x_nh[token_m])`, as fp32 `[N, H]`.
 
@@ -243,15 +268,24 @@ def _scan_expert_mlp(x_nh, token_m, weight_m, group_sizes_g, gate_ghi, up_ghi, d
 
 
 # ragged / blocked map sorted rows to sorted rows; scan takes the tokens and returns the combined [N, H]
-GROUPED_EXPERT_MLPS = {"ragged": _ragged_expert_mlp, "blocked": _blocked_expert_mlp, "scan": _scan_expert_mlp}
+GROUPED_EXPERT_MLPS = {"ragged": _ragged_expert_mlp, "blocked": _blocked_expert_mlp, "scan": _scan_expert_mlp,
+                       "dense": _dense_expert_mlp}
 AUTO_IMPL = {"tpu": "ragged", "gpu": "scan", "cpu": "scan"}
-CHUNKED_IMPLS = ("ragged", "blocked")
+# platforms where calls of at most this many (per-shard) tokens use "dense" under "auto": H100 peak
+# bf16 flops / HBM bandwidth ~ 989e12 / 3.35e12 ~ 295 tokens, below which its G/k extra flops cost
+# less than its single read of the local weights
+AUTO_DENSE_MAX_TOKENS = {"gpu": 256}
+CHUNKED_IMPLS = ("ragged", "blocked", "dense")
 
 
-def resolve_impl(impl: str) -> str:
-    """`"auto"` -> the kernel for the platform compiled for (`dmtp_jax.platform`, `AUTO_IMPL`); checks the name."""
+def resolve_impl(impl: str, num_tokens: int | None = None) -> str:
+    """`"auto"` -> the kernel for the platform compiled for (`dmtp_jax.platform`, `AUTO_IMPL`; `"dense"`
+    for at most `AUTO_DENSE_MAX_TOKENS` tokens where set, when `num_tokens` is given); checks the name."""
     if impl == "auto":
-        return AUTO_IMPL.get(compile_platform(), "scan")
+        platform = compile_platform()
+        if num_tokens is not None and num_tokens <= AUTO_DENSE_MAX_TOKENS.get(platform, 0):
+            return "dense"
+        return AUTO_IMPL.get(platform, "scan")
     if impl not in GROUPED_EXPERT_MLPS:
         raise ValueError(f"unknown MoE impl '{impl}'; use auto, {', '.join(GROUPED_EXPERT_MLPS)}")
     return impl
@@ -272,18 +306,21 @@ def _chunked(routed, chunk: int, x_nh, weights_nk, experts_nk):
 
 def routed_expert_mlp(x_nh: jax.Array, weights_nk: jax.Array, experts_nk: jax.Array,
                       gate_ghi: jax.Array, up_ghi: jax.Array, down_gih: jax.Array,
-                      first_expert=0, impl: str = "scan") -> jax.Array:
+                      first_expert=0, impl: str = "auto") -> jax.Array:
     """`sum_k weights_nk * expert_{experts_nk}(x_nh)` over the assignments whose expert is one of the
     G local experts `first_expert .. first_expert+G-1` (weights `[G, ...]`); others contribute 0.
     A token's k experts are distinct (as `moe_top_k` gives them). Returns fp32 `[N, H]` (the caller
     casts, after any cross-shard sum)."""
     n, top_k = experts_nk.shape
     g = gate_ghi.shape[0]
-    chunk = max(1, MAX_ROUTED_ROWS // top_k)
-    if impl in CHUNKED_IMPLS and n > chunk:     # these hold [N*k, H]: one call per <= chunk tokens
+    impl = resolve_impl(impl, n)
+    chunk = max(1, MAX_ROUTED_ROWS // (g if impl == "dense" else top_k))
+    if impl in CHUNKED_IMPLS and n > chunk:     # these hold [N*k or N*G, ...]: <= chunk tokens per call
         return _chunked(functools.partial(routed_expert_mlp, gate_ghi=gate_ghi, up_ghi=up_ghi,
                                           down_gih=down_gih, first_expert=first_expert, impl=impl),
                         chunk, x_nh, weights_nk, experts_nk)
+    if impl == "dense":
+        return _dense_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, first_expert)
     local_m = experts_nk.reshape(-1) - first_expert
     group_m = jnp.where((local_m >= 0) & (local_m < g), local_m, g)            # g = not local
     order_m = jnp.argsort(group_m, stable=True)
@@ -343,7 +380,7 @@ def moe_mlp(x_nh: jax.Array, router_he: jax.Array, gate_ehi: jax.Array, up_ehi: 
             down_eih: jax.Array, top_k: int, norm_topk_prob: bool, *, impl: str = "auto") -> jax.Array:
     """Sparse MoE MLP `[N, H] -> [N, H]` computing only the routed (token, expert) pairs; equal to
     `moe_mlp_dense`. Expert-parallel over the weights' mesh when there is one (module docstring)."""
-    impl = resolve_impl(impl)
+    resolve_impl(impl)          # checks the name; "auto" is resolved per shard, by its token count
     weights_nk, experts_nk = moe_top_k(x_nh, router_he, top_k, norm_topk_prob)
     mesh = weights_mesh(gate_ehi)
     if mesh is None:
