@@ -192,8 +192,9 @@ def _blocked_expert_mlp(x_mh, group_sizes_g, gate_ghi, up_ghi, down_gih):
 
 def _dense_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, first_expert=0):
     """Every local expert on every token, the unrouted (token, expert) pairs masked out before the
-    down projection: fp32 `[N, H]`. One pass over the local weights, no sort, no loop; `G/k` times
-    the routed flops and `[N, G, I]` temporaries, so for few tokens only (decode)."""
+    down projection: fp32 `[N, H]`. One pass over the local weights, no sort, no loop; `E/k` times
+    the routed flops (G local experts per token instead of its k / shards) and `[N, G, I]`
+    temporaries, so for few tokens only (decode)."""
     g = gate_ghi.shape[0]
     onehot_nkg = jax.nn.one_hot(experts_nk - first_expert, g, dtype=weights_nk.dtype)  # not local: 0
     combine_ng = jnp.einsum("nk,nkg->ng", weights_nk, onehot_nkg)
@@ -267,7 +268,8 @@ def _scan_expert_mlp(x_nh, token_m, weight_m, group_sizes_g, gate_ghi, up_ghi, d
     return jax.lax.scan(one_block, acc_nh, (group_b, first_row_b, rows_b))[0]
 
 
-# ragged / blocked map sorted rows to sorted rows; scan takes the tokens and returns the combined [N, H]
+# ragged / blocked map sorted rows to sorted rows; scan and dense (called by routed_expert_mlp with
+# other arguments) return the combined fp32 [N, H]
 GROUPED_EXPERT_MLPS = {"ragged": _ragged_expert_mlp, "blocked": _blocked_expert_mlp, "scan": _scan_expert_mlp,
                        "dense": _dense_expert_mlp}
 AUTO_IMPL = {"tpu": "ragged", "gpu": "scan", "cpu": "scan"}
@@ -378,8 +380,8 @@ def _expert_parallel_mlp(mesh, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, d
 
 def moe_mlp(x_nh: jax.Array, router_he: jax.Array, gate_ehi: jax.Array, up_ehi: jax.Array,
             down_eih: jax.Array, top_k: int, norm_topk_prob: bool, *, impl: str = "auto") -> jax.Array:
-    """Sparse MoE MLP `[N, H] -> [N, H]` computing only the routed (token, expert) pairs; equal to
-    `moe_mlp_dense`. Expert-parallel over the weights' mesh when there is one (module docstring)."""
+    """Sparse MoE MLP `[N, H] -> [N, H]` computing the routed (token, expert) pairs (`impl`: module
+    docstring); equal to `moe_mlp_dense`. Expert-parallel over the weights' mesh when there is one (module docstring)."""
     resolve_impl(impl)          # checks the name; "auto" is resolved per shard, by its token count
     weights_nk, experts_nk = moe_top_k(x_nh, router_he, top_k, norm_topk_prob)
     mesh = weights_mesh(gate_ehi)
