@@ -5,10 +5,11 @@
 
 Prints one row per (tokens, experts): the median wall time (ms) of warm jitted forwards of each impl
 (`dense` = `moe_mlp_dense`, every expert on every token; `sparse` = `moe_mlp` with its default
-kernel for this backend; `blocked` / `ragged` = `moe_mlp` forcing that grouped-matmul kernel) and
+kernel for this backend; `scan` / `blocked` / `ragged` = `moe_mlp` forcing that grouped-matmul kernel) and
 dense/sparse. The sparse time should stay nearly flat as experts grow; dense grows linearly.
 Defaults use small hidden sizes so a CPU run takes well under a minute. Numbers compare within one
-run on one machine (run on an idle machine for stable ones).
+run on one machine (run on an idle machine for stable ones). Memory at real sizes on TPU / GPU
+compile targets: `benchmarks/bench_moe_memory.py`.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="8,512", help="decode-ish and prefill-ish token counts")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--inter", type=int, default=64, help="per-expert intermediate size")
-    ap.add_argument("--impls", default="dense,sparse", help="of dense, sparse, blocked, ragged")
+    ap.add_argument("--impls", default="dense,sparse", help="of dense, sparse, scan, blocked, ragged")
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     impls = args.impls.split(",")

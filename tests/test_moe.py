@@ -1,5 +1,6 @@
 """Sparse MoE (`dmtp_jax.layers.mlp.moe_mlp`) equals the dense reference, in value and gradient, on one
-device and with the experts sharded over 8 fake CPU devices.
+device and with the experts sharded over 8 fake CPU devices; the token-chunked calls of the ragged /
+blocked kernels equal one call; the scan kernel's temporaries scale with the routed rows, not the experts.
 
 The 8-device check needs `--xla_force_host_platform_device_count=8` before jax is imported, so it runs
 this file as a script in a subprocess (`python tests/test_moe.py --sharded`), which prints JSON.
@@ -26,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dmtp_jax.layers import mlp  # noqa: E402
 from dmtp_jax.layers.mlp import block_rows_for, moe_mlp, moe_mlp_dense  # noqa: E402
 
 WEIGHT_AXES = [("batch", None), ("embed", None), ("experts", "embed", "mlp"),
@@ -53,10 +55,10 @@ def loss_fn(moe, top_k: int, norm: bool):
 # ------------------------------------------------------------------------------------------ one device
 
 CASES = [  # (n, e, k, norm, hot_experts, impls)
-    (1, 8, 2, True, None, ("scan", "blocked")),              # decode, one token
-    (7, 8, 3, False, None, ("scan", "blocked")),             # N*k = 21 not divisible by E
-    (5, 256, 8, True, None, ("scan",)),                      # E >> N*k: most experts get no row
-    (50, 16, 4, True, 2, ("scan", "blocked", "ragged")),     # all tokens on the same 2 (+2) experts
+    (1, 8, 2, True, None, ("scan", "blocked", "dense")),     # decode, one token
+    (7, 8, 3, False, None, ("scan", "blocked", "dense")),    # N*k = 21 not divisible by E
+    (5, 256, 8, True, None, ("scan", "dense")),              # E >> N*k: most experts get no row
+    (50, 16, 4, True, 2, ("scan", "blocked", "ragged", "dense")),  # all tokens on the same 2 (+2) experts
 ]
 
 
@@ -79,7 +81,7 @@ def test_sparse_bf16_close_to_dense():
 
 
 def test_gradients_equal_dense():
-    for n, e, k, norm, hot, impls in [(7, 8, 3, True, None, ("scan", "blocked", "ragged")),
+    for n, e, k, norm, hot, impls in [(7, 8, 3, True, None, ("scan", "blocked", "ragged", "dense")),
                                       (20, 32, 4, False, 3, ("scan",))]:
         args = random_moe(n, 16, e, 8, seed=e, hot_experts=hot)
         ref = jax.jit(jax.grad(loss_fn(moe_mlp_dense, k, norm), argnums=GRAD_ARGNUMS))(*args)
@@ -90,6 +92,57 @@ def test_gradients_equal_dense():
                 scale = max(1.0, float(np.max(np.abs(r))))      # fp32 sums in another order
                 np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-6 * scale, rtol=1e-5,
                                            err_msg=f"d/d{name} {impl} {n=} {e=} {k=}")
+
+
+def test_token_chunks_equal_one_call(monkeypatch):
+    """ragged / blocked run one call per MAX_ROUTED_ROWS // k tokens, dense per MAX_ROUTED_ROWS // E
+    (the last chunk padded); same values and gradients as the dense reference."""
+    monkeypatch.setattr(mlp, "MAX_ROUTED_ROWS", 24)    # k=4: 6 tokens per chunk, 13 = 6+6+1; dense: 1
+    n, e, k = 13, 16, 4
+    args = random_moe(n, 16, e, 8, seed=11)
+    ref_nh = np.asarray(jax.jit(moe_mlp_dense, static_argnums=(5, 6))(*args, k, True))
+    ref_grads = jax.jit(jax.grad(loss_fn(moe_mlp_dense, k, True), argnums=GRAD_ARGNUMS))(*args)
+    for impl in ("ragged", "blocked", "dense"):
+        moe = jax.jit(lambda *a, impl=impl: moe_mlp(*a, k, True, impl=impl))
+        assert " while(" in moe.lower(*args).as_text(dialect="hlo"), impl     # really chunked
+        np.testing.assert_allclose(np.asarray(moe(*args)), ref_nh, atol=2e-6, rtol=1e-5, err_msg=impl)
+        sparse = lambda *a, impl=impl: moe_mlp(*a, impl=impl)   # noqa: E731
+        got = jax.jit(jax.grad(loss_fn(sparse, k, True), argnums=GRAD_ARGNUMS))(*args)
+        for name, g, r in zip(["x", "router", "gate", "up", "down"], got, ref_grads):
+            scale = max(1.0, float(np.max(np.abs(r))))
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-6 * scale, rtol=1e-5,
+                                       err_msg=f"d/d{name} {impl} chunked")
+
+
+def test_scan_temporaries_scale_with_routed_rows():
+    """The compiled scan kernel holds no `N*k x H` sorted copy and no per-block weight copies: its
+    temporaries stay under the routed rows' `N*k*(H+I)` plus the router's `[N, E]` probabilities,
+    at 64 and 256 experts, far below one `[E, H, I]` weight."""
+    n, h, i, k = 256, 64, 32, 8
+    for e in (64, 256):
+        shapes = [(n, h), (h, e), (e, h, i), (e, h, i), (e, i, h)]
+        moe = jax.jit(lambda *a: moe_mlp(*a, k, True, impl="scan"))
+        compiled = moe.lower(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes)).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        routed_bound = 4 * (n * k * (h + i) + 2 * n * e)
+        assert temp <= routed_bound, (e, temp, routed_bound)
+        assert temp < 4 * e * h * i / 2, (e, temp)
+
+
+def test_auto_impl_follows_compile_platform():
+    """auto: ragged on TPU, scan on CPU; on GPU dense up to 256 tokens per shard, scan beyond."""
+    from dmtp_jax.platform import compiling_for
+    for platform, impl in [("tpu", "ragged"), ("gpu", "scan"), ("cpu", "scan")]:
+        with compiling_for(platform):
+            assert mlp.resolve_impl("auto") == impl == mlp.AUTO_IMPL[platform]
+            assert mlp.resolve_impl("auto", 257) == impl
+            assert mlp.resolve_impl("auto", 256) == ("dense" if platform == "gpu" else impl)
+            assert mlp.resolve_impl("ragged", 1) == "ragged"
+    # the GPU choice on a real (CPU) trace: a dense einsum for decode-sized calls, the scan loop beyond
+    args = random_moe(8, 16, 8, 8)
+    with compiling_for("gpu"):
+        decode = jax.jit(lambda *a: moe_mlp(*a, 2, True)).lower(*args).as_text(dialect="hlo")
+    assert " while(" not in decode and " sort(" not in decode
 
 
 def test_block_rows_keep_padding_bounded():
@@ -136,6 +189,15 @@ def sharded_main() -> None:
             "gate_spec": str(placed[2].sharding.spec),
             "all_gathers": sum(" all-gather(" in line for line in compiled.as_text().splitlines()),
         }
+        dense = jax.jit(lambda *a: moe_mlp(*a, c["k"], True, impl="dense"))     # the GPU decode kernel
+        report[spec]["dense_out"] = float(jnp.max(jnp.abs(dense(*placed) - ref_out)))
+    # ragged in token chunks inside each shard: 12 local tokens, 5 per chunk (last one padded)
+    mlp.MAX_ROUTED_ROWS = 5 * c["k"]
+    spec = "expert=4,data=2"
+    mesh = make_mesh(spec)
+    placed = [jax.device_put(a, named_sharding(ax, a.shape, mesh)) for a, ax in zip(args, WEIGHT_AXES)]
+    chunked = jax.jit(lambda *a: moe_mlp(*a, c["k"], True, impl="ragged"))
+    report[spec]["ragged_chunked_out"] = float(jnp.max(jnp.abs(chunked(*placed) - ref_out)))
     print(json.dumps(report))
 
 
@@ -151,6 +213,8 @@ def test_expert_sharded_8_devices_equal_one_device():
         assert "expert" in r["gate_spec"], (spec, r["gate_spec"])
         assert r["out"] <= 1e-5, (spec, r)
         assert max(r["grads"]) <= 1e-5, (spec, r)
+        assert r["dense_out"] <= 1e-5, (spec, r)
+    assert report["expert=4,data=2"]["ragged_chunked_out"] <= 1e-5, report["expert=4,data=2"]
     # experts stay where they are: the expert-parallel forward gathers no weights (only an all-reduce)
     assert report["expert=8"]["all_gathers"] == 0, report["expert=8"]
 

@@ -4,23 +4,63 @@ Router (same as transformers' Qwen3MoeTopKRouter): softmax over experts in fp32,
 renormalisation of the k weights, weights cast to the activation dtype. Expert `e` computes
 `down_e(silu(x @ gate_e) * (x @ up_e))`; a token's output is `sum_k weight_k * y_{e_k}`.
 
-`moe_mlp` computes only the N*k routed (token, expert) pairs: the assignments are sorted by expert,
-the tokens gathered into that order, the three expert matmuls run as a grouped matmul over the
-per-expert group sizes, and the rows are unsorted and weighted back into `[N, H]`. Shapes are fixed
-(N*k rows), so it jits, and it is differentiable. Grouped-matmul kernels (`impl`):
+`moe_mlp` computes the N*k routed (token, expert) pairs: the assignments are sorted by expert and
+the three expert matmuls run as a grouped matmul over the per-expert group sizes. Shapes are fixed
+(N*k rows), so it jits, and it is differentiable. Kernels (`impl`):
 
-- `"ragged"`: `jax.lax.ragged_dot`. A real grouped GEMM on TPU; on CPU (and, unless XLA has a native
-  kernel, GPU) XLA expands it into a masked dense dot over every group, i.e. E times the work.
-- `"blocked"`: portable. Each expert's rows are padded to a multiple of a block of B rows (B chosen
-  from N*k/E), each block gathers its expert's weights, and one batched matmul runs over the blocks.
-  Work is at most `N*k + min(E, N*k)*B` rows, nearly independent of E (B=1 at decode: exactly the
-  k routed experts' weights are read per token).
-- `"scan"`: the same blocks, computed by a `lax.scan` that slices each block's expert weights
-  instead of gathering copies and skips the unused tail blocks at run time (~5x faster than
-  `"blocked"` on CPU at 256 experts; under expert parallelism a shard only computes its own rows,
-  while `"blocked"` always pays for the static worst case, all N*k rows, on every shard).
-- `"auto"` (default): `"ragged"` on TPU, `"blocked"` on GPU, `"scan"` on CPU (`AUTO_IMPL`). The GPU
-  choice is unmeasured (no GPU here); pass `impl=` to compare.
+- `"ragged"`: the tokens gathered into expert order (`[N*k, H]`), three `jax.lax.ragged_dot`s, the
+  rows unsorted and weighted back into `[N, H]`. On TPU a real grouped GEMM (a `tpu_custom_call` with
+  a run-time tile count; one ragged_dot reads x, w and writes out once). On GPU and CPU, XLA (jax
+  0.10.2) rewrites it (`ragged_dot_rewriter`) into a dense dot over all G local experts through a
+  masked `[N*k, G*H]` operand: G times the work, and 16.6 GB of temporaries for 16K tokens in one
+  call (H100 target, below); `--xla_gpu_experimental_use_ragged_dot_{fusion,grouped_gemm}` change
+  nothing there.
+- `"blocked"`: each expert's rows padded to blocks of B rows (B chosen from N*k/G), one batched
+  matmul over the blocks with a gathered copy of each block's expert weights (`blocks x H x I`).
+- `"scan"`: the same blocks, in a `lax.scan` that gathers each block's B token rows from `[N, H]`,
+  slices the block's expert weights in place and scatter-adds the weighted outputs into an fp32
+  `[N, H]` accumulator; blocks past the last used one are skipped at run time (`lax.cond`), so under
+  expert parallelism a shard computes only its own rows. No `[N*k, H]` copy, no weight copies; the
+  backward pass re-slices the weights (checkpoint policy) instead of saving each block's slice.
+- `"dense"`: every local expert on every token as batched matmuls over the experts (the weights as
+  laid out, no copies), the unrouted pairs masked out before the down projection. No sort, no loop,
+  one read of the local weights; `E/k` times the routed flops and `[N, G, I]` temporaries, so meant
+  for decode-sized calls, where reading the weights costs more than those flops.
+- `"auto"` (default): by `dmtp_jax.platform.compile_platform()`, per shard: `"ragged"` on TPU
+  (native); on GPU `"dense"` up to 256 tokens per shard (`AUTO_DENSE_MAX_TOKENS`: H100 bf16 peak /
+  HBM bandwidth ~ 295 tokens, below which the dense flops cost less than reading the local weights)
+  and `"scan"` beyond (bounded temporaries, flops near the routed ones); `"scan"` on CPU (fastest
+  there: `benchmarks/bench_moe.py`). `AUTO_IMPL` holds the per-platform kernel.
+
+ragged, blocked and dense hold `[N*k, H]` / `[N, G, I]` rows, so they run one call per at most
+`MAX_ROUTED_ROWS` rows (`MAX_ROUTED_ROWS // k` tokens, 4096 at top-8; dense: `// G`) in a `lax.map`
+over token chunks. Each chunk reads the local weights again: for 16K tokens on TPU expert=4, ragged
+has 526 instead of 1087 MiB of temporaries for 23% more bytes accessed (XLA's cost model). scan
+needs no chunking.
+
+Measured (`benchmarks/bench_moe_memory.py`: the real TPU / GPU compilers on a CPU machine, no chips;
+jax 0.10.2, libtpu 0.0.42) for one Qwen3.6-35B-A3B MoE layer (H=2048, 256 experts, top-8, I=512,
+bf16), temporaries per device, 32 decode tokens / 16K prefill tokens, MiB:
+
+| target, mesh            | ragged (16K unchunked) | blocked (16K unchunked) | scan      | dense     |
+|-------------------------|------------------------|-------------------------|-----------|-----------|
+| TPU v5p 2x2x1, expert=4 | 2.7 / 526 (1087)       | 329 / 1333 (3523)       | 1.0 / 167 | 2.5 / 130 |
+| 8xH100, expert=8        | 40 / 4257 (16641)      | 387 / 2037 (6998)       | 4.5 / 133 | 5.0 / 193 |
+
+Before this table, auto was ragged on TPU and (unchunked) blocked on GPU. The routed rows'
+`N*k*(H+I)` are 1.2 / 640 MiB there (counted whole on every shard: a shard is sized for all N*k rows
+being routed to its experts). On TPU, XLA's cost analysis gives ragged 4.1x the routed flops per
+device at expert=4 (static worst case; the kernel's tile count is dynamic) and 1.7x the touched
+experts' weight bytes at 32-256 decode tokens (dense: 32x and 1.6x); at prefill ragged's bytes are
+the routed rows' gathers into and out of expert order.
+
+Not measured: GPU run times. scan runs one loop iteration per block (`N*k/B + G` per shard), each
+about 4-11 kernels and a conditional, and XLA GPU's conditional thunk copies its predicate to the
+host and waits for the stream; so at prefill on GPU scan may be bound by launches and syncs, and
+`impl="dense"` (a few kernels per 1024-token chunk at expert=8, 32x the flops) is the loop-free
+alternative to time against it. `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` (a Mosaic GPU
+grouped GEMM for Hopper) compiles for the H100 target with 0 temporary bytes: the candidate for a
+real GPU grouped GEMM (forward only; not wired in).
 
 Expert parallelism. When the weights live on a mesh with more than one device, the routed part runs
 under `jax.shard_map` over that mesh: expert weights are split over the mesh axes of the logical
@@ -64,6 +104,7 @@ from dmtp_jax.platform import compile_platform
 from dmtp_jax.sharding import DEFAULT_RULES, spec_for
 
 MAX_BLOCK_ROWS = 128
+MAX_ROUTED_ROWS = 32768      # ragged / blocked: at most this many (token, expert) rows per call
 
 
 def swiglu(x: jax.Array, gate_hi: jax.Array, up_hi: jax.Array, down_ih: jax.Array) -> jax.Array:
@@ -111,17 +152,16 @@ def _ragged_expert_mlp(x_mh, group_sizes_g, gate_ghi, up_ghi, down_gih):
 
 
 def block_rows_for(num_rows: int, num_groups: int) -> int:
-    """Rows per block of the blocked kernel: the power of two <= rows per group, in [1, 128]; so the
+    """Rows per block of the blocked / scan kernels: the power of two <= rows per group, in [1, 128]; so the
     padding (< one block per non-empty group) stays below about `num_rows`."""
     per_group = max(1, num_rows // max(1, num_groups))
     return min(MAX_BLOCK_ROWS, 1 << (per_group.bit_length() - 1))
 
 
-def _blocked_expert_mlp(x_mh, group_sizes_g, gate_ghi, up_ghi, down_gih, *, scan: bool = False):
+def _blocked_expert_mlp(x_mh, group_sizes_g, gate_ghi, up_ghi, down_gih):
     """Same contract as `_ragged_expert_mlp`, without ragged_dot: groups padded to blocks of B rows,
-    one expert per block. `scan=False`: one batched matmul over the blocks with per-block gathered
-    weights (few big kernels: accelerators). `scan=True`: a `lax.scan` over the blocks slicing each
-    block's expert weights (no weight copies: CPU)."""
+    one expert per block, and one batched matmul over the blocks with per-block gathered copies of
+    the weights (`blocks x H x I`: GBs per layer at prefill sizes; see the module docstring)."""
     m, g = x_mh.shape[0], gate_ghi.shape[0]
     block = block_rows_for(m, g)
     # every non-empty block holds >= 1 row, and only the last block of a group is partial
@@ -139,23 +179,9 @@ def _blocked_expert_mlp(x_mh, group_sizes_g, gate_ghi, up_ghi, down_gih, *, scan
     valid_br = (offset_br >= 0) & (offset_br < group_sizes_g[group_b][:, None])
     src_br = jnp.where(valid_br, row_start_g[group_b][:, None] + offset_br, 0)
     x_brh = jnp.where(valid_br[..., None], x_mh[src_br], 0)
-
-    if scan:
-        def expert_block(x_rh, group):
-            gate_hi, up_hi, down_ih = (jax.lax.dynamic_index_in_dim(w, group, keepdims=False)
-                                       for w in (gate_ghi, up_ghi, down_gih))
-            return swiglu(x_rh, gate_hi, up_hi, down_ih)
-
-        def one_block(_, block_inputs):      # blocks past the last used one (all padding) are skipped
-            x_rh, group, used = block_inputs
-            return None, jax.lax.cond(used, expert_block, lambda x_rh, _: jnp.zeros_like(x_rh), x_rh, group)
-        used_b = block_ids_b < block_end_g[-1]
-        y_brh = jax.lax.scan(one_block, None, (x_brh, group_b, used_b))[1]
-    else:
-        h_bri = (jax.nn.silu(jnp.einsum("brh,bhi->bri", x_brh, gate_ghi[group_b]))
-                 * jnp.einsum("brh,bhi->bri", x_brh, up_ghi[group_b]))
-        y_brh = jnp.einsum("bri,bih->brh", h_bri, down_gih[group_b])
-    y_rows = y_brh.reshape(num_blocks * block, -1)
+    h_bri = (jax.nn.silu(jnp.einsum("brh,bhi->bri", x_brh, gate_ghi[group_b]))
+             * jnp.einsum("brh,bhi->bri", x_brh, up_ghi[group_b]))
+    y_rows = jnp.einsum("bri,bih->brh", h_bri, down_gih[group_b]).reshape(num_blocks * block, -1)
 
     rows_m = jnp.arange(m)
     group_m = jnp.minimum(jnp.searchsorted(row_end_g, rows_m, side="right"), g - 1)
@@ -164,32 +190,146 @@ def _blocked_expert_mlp(x_mh, group_sizes_g, gate_ghi, up_ghi, down_gih, *, scan
     return jnp.where(in_group_m[:, None], y_rows[jnp.where(in_group_m, pos_m, 0)], 0)
 
 
-GROUPED_EXPERT_MLPS = {"ragged": _ragged_expert_mlp, "blocked": _blocked_expert_mlp,
-                       "scan": functools.partial(_blocked_expert_mlp, scan=True)}
-AUTO_IMPL = {"tpu": "ragged", "gpu": "blocked", "cpu": "scan"}
+def _dense_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, first_expert=0):
+    """Every local expert on every token, the unrouted (token, expert) pairs masked out before the
+    down projection: fp32 `[N, H]`. One pass over the local weights, no sort, no loop; `E/k` times
+    the routed flops (G local experts per token instead of its k / shards) and `[N, G, I]`
+    temporaries, so for few tokens only (decode)."""
+    g = gate_ghi.shape[0]
+    onehot_nkg = jax.nn.one_hot(experts_nk - first_expert, g, dtype=weights_nk.dtype)  # not local: 0
+    combine_ng = jnp.einsum("nk,nkg->ng", weights_nk, onehot_nkg)
+    routed_ng = jnp.any(onehot_nkg > 0, axis=1)
+    # batched over the experts (as the weights are laid out: no weight transposes)
+    x_gnh = jnp.broadcast_to(x_nh, (g,) + x_nh.shape)
+    h_gni = (jax.nn.silu(jnp.einsum("gnh,ghi->gni", x_gnh, gate_ghi))
+             * jnp.einsum("gnh,ghi->gni", x_gnh, up_ghi))
+    h_gni = jnp.where(routed_ng.T[..., None], h_gni * combine_ng.T[..., None], 0)   # no inf * 0
+    return jnp.einsum("gni,gih->nh", h_gni, down_gih, preferred_element_type=jnp.float32)
 
 
-def resolve_impl(impl: str) -> str:
-    """`"auto"` -> the kernel for the platform compiled for (`dmtp_jax.platform`, `AUTO_IMPL`); checks the name."""
+def _scan_expert_mlp(x_nh, token_m, weight_m, group_sizes_g, gate_ghi, up_ghi, down_gih):
+    """`sum` over the sorted local assignments `m` of `weight_m * expert(x_nh[token_m])`, as fp32 `[N, H]`.
+
+    The assignments (sorted by local expert; `group_sizes_g` of them per expert, the non-local rest at
+    the end) are cut into blocks of B rows of one expert each, and a `lax.scan` over the blocks
+    gathers each block's B token rows from `x_nh`, slices the block's expert weights in place,
+    and scatter-adds the B weighted outputs into the `[N, H]` accumulator; blocks past the last
+    used one are skipped at run time (`lax.cond`). Nothing of size `N*k x H` or `blocks x H x I` is
+    materialised: the temporaries are the accumulator, the `[N*k]` index arrays and one block's
+    `B x (H + I)` rows."""
+    n, h = x_nh.shape
+    m, g = token_m.shape[0], gate_ghi.shape[0]
+    block = block_rows_for(m, g)
+    num_blocks = min(m, m // block + min(g, m))       # >= 1 row per used block; 1 partial block per group
+    blocks_g = (group_sizes_g + block - 1) // block
+    block_end_g = jnp.cumsum(blocks_g)
+    block_start_g = block_end_g - blocks_g
+    row_end_g = jnp.cumsum(group_sizes_g)
+    row_start_g = row_end_g - group_sizes_g
+    block_ids_b = jnp.arange(num_blocks)
+    group_b = jnp.minimum(jnp.searchsorted(block_end_g, block_ids_b, side="right"), g - 1)
+    first_row_b = row_start_g[group_b] + (block_ids_b - block_start_g[group_b]) * block
+    rows_b = jnp.where(block_ids_b < block_end_g[-1],
+                       jnp.clip(row_end_g[group_b] - first_row_b, 0, block), 0)
+    first_row_b = jnp.minimum(first_row_b, m)          # unused blocks: any in-range start
+    # padded by one block, so that a block starting near the end slices in range
+    token_pad = jnp.concatenate([token_m, jnp.full((block,), n, token_m.dtype)])
+    weight_pad = jnp.concatenate([weight_m, jnp.zeros((block,), weight_m.dtype)])
+    rows_r = jnp.arange(block)
+
+    # The backward pass keeps each block's matmul outputs (B rows) and re-slices the expert weights
+    # and re-gathers the token rows; without the checkpoint the cond would hand every block's weight
+    # slice to the scan as a residual (blocks x H x I, GBs at prefill sizes).
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    def block_rows(group, first_row, rows):
+        valid_r = rows_r < rows
+        # invalid rows get distinct out-of-range tokens n+r: dropped by the scatter, which then has
+        # sorted unique indices (a token meets each expert at most once, in token order)
+        token_r = jnp.where(valid_r, jax.lax.dynamic_slice_in_dim(token_pad, first_row, block), n + rows_r)
+        weight_r = jax.lax.dynamic_slice_in_dim(weight_pad, first_row, block)
+
+        def compute(token_r, weight_r):
+            x_rh = x_nh.at[token_r].get(mode="fill", fill_value=0, indices_are_sorted=True,
+                                        unique_indices=True)
+            gate_hi, up_hi, down_ih = (jax.lax.dynamic_index_in_dim(w, group, keepdims=False)
+                                       for w in (gate_ghi, up_ghi, down_gih))
+            return (swiglu(x_rh, gate_hi, up_hi, down_ih) * weight_r[:, None]).astype(jnp.float32)
+
+        def skip(token_r, weight_r):
+            return jnp.zeros_like(weight_r, shape=(block, h), dtype=jnp.float32)
+
+        return token_r, jax.lax.cond(rows > 0, compute, skip, token_r, weight_r)
+
+    def one_block(acc_nh, block_inputs):
+        token_r, y_rh = block_rows(*block_inputs)
+        return acc_nh.at[token_r].add(y_rh, mode="drop", indices_are_sorted=True, unique_indices=True), None
+
+    acc_nh = jnp.zeros_like(x_nh, dtype=jnp.float32)
+    return jax.lax.scan(one_block, acc_nh, (group_b, first_row_b, rows_b))[0]
+
+
+# ragged / blocked map sorted rows to sorted rows; scan and dense (called by routed_expert_mlp with
+# other arguments) return the combined fp32 [N, H]
+GROUPED_EXPERT_MLPS = {"ragged": _ragged_expert_mlp, "blocked": _blocked_expert_mlp, "scan": _scan_expert_mlp,
+                       "dense": _dense_expert_mlp}
+AUTO_IMPL = {"tpu": "ragged", "gpu": "scan", "cpu": "scan"}
+# platforms where calls of at most this many (per-shard) tokens use "dense" under "auto": H100 peak
+# bf16 flops / HBM bandwidth ~ 989e12 / 3.35e12 ~ 295 tokens, below which its G/k extra flops cost
+# less than its single read of the local weights
+AUTO_DENSE_MAX_TOKENS = {"gpu": 256}
+CHUNKED_IMPLS = ("ragged", "blocked", "dense")
+
+
+def resolve_impl(impl: str, num_tokens: int | None = None) -> str:
+    """`"auto"` -> the kernel for the platform compiled for (`dmtp_jax.platform`, `AUTO_IMPL`; `"dense"`
+    for at most `AUTO_DENSE_MAX_TOKENS` tokens where set, when `num_tokens` is given); checks the name."""
     if impl == "auto":
-        return AUTO_IMPL.get(compile_platform(), "blocked")
+        platform = compile_platform()
+        if num_tokens is not None and num_tokens <= AUTO_DENSE_MAX_TOKENS.get(platform, 0):
+            return "dense"
+        return AUTO_IMPL.get(platform, "scan")
     if impl not in GROUPED_EXPERT_MLPS:
         raise ValueError(f"unknown MoE impl '{impl}'; use auto, {', '.join(GROUPED_EXPERT_MLPS)}")
     return impl
 
 
+def _chunked(routed, chunk: int, x_nh, weights_nk, experts_nk):
+    """`routed(x, weights, experts)` over consecutive chunks of `chunk` tokens (a `lax.map`); padding
+    tokens get expert -1, which is never local, so they contribute nothing."""
+    n = x_nh.shape[0]
+    num_chunks = -(-n // chunk)
+    pad = num_chunks * chunk - n
+    x_nh, weights_nk = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x_nh, weights_nk))
+    experts_nk = jnp.pad(experts_nk, ((0, pad), (0, 0)), constant_values=-1)
+    y_cth = jax.lax.map(lambda c: routed(*c), tuple(a.reshape(num_chunks, chunk, -1)
+                                                    for a in (x_nh, weights_nk, experts_nk)))
+    return y_cth.reshape(num_chunks * chunk, -1)[:n]
+
+
 def routed_expert_mlp(x_nh: jax.Array, weights_nk: jax.Array, experts_nk: jax.Array,
                       gate_ghi: jax.Array, up_ghi: jax.Array, down_gih: jax.Array,
-                      first_expert=0, impl: str = "scan") -> jax.Array:
+                      first_expert=0, impl: str = "auto") -> jax.Array:
     """`sum_k weights_nk * expert_{experts_nk}(x_nh)` over the assignments whose expert is one of the
     G local experts `first_expert .. first_expert+G-1` (weights `[G, ...]`); others contribute 0.
-    Returns fp32 `[N, H]` (the caller casts, after any cross-shard sum)."""
+    A token's k experts are distinct (as `moe_top_k` gives them). Returns fp32 `[N, H]` (the caller
+    casts, after any cross-shard sum)."""
     n, top_k = experts_nk.shape
     g = gate_ghi.shape[0]
+    impl = resolve_impl(impl, n)
+    chunk = max(1, MAX_ROUTED_ROWS // (g if impl == "dense" else top_k))
+    if impl in CHUNKED_IMPLS and n > chunk:     # these hold [N*k or N*G, ...]: <= chunk tokens per call
+        return _chunked(functools.partial(routed_expert_mlp, gate_ghi=gate_ghi, up_ghi=up_ghi,
+                                          down_gih=down_gih, first_expert=first_expert, impl=impl),
+                        chunk, x_nh, weights_nk, experts_nk)
+    if impl == "dense":
+        return _dense_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, first_expert)
     local_m = experts_nk.reshape(-1) - first_expert
     group_m = jnp.where((local_m >= 0) & (local_m < g), local_m, g)            # g = not local
     order_m = jnp.argsort(group_m, stable=True)
     group_sizes_g = jnp.bincount(group_m, length=g + 1)[:g].astype(jnp.int32)
+    if impl == "scan":
+        return _scan_expert_mlp(x_nh, (order_m // top_k).astype(jnp.int32), weights_nk.reshape(-1)[order_m],
+                                group_sizes_g, gate_ghi, up_ghi, down_gih)
     y_sorted_mh = GROUPED_EXPERT_MLPS[impl](x_nh[order_m // top_k], group_sizes_g,
                                             gate_ghi, up_ghi, down_gih)
     inverse_m = jnp.zeros_like(order_m).at[order_m].set(jnp.arange(order_m.shape[0], dtype=order_m.dtype))
@@ -240,9 +380,9 @@ def _expert_parallel_mlp(mesh, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, d
 
 def moe_mlp(x_nh: jax.Array, router_he: jax.Array, gate_ehi: jax.Array, up_ehi: jax.Array,
             down_eih: jax.Array, top_k: int, norm_topk_prob: bool, *, impl: str = "auto") -> jax.Array:
-    """Sparse MoE MLP `[N, H] -> [N, H]` computing only the routed (token, expert) pairs; equal to
-    `moe_mlp_dense`. Expert-parallel over the weights' mesh when there is one (module docstring)."""
-    impl = resolve_impl(impl)
+    """Sparse MoE MLP `[N, H] -> [N, H]` computing the routed (token, expert) pairs (`impl`: module
+    docstring); equal to `moe_mlp_dense`. Expert-parallel over the weights' mesh when there is one (module docstring)."""
+    resolve_impl(impl)          # checks the name; "auto" is resolved per shard, by its token count
     weights_nk, experts_nk = moe_top_k(x_nh, router_he, top_k, norm_topk_prob)
     mesh = weights_mesh(gate_ehi)
     if mesh is None:
