@@ -142,6 +142,27 @@ def loss_sums(params, graphdefs, target_graphdef, target_state, mtp_graphdef, mt
     return sums["loss_sum"], sums
 
 
+def abstract_models(target_cfg, dtype, mesh, mesh_rules: MeshRules = DEFAULT_RULES, *, with_mtp: bool = False):
+    """`(target, mtp)`: `LoadedModel`s whose states are ShapeDtypeStructs at their mesh shardings
+    (no weights read, nothing allocated), for building a `Trainer` that only lowers / compiles
+    (`Trainer.lower_step`). `mtp` is None unless `with_mtp`.
+
+    Example:
+        >>> target, _ = abstract_models(target_cfg, "bfloat16", make_mesh("fsdp=8"))  # doctest: +SKIP
+    """
+    from dmtp_jax.checkpoint.hf import LoadedModel, abstract_target
+    from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
+    from dmtp_jax.models.mtp import mtp_config_for
+
+    def placed(cfg, graphdef, abstract):
+        shardings = state_shardings(abstract, mesh, mesh_rules)
+        state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, shardings)
+        return LoadedModel(cfg, graphdef, state, mesh)
+    target = placed(target_cfg, *abstract_target(target_cfg, dtype))
+    mtp = placed(mtp_config_for(target_cfg), *abstract_mtp(target_cfg, dtype)) if with_mtp else None
+    return target, mtp
+
+
 class Trainer:
     """Builds the optimizer, the shardings and the jitted step for one (target, drafter config).
 
@@ -258,6 +279,31 @@ class Trainer:
         bs = self.batch_sharding(global_shape)
         return tuple(jax.make_array_from_process_local_data(bs, local[name], tuple(global_shape))
                      for name in ("tokens_bt", "loss_mask_bt"))
+
+    def abstract_frozen(self):
+        """`(target_state, mtp_state)` as ShapeDtypeStructs at their shardings (mtp None when the
+        method has none): what `step_fn(...).lower` takes in place of the frozen weights."""
+        def placed(state, shardings):
+            return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
+        mtp = None if self.mtp is None else placed(self.mtp.state, self.mtp_shardings)
+        return placed(self.target.state, self.target_shardings), mtp
+
+    def lower_step(self, global_batch: int, seq_len: int) -> jax.stages.Lowered:
+        """The train step for a global batch `[global_batch, seq_len]`, lowered on abstract inputs
+        (ShapeDtypeStructs with their shardings: train state, frozen target / MTP states, int32
+        tokens and loss mask) -- no weights, no data, nothing allocated. `.compile()` it, then read
+        `memory_analysis()` / `cost_analysis()`; the same jit as `step`, so what compiles here is
+        what a run compiles. Works on a Trainer built around `abstract_models(...)`.
+
+        Example:
+            >>> target, mtp = abstract_models(target_cfg, "bfloat16", mesh)  # doctest: +SKIP
+            >>> trainer = Trainer(target, dcfg, StepConfig(), OptimConfig(), mesh)  # doctest: +SKIP
+            >>> mem = trainer.lower_step(8, 2048).compile().memory_analysis()  # doctest: +SKIP
+        """
+        shape = (int(global_batch), int(seq_len))
+        batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding(shape))
+        target_state, mtp_state = self.abstract_frozen()
+        return self.step_fn(shape).lower(self.abstract_state(), target_state, mtp_state, batch, batch)
 
     def compile_count(self) -> int:
         """Compiled variants of the train step (1 after any number of same-shape steps)."""
