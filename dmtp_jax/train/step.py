@@ -27,18 +27,25 @@ import optax
 from flax import nnx
 
 from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
-from dmtp_jax.models.dflash import DFlashConfig
+from dmtp_jax.errors import InputError
+from dmtp_jax.models.dflash import REMAT_POLICIES, DFlashConfig
 from dmtp_jax.models.fusion import ADAPTIVE, T1Fusion
 from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, batch_sharding, replicated, state_shardings
 from dmtp_jax.train.anchors import sample_anchors
 from dmtp_jax.train.features import mtp_hidden, target_features
-from dmtp_jax.train.loss import (block_inputs, decayed_ce_sums, drafter_block_logits, method_layout,
-                                 uses_mtp)
+from dmtp_jax.train.loss import (block_inputs, ce_sums, draft_head, drafter_block_hidden, method_layout,
+                                 token_ce, uses_mtp)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """What one step computes. `gamma` None or 0 = no decay; `block_size` None = the drafter's."""
+    """What one step computes. `gamma` None or 0 = no decay; `block_size` None = the drafter's.
+
+    Memory knobs (the values computed do not change): `ce_chunk` block rows per sequence whose
+    vocabulary logits are live at once in the loss (`loss.token_ce`; 0 = all `[B, N*K, V]`);
+    `remat` what each drafter layer keeps for the backward pass (`models.dflash.REMAT_POLICIES`:
+    "off", "full" = recompute the layer, "dots" = keep its matmul outputs).
+    """
     method: str = "dflash"
     block_size: int | None = None
     num_anchors: int = 16
@@ -47,6 +54,8 @@ class StepConfig:
     compute_dtype: str = "bfloat16"
     seed: int = 0
     fusion_rank: int = 0          # dmtp-lowrank
+    ce_chunk: int = 512
+    remat: str = "full"
 
 
 def abstract_params(dcfg: DFlashConfig, scfg: StepConfig):
@@ -136,9 +145,12 @@ def loss_sums(params, graphdefs, target_graphdef, target_state, mtp_graphdef, mt
         t1_masked = jnp.broadcast_to(jnp.arange(2 * n) >= n, anchors_bn.shape)
     blocks = block_inputs(scfg.method, tokens_bt, loss_mask_bt, anchors_bn, keep_bn, block_size,
                           mask_token_id=dcfg.mask_token_id, gamma=scfg.gamma, t1_masked_bn=t1_masked)
-    logits = drafter_block_logits(drafter, target, feats_btf, valid_bt, blocks, anchors_bn,
-                                  method=scfg.method, fusion=fusion, mtp_h_bth=mtp_h, t1_masked_bn=t1_masked)
-    sums = decayed_ce_sums(logits, blocks)
+    hidden = drafter_block_hidden(drafter, target, feats_btf, valid_bt, blocks, anchors_bn, method=scfg.method,
+                                  fusion=fusion, mtp_h_bth=mtp_h, t1_masked_bn=t1_masked, remat=scfg.remat)
+    b, n, k = blocks.labels_bnk.shape
+    weight, logits_fn = draft_head(drafter, target)
+    ce, top1 = token_ce(logits_fn, weight, hidden, blocks.labels_bnk.reshape(b, n * k), scfg.ce_chunk)
+    sums = ce_sums(ce.reshape(b, n, k), top1.reshape(b, n, k), blocks)
     return sums["loss_sum"], sums
 
 
@@ -174,6 +186,10 @@ class Trainer:
     def __init__(self, target, dcfg: DFlashConfig, scfg: StepConfig, ocfg: OptimConfig, mesh,
                  mesh_rules: MeshRules = DEFAULT_RULES, mtp=None):
         method_layout(scfg.method, scfg.block_size or dcfg.block_size)     # validates the method
+        if scfg.remat not in REMAT_POLICIES:
+            raise InputError(f"unknown remat '{scfg.remat}'; available: {', '.join(REMAT_POLICIES)}")
+        if scfg.ce_chunk < 0:
+            raise InputError(f"ce_chunk must be >= 0 (0: no chunking), got {scfg.ce_chunk}")
         if uses_mtp(scfg.method) and mtp is None:
             raise ValueError(f"method '{scfg.method}' trains against the target's frozen MTP head (mtp=...)")
         self.mtp = mtp if uses_mtp(scfg.method) else None
