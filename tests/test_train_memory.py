@@ -132,16 +132,6 @@ def test_loss_sums_same_with_chunks_and_remat(method, tie):
             np.testing.assert_array_equal(np.asarray(sums[k]), np.asarray(ref_sums[k]))
 
 
-def _residual_bytes(trainer, target, scfg, shape):
-    """Bytes the backward pass of `loss_sums` keeps (the leaves of its VJP closure), abstractly."""
-    def vjp_of(p):
-        return jax.vjp(lambda q: loss_sums(q, trainer.graphdefs, target.graphdef, target.state, None, None,
-                                           jnp.zeros(shape, jnp.int32), jnp.ones(shape, jnp.int32),
-                                           jax.random.key(0), scfg, jnp.float32)[0], p)[1]
-    leaves = jax.tree.leaves(jax.eval_shape(vjp_of, trainer.abstract_params))
-    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
-
-
 def test_frozen_target_keeps_no_residuals_and_remat_keeps_fewer():
     """What the backward pass keeps does not grow with the frozen target's depth (its forward
     holds nothing for the backward); remat and the chunked CE keep less than neither."""
@@ -156,7 +146,7 @@ def test_frozen_target_keeps_no_residuals_and_remat_keeps_fewer():
         for remat, chunk in (("off", 0), ("full", 16)):
             scfg = StepConfig(num_anchors=8, compute_dtype="float32", remat=remat, ce_chunk=chunk)
             trainer = Trainer(target, dcfg, scfg, OptimConfig(), mesh)
-            sizes[layers, remat] = _residual_bytes(trainer, target, scfg, (2, 64))
+            sizes[layers, remat] = trainer.backward_residual_bytes(2, 64)
     assert sizes[2, "off"] == sizes[6, "off"] and sizes[2, "full"] == sizes[6, "full"], sizes
     assert sizes[2, "full"] < sizes[2, "off"] / 2, sizes
 

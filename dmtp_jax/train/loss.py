@@ -7,7 +7,9 @@ Slot k of the block is labelled with the data token at `a+k`; the known slots (s
 `dflash`) get no loss, predicted slots get `w_k = exp(-(k-1)/gamma)` times the loss mask.
 
 The loss is returned as sums (`loss_sum`, `weight_sum`) so that the train step normalises by the
-summed weights of the whole optimiser step (all micro-batches, all devices).
+summed weights of the whole optimiser step (all micro-batches, all devices). The train step takes
+the drafter's hidden states (`drafter_block_hidden`) to per-token CE with `token_ce`, chunk by
+chunk of block rows, never holding `[tokens, V]` logits; `drafter_block_logits` gives them all.
 
 Example:
     >>> b = block_inputs("dflash", jnp.array([[5, 6, 7, 8]]), jnp.ones((1, 4), jnp.int32),

@@ -9,7 +9,9 @@ divides by the summed weights of the whole step (SpecForge's normalisation), cli
 AdamW with warmup + cosine. Compute runs in `compute_dtype` (params cast in the step; master
 params and optimizer state stay fp32). A step whose loss or gradient norm is not finite keeps the
 params and optimizer state it was given (`jnp.where`, no recompile) and reports `nonfinite` = 1;
-the loop counts such steps (`resilience.NonFiniteGuard`).
+the loop counts such steps (`resilience.NonFiniteGuard`). `Trainer.lower_step` lowers the step on
+abstract inputs (ShapeDtypeStructs at their shardings; `abstract_models` builds weightless target /
+MTP), for compiling for a topology and reading its memory analysis.
 
 Example:
     >>> trainer = Trainer(target, drafter_cfg, StepConfig(), OptimConfig(total_steps=100), mesh)  # doctest: +SKIP
@@ -20,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -320,6 +323,30 @@ class Trainer:
         batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding(shape))
         target_state, mtp_state = self.abstract_frozen()
         return self.step_fn(shape).lower(self.abstract_state(), target_state, mtp_state, batch, batch)
+
+    def backward_residual_bytes(self, batch: int, seq_len: int) -> int:
+        """Bytes the backward pass of one micro-batch `[batch, seq_len]` keeps from its forward
+        (the leaves of `jax.vjp`'s closure of `loss_sums` w.r.t. the trained params, evaluated
+        abstractly: nothing runs). Backend-independent, whole batch (not per device): the measure
+        of what `remat` and `ce_chunk` save, which XLA:CPU's `memory_analysis` does not show for
+        remat (it drops the recompute barriers).
+
+        Example:
+            >>> trainer.backward_residual_bytes(4, 512)  # doctest: +SKIP
+            64159744
+        """
+        shape, scfg = (int(batch), int(seq_len)), self.scfg
+        target_state, mtp_state = self.abstract_frozen()
+
+        def vjp_closure(params, t_state, m_state, tokens, mask):
+            return jax.vjp(lambda p: loss_sums(
+                p, self.graphdefs, self.target.graphdef, t_state, self.mtp.graphdef if self.mtp else None,
+                m_state, tokens, mask, jax.random.key(scfg.seed), scfg, jnp.dtype(scfg.compute_dtype))[0],
+                params)[1]
+        batch_abs = jax.ShapeDtypeStruct(shape, jnp.int32)
+        leaves = jax.tree.leaves(jax.eval_shape(vjp_closure, self.abstract_params, target_state, mtp_state,
+                                                batch_abs, batch_abs))
+        return sum(int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
     def compile_count(self) -> int:
         """Compiled variants of the train step (1 after any number of same-shape steps)."""
