@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--grad-accum", type=int)
     t.add_argument("--compute-dtype", choices=["bfloat16", "float32", "float16"])
     t.add_argument("--target-dtype", choices=["bfloat16", "float32", "float16"])
+    t.add_argument("--ce-chunk", type=int, help="block rows per sequence whose vocabulary logits the loss holds "
+                   "at once (default 512; 0: all rows at once). Memory only: the loss is the same")
+    t.add_argument("--remat", choices=["off", "full", "dots"],
+                   help="recompute drafter layers in the backward pass (default full; dots keeps matmul "
+                        "outputs). Memory only: the loss is the same")
     t.add_argument("--mesh", help="mesh axes, e.g. data=8 or fsdp=4,tensor=2")
     t.add_argument("--seed", type=int)
     t.add_argument("--checkpoint-every", type=int)

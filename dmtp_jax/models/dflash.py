@@ -41,6 +41,7 @@ from flax import nnx
 from dmtp_jax.config import ConfigError, _rope, validate_decoder_stack
 from dmtp_jax.layers import params
 from dmtp_jax.layers.attention import attention_mask, grouped_attention
+from dmtp_jax.layers.dynamic_conv import grouped_dynamic_conv
 from dmtp_jax.layers.kv_cache import repeat_kv_heads
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import rope_cos_sin
@@ -334,29 +335,6 @@ class SelectorOutput:
     probs_blk: jax.Array | None
 
 
-def grouped_dynamic_conv(x_bth: jax.Array, dyn_btkg: jax.Array, base_kh: jax.Array,
-                         group_size: int, block_len: int | None = None) -> jax.Array:
-    """`out[t, c] = sum_o (base[o, c] + dyn[t, o, g(c)]) * x[t - o, c]`, zero before each block start
-    (blocks of `block_len` rows; the whole sequence when None).
-
-    Example:
-        >>> grouped_dynamic_conv(jnp.ones((1, 4, 8)), jnp.zeros((1, 4, 2, 2)), jnp.ones((2, 8)), 4)[0, :, 0]
-        Array([1., 2., 2., 2.], dtype=float32)
-    """
-    b, t, h = x_bth.shape
-    groups = h // group_size
-    x = x_bth.reshape(b, t, groups, group_size)
-    in_block = jnp.arange(t) % (block_len or t)
-    out = jnp.zeros_like(x)
-    for o in range(base_kh.shape[0]):
-        shifted = x if o == 0 else jnp.pad(x[:, :-o], ((0, 0), (o, 0), (0, 0), (0, 0)))
-        if o and block_len:
-            shifted = jnp.where((in_block >= o)[None, :, None, None], shifted, 0)
-        out = out + base_kh[o].reshape(groups, group_size).astype(x.dtype) * shifted
-        out = out + dyn_btkg[:, :, o, :, None] * shifted
-    return out.reshape(b, t, h)
-
-
 class GroupedDynamicCausalConv(nnx.Module):
     """DFlash2 conv: `base_kernel [2, K, H]` (input side, output side) and `kernel_projection`
     `[H, 2*K*G]` predicting both dynamic kernels from the pre-sublayer normed input."""
@@ -390,12 +368,18 @@ class CandidateSelector(nnx.Module):
         self.hidden_projection = params.weight(rngs, (dcfg.hidden_size, r), ("embed", None), dtype)
 
 
+# `remat` of the drafter's training forward: what each layer keeps for the backward pass
+REMAT_POLICIES = {"off": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
 class DFlashLayer(nnx.Module):
     """One drafter decoder layer (params named as in HF: `self_attn.*`, `mlp.*`, layer norms,
     and for DFlash2 `attention_conv` / `mlp_conv`)."""
 
     def __init__(self, dcfg: DFlashConfig, layer: int, dtype, rngs: nnx.Rngs):
         h = dcfg.hidden_size
+        self.eps, self.version = dcfg.rms_norm_eps, dcfg.version
         self.input_layernorm = params.ones((h,), (None,), dtype)
         self.post_attention_layernorm = params.ones((h,), (None,), dtype)
         self.self_attn = Attention(dcfg, layer, dtype, rngs)
@@ -405,6 +389,33 @@ class DFlashLayer(nnx.Module):
                                                            dcfg.conv_group_size, dtype, rngs)
             self.mlp_conv = GroupedDynamicCausalConv(h, dcfg.conv_kernel_size,
                                                      dcfg.conv_group_size, dtype, rngs)
+
+    def __call__(self, x_bth, cos, sin, ctx_k_bskd, ctx_v_bskd, mask_bts, block_len=None):
+        """`x + attn(...)`, then `+ mlp(...)`: block rows attend to [context ; block] keys."""
+        conv = self.version == 2
+        h = rms_norm(x_bth, self.input_layernorm[...], self.eps)
+        if conv:
+            h, attn_dyn = self.attention_conv.prepare(h, block_len)
+        q, k, v = self.self_attn.qkv(h, cos, sin)
+        heads = ctx_k_bskd.shape[2]         # the context cache may repeat KV heads (cache_kv_heads)
+        keys = jnp.concatenate([ctx_k_bskd.astype(k.dtype), repeat_kv_heads(k, heads)], axis=1)
+        values = jnp.concatenate([ctx_v_bskd.astype(v.dtype), repeat_kv_heads(v, heads)], axis=1)
+        y = self.self_attn.out(grouped_attention(q, keys, values, mask_bts))
+        x = x_bth + (self.attention_conv.finish(y, attn_dyn, block_len) if conv else y)
+        h = rms_norm(x, self.post_attention_layernorm[...], self.eps)
+        if conv:
+            h, mlp_dyn = self.mlp_conv.prepare(h, block_len)
+        y = self.mlp(h)
+        return x + (self.mlp_conv.finish(y, mlp_dyn, block_len) if conv else y)
+
+    def remat_call(self, policy: str, *args, block_len=None):
+        """`__call__` under `jax.checkpoint` with `REMAT_POLICIES[policy]`: the backward pass
+        recomputes what the policy does not save (training only; "off" is the plain call)."""
+        if REMAT_POLICIES[policy] is None:
+            return self(*args, block_len)
+        graphdef, state = nnx.split(self)
+        run = lambda st, *a: nnx.merge(graphdef, st)(*a, block_len)  # noqa: E731
+        return jax.checkpoint(run, policy=REMAT_POLICIES[policy])(state, *args)
 
 
 class DFlashDrafter(nnx.Module):
@@ -468,7 +479,7 @@ class DFlashDrafter(nnx.Module):
     def __call__(self, block_embeds_bth: jax.Array, block_positions_bt: jax.Array,
                  ctx_k_lbskd: jax.Array, ctx_v_lbskd: jax.Array, ctx_pos_bs: jax.Array,
                  ctx_valid_bs: jax.Array, *, block_len: int | None = None,
-                 block_valid_bt: jax.Array | None = None) -> jax.Array:
+                 block_valid_bt: jax.Array | None = None, remat: str = "off") -> jax.Array:
         """Drafter layers over block rows, then the final norm. Returns hidden `[B, T, H]`.
 
         Keys are the context rows (`ctx_k/v [L, B, S, kv, D]` from `context_kv`, at `ctx_pos`,
@@ -477,7 +488,8 @@ class DFlashDrafter(nnx.Module):
         never cross a block boundary) -- the training layout; by default T is one block.
         `block_valid [B, T]` (optional) hides block rows as keys: a block cut to its first v rows,
         as `dflash_generate` cuts the last blocks to the token budget (earlier rows never see later
-        ones through the conv or the selector, only through non-causal attention).
+        ones through the conv or the selector, only through non-causal attention). `remat` (a
+        `REMAT_POLICIES` name, training only) checkpoints each layer; the values do not change.
 
         Example:
             >>> hidden = drafter(embeds, 10 + jnp.arange(8)[None], k, v, pos, valid)  # doctest: +SKIP
@@ -487,25 +499,8 @@ class DFlashDrafter(nnx.Module):
         cos, sin = rope_cos_sin(block_positions_bt, cfg.head_dim, cfg.rope_theta, x.dtype)
         masks = self._masks(block_positions_bt, ctx_pos_bs, ctx_valid_bs, block_len, block_valid_bt)
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_layernorm[...], cfg.rms_norm_eps)
-            if cfg.version == 2:
-                h, attn_dyn = layer.attention_conv.prepare(h, block_len)
-            q, k, v = layer.self_attn.qkv(h, cos, sin)
-            heads = ctx_k_lbskd.shape[3]        # the context cache may repeat KV heads (cache_kv_heads)
-            keys = jnp.concatenate([ctx_k_lbskd[i].astype(k.dtype), repeat_kv_heads(k, heads)], axis=1)
-            values = jnp.concatenate([ctx_v_lbskd[i].astype(v.dtype), repeat_kv_heads(v, heads)], axis=1)
             mask = masks[(cfg.layer_is_causal(i), cfg.layer_window(i))]
-            y = layer.self_attn.out(grouped_attention(q, keys, values, mask))
-            if cfg.version == 2:
-                y = layer.attention_conv.finish(y, attn_dyn, block_len)
-            x = x + y
-            h = rms_norm(x, layer.post_attention_layernorm[...], cfg.rms_norm_eps)
-            if cfg.version == 2:
-                h, mlp_dyn = layer.mlp_conv.prepare(h, block_len)
-            y = layer.mlp(h)
-            if cfg.version == 2:
-                y = layer.mlp_conv.finish(y, mlp_dyn, block_len)
-            x = x + y
+            x = layer.remat_call(remat, x, cos, sin, ctx_k_lbskd[i], ctx_v_lbskd[i], mask, block_len=block_len)
         return rms_norm(x, self.norm[...], cfg.rms_norm_eps)
 
     def draft_logits(self, hidden_bth: jax.Array, target_logits_fn: Callable[[jax.Array], jax.Array]):

@@ -5,7 +5,7 @@ t+1 (the row sits at position t+1, transformers' `MtpModel` convention):
 
     u = fc([RMS_e(embed(x_{t+1})) ; RMS_h(h_t)])        # embedding first
     h = decoder_layer(u)                               # the target's own layer type, own KV cache
-    y = norm(h);  logits = target.lm_head(y)
+    y = norm(h);  logits = target.logits(y)            # the target's LM head, fp32 out
 
 Chained steps feed `y` back as the next step's hidden input. The layer is the target's own
 full-attention layer type, exactly as `transformers.modeling_layers.MtpModel` builds it: on a

@@ -216,6 +216,21 @@ class DecoderLayer(nnx.Module):
         return self.finish(x, attn), cache
 
 
+def lm_head_logits(hidden: jax.Array, weight: jax.Array, *, tied: bool) -> jax.Array:
+    """`hidden [..., H]` times the LM head, accumulated and returned in fp32 `[..., V]` whatever
+    the dtype of the inputs (a bf16 product rounded to bf16 makes near-ties between logits; the
+    matmul's inputs stay in their dtype, only the accumulation / output is fp32). `weight` is
+    `embed_tokens [V, H]` when `tied`, else `lm_head [H, V]`. fp32 inputs: the plain product.
+
+    Example:
+        >>> w = jnp.ones((4, 3), jnp.bfloat16)
+        >>> lm_head_logits(jnp.ones((2, 4), jnp.bfloat16), w, tied=False).dtype
+        dtype('float32')
+    """
+    spec = "...h,vh->...v" if tied else "...h,hv->...v"
+    return jnp.einsum(spec, hidden, weight, preferred_element_type=jnp.float32)
+
+
 class QwenTarget(nnx.Module):
     """A Qwen-family causal LM. Params use `[in, out]` kernels; HF names map in `checkpoint.hf`."""
 
@@ -238,11 +253,14 @@ class QwenTarget(nnx.Module):
         """Raw embedding rows (no scaling), shared with MTP and DFlash."""
         return jnp.take(self.embed_tokens[...], tokens_bt, axis=0)
 
+    def head_weight(self) -> jax.Array:
+        """The LM head's weight: `embed_tokens [V, H]` when tied, else `lm_head [H, V]`."""
+        return self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
+
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """LM head on post-norm hidden states (tied embeddings when the config says so)."""
-        if self.cfg.tie_word_embeddings:
-            return jnp.einsum("...h,vh->...v", hidden, self.embed_tokens[...])
-        return hidden @ self.lm_head[...]
+        """fp32 logits `[..., V]` of post-norm hidden states `[..., H]` (`lm_head_logits`): the
+        one LM head of the target, its MTP head and the DFlash / DMTP drafters."""
+        return lm_head_logits(hidden, self.head_weight(), tied=self.cfg.tie_word_embeddings)
 
     def commit(self, cache: TargetCache, pending: PendingBlock | None, keep_b: jax.Array) -> TargetCache:
         """The cache after keeping the first `keep_b` tokens of the last speculative call per row

@@ -76,6 +76,9 @@ class TrainConfig:
     grad_accum: int = 1
     compute_dtype: str = "bfloat16"
     target_dtype: str | None = None     # default: compute_dtype (the frozen target is stored so)
+    # memory (same values computed): see step.StepConfig
+    ce_chunk: int = 512                 # block rows per sequence whose vocab logits are live at once; 0: all
+    remat: str = "full"                 # drafter layers in the backward pass: off | full | dots
     # run
     mesh: str | None = None
     seed: int = 0
@@ -120,6 +123,10 @@ class TrainConfig:
             raise InputError(f"--batch-size {self.batch_size} is not a multiple of --grad-accum {self.grad_accum}")
         if self.lr <= 0:
             raise InputError(f"--lr must be positive, got {self.lr}")
+        if self.ce_chunk < 0:
+            raise InputError(f"--ce-chunk must be >= 0 (0: no chunking), got {self.ce_chunk}")
+        if self.remat not in ("off", "full", "dots"):
+            raise InputError(f"--remat must be off, full or dots, got '{self.remat}'")
 
 
 def fresh_drafter_config(cfg: TrainConfig, target_cfg, tokenizer=None):
@@ -268,7 +275,8 @@ def setup(cfg: TrainConfig):
                              rank=cfg.fusion_rank, seed=cfg.seed)
     scfg = StepConfig(method=cfg.method, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                       gamma=cfg.resolved_gamma(), grad_accum=cfg.grad_accum,
-                      compute_dtype=cfg.compute_dtype, seed=cfg.seed, fusion_rank=cfg.fusion_rank)
+                      compute_dtype=cfg.compute_dtype, seed=cfg.seed, fusion_rank=cfg.fusion_rank,
+                      ce_chunk=cfg.ce_chunk, remat=cfg.remat)
     ocfg = OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
                        min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
                        max_grad_norm=cfg.max_grad_norm)

@@ -7,7 +7,9 @@ Slot k of the block is labelled with the data token at `a+k`; the known slots (s
 `dflash`) get no loss, predicted slots get `w_k = exp(-(k-1)/gamma)` times the loss mask.
 
 The loss is returned as sums (`loss_sum`, `weight_sum`) so that the train step normalises by the
-summed weights of the whole optimiser step (all micro-batches, all devices).
+summed weights of the whole optimiser step (all micro-batches, all devices). The train step takes
+the drafter's hidden states (`drafter_block_hidden`) to per-token CE with `token_ce`, chunk by
+chunk of block rows, never holding `[tokens, V]` logits; `drafter_block_logits` gives them all.
 
 Example:
     >>> b = block_inputs("dflash", jnp.array([[5, 6, 7, 8]]), jnp.ones((1, 4), jnp.int32),
@@ -19,12 +21,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from dmtp_jax.errors import InputError
+from dmtp_jax.models.dflash import transform_draft_logits
 from dmtp_jax.models.fusion import ADAPTIVE, DMTP_METHODS, block_layout, draft_block_embeds
+from dmtp_jax.models.qwen3 import lm_head_logits
 
 METHODS = ("dflash",) + tuple(DMTP_METHODS)
 
@@ -95,11 +100,13 @@ def block_inputs(method: str, tokens_bt: jax.Array, loss_mask_bt: jax.Array, anc
                        weights_bnk, valid_bnk)
 
 
-def drafter_block_logits(drafter, target, feats_btf: jax.Array, valid_bt: jax.Array,
+def drafter_block_hidden(drafter, target, feats_btf: jax.Array, valid_bt: jax.Array,
                          blocks: BlockInputs, anchors_bn: jax.Array, *, method: str = "dflash",
                          fusion=None, mtp_h_bth: jax.Array | None = None,
-                         t1_masked_bn: jax.Array | None = None) -> jax.Array:
-    """Draft logits `[B, N*R, V]` of all blocks in one drafter call (training layout).
+                         t1_masked_bn: jax.Array | None = None, remat: str = "off") -> jax.Array:
+    """Drafter hidden states `[B, N*R, H]` of all blocks in one drafter call (training layout),
+    the input of the LM head (`draft_head`); `remat` checkpoints each drafter layer
+    (`models.dflash.REMAT_POLICIES`).
 
     Context rows are the target features at positions `0..L-1`; every row of the block of anchor
     `a` sees the context rows `< a` (and `valid`), and its own block. The block input is built by
@@ -108,7 +115,7 @@ def drafter_block_logits(drafter, target, feats_btf: jax.Array, valid_bt: jax.Ar
     `t1_masked_bn`: dmtp-adaptive's DFlash-mode anchors (as in `block_inputs`).
 
     Example:
-        >>> logits = drafter_block_logits(drafter, target, feats, valid, blocks, anchors)  # doctest: +SKIP
+        >>> hidden = drafter_block_hidden(drafter, target, feats, valid, blocks, anchors)  # doctest: +SKIP
     """
     dcfg = drafter.cfg
     b, n, rows = blocks.tokens_bnk.shape
@@ -134,16 +141,97 @@ def drafter_block_logits(drafter, target, feats_btf: jax.Array, valid_bt: jax.Ar
     t1_from_mtp = None if t1_masked_bn is None else ~t1_masked_bn.reshape(b * n)
     embeds = draft_block_embeds(method, slots, lambda t: target.embed(t).astype(dtype), dcfg, fusion,
                                 flat_tokens[:, 0], flat_tokens[:, t1_row], mtp_h, t1_from_mtp).astype(dtype)
-    hidden = drafter(embeds.reshape(b, n * rows, -1), blocks.positions_bnk.reshape(b, n * rows), ctx_k, ctx_v,
-                     ctx_pos_bs, ctx_valid_bts, block_len=rows)
-    return drafter.draft_logits(hidden, lambda h: target.logits(h.astype(target.dtype)).astype(dtype))
+    return drafter(embeds.reshape(b, n * rows, -1), blocks.positions_bnk.reshape(b, n * rows), ctx_k, ctx_v,
+                   ctx_pos_bs, ctx_valid_bts, block_len=rows, remat=remat)
 
 
-def decayed_ce_sums(logits_btv: jax.Array, blocks: BlockInputs) -> dict:
-    """Weighted CE sums and per-slot top-1 counts (fp32).
+def draft_head(drafter, target) -> tuple[jax.Array, Callable[[jax.Array, jax.Array], jax.Array]]:
+    """`(weight, logits_fn)`: the target's LM head weight and `logits_fn(weight, hidden) -> fp32
+    [..., V]`, the drafter's logits (`drafter.draft_logits(hidden, target.logits)` with the hidden
+    cast to the target's dtype), with the weight an explicit argument for `token_ce`.
+
+    Example:
+        >>> weight, logits_fn = draft_head(drafter, target)  # doctest: +SKIP
+        >>> logits = logits_fn(weight, hidden_bth)  # doctest: +SKIP
+    """
+    tied, dcfg = target.cfg.tie_word_embeddings, drafter.cfg
+
+    def logits_fn(weight, hidden):
+        return transform_draft_logits(lm_head_logits(hidden.astype(weight.dtype), weight, tied=tied), dcfg)
+    return target.head_weight(), logits_fn
+
+
+def drafter_block_logits(drafter, target, feats_btf: jax.Array, valid_bt: jax.Array,
+                         blocks: BlockInputs, anchors_bn: jax.Array, **kwargs) -> jax.Array:
+    """fp32 draft logits `[B, N*R, V]` of all blocks (`drafter_block_hidden`, then `draft_head`):
+    the whole `[tokens, V]` at once, for evaluation; the train step uses `token_ce` instead.
+
+    Example:
+        >>> logits = drafter_block_logits(drafter, target, feats, valid, blocks, anchors)  # doctest: +SKIP
+    """
+    weight, logits_fn = draft_head(drafter, target)
+    return logits_fn(weight, drafter_block_hidden(drafter, target, feats_btf, valid_bt, blocks, anchors_bn, **kwargs))
+
+
+def _ce_top1(logits_btv: jax.Array, labels_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    logits = logits_btv.astype(jnp.float32)
+    gold = jnp.take_along_axis(logits, labels_bt[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - gold, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def token_ce(logits_fn: Callable, weight, hidden_bth: jax.Array, labels_bt: jax.Array,
+             chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Per-token cross-entropy `[B, T]` (fp32) and top-1 ids `[B, T]` of `logits_fn(weight, hidden)`
+    against `labels_bt`, without holding `[B, T, V]` logits when `chunk` > 0.
+
+    `chunk` > 0: a `lax.scan` over `ceil(T / chunk)` slices of `chunk` positions of every row (the
+    batch axis, hence its sharding, stays whole); each slice's logits `[B, chunk, V]` give its
+    logsumexp, label logit and argmax, under `jax.checkpoint`, so the backward pass recomputes
+    the slice's logits instead of storing them: at most one slice of logits is live, forward or
+    backward. `chunk` = 0 computes all logits at once (the reference). The values are the same
+    either way (each token's logits are reduced over the vocabulary alone); gradients flow to
+    `hidden_bth` and `weight`.
+
+    Example:
+        >>> f = lambda w, h: h @ w
+        >>> ce, top = token_ce(f, jnp.eye(4), jnp.eye(4)[None, :3], jnp.array([[0, 1, 3]]), chunk=2)
+        >>> [round(float(x), 4) for x in ce[0]], top.tolist()
+        ([0.7437, 0.7437, 1.7437], [[0, 1, 2]])
+    """
+    if chunk <= 0:
+        return _ce_top1(logits_fn(weight, hidden_bth), labels_bt)
+    b, t, h = hidden_bth.shape
+    c = min(chunk, t)
+    n = -(-t // c)
+    pad = n * c - t
+    hid_nbch = jnp.pad(hidden_bth, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, h).swapaxes(0, 1)
+    lab_nbc = jnp.pad(labels_bt, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
+    body = jax.checkpoint(lambda w, x, y: _ce_top1(logits_fn(w, x), y))
+    _, (ce_nbc, top_nbc) = jax.lax.scan(lambda _, xs: (None, body(weight, *xs)), None, (hid_nbch, lab_nbc))
+    unchunk = lambda a: a.swapaxes(0, 1).reshape(b, n * c)[:, :t]  # noqa: E731
+    return unchunk(ce_nbc), unchunk(top_nbc)
+
+
+def ce_sums(ce_bnk: jax.Array, top1_bnk: jax.Array, blocks: BlockInputs) -> dict:
+    """Weighted CE sums and per-slot top-1 counts from per-token CE and top-1 ids (`token_ce`).
 
     Returns `loss_sum` (sum of w*CE), `weight_sum` (sum of w), `correct_k` / `count_k` `[K]`
     (top-1 hits and valid predicted slots per block slot: the acceptance proxy).
+
+    Example:
+        >>> s = ce_sums(jnp.ones((1, 1, 2)), jnp.zeros((1, 1, 2), jnp.int32), BlockInputs(
+        ...     *(jnp.zeros((1, 1, 2), jnp.int32),) * 3, jnp.array([[[0.0, 2.0]]]), jnp.array([[[False, True]]])))
+        >>> float(s["loss_sum"]), s["correct_k"].tolist()
+        (2.0, [0, 1])
+    """
+    hit = (top1_bnk == blocks.labels_bnk) & blocks.valid_bnk
+    return {"loss_sum": jnp.sum(blocks.weights_bnk * ce_bnk), "weight_sum": jnp.sum(blocks.weights_bnk),
+            "correct_k": jnp.sum(hit, axis=(0, 1)).astype(jnp.int32),
+            "count_k": jnp.sum(blocks.valid_bnk, axis=(0, 1)).astype(jnp.int32)}
+
+
+def decayed_ce_sums(logits_btv: jax.Array, blocks: BlockInputs) -> dict:
+    """`ce_sums` of full logits `[B, N*K, V]` (fp32 reductions).
 
     Example:
         >>> s = decayed_ce_sums(jnp.zeros((1, 2, 4)), BlockInputs(*(jnp.zeros((1, 1, 2), jnp.int32),) * 3,
@@ -152,14 +240,8 @@ def decayed_ce_sums(logits_btv: jax.Array, blocks: BlockInputs) -> dict:
         (1.3863, [0, 1])
     """
     b, n, kk = blocks.labels_bnk.shape
-    logits = logits_btv.astype(jnp.float32).reshape(b, n, kk, -1)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    gold = jnp.take_along_axis(logits, blocks.labels_bnk[..., None], axis=-1)[..., 0]
-    ce = lse - gold
-    hit = (jnp.argmax(logits, axis=-1) == blocks.labels_bnk) & blocks.valid_bnk
-    return {"loss_sum": jnp.sum(blocks.weights_bnk * ce), "weight_sum": jnp.sum(blocks.weights_bnk),
-            "correct_k": jnp.sum(hit, axis=(0, 1)).astype(jnp.int32),
-            "count_k": jnp.sum(blocks.valid_bnk, axis=(0, 1)).astype(jnp.int32)}
+    ce, top1 = _ce_top1(logits_btv.reshape(b, n, kk, -1), blocks.labels_bnk)
+    return ce_sums(ce, top1, blocks)
 
 
 def acceptance_proxy(correct_k, count_k, known_slots: int = 1, base: int | None = None

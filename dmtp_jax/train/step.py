@@ -9,7 +9,9 @@ divides by the summed weights of the whole step (SpecForge's normalisation), cli
 AdamW with warmup + cosine. Compute runs in `compute_dtype` (params cast in the step; master
 params and optimizer state stay fp32). A step whose loss or gradient norm is not finite keeps the
 params and optimizer state it was given (`jnp.where`, no recompile) and reports `nonfinite` = 1;
-the loop counts such steps (`resilience.NonFiniteGuard`).
+the loop counts such steps (`resilience.NonFiniteGuard`). `Trainer.lower_step` lowers the step on
+abstract inputs (ShapeDtypeStructs at their shardings; `abstract_models` builds weightless target /
+MTP), for compiling for a topology and reading its memory analysis.
 
 Example:
     >>> trainer = Trainer(target, drafter_cfg, StepConfig(), OptimConfig(total_steps=100), mesh)  # doctest: +SKIP
@@ -20,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,18 +30,25 @@ import optax
 from flax import nnx
 
 from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
-from dmtp_jax.models.dflash import DFlashConfig
+from dmtp_jax.errors import InputError
+from dmtp_jax.models.dflash import REMAT_POLICIES, DFlashConfig
 from dmtp_jax.models.fusion import ADAPTIVE, T1Fusion
 from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, batch_sharding, replicated, state_shardings
 from dmtp_jax.train.anchors import sample_anchors
 from dmtp_jax.train.features import mtp_hidden, target_features
-from dmtp_jax.train.loss import (block_inputs, decayed_ce_sums, drafter_block_logits, method_layout,
-                                 uses_mtp)
+from dmtp_jax.train.loss import (block_inputs, ce_sums, draft_head, drafter_block_hidden, method_layout,
+                                 token_ce, uses_mtp)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """What one step computes. `gamma` None or 0 = no decay; `block_size` None = the drafter's."""
+    """What one step computes. `gamma` None or 0 = no decay; `block_size` None = the drafter's.
+
+    Memory knobs (the values computed do not change): `ce_chunk` block rows per sequence whose
+    vocabulary logits are live at once in the loss (`loss.token_ce`; 0 = all `[B, N*K, V]`);
+    `remat` what each drafter layer keeps for the backward pass (`models.dflash.REMAT_POLICIES`:
+    "off", "full" = recompute the layer, "dots" = keep its matmul outputs).
+    """
     method: str = "dflash"
     block_size: int | None = None
     num_anchors: int = 16
@@ -47,6 +57,8 @@ class StepConfig:
     compute_dtype: str = "bfloat16"
     seed: int = 0
     fusion_rank: int = 0          # dmtp-lowrank
+    ce_chunk: int = 512
+    remat: str = "full"
 
 
 def abstract_params(dcfg: DFlashConfig, scfg: StepConfig):
@@ -136,9 +148,12 @@ def loss_sums(params, graphdefs, target_graphdef, target_state, mtp_graphdef, mt
         t1_masked = jnp.broadcast_to(jnp.arange(2 * n) >= n, anchors_bn.shape)
     blocks = block_inputs(scfg.method, tokens_bt, loss_mask_bt, anchors_bn, keep_bn, block_size,
                           mask_token_id=dcfg.mask_token_id, gamma=scfg.gamma, t1_masked_bn=t1_masked)
-    logits = drafter_block_logits(drafter, target, feats_btf, valid_bt, blocks, anchors_bn,
-                                  method=scfg.method, fusion=fusion, mtp_h_bth=mtp_h, t1_masked_bn=t1_masked)
-    sums = decayed_ce_sums(logits, blocks)
+    hidden = drafter_block_hidden(drafter, target, feats_btf, valid_bt, blocks, anchors_bn, method=scfg.method,
+                                  fusion=fusion, mtp_h_bth=mtp_h, t1_masked_bn=t1_masked, remat=scfg.remat)
+    b, n, k = blocks.labels_bnk.shape
+    weight, logits_fn = draft_head(drafter, target)
+    ce, top1 = token_ce(logits_fn, weight, hidden, blocks.labels_bnk.reshape(b, n * k), scfg.ce_chunk)
+    sums = ce_sums(ce.reshape(b, n, k), top1.reshape(b, n, k), blocks)
     return sums["loss_sum"], sums
 
 
@@ -170,6 +185,10 @@ class Trainer:
     def __init__(self, target, dcfg: DFlashConfig, scfg: StepConfig, ocfg: OptimConfig, mesh,
                  mesh_rules: MeshRules = DEFAULT_RULES, mtp=None):
         method_layout(scfg.method, scfg.block_size or dcfg.block_size)     # validates the method
+        if scfg.remat not in REMAT_POLICIES:
+            raise InputError(f"unknown remat '{scfg.remat}'; available: {', '.join(REMAT_POLICIES)}")
+        if scfg.ce_chunk < 0:
+            raise InputError(f"ce_chunk must be >= 0 (0: no chunking), got {scfg.ce_chunk}")
         if uses_mtp(scfg.method) and mtp is None:
             raise ValueError(f"method '{scfg.method}' trains against the target's frozen MTP head (mtp=...)")
         self.mtp = mtp if uses_mtp(scfg.method) else None
@@ -300,6 +319,30 @@ class Trainer:
         batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding(shape))
         target_state, mtp_state = self.abstract_frozen()
         return self.step_fn(shape).lower(self.abstract_state(), target_state, mtp_state, batch, batch)
+
+    def backward_residual_bytes(self, batch: int, seq_len: int) -> int:
+        """Bytes the backward pass of one micro-batch `[batch, seq_len]` keeps from its forward
+        (the leaves of `jax.vjp`'s closure of `loss_sums` w.r.t. the trained params, evaluated
+        abstractly: nothing runs). Backend-independent, whole batch (not per device): the measure
+        of what `remat` and `ce_chunk` save, which XLA:CPU's `memory_analysis` does not show for
+        remat (it drops the recompute barriers).
+
+        Example:
+            >>> trainer.backward_residual_bytes(4, 512)  # doctest: +SKIP
+            64159744
+        """
+        shape, scfg = (int(batch), int(seq_len)), self.scfg
+        target_state, mtp_state = self.abstract_frozen()
+
+        def vjp_closure(params, t_state, m_state, tokens, mask):
+            return jax.vjp(lambda p: loss_sums(
+                p, self.graphdefs, self.target.graphdef, t_state, self.mtp.graphdef if self.mtp else None,
+                m_state, tokens, mask, jax.random.key(scfg.seed), scfg, jnp.dtype(scfg.compute_dtype))[0],
+                params)[1]
+        batch_abs = jax.ShapeDtypeStruct(shape, jnp.int32)
+        leaves = jax.tree.leaves(jax.eval_shape(vjp_closure, self.abstract_params, target_state, mtp_state,
+                                                batch_abs, batch_abs))
+        return sum(int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
     def compile_count(self) -> int:
         """Compiled variants of the train step (1 after any number of same-shape steps)."""
