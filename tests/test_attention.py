@@ -2,7 +2,8 @@
 fp32 under every mask the rule makes (causal, sliding windows, validity padding, GQA, rows with no
 allowed key, a cache longer than the queries, ragged last blocks), and `grouped_attention` picks the
 dense form for short query blocks (bit-identical to a materialised mask) and the blockwise one for
-long prompts; on a compile-only GPU target (`compiling_for("gpu")`) a bf16 self-attention picks cuDNN."""
+long prompts; for GPU / TPU targets (`compiling_for`) a long self-attention picks cuDNN / the Pallas
+TPU kernel, the latter equal to the dense form in Pallas' TPU interpreter."""
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +63,26 @@ def test_kernel_choice_follows_shapes_and_platform():
         assert attention_kernel(4096, 4096, jnp.float32, self_rule) == "blockwise"
         assert attention_kernel(4096, 8192, jnp.bfloat16, rule) == "blockwise"  # over a cache
     with compiling_for("tpu"):
-        assert attention_kernel(4096, 4096, jnp.bfloat16, self_rule) == "blockwise"
+        assert attention_kernel(4096, 4096, jnp.bfloat16, self_rule) == "pallas"
+        assert attention_kernel(4000, 4000, jnp.bfloat16, self_rule) == "blockwise"   # not in 128 blocks
+        assert attention_kernel(4096, 4096, jnp.bfloat16, MaskRule(pos, pos, window=8, self_keys=True)) == "blockwise"
+        assert attention_kernel(4096, 8192, jnp.bfloat16, rule) == "blockwise"
+
+
+def test_pallas_tpu_kernel_equals_dense_in_interpret_mode():
+    """The TPU kernel (run by Pallas' TPU interpreter on CPU) under a self-keys rule with GQA,
+    validity padding and a row without valid keys."""
+    from jax.experimental.pallas import tpu as pltpu
+    from dmtp_jax.layers.fused_attention import pallas_tpu_attention
+    t = 256
+    q, k, v = _qkv(7, 2, t, t, 4, 2, 16)
+    pos = jnp.broadcast_to(jnp.arange(t), (2, t))
+    rule = MaskRule(pos, pos, pos < jnp.asarray([[200], [0]]), causal=True, self_keys=True)
+    with pltpu.force_tpu_interpret_mode():
+        got = pallas_tpu_attention(q, k, v, rule)
+    want = dense_attention(q, k, v, rule.dense())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+    assert float(jnp.abs(got[1]).max()) == 0.0
 
 
 def test_grouped_attention_dispatch():

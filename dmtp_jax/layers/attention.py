@@ -13,10 +13,11 @@ shapes and the platform programs are compiled for (`attention_kernel`):
                 the same numbers as a materialised mask);
 * `"cudnn"`     GPU, bf16 / fp16, a causal `self_keys` rule (keys are the queries' own tokens:
                 a prompt without a cache, training features): cuDNN's fused flash attention;
-* `"blockwise"` otherwise: the XLA online-softmax form by blocks (`layers/blockwise_attention.py`),
-                memory linear in T and S, on every platform (TPU included: jax's Pallas TPU
-                flash kernel needs T and S in multiples of its blocks and repeats the K/V heads
-                for GQA, so the XLA form serves it too).
+* `"pallas"`    TPU, a causal `self_keys` rule without a window, T a multiple of 128: jax's Pallas
+                TPU flash kernel (`layers/fused_attention.py`);
+* `"blockwise"` otherwise -- every platform's prefill chunks over a cache, sliding windows on TPU --
+                the XLA online-softmax form by blocks (`layers/blockwise_attention.py`), memory
+                linear in T and S.
 
 Rows with no allowed key return zeros, in every form.
 
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 from dmtp_jax import platform
 from dmtp_jax.layers.attention_mask import MaskRule, attention_mask
 from dmtp_jax.layers.blockwise_attention import blockwise_attention
+from dmtp_jax.layers.fused_attention import PALLAS_BLOCK, cudnn_attention, pallas_tpu_attention
 
 __all__ = ["MaskRule", "attention_mask", "attention_kernel", "dense_attention", "grouped_attention"]
 
@@ -46,13 +48,17 @@ CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def attention_kernel(t: int, s: int, dtype, rule: MaskRule | None, head_dim: int = 128) -> str:
-    """`"dense"`, `"cudnn"` or `"blockwise"`: the form `grouped_attention` runs for `t` queries
-    over `s` keys of `dtype` under `rule` (None: a materialised mask), on `compile_platform()`."""
+    """`"dense"`, `"cudnn"`, `"pallas"` or `"blockwise"`: the form `grouped_attention` runs for `t`
+    queries over `s` keys of `dtype` under `rule` (None: a materialised mask), on `compile_platform()`."""
     if rule is None or t <= DENSE_MAX_QUERIES or t * s <= DENSE_MAX_SCORES:
         return "dense"
-    if (platform.compile_platform() == "gpu" and jnp.dtype(dtype) in CUDNN_DTYPES and rule.self_keys
-            and rule.causal is True and head_dim % 8 == 0 and head_dim <= 256):
+    fused = rule.self_keys and rule.causal is True
+    target = platform.compile_platform()
+    if (target == "gpu" and fused and jnp.dtype(dtype) in CUDNN_DTYPES and head_dim % 8 == 0
+            and head_dim <= 256):
         return "cudnn"
+    if target == "tpu" and fused and not rule.window and t % PALLAS_BLOCK == 0:
+        return "pallas"
     return "blockwise"
 
 
@@ -88,8 +94,9 @@ def grouped_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
     if kernel == "dense":
         return dense_attention(q_bthd, k_bskd, v_bskd, mask.dense())
     if kernel == "cudnn":
-        from dmtp_jax.layers.fused_attention import cudnn_attention
         out = cudnn_attention(q_bthd, k_bskd, v_bskd, mask)
         if out is not None:
             return out
+    if kernel == "pallas":
+        return pallas_tpu_attention(q_bthd, k_bskd, v_bskd, mask)
     return blockwise_attention(q_bthd, k_bskd, v_bskd, mask)
