@@ -57,6 +57,9 @@ def method_args(sp, verify_list: bool = False):
     sp.add_argument("--rounds-per-dispatch", type=int, default=None, metavar="K",
                     help="speculative rounds per jitted call, rows stopping on device (default 1: the host syncs "
                          "after every round); same outputs, streamed every K rounds")
+    sp.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                    help="prefill prompts longer than N tokens in chunks of N (default 512): prefill memory "
+                         "stays that of one chunk")
     verify_help = ("sampled verification: rejection (token-level rejection sampling with the proposers' "
                    "probabilities), block (block verification with the same probabilities: lossless, accepts "
                    "at least as much), or target-only (match target samples; what the paper measured). "
@@ -168,7 +171,7 @@ def cmd_generate(args) -> int:
     cfg = preflight.target_config(target_dir)
     method = args.method or ("dflash" if args.draft else "ar")
     preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
-                                   args.adaptive_threshold)
+                                   args.adaptive_threshold, args.prefill_chunk)
     preflight.check_method_models([method], target_dir, args.draft, args.mtp, demo_drafters=uses_demo(args))
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
@@ -193,7 +196,7 @@ def cmd_generate(args) -> int:
     stops = sorted(set(stops) | set(args.stop_token_ids or []))
     decoder = make_decoders([method], target, method_models(args, target, [method]), block_size=args.block_size,
                             verify=args.verify, mtp_steps=args.mtp_steps, strict=args.strict,
-                            rounds_per_dispatch=args.rounds_per_dispatch,
+                            rounds_per_dispatch=args.rounds_per_dispatch, prefill_chunk=args.prefill_chunk,
                             adaptive_threshold=args.adaptive_threshold)[method]
 
     stream = len(prompts) == 1 and tokenizer is not None and not args.json_path
@@ -315,7 +318,7 @@ def run_bench(args) -> dict:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     verifies = verify_modes(args.verify)
     preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
-                                   args.adaptive_threshold)
+                                   args.adaptive_threshold, args.prefill_chunk)
     preflight.check_method_models(methods, target_dir, args.draft, args.mtp, demo_drafters=demo)
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
@@ -332,7 +335,7 @@ def run_bench(args) -> dict:
         made = make_decoders(methods if verify == verifies[0] else [m for m in methods if m != "ar"], target,
                              models, block_size=args.block_size, mtp_steps=args.mtp_steps, verify=verify,
                              strict=args.strict, rounds_per_dispatch=args.rounds_per_dispatch,
-                             adaptive_threshold=args.adaptive_threshold)
+                             prefill_chunk=args.prefill_chunk, adaptive_threshold=args.adaptive_threshold)
         decoders.update({m if m == "ar" or len(verifies) == 1 else f"{m}/{verify}": d for m, d in made.items()})
     if len(verifies) > 1:           # side by side: method by method, each with every verifier
         order = {m: i for i, m in enumerate(methods)}
@@ -347,7 +350,7 @@ def run_bench(args) -> dict:
               "mtp_steps": args.mtp_steps, "verify": verifies[0] if len(verifies) == 1 else verifies,
               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
               "dtype": args.dtype, "mesh": args.mesh, "stop_ids": stops, "strict": args.strict,
-              "rounds_per_dispatch": args.rounds_per_dispatch or 1}
+              "rounds_per_dispatch": args.rounds_per_dispatch or 1, "prefill_chunk": args.prefill_chunk}
     report = rep.build_report(runs, config)
     from dmtp_jax.bench.efficiency import format_efficiency, method_efficiency
     report["efficiency"] = {name: method_efficiency(decoders[name], run) for name, run in runs.items()}

@@ -35,9 +35,10 @@ def target_config(target_dir: str):
 
 
 def check_decode_options(mtp_steps: int | None, block_size: int | None, max_new_tokens: int,
-                         rounds_per_dispatch: int | None = None, adaptive_threshold: float | None = None) -> None:
-    """Ranges of `--mtp-steps`, `--block-size`, `--max-new-tokens`, `--rounds-per-dispatch` and
-    `--adaptive-threshold` (as the decoders check them)."""
+                         rounds_per_dispatch: int | None = None, adaptive_threshold: float | None = None,
+                         prefill_chunk: int | None = None) -> None:
+    """Ranges of `--mtp-steps`, `--block-size`, `--max-new-tokens`, `--rounds-per-dispatch`,
+    `--adaptive-threshold` and `--prefill-chunk` (as the decoders check them)."""
     if max_new_tokens < 1:
         raise RequestError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if mtp_steps is not None and not 1 <= mtp_steps <= 15:
@@ -46,6 +47,8 @@ def check_decode_options(mtp_steps: int | None, block_size: int | None, max_new_
         raise RequestError(f"--block-size must be in [3, 64], got {block_size}")
     if rounds_per_dispatch is not None and rounds_per_dispatch < 1:
         raise RequestError(f"--rounds-per-dispatch must be an integer >= 1, got {rounds_per_dispatch}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise RequestError(f"--prefill-chunk must be an integer >= 1, got {prefill_chunk}")
     if adaptive_threshold is not None and not 0.0 <= adaptive_threshold <= 1.0:
         raise RequestError(f"--adaptive-threshold must be in [0, 1], got {adaptive_threshold}")
 

@@ -49,6 +49,8 @@ BAD_INPUTS = [
      "error: --block-size must be in [3, 64], got 2", False),
     ("rounds per dispatch 0", "infer bench --target {tiny} --rounds-per-dispatch 0",
      "error: --rounds-per-dispatch must be an integer >= 1, got 0", False),
+    ("prefill chunk 0", "infer generate --target {tiny} --prompt-ids 1 --prefill-chunk 0",
+     "error: --prefill-chunk must be an integer >= 1, got 0", False),
     ("truncated weights", "infer generate --target {broken} --prompt-ids 1", "error: ", False, LOADS_A_MODEL),
     ("unknown bench method", "infer bench --target {tiny} --methods ar,nope", "error: unknown method(s) ['nope']",
      False),

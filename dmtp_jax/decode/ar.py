@@ -1,8 +1,9 @@
 """Plain autoregressive decoding (greedy or sampled): the baseline and the oracle for every method.
 
-Two jitted functions over fixed shapes: `prefill` (one compile per batch / prompt / cache bucket)
-and `decode_step` (one compile per batch / cache bucket), each donating the KV cache. The Python
-loop only moves one token per row per step and checks stopping.
+Two jitted functions over fixed shapes: `prefill_step` (one prefill chunk, `decode/prefill.py`; one
+compile per batch / chunk / cache bucket) and `decode_step` (one compile per batch / cache bucket),
+each donating the KV cache. The Python loop only feeds the prompt's chunks, then moves one token per
+row per step and checks stopping.
 
 Example:
     >>> from dmtp_jax.checkpoint.hf import load_target
@@ -24,6 +25,7 @@ from flax import nnx
 
 from dmtp_jax.checkpoint.hf import LoadedTarget
 from dmtp_jax.decode.batch import StopTracker, pad_prompts
+from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK, prefill_chunks, target_chunk
 from dmtp_jax.decode.sampling import SamplingParams, pick_tokens
 from dmtp_jax.layers.kv_cache import KVCache, TargetCache
 from dmtp_jax.sharding import cache_kv_heads, kv_cache_sharding, recurrent_state_sharding, replicated
@@ -128,25 +130,33 @@ class TargetCaches:
 
 
 class ARDecoder:
-    """Batched greedy / sampled generation with EOS, stop tokens and max_new_tokens."""
+    """Batched greedy / sampled generation with EOS, stop tokens and max_new_tokens. Prompts longer
+    than `prefill_chunk` tokens are prefilled in chunks of that many (`decode/prefill.py`)."""
 
-    def __init__(self, target: LoadedTarget):
+    def __init__(self, target: LoadedTarget, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         self.target = target
         self.caches = TargetCaches(target)
-        self.prefill = jax.jit(self._prefill, donate_argnames=("cache",), static_argnames=("greedy",))
+        self.prefill_chunk = int(prefill_chunk)
+        self.prefill_step = jax.jit(self._prefill_step, donate_argnames=("cache",), static_argnames=("greedy",))
         self.decode_step = jax.jit(self._decode_step, donate_argnames=("cache",), static_argnames=("greedy",))
 
     def _model(self, state):
         return nnx.merge(self.target.graphdef, state)
 
-    def _prefill(self, state, tokens_bt, lengths_b, cache, sp, key, greedy: bool = False):
-        """Runs the prompts; returns the first new token per row and the filled cache."""
-        model = self._model(state)
-        positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        out = model(tokens_bt, positions, cache, kv_valid_bt=positions < lengths_b[:, None])
-        logits = model.logits(gather_rows(out.hidden_bth, lengths_b - 1))
-        first = jax.lax.with_sharding_constraint(pick_tokens(logits, sp, key, greedy), replicated(self.target.mesh))
-        return first, self.caches.constrain(out.cache)
+    def _prefill_step(self, state, tokens_bt, start, lengths_b, cache, first_b, sp, key, greedy: bool = False):
+        """One prefill chunk; returns the first new token per row (carried for rows whose prompt
+        ends in a later chunk) and the cache."""
+        res = target_chunk(self._model(state), tokens_bt, start, lengths_b, cache, first_b, sp, key, greedy)
+        first = jax.lax.with_sharding_constraint(res.first_b, replicated(self.target.mesh))
+        return first, self.caches.constrain(res.out.cache)
+
+    def prefill(self, state, tokens_bt, lengths_b, cache, sp, key, greedy: bool = False):
+        """Runs the padded prompts chunk by chunk; returns the first new token per row and the
+        filled cache (donated)."""
+        first = jax.device_put(np.zeros(tokens_bt.shape[0], np.int32), replicated(self.target.mesh))
+        for start, chunk_bt, _ in prefill_chunks(tokens_bt, self.prefill_chunk):
+            first, cache = self.prefill_step(state, chunk_bt, start, lengths_b, cache, first, sp, key, greedy=greedy)
+        return first, cache
 
     def _decode_step(self, state, tokens_b, positions_b, cache, sp, key, greedy: bool = False):
         """Feeds one token per row at its position; returns the next token per row."""
@@ -208,4 +218,4 @@ class ARDecoder:
 
     def compile_counts(self) -> dict[str, int]:
         """How many executables each jitted entry point holds (one per shape bucket)."""
-        return {"prefill": self.prefill._cache_size(), "decode_step": self.decode_step._cache_size()}
+        return {"prefill": self.prefill_step._cache_size(), "decode_step": self.decode_step._cache_size()}

@@ -70,7 +70,7 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
 def make_decoders(methods, target, models: dict[str, dict], **options) -> dict:
     """`{method: decoder}` from `dmtp_jax.decode.make_decoder`, passing each method's models (from
     `load_method_models`) and the options (`block_size`, `verify`, `mtp_steps`, `strict`,
-    `rounds_per_dispatch`); None options are left out. Unknown methods and missing models raise the
+    `rounds_per_dispatch`, `prefill_chunk`); None options are left out. Unknown methods and missing models raise the
     factory's one-line errors.
 
     Example:

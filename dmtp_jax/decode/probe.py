@@ -204,6 +204,7 @@ class ExactnessGate:
     decision: str                # "speculative", "plain" or "speculative (inexact allowed)"
     target: object
     method: str = ""
+    prefill_chunk: int | None = None     # the declining decoder's, for its plain decoder
     _plain: object = None
 
     def summary(self) -> dict:
@@ -214,7 +215,8 @@ class ExactnessGate:
         """The request decoded with `ar`; its stats carry the probe and the `declined_method`."""
         from dmtp_jax.decode.ar import ARDecoder
         if self._plain is None:
-            self._plain = ARDecoder(self.target)
+            self._plain = ARDecoder(self.target) if self.prefill_chunk is None else ARDecoder(
+                self.target, prefill_chunk=self.prefill_chunk)
         result = self._plain.generate(prompts, max_new_tokens, sampling, seed, stop_ids, on_tokens)
         result.stats["exactness_probe"] = self.summary()
         result.stats["declined_method"] = self.method
@@ -262,6 +264,7 @@ def exactness_gate(decoder) -> ExactnessGate:
         action = (f"engaging anyway ({ALLOW_INEXACT_ENV})" if engaged
                   else "using plain decoding (pass --strict to fail instead)")
         log.warning("%s; %s", verdict_text(probe), action)
-    gate = ExactnessGate(probe, engaged, decision, decoder.target, getattr(decoder, "method", ""))
+    gate = ExactnessGate(probe, engaged, decision, decoder.target, getattr(decoder, "method", ""),
+                         getattr(decoder, "prefill_chunk", None))
     decoder._exactness_gate = gate
     return gate

@@ -48,7 +48,8 @@ from dmtp_jax.checkpoint.hf import LoadedModel
 from dmtp_jax.decode.ar import GenerationResult, TargetCaches, gather_rows, kv_cache_shape, new_kv_cache
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
 from dmtp_jax.decode.multi_round import feed_rounds, pad_stop_ids, run_rounds
-from dmtp_jax.decode.sampling import SamplingParams, filtered_probs, pick_tokens, sample_from_probs
+from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK, prefill_chunks, target_chunk
+from dmtp_jax.decode.sampling import SamplingParams, filtered_probs, sample_from_probs
 from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
 from dmtp_jax.decode.verify import (candidate_probs_to_dense, verify_block, verify_greedy, verify_rejection,
                                     verify_target_only)
@@ -113,7 +114,8 @@ class SpecDecoder:
                  mtp: LoadedModel | None = None, fusion: LoadedModel | None = None,
                  block_size: int | None = None, mtp_steps: int = 4, verify: str = "rejection",
                  context_window: int = DEFAULT_CONTEXT_WINDOW, strict: bool = False,
-                 adaptive_threshold: float | None = None, rounds_per_dispatch: int = 1):
+                 adaptive_threshold: float | None = None, rounds_per_dispatch: int = 1,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got '{verify}'")
         if method not in SPEC_METHODS:
@@ -151,7 +153,8 @@ class SpecDecoder:
         self.method, self.verify_mode, self.context_window = method, verify, context_window
         self.strict = strict        # exactness probe mismatch: raise instead of plain decoding
         self.caches = TargetCaches(target)
-        self.prefill = jax.jit(self._prefill, donate_argnames=("state",), static_argnames=("greedy",))
+        self.prefill_chunk = int(prefill_chunk)
+        self.prefill_step = jax.jit(self._prefill_step, donate_argnames=("state",), static_argnames=("greedy",))
         self.round = jax.jit(self._round, donate_argnames=("state",), static_argnames=("greedy",))
         self.rounds_per_dispatch = int(rounds_per_dispatch)
         self.multi_round = jax.jit(self._multi_round, donate_argnames=("state",), static_argnames=("greedy",))
@@ -159,7 +162,8 @@ class SpecDecoder:
 
     # ---- state -------------------------------------------------------------------------------
     def new_state(self, batch: int, max_len: int) -> SpecState:
-        zeros = np.zeros(batch, np.int32)
+        rep = replicated(self.target.mesh)    # placed as the jitted calls leave them: one compile
+        zeros = jax.device_put(np.zeros(batch, np.int32), rep)
         ctx = mtp_cache = mtp_h = None
         if self.uses_drafter:
             d = self.drafter.cfg
@@ -169,7 +173,7 @@ class SpecDecoder:
             c = self.target.cfg
             mtp_cache = new_kv_cache(self.target.mesh, kv_cache_shape(c, batch, max_len, self.target.mesh, 1),
                                      self.mtp.state_dtype)
-            mtp_h = np.zeros((batch, c.hidden_size), self.mtp.state_dtype)
+            mtp_h = jax.device_put(np.zeros((batch, c.hidden_size), self.mtp.state_dtype), rep)
         return SpecState(self.caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros, zeros)
 
     def state_shardings(self, st: SpecState) -> SpecState:
@@ -207,25 +211,36 @@ class SpecDecoder:
         return drafter.cfg.target_layer_ids if drafter is not None else ()
 
     # ---- jitted entry points -----------------------------------------------------------------
-    def _prefill(self, states, tokens_bt, lengths_b, state: SpecState, sp, key, greedy: bool = False):
-        """Prompt through the target (KV + context features) and the MTP; samples the first token."""
+    def _prefill_step(self, states, tokens_bt, next_b, start, lengths_b, state: SpecState, sp, key,
+                      greedy: bool = False):
+        """One prefill chunk (`decode/prefill.py`) through the target (K/V, DeltaNet states, context
+        features) and the MTP; the first token is picked in the chunk that ends a row's prompt.
+
+        MTP row i pairs h_i with x_{i+1} at position i+1: the next prompt token, `next_b` (the token
+        after the chunk) for the chunk's last row, and the first new token for a row's last prompt
+        token; rows past the prompt go to scratch. `state.pending_b` / `state.mtp_h_bh` carry the
+        first token and the MTP hidden that predicts T1 until a row's prompt ends."""
         target, drafter, mtp, fusion = self._models(states)
-        positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        out = target(tokens_bt, positions, state.target_cache, capture_layers=self._capture(drafter),
-                     kv_valid_bt=positions < lengths_b[:, None])
-        first = pick_tokens(target.logits(gather_rows(out.hidden_bth, lengths_b - 1)), sp, key, greedy)
+        res = target_chunk(target, tokens_bt, start, lengths_b, state.target_cache, state.pending_b, sp, key,
+                           greedy, self._capture(drafter))
+        out, positions, first = res.out, res.positions_bt, res.first_b
         ctx = mtp_cache = mtp_h = h = None
         if mtp is not None:
-            # rows (h_i, x_{i+1}) at positions i+1; the last real row pairs h_{P-1} with the first token
-            row = jnp.arange(tokens_bt.shape[1])[None]
-            nxt = jnp.concatenate([tokens_bt[:, 1:], tokens_bt[:, :1]], axis=1)
-            nxt = jnp.where(row == lengths_b[:, None] - 1, first[:, None], nxt)
-            mtp_pos = jnp.where(row < lengths_b[:, None], row + 1, state.mtp_cache.max_len)
+            nxt = jnp.concatenate([tokens_bt[:, 1:], next_b[:, None]], axis=1)
+            nxt = jnp.where(positions == lengths_b[:, None] - 1, first[:, None], nxt)
+            mtp_pos = jnp.where(positions < lengths_b[:, None], positions + 1, state.mtp_cache.max_len)
             h, mtp_cache = mtp(target.embed(nxt), out.hidden_bth, mtp_pos, state.mtp_cache)
-            mtp_h = gather_rows(h, lengths_b - 1)
+            mtp_h = jnp.where(res.ends_b[:, None], gather_rows(h, res.last_b), state.mtp_h_bh)
         if drafter is not None:      # MTP row i (h_i, x_{i+1}) is aligned with context position i
             ctx = self._write_context(drafter, fusion, state.ctx_cache, out.captured, positions, h)
         return self._constrain(SpecState(out.cache, ctx, mtp_cache, mtp_h, lengths_b.astype(jnp.int32), first))
+
+    def prefill(self, states, tokens_bt, lengths_b, state: SpecState, sp, key, greedy: bool = False) -> SpecState:
+        """The padded prompts through target, MTP and drafter context, chunk by chunk; returns the
+        state (donated) with each row's first token pending."""
+        for start, chunk_bt, next_b in prefill_chunks(tokens_bt, self.prefill_chunk):
+            state = self.prefill_step(states, chunk_bt, next_b, start, lengths_b, state, sp, key, greedy=greedy)
+        return state
 
     def _mtp_first(self, target, mtp, st: SpecState, sp, key, greedy):
         """T1 (and its q when sampling) from the cached MTP hidden, the normed hidden `y` and the
@@ -465,7 +480,7 @@ class SpecDecoder:
         return GenerationResult([list(map(int, p)) for p in prompts], tracker.outputs, stats)
 
     def compile_counts(self) -> dict[str, int]:
-        counts = {"prefill": self.prefill._cache_size(), "round": self.round._cache_size()}
+        counts = {"prefill": self.prefill_step._cache_size(), "round": self.round._cache_size()}
         if self.rounds_per_dispatch > 1:
             counts["multi_round"] = self.multi_round._cache_size()
         return counts

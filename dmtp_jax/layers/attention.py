@@ -1,42 +1,70 @@
 """Grouped-query attention over explicit key positions, one mask rule for every caller.
 
-Every caller (target prefill / decode / verify, the DFlash block, training) describes its keys by
-absolute positions and a validity flag; the mask is built here once:
+The rule (`layers/attention_mask.py`):
 
     allowed = valid & (k_pos <= q_pos if causal) & (q_pos - k_pos < window if sliding)
 
-A non-causal sliding layer uses the symmetric window `|q_pos - k_pos| < window`, as the DFlash
-reference does.
+`grouped_attention` is the one entry point. Given a materialised mask `[B, T, S]` it runs the
+dense form (fp32 scores `[B, kv, g, T, S]`). Given a `MaskRule` it picks a kernel by the static
+shapes and the platform programs are compiled for (`attention_kernel`):
+
+* `"dense"`     T <= 64 queries (decode steps, verify blocks, drafter blocks) or T x S <= 2^20:
+                the mask is built and the dense form runs (memory linear in S for a bounded T;
+                the same numbers as a materialised mask);
+* `"cudnn"`     GPU, bf16 / fp16, a causal `self_keys` rule (keys are the queries' own tokens:
+                a prompt without a cache, training features): cuDNN's fused flash attention;
+* `"pallas"`    TPU, a causal `self_keys` rule without a window, T a multiple of 128: jax's Pallas
+                TPU flash kernel (`layers/fused_attention.py`);
+* `"blockwise"` otherwise -- every platform's prefill chunks over a cache, sliding windows on TPU --
+                the XLA online-softmax form by blocks (`layers/blockwise_attention.py`), memory
+                linear in T and S.
+
+Rows with no allowed key return zeros, in every form.
+
+Example:
+    >>> pos = jnp.arange(5)[None]
+    >>> q = jnp.ones((1, 5, 4, 8)); k = v = jnp.ones((1, 5, 2, 8))
+    >>> grouped_attention(q, k, v, MaskRule(pos, pos, causal=True)).shape
+    (1, 5, 4, 8)
+    >>> attention_kernel(1, 32768, jnp.bfloat16, MaskRule(pos, pos))
+    'dense'
 """
+
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from dmtp_jax import platform
+from dmtp_jax.layers.attention_mask import MaskRule, attention_mask
+from dmtp_jax.layers.blockwise_attention import blockwise_attention
+from dmtp_jax.layers.fused_attention import PALLAS_BLOCK, cudnn_attention, pallas_tpu_attention
 
-def attention_mask(q_pos_bt: jax.Array, k_pos_bs: jax.Array, k_valid_bs: jax.Array | None,
-                   causal: bool | jax.Array, window: int | None) -> jax.Array:
-    """Boolean mask `[B, T, S]`; `causal` may be a static bool or a `[B, T, S]` array."""
-    q = q_pos_bt[:, :, None]
-    k = k_pos_bs[:, None, :]
-    mask = jnp.ones(q.shape[:2] + k.shape[2:], bool) if k_valid_bs is None else (
-        jnp.broadcast_to(k_valid_bs[:, None, :], q.shape[:2] + k.shape[2:]))
-    if causal is True:
-        mask = mask & (k <= q)
-    elif causal is not False:
-        mask = mask & causal
-    if window:
-        mask = mask & ((q - k) < window)
-        if causal is False:
-            mask = mask & ((k - q) < window)
-    return mask
+__all__ = ["MaskRule", "attention_mask", "attention_kernel", "dense_attention", "grouped_attention"]
+
+DENSE_MAX_QUERIES = 64          # decode steps and verify blocks stay dense (bit-identical to before)
+DENSE_MAX_SCORES = 1 << 20      # T x S up to this stays dense (short prompts, tests)
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def grouped_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
-                      mask_bts: jax.Array) -> jax.Array:
-    """Softmax attention with GQA (`heads = kv_heads * groups`); softmax in fp32.
+def attention_kernel(t: int, s: int, dtype, rule: MaskRule | None, head_dim: int = 128) -> str:
+    """`"dense"`, `"cudnn"`, `"pallas"` or `"blockwise"`: the form `grouped_attention` runs for `t`
+    queries over `s` keys of `dtype` under `rule` (None: a materialised mask), on `compile_platform()`."""
+    if rule is None or t <= DENSE_MAX_QUERIES or t * s <= DENSE_MAX_SCORES:
+        return "dense"
+    fused = rule.self_keys and rule.causal is True
+    target = platform.compile_platform()
+    if (target == "gpu" and fused and jnp.dtype(dtype) in CUDNN_DTYPES and head_dim % 8 == 0
+            and head_dim <= 256):
+        return "cudnn"
+    if target == "tpu" and fused and not rule.window and t % PALLAS_BLOCK == 0:
+        return "pallas"
+    return "blockwise"
 
-    Returns `[B, T, heads, D]`. Rows with no allowed key return zeros instead of NaN.
-    """
+
+def dense_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, mask_bts: jax.Array) -> jax.Array:
+    """Softmax attention with GQA (`heads = kv_heads * groups`) over a materialised mask; softmax in
+    fp32. Returns `[B, T, heads, D]`; rows with no allowed key return zeros instead of NaN."""
     b, t, h, d = q_bthd.shape
     kv = k_bskd.shape[2]
     q = q_bthd.reshape(b, t, kv, h // kv, d)
@@ -49,3 +77,26 @@ def grouped_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
     weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
     out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v_bskd.dtype), v_bskd)
     return out.reshape(b, t, h, d)
+
+
+def grouped_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
+                      mask: jax.Array | MaskRule) -> jax.Array:
+    """Softmax attention with GQA; `mask` is a materialised `[B, T, S]` mask or a `MaskRule`.
+
+    Returns `[B, T, heads, D]`. Rows with no allowed key return zeros instead of NaN.
+
+    Example:
+        >>> out = grouped_attention(q_bthd, keys_bskd, values_bskd, MaskRule(q_pos, k_pos))  # doctest: +SKIP
+    """
+    if not isinstance(mask, MaskRule):
+        return dense_attention(q_bthd, k_bskd, v_bskd, mask)
+    kernel = attention_kernel(q_bthd.shape[1], k_bskd.shape[1], q_bthd.dtype, mask, q_bthd.shape[-1])
+    if kernel == "dense":
+        return dense_attention(q_bthd, k_bskd, v_bskd, mask.dense())
+    if kernel == "cudnn":
+        out = cudnn_attention(q_bthd, k_bskd, v_bskd, mask)
+        if out is not None:
+            return out
+    if kernel == "pallas":
+        return pallas_tpu_attention(q_bthd, k_bskd, v_bskd, mask)
+    return blockwise_attention(q_bthd, k_bskd, v_bskd, mask)

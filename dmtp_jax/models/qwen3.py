@@ -38,7 +38,7 @@ from flax import nnx
 
 from dmtp_jax.config import TargetConfig
 from dmtp_jax.layers import params
-from dmtp_jax.layers.attention import attention_mask, grouped_attention
+from dmtp_jax.layers.attention import MaskRule, grouped_attention
 from dmtp_jax.layers.kv_cache import KVCache, PendingBlock, TargetCache, write_layer
 from dmtp_jax.layers.mlp import moe_mlp, swiglu
 from dmtp_jax.layers.norms import rms_norm
@@ -132,15 +132,16 @@ class Attention(nnx.Module):
         keys, values = cache.k_lbskd[self.kv_index], cache.v_lbskd[self.kv_index]
         k_pos = jnp.broadcast_to(jnp.arange(cache.max_len), keys.shape[:2])
         valid = k_pos >= self.first_key_slot if self.first_key_slot else None
-        mask = attention_mask(positions_bt, k_pos, valid, True, self.window)
-        return self.out(grouped_attention(q_bthd, keys, values, mask), gate_btf)
+        rule = MaskRule(positions_bt, k_pos, valid, causal=True, window=self.window)
+        return self.out(grouped_attention(q_bthd, keys, values, rule), gate_btf)
 
     def __call__(self, x_bth, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt):
         q, gate = self.q_gate(x_bth, cos, sin)
         k, v = self.kv(x_bth, cos, sin)
         if cache is None:
-            mask = attention_mask(positions_bt, positions_bt, kv_valid_bt, True, self.window)
-            return self.out(grouped_attention(q, k, v, mask), gate), cache
+            rule = MaskRule(positions_bt, positions_bt, kv_valid_bt, causal=True, window=self.window,
+                            self_keys=True)
+            return self.out(grouped_attention(q, k, v, rule), gate), cache
         cache = self.write(cache, k, v, positions_bt)
         return self.attend_cache(q, gate, positions_bt, cache), cache
 

@@ -1,0 +1,101 @@
+"""The one mask rule of every attention call, and `MaskRule`: the rule's inputs, unmaterialised.
+
+Every caller (target prefill / decode / verify, the MTP head, the DFlash block, training) describes
+its keys by absolute positions and a validity flag:
+
+    allowed = valid & (k_pos <= q_pos if causal) & (q_pos - k_pos < window if sliding)
+
+A non-causal sliding layer uses the symmetric window `|q_pos - k_pos| < window`, as the DFlash
+reference does. `attention_mask` builds the `[B, T, S]` mask; a `MaskRule` carries its inputs so
+that a long attention (`layers/attention.py`) can build the mask one block at a time, or hand it to
+a fused kernel, instead of materialising `T x S` of it.
+
+Example:
+    >>> pos = jnp.arange(4)[None]
+    >>> attention_mask(pos, pos, None, True, 2).astype(int)[0].tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    >>> rule = MaskRule(pos, pos, None, causal=True, window=2, self_keys=True)
+    >>> bool((rule.dense() == attention_mask(pos, pos, None, True, 2)).all())
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+def attention_mask(q_pos_bt: jax.Array, k_pos_bs: jax.Array, k_valid_bs: jax.Array | None,
+                   causal: bool | jax.Array, window: int | None) -> jax.Array:
+    """Boolean mask `[B, T, S]`; `causal` may be a static bool or a `[B, T, S]` array."""
+    q = q_pos_bt[:, :, None]
+    k = k_pos_bs[:, None, :]
+    shape = (max(q.shape[0], k.shape[0]),) + q.shape[1:2] + k.shape[2:]
+    mask = jnp.ones(shape, bool) if k_valid_bs is None else (
+        jnp.broadcast_to(k_valid_bs[:, None, :], shape))
+    if causal is True:
+        mask = mask & (k <= q)
+    elif causal is not False:
+        mask = mask & causal
+    if window:
+        mask = mask & ((q - k) < window)
+        if causal is False:
+            mask = mask & ((k - q) < window)
+    return mask
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskRule:
+    """The inputs of `attention_mask`, for attention that never holds the whole `[B, T, S]` mask.
+
+    `q_pos_bt [B, T]`, `k_pos_bs [B, S]` (absolute positions), `k_valid_bs [B, S]` (None: all
+    keys valid), static `causal` and `window`. `self_keys=True` promises more structure, which a
+    fused kernel needs: the keys are the queries' own tokens (`S == T`, `k_pos is q_pos`) at
+    consecutive positions, and the valid keys of a row are a prefix (right padding) -- then
+    position causality is index causality and validity is a per-row key count.
+
+    Example:
+        >>> rule = MaskRule(q_pos_bt, k_pos_bs, valid_bs, causal=True, window=None)  # doctest: +SKIP
+        >>> out_bthd = grouped_attention(q_bthd, k_bskd, v_bskd, rule)  # doctest: +SKIP
+    """
+    q_pos_bt: jax.Array
+    k_pos_bs: jax.Array
+    k_valid_bs: jax.Array | None = None
+    causal: bool = True
+    window: int | None = None
+    self_keys: bool = False
+
+    def dense(self) -> jax.Array:
+        """The whole mask `[B, T, S]` (`attention_mask` of these inputs)."""
+        return attention_mask(self.q_pos_bt, self.k_pos_bs, self.k_valid_bs, self.causal, self.window)
+
+    def block(self, q_start, q_len: int, k_start, k_len: int, k_from=None) -> jax.Array:
+        """The mask of queries `[q_start, q_start + q_len)` over keys `[k_start, k_start + k_len)`
+        (`[B, q_len, k_len]`, by the same rule); keys before `k_from` (default `k_start`) are off:
+        a block clamped to the end of the keys must not count keys of the block before it."""
+        sl = lambda x, start, n: jax.lax.dynamic_slice_in_dim(x, start, n, axis=1)  # noqa: E731
+        valid = None if self.k_valid_bs is None else sl(self.k_valid_bs, k_start, k_len)
+        if k_from is not None:
+            fresh = (k_start + jnp.arange(k_len) >= k_from)[None]
+            valid = fresh if valid is None else valid & fresh
+        return attention_mask(sl(self.q_pos_bt, q_start, q_len), sl(self.k_pos_bs, k_start, k_len), valid,
+                              self.causal, self.window)
+
+    def valid_counts(self) -> jax.Array:
+        """Valid keys per row `[B]` int32 (the prefix length under `self_keys`)."""
+        b, s = self.k_pos_bs.shape
+        if self.k_valid_bs is None:
+            return jnp.full((b,), s, jnp.int32)
+        return jnp.sum(self.k_valid_bs, axis=1).astype(jnp.int32)
+
+    def rows_with_keys(self) -> jax.Array:
+        """`[B, T]`: queries with at least one allowed key, under `self_keys` (no mask needed):
+        query i of a row with n valid keys sees key min(i, n-1) unless n = 0 or a window excludes it."""
+        n_b1 = self.valid_counts()[:, None]
+        i = jnp.arange(self.q_pos_bt.shape[1])[None]
+        ok = n_b1 > 0
+        if self.window:
+            ok = ok & (i - jnp.minimum(i, n_b1 - 1) < self.window)
+        return jnp.broadcast_to(ok, (n_b1.shape[0], i.shape[1]))

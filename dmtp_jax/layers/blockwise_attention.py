@@ -1,0 +1,85 @@
+"""Blockwise (flash-style) grouped-query attention in plain XLA: memory linear in T and S.
+
+Queries are taken `q_block` at a time (`fori_loop`); for each query block an online softmax runs
+over the keys `k_block` at a time (an inner `fori_loop` carrying the running row max `m`, the
+running sum of weights `l` and the unnormalised output `acc`, all fp32):
+
+    s   = q k^T / sqrt(D), -inf where the rule forbids     [B, kv, g, Tq, Sk]
+    m'  = max(m, rowmax(s));  p = exp(s - m');  a = exp(m - m')
+    l'  = a l + rowsum(p);    acc' = a acc + p v
+    out = acc / l                                           (0 for a row with no allowed key)
+
+The mask of each block comes from the `MaskRule` (`layers/attention_mask.py`), never the whole
+`[B, T, S]` mask; a key block no query of the block may see (beyond causality or the window, or
+invalid) is skipped by `lax.cond`, so a prefill chunk over a long cache only pays for the slots
+before it. Blocks never pad the inputs (padding a cache-sized key array would copy it): a last
+block that would run past the end is moved back to end there, and its keys that belong to the
+block before are masked off; a moved query block recomputes rows, and writes the same values.
+
+Temporaries: `B * heads * q_block * k_block` fp32 scores per step plus the output, independent of
+the product T x S.
+
+Example:
+    >>> q = jnp.ones((1, 100, 4, 8)); k = v = jnp.ones((1, 100, 2, 8))
+    >>> pos = jnp.arange(100)[None]
+    >>> blockwise_attention(q, k, v, MaskRule(pos, pos), q_block=32, k_block=32).shape
+    (1, 100, 4, 8)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dmtp_jax.layers.attention_mask import MaskRule
+
+Q_BLOCK = 256
+K_BLOCK = 512
+
+
+def _online_step(carry, q_bkgtd, k_bskd, v_bskd, mask_bts, scale):
+    """One key block of the online softmax (see the module docstring)."""
+    m, l, acc = carry
+    scores = jnp.einsum("bkgtd,bskd->bkgts", q_bkgtd, k_bskd, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask_bts[:, None, None], scores, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(scores - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    l = alpha * l + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_bskd.dtype), v_bskd, preferred_element_type=jnp.float32)
+    return m_new, l, alpha[..., None] * acc + pv
+
+
+def blockwise_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, rule: MaskRule, *,
+                        q_block: int = Q_BLOCK, k_block: int = K_BLOCK) -> jax.Array:
+    """`grouped_attention` by blocks: `[B, T, heads, D]` in `v`'s dtype, fp32 softmax and sums."""
+    b, t, h, d = q_bthd.shape
+    s, kv = k_bskd.shape[1], k_bskd.shape[2]
+    g = h // kv
+    tq, sk = min(q_block, t), min(k_block, s)
+    n_q, n_k = -(-t // tq), -(-s // sk)
+    scale = d ** -0.5
+    q_all = q_bthd.reshape(b, t, kv, g, d)
+
+    def query_block(i, out_bthd):
+        q_at = jnp.minimum(i * tq, t - tq)
+        q_blk = jnp.moveaxis(jax.lax.dynamic_slice_in_dim(q_all, q_at, tq, axis=1), 1, 3)   # [B, kv, g, Tq, D]
+
+        def key_block(j, carry):
+            k_from = j * sk
+            k_at = jnp.minimum(k_from, s - sk)
+            mask = rule.block(q_at, tq, k_at, sk, k_from)
+            k_blk = jax.lax.dynamic_slice_in_dim(k_bskd, k_at, sk, axis=1)
+            v_blk = jax.lax.dynamic_slice_in_dim(v_bskd, k_at, sk, axis=1)
+            return jax.lax.cond(jnp.any(mask), lambda c: _online_step(c, q_blk, k_blk, v_blk, mask, scale),
+                                lambda c: c, carry)
+
+        init = (jnp.full((b, kv, g, tq), -jnp.inf, jnp.float32), jnp.zeros((b, kv, g, tq), jnp.float32),
+                jnp.zeros((b, kv, g, tq, d), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(0, n_k, key_block, init)
+        o = acc / jnp.maximum(l, 1e-30)[..., None]                       # rows with no key: 0 / 1e-30
+        o = jnp.moveaxis(o, 3, 1).reshape(b, tq, h, d).astype(out_bthd.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out_bthd, o, q_at, axis=1)
+
+    return jax.lax.fori_loop(0, n_q, query_block, jnp.zeros((b, t, h, d), v_bskd.dtype))
