@@ -113,7 +113,8 @@ def check_plan_options(args) -> None:
         raise RequestError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.prompt_len < 1:
         raise RequestError(f"--prompt-len must be >= 1, got {args.prompt_len}")
-    check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch)
+    check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
+                         prefill_chunk=getattr(args, "prefill_chunk", None))
     cfg = target_config(args.target)
     if args.draft:
         from dmtp_jax.config import read_config_json

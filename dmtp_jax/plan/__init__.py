@@ -31,7 +31,7 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
                    mesh: str | None = None, batch_size: int = 1, prompt_len: int = 1024, max_new_tokens: int = 256,
                    dtype: str = "bfloat16", rounds_per_dispatch: int = 1, topology: str = "cpu:1",
                    hbm_gb: float | None = None, temperature: float = 0.0, mtp_steps: int = 4,
-                   verify: str = "rejection", accept_len: float | None = None,
+                   verify: str = "rejection", accept_len: float | None = None, prefill_chunk: int | None = None,
                    progress=None) -> PlanResult:
     """Compiles the prefill and the decode step / round / K-round dispatch of `method` for one
     request of `batch_size` prompts of `prompt_len` tokens and `max_new_tokens` new ones.
@@ -39,7 +39,8 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     `target` / `draft` are checkpoint directories or `config.json` files (no weights needed);
     without `draft`, the documented default drafter shape (`models.dflash.default_drafter_config`).
     `accept_len` (tokens committed per round, e.g. from a bench) turns the round's time estimate
-    into tokens/s. `progress(name)` is called before each compile.
+    into tokens/s. `prefill_chunk` overrides the decoders' prefill chunk (tokens per prefill call).
+    `progress(name)` is called before each compile.
 
     Example:
         >>> plan = plan_inference("configs/models/qwen3.6-27b.json", topology="v5p:2x2x1",
@@ -63,7 +64,8 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
                          "native MTP head of the target's layer shape")
         decoder = make_decoder(method, models["target"], models.get("drafter"), mtp=models.get("mtp"),
                                fusion=models.get("fusion"), block_size=block_size, mtp_steps=mtp_steps,
-                               verify=verify, rounds_per_dispatch=rounds_per_dispatch)
+                               verify=verify, rounds_per_dispatch=rounds_per_dispatch,
+                               prefill_chunk=prefill_chunk)
         calls = inference_calls(decoder, batch_size, prompt_len, max_new_tokens, temperature, accept_len)
         functions = []
         for call in calls:
@@ -74,7 +76,7 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     weights = {name: shard_bytes(m.state) for name, m in models.items()}
     state = {k.split(":", 1)[1]: v for k, v in calls[0].parts.items() if k.startswith("cache:")}
     settings = {"method": method, "batch": batch_size, "prompt": prompt_len, "new tokens": max_new_tokens,
-                "dtype": dtype}
+                "dtype": dtype, "prefill chunk": decoder.prefill_chunk}
     if method != "ar":
         settings["block"] = decoder.slots
     if rounds_per_dispatch > 1:

@@ -21,6 +21,7 @@ import numpy as np
 
 from dmtp_jax.decode.batch import pad_prompts
 from dmtp_jax.decode.multi_round import pad_stop_ids
+from dmtp_jax.decode.prefill import chunk_length
 from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.plan.models import abstract_args, shard_bytes
 
@@ -50,7 +51,8 @@ def request_shapes(cfg, batch: int, prompt_len: int, max_new_tokens: int, slack:
 def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, temperature: float = 0.0,
                     accept_len: float | None = None) -> list[PlannedCall]:
     """The jitted calls of one `generate` request on `decoder` (an `ARDecoder` or `SpecDecoder`
-    over abstract models): prefill, then the decode step, the round or the K-round dispatch."""
+    over abstract models): a prefill chunk (`calls` = chunks per request), then the decode step,
+    the round or the K-round dispatch."""
     target = decoder.target
     mesh = target.mesh
     sp = SamplingParams.make(temperature)
@@ -59,8 +61,11 @@ def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, t
     speculative = hasattr(decoder, "round")
     slack = decoder.slots if speculative else 8
     rows, bucket, max_len = request_shapes(target.cfg, batch, prompt_len, max_new_tokens, slack)
-    tokens = jax.ShapeDtypeStruct((rows, bucket), np.int32)
-    lengths = jax.ShapeDtypeStruct((rows,), np.int32)
+    chunk = chunk_length(bucket, decoder.prefill_chunk)
+    chunks = -(-bucket // chunk)
+    tokens = jax.ShapeDtypeStruct((rows, chunk), np.int32)
+    row_ids = jax.ShapeDtypeStruct((rows,), np.int32)
+    start = np.int32(0)
     args = lambda *xs: abstract_args(xs, mesh)  # noqa: E731
     weights = {"target": shard_bytes(target.state)}
     if speculative:
@@ -83,9 +88,10 @@ def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, t
         active = jax.ShapeDtypeStruct((rows,), np.bool_)
         limits = jax.ShapeDtypeStruct((rows,), np.int32)
         rounds_needed = -(-max_new_tokens // (accept_len or 1.0))
-        calls = [PlannedCall("prefill", lambda: decoder.prefill.lower(*args(states, tokens, lengths), state,
-                                                                      *args(sp, key), greedy=greedy),
-                             minimum, 1, rows * bucket, parts)]
+        calls = [PlannedCall("prefill", lambda: decoder.prefill_step.lower(*args(states, tokens, row_ids, start,
+                                                                                row_ids), state, *args(sp, key),
+                                                                           greedy=greedy),
+                             minimum, chunks, rows * chunk, parts)]
         per_round = rows * accept_len if accept_len else None
         if decoder.rounds_per_dispatch > 1:
             k = decoder.rounds_per_dispatch
@@ -104,12 +110,11 @@ def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, t
     cache = _placed(shapes, decoder.caches.shardings(shapes))
     weights_b, cache_b = shard_bytes(target.state), shard_bytes(cache)
     parts = {"weights:target": weights_b, "cache:target_cache": cache_b}
-    step_tokens = jax.ShapeDtypeStruct((rows,), np.int32)
     return [
-        PlannedCall("prefill", lambda: decoder.prefill.lower(*args(target.state, tokens, lengths), cache,
-                                                             *args(sp, key), greedy=greedy),
-                    weights_b + cache_b, 1, rows * bucket, parts),
-        PlannedCall("decode_step", lambda: decoder.decode_step.lower(*args(target.state, step_tokens, step_tokens),
+        PlannedCall("prefill", lambda: decoder.prefill_step.lower(*args(target.state, tokens, start, row_ids), cache,
+                                                                  *args(row_ids, sp, key), greedy=greedy),
+                    weights_b + cache_b, chunks, rows * chunk, parts),
+        PlannedCall("decode_step", lambda: decoder.decode_step.lower(*args(target.state, row_ids, row_ids),
                                                                      cache, *args(sp, key), greedy=greedy),
                     weights_b + cache_b, max_new_tokens - 1, rows, parts),
     ]
