@@ -59,6 +59,7 @@ DEFAULT_RULES = MeshRules((
     ("mlp", "tensor"),
     ("experts", "expert"),
     ("cache_heads", "tensor"),
+    ("layers", None),          # the leading axis of scanned layer stacks (`models/layer_stack.py`)
 ))
 
 

@@ -64,12 +64,14 @@ def test_sharded_matches_single_device(sharded_runs, family, mesh):
 def test_params_are_sharded(sharded_runs, family, mesh):
     run, axis = sharded_runs[family][mesh], MESHES[mesh]
     hybrid = family == "tiny_qwen3_5_moe_dir"
-    q_proj = "layers.3.self_attn.q_proj" if hybrid else "layers.0.self_attn.q_proj"
+    # scanned layer stacks (`models/layer_stack.py`): the hybrid's 4 layers are 3 DeltaNet layers
+    # scanned (stack 0) and one attention layer (stack 1); a Qwen3's layers are one stack
+    q_proj = "stacks.1.0.self_attn.q_proj" if hybrid else "stacks.0.0.self_attn.q_proj"
     assert axis in run["specs"][q_proj], run["specs"][q_proj]
     assert run["devices"][q_proj] == 8
     assert all(spec == "P()" for spec in sharded_runs[family][REFERENCE]["specs"].values())
     if hybrid:
-        assert axis in run["specs"]["layers.0.linear_attn.in_proj_qkv"]
+        assert axis in run["specs"]["stacks.0.0.linear_attn.in_proj_qkv"]
     if family != "tiny_qwen3_dir":
-        assert axis in run["specs"]["layers.0.mlp.gate_proj"]   # stacked experts [E, H, I]
-        assert ("expert" in run["specs"]["layers.0.mlp.gate_proj"]) == ("expert" in mesh)
+        assert axis in run["specs"]["stacks.0.0.mlp.gate_proj"]   # stacked experts [G, E, H, I]
+        assert ("expert" in run["specs"]["stacks.0.0.mlp.gate_proj"]) == ("expert" in mesh)

@@ -3,7 +3,10 @@
 Our kernels are `[in, out]`; HF linear weights are `[out, in]` (transposed on the way), and MoE
 experts are stacked `[E, ...]`, from HF's per-expert tensors or from its fused ones
 (`experts.gate_up_proj [E, 2I, H]`, gate rows first; `experts.down_proj [E, H, I]`), whichever the
-checkpoint holds. A released image-text checkpoint keeps the text model under
+checkpoint holds. A scanned target's layer params `stacks.{s}.{j}.*` are stacked `[G, ...]`
+over the layers member j of stack s stands for (`models/layer_stack.py`); each maps to its G
+per-layer names (G x E for expert stacks), so the files are the same as an unrolled target's.
+A released image-text checkpoint keeps the text model under
 `model.language_model.*` (its `model.visual.*` is ignored: text-only generation). Loading goes tensor by tensor and
 shard by shard (`jax.make_array_from_callback` over memory-mapped files), so no device or host ever
 holds a whole model it does not own.
@@ -32,6 +35,7 @@ from jax.sharding import Mesh
 from dmtp_jax.checkpoint.safetensors_io import CheckpointError, CheckpointReader, write_sharded
 from dmtp_jax.config import TargetConfig, load_target_config
 from dmtp_jax.models import build_target
+from dmtp_jax.models.layer_stack import STACK_PATH, stack_layer_ids
 from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, make_mesh, state_shardings
 
 # (regex on our dotted param path, HF name template, how: "copy" | "T" (swap the last two axes))
@@ -69,14 +73,17 @@ def image_text_rules(rules=QWEN_NAME_RULES):
 
 @dataclasses.dataclass(frozen=True)
 class TensorSource:
-    """Where one of our params lives in an HF checkpoint."""
-    hf_names: tuple[str, ...]      # one name, or one per expert (stacked along axis 0)
+    """Where one of our params lives in an HF checkpoint: one tensor, or a grid of them stacked
+    along our leading axes `stack` (row-major names: per expert `[E]`, per scanned layer `[G]`, or
+    both `[G, E]`)."""
+    hf_names: tuple[str, ...]
     transpose: bool                # HF's last two axes are ours swapped
     rows: tuple[int, int] | None = None   # a row range of HF's axis -2 (fused gate | up experts)
+    stack: tuple[int, ...] = ()    # our leading axes that index `hf_names`
 
     def hf_shape(self, our_shape) -> tuple[int, ...]:
         """The HF tensor's shape for our param's shape (the row range's size on axis -2)."""
-        shape = list(our_shape[1:]) if len(self.hf_names) > 1 else list(our_shape)
+        shape = list(our_shape[len(self.stack):])
         if self.transpose:
             shape[-2:] = shape[-2:][::-1]
         return tuple(shape)
@@ -98,7 +105,7 @@ def _expert_source(path: str, expanded: str, shape, prefix: str, reader) -> Tens
     base, which = prefix + e.group(1), e.group(2)
     names = tuple(f"{base}experts.{i}.{which}_proj.weight" for i in range(shape[0]))
     if reader is None or names[0] in reader:
-        return TensorSource(names, True)
+        return TensorSource(names, True, stack=(shape[0],))
     if which == "down":
         return TensorSource((f"{base}experts.down_proj",), True)
     inter = shape[2]
@@ -106,9 +113,23 @@ def _expert_source(path: str, expanded: str, shape, prefix: str, reader) -> Tens
     return TensorSource((f"{base}experts.gate_up_proj",), True, rows)
 
 
-def resolve_source(path: str, shape, rules=QWEN_NAME_RULES, prefix: str = "", reader=None) -> TensorSource:
+def resolve_source(path: str, shape, rules=QWEN_NAME_RULES, prefix: str = "", reader=None,
+                   layer_ids: dict | None = None) -> TensorSource:
     """Maps our dotted param path (e.g. `layers.0.self_attn.q_proj`) to its HF tensor(s); with a
-    `reader`, expert stacks follow the layout the checkpoint holds (per-expert by default)."""
+    `reader`, expert stacks follow the layout the checkpoint holds (per-expert by default). A
+    scanned layer param `stacks.{s}.{j}.*` `[G, ...]` stands for the layers `layer_ids[(s, j)]`
+    (`models.layer_stack.stack_layer_ids`): each resolved as `layers.{i}.*`, stacked on axis 0.
+
+    Example:
+        >>> resolve_source("stacks.0.1.mlp.up_proj", (2, 4, 8), layer_ids={(0, 1): (1, 3)}).hf_names
+        ('model.layers.1.mlp.up_proj.weight', 'model.layers.3.mlp.up_proj.weight')
+    """
+    m = STACK_PATH.fullmatch(path)
+    if m and layer_ids is not None:
+        parts = [resolve_source(f"layers.{i}.{m.group(3)}", shape[1:], rules, prefix, reader)
+                 for i in layer_ids[(int(m.group(1)), int(m.group(2)))]]
+        return TensorSource(tuple(n for p in parts for n in p.hf_names), parts[0].transpose, parts[0].rows,
+                            (len(parts),) + parts[0].stack)
     for pattern, template, how in rules:
         m = re.fullmatch(pattern, path)
         if not m:
@@ -121,6 +142,11 @@ def resolve_source(path: str, shape, rules=QWEN_NAME_RULES, prefix: str = "", re
 
 def _dotted(path) -> str:
     return ".".join(str(p) for p in path)
+
+
+def _layer_ids(state: nnx.State) -> dict:
+    """The layers each scanned stack member stands for, from the state's paths and shapes."""
+    return stack_layer_ids((_dotted(path), var.shape) for path, var in nnx.to_flat_state(state))
 
 
 def _swap_last(x):
@@ -139,12 +165,11 @@ def _read_slice(reader: CheckpointReader, src: TensorSource, index, dtype) -> np
             idx[-2] = slice(lo + start, lo + stop)
         return tuple(idx)
 
-    if len(src.hf_names) > 1:
-        parts = [reader.array(n)[hf_index(index[1:])] for n in src.hf_names[index[0]]]
-        block = np.stack([_swap_last(p) if src.transpose else p for p in parts])
-    else:
-        block = reader.array(src.hf_names[0])[hf_index(index)]
-        block = _swap_last(block) if src.transpose else block
+    n = len(src.stack)
+    names = np.asarray(np.array(src.hf_names, dtype=object).reshape(src.stack)[tuple(index[:n])], dtype=object)
+    parts = [reader.array(name)[hf_index(index[n:])] for name in names.flat]
+    parts = [_swap_last(p) if src.transpose else p for p in parts]
+    block = np.stack(parts).reshape(names.shape + parts[0].shape)
     return np.ascontiguousarray(block.astype(dtype))
 
 
@@ -160,9 +185,10 @@ def load_params(abstract_state: nnx.State, reader: CheckpointReader, mesh: Mesh,
     np_dtype = np.dtype(jnp.dtype(dtype))
     used: set[str] = set()
     loaded = []
+    layer_ids = _layer_ids(abstract_state)
     for (path, var), (_, shard_var) in zip(nnx.to_flat_state(abstract_state), nnx.to_flat_state(shardings)):
         dotted = _dotted(path)
-        src = resolve_source(dotted, var.shape, rules, prefix, reader)
+        src = resolve_source(dotted, var.shape, rules, prefix, reader, layer_ids)
         for name in src.hf_names:
             if name not in reader:
                 raise CheckpointError(f"{reader.model_dir}: missing tensor '{name}' (for param '{dotted}')")
@@ -184,16 +210,14 @@ def load_params(abstract_state: nnx.State, reader: CheckpointReader, mesh: Mesh,
 def export_tensors(state: nnx.State, rules=QWEN_NAME_RULES, prefix: str = "", dtype=None) -> dict[str, np.ndarray]:
     """HF-named numpy tensors of a (possibly sharded) state; gathers one param at a time."""
     out = {}
+    layer_ids = _layer_ids(state)
     for path, var in nnx.to_flat_state(state):
         value = np.asarray(jax.device_get(var.get_value()))
         if dtype is not None:
             value = value.astype(np.dtype(jnp.dtype(dtype)))
-        src = resolve_source(_dotted(path), value.shape, rules, prefix)
-        if len(src.hf_names) > 1:
-            for i, name in enumerate(src.hf_names):
-                out[name] = _swap_last(value[i]) if src.transpose else value[i]
-        else:
-            out[src.hf_names[0]] = _swap_last(value) if src.transpose else value
+        src = resolve_source(_dotted(path), value.shape, rules, prefix, layer_ids=layer_ids)
+        for name, index in zip(src.hf_names, np.ndindex(*src.stack)):
+            out[name] = _swap_last(value[index]) if src.transpose else value[index]
     return out
 
 
@@ -215,9 +239,10 @@ class LoadedModel:
 LoadedTarget = LoadedModel      # cfg: TargetConfig
 
 
-def abstract_target(cfg: TargetConfig, dtype):
-    """(graphdef, abstract state) without allocating any parameter."""
-    model = nnx.eval_shape(lambda: build_target(cfg, jnp.dtype(dtype), nnx.Rngs(0)))
+def abstract_target(cfg: TargetConfig, dtype, scan_layers: bool = True):
+    """(graphdef, abstract state) without allocating any parameter (`scan_layers=False`: the
+    layers as one unrolled stack, `models/layer_stack.py`)."""
+    model = nnx.eval_shape(lambda: build_target(cfg, jnp.dtype(dtype), nnx.Rngs(0), scan_layers))
     return nnx.split(model)
 
 
@@ -236,7 +261,7 @@ def place_abstract(cfg, graphdef, abstract: nnx.State, mesh: Mesh, source: str |
 
 
 def load_target(model_dir: str, dtype="float32", mesh: Mesh | None = None,
-                mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedTarget:
+                mesh_rules: MeshRules = DEFAULT_RULES, scan_layers: bool = True) -> LoadedTarget:
     """Loads an HF target directory into sharded params.
 
     Example:
@@ -244,7 +269,7 @@ def load_target(model_dir: str, dtype="float32", mesh: Mesh | None = None,
     """
     cfg = load_target_config(model_dir)
     mesh = mesh or make_mesh()
-    graphdef, abstract = abstract_target(cfg, dtype)
+    graphdef, abstract = abstract_target(cfg, dtype, scan_layers)
     reader = CheckpointReader(model_dir)
     image_text = f"{IMAGE_TEXT_PREFIX}embed_tokens.weight" in reader
     rules = image_text_rules() if image_text else QWEN_NAME_RULES
@@ -260,12 +285,12 @@ def load_target(model_dir: str, dtype="float32", mesh: Mesh | None = None,
 
 
 def init_target(cfg: TargetConfig, dtype="float32", mesh: Mesh | None = None, seed: int = 0,
-                mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedTarget:
+                mesh_rules: MeshRules = DEFAULT_RULES, scan_layers: bool = True) -> LoadedTarget:
     """Random init placed directly at the mesh shardings (one jit, no host copy)."""
     mesh = mesh or make_mesh()
-    graphdef, abstract = abstract_target(cfg, dtype)
+    graphdef, abstract = abstract_target(cfg, dtype, scan_layers)
     shardings = state_shardings(abstract, mesh, mesh_rules)
-    make = jax.jit(lambda: nnx.split(build_target(cfg, jnp.dtype(dtype), nnx.Rngs(seed)))[1],
+    make = jax.jit(lambda: nnx.split(build_target(cfg, jnp.dtype(dtype), nnx.Rngs(seed), scan_layers))[1],
                    out_shardings=shardings)
     return LoadedTarget(cfg, graphdef, make(), mesh)
 

@@ -3,6 +3,7 @@
 from dmtp_jax.models.qwen3 import QwenTarget, TargetOutput  # noqa: F401
 
 
-def build_target(cfg, dtype, rngs):
-    """The NNX module for `cfg.model_type` (every Qwen family shares one module)."""
-    return QwenTarget(cfg, dtype=dtype, rngs=rngs)
+def build_target(cfg, dtype, rngs, scan_layers: bool = True):
+    """The NNX module for `cfg.model_type` (every Qwen family shares one module); `scan_layers=False`
+    runs the layers as one unrolled loop (`models/layer_stack.py`)."""
+    return QwenTarget(cfg, dtype=dtype, rngs=rngs, scan_layers=scan_layers)

@@ -44,6 +44,7 @@ from dmtp_jax.layers.mlp import moe_mlp, swiglu
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import apply_rope, rope_cos_sin
 from dmtp_jax.models.deltanet import GatedDeltaNet, commit_states
+from dmtp_jax.models.layer_stack import Context, captured_outputs, plan_stacks, run_stacks, stacked
 
 
 @jax.tree_util.register_dataclass
@@ -210,7 +211,7 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.norm(x, self.post_attention_layernorm))
 
     def __call__(self, x, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt):
-        """An attention layer (`QwenTarget.__call__` runs a DeltaNet layer's `linear_attn` itself,
+        """An attention layer (`layer_stack.run_layer` runs a DeltaNet layer's `linear_attn` itself,
         since it threads the layer's conv window and state, then calls `finish`)."""
         attn, cache = self.self_attn(self.norm(x, self.input_layernorm), positions_bt, cos, sin, cache,
                                      kv_valid_bt)
@@ -233,18 +234,43 @@ def lm_head_logits(hidden: jax.Array, weight: jax.Array, *, tied: bool) -> jax.A
 
 
 class QwenTarget(nnx.Module):
-    """A Qwen-family causal LM. Params use `[in, out]` kernels; HF names map in `checkpoint.hf`."""
+    """A Qwen-family causal LM. Params use `[in, out]` kernels; HF names map in `checkpoint.hf`.
+    The decoder layers are scanned stacks of a repeating group (`models/layer_stack.py`; params
+    `stacks.{s}.{j}.*` stacked `[groups, ...]`); `scan_layers=False` makes one unrolled stack."""
 
-    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs, scan_layers: bool = True):
         self.cfg = cfg
         self.embed_tokens = params.weight(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        # the layers as stacks of repeated groups, params `[repeats, ...]` (`models/layer_stack.py`)
+        self.stack_specs = plan_stacks(cfg, scan_layers)
         kv_index = {layer: j for j, layer in enumerate(cfg.attention_layers)}
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs, kv_index=kv_index.get(i))
-                                for i in range(cfg.num_hidden_layers)])
+
+        def group(spec):
+            return lambda r: nnx.List([DecoderLayer(cfg, i, dtype, r, kv_index=kv_index.get(i))
+                                       for i in range(spec.start, spec.start + spec.period)])
+        self.stacks = nnx.List([stacked(group(spec), spec.repeats, rngs) for spec in self.stack_specs])
         norm_init = params.zeros if cfg.zero_centred_norms else params.ones
         self.norm = norm_init((cfg.hidden_size,), (None,), dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = params.weight(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Layer `i` as its own `DecoderLayer` (a view of its slice of the stacked params, for
+        inspection and per-layer checks; the forward never builds it).
+
+        Example:
+            >>> model.layer(3).self_attn.q_proj.shape  # doctest: +SKIP
+            (32, 128)
+        """
+        for spec, members in zip(self.stack_specs, self.stacks):
+            if spec.start <= i < spec.start + spec.period * spec.repeats:
+                g, j = divmod(i - spec.start, spec.period)
+                graphdef, state = nnx.split(members[j])
+                layer = nnx.merge(graphdef, jax.tree.map(lambda v: v[g], state))
+                if not layer.is_linear:
+                    layer.self_attn.kv_index = self.cfg.attention_layers.index(i)
+                return layer
+        raise IndexError(f"layer {i} of a {self.cfg.num_hidden_layers}-layer target")
 
     @property
     def dtype(self):
@@ -285,30 +311,11 @@ class QwenTarget(nnx.Module):
         """
         x = self.embed(tokens_bt) if embeds_bth is None else embeds_bth
         cos, sin = rope_cos_sin(positions_bt, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
-        kv = None if cache is None else cache.kv
-        conv = None if cache is None else cache.conv_lbwc
-        ssm = None if cache is None else cache.ssm_lbhkv
-        pending, by_layer, state_index = [], {}, 0
-        for i, layer in enumerate(self.layers):
-            if layer.is_linear:
-                j = state_index
-                state_index += 1
-                y, (c, s), block = layer.linear_attn(
-                    layer.norm(x, layer.input_layernorm), None if conv is None else conv[j],
-                    None if ssm is None else ssm[j], kv_valid_bt, speculative=speculative and cache is not None)
-                if block is not None:
-                    pending.append(block)
-                elif ssm is not None:
-                    conv, ssm = conv.at[j].set(c), ssm.at[j].set(s)
-                x = layer.finish(x, y)
-            else:
-                x, kv = layer(x, positions_bt, cos, sin, kv, kv_valid_bt)
-            if i in capture_layers:
-                by_layer[i] = x
-        hidden = rms_norm(x, self.norm[...], self.cfg.rms_norm_eps, self.cfg.zero_centred_norms)
-        last = len(self.layers) - 1
-        if last in by_layer:          # HF's hidden_states[L] is the post-norm state
-            by_layer[last] = hidden
-        new_cache = None if cache is None else TargetCache(kv, conv, ssm)
-        stacked = PendingBlock(*(jnp.stack(parts) for parts in zip(*pending))) if pending else None
-        return TargetOutput(hidden, tuple(by_layer[i] for i in capture_layers), new_cache, stacked)
+        ctx = Context(positions_bt, cos, sin, kv_valid_bt, speculative and cache is not None)
+        carry, pending = run_stacks(self.stack_specs, self.stacks, x, None if cache is None else cache.kv,
+                                    None if cache is None else cache.conv_lbwc,
+                                    None if cache is None else cache.ssm_lbhkv, ctx, capture_layers)
+        hidden = rms_norm(carry.x_bth, self.norm[...], self.cfg.rms_norm_eps, self.cfg.zero_centred_norms)
+        captured = captured_outputs(carry, capture_layers, self.cfg.num_hidden_layers - 1, hidden)
+        new_cache = None if cache is None else TargetCache(carry.kv, carry.conv_lbwc, carry.ssm_lbhkv)
+        return TargetOutput(hidden, captured, new_cache, pending)
