@@ -68,19 +68,6 @@ def target_configs(size: str) -> dict[str, dict]:
     }
 
 
-def drafter_config(tcfg, layers: int, block: int):
-    from dmtp_jax.models.dflash import DFlashConfig
-    n = tcfg.num_hidden_layers
-    ids = sorted({int(round(x)) for x in np.linspace(1, max(1, n - 2), min(5, n))})
-    return DFlashConfig.from_hf_dict({
-        "architectures": ["DFlashDraftModel"], "hidden_size": tcfg.hidden_size,
-        "intermediate_size": tcfg.intermediate_size, "num_hidden_layers": layers,
-        "num_attention_heads": tcfg.num_attention_heads, "num_key_value_heads": tcfg.num_key_value_heads,
-        "head_dim": tcfg.head_dim, "vocab_size": tcfg.vocab_size, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-        "num_target_layers": n, "dflash_config": {"block_size": block, "mask_token_id": 1,
-                                                  "target_layer_ids": ids}})
-
-
 # ---- peaks -------------------------------------------------------------------------------------
 def measured_peaks() -> tuple[float, float, str]:
     """(copy bandwidth B/s, matmul FLOP/s) measured on the default device."""
@@ -156,10 +143,11 @@ def build(family: str, cfg_dict: dict, dtype: str, draft_layers: int, block: int
     from dmtp_jax.checkpoint.mtp_ckpt import init_mtp
     from dmtp_jax.config import TargetConfig
     from dmtp_jax.decode import make_decoder
+    from dmtp_jax.models.drafter_shape import default_drafter_config
 
     target = init_target(TargetConfig.from_hf_dict(cfg_dict), dtype)
     decoders = {}
-    drafter = init_drafter(drafter_config(target.cfg, draft_layers, block), dtype) if \
+    drafter = init_drafter(default_drafter_config(target.cfg, draft_layers, block), dtype) if \
         {"dflash", "dmtp"} & set(methods) else None
     for m in methods:
         if m == "ar":

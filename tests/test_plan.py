@@ -36,7 +36,7 @@ def test_plan_matches_a_real_compile_and_run(tiny_qwen3_5_dir, planned_dmtp):
     from dmtp_jax.decode import make_decoder
     from dmtp_jax.decode.batch import pad_prompts
     from dmtp_jax.decode.sampling import SamplingParams
-    from dmtp_jax.models.dflash import default_drafter_config
+    from dmtp_jax.models.drafter_shape import default_drafter_config
     from dmtp_jax.plan.compile import cost_of
 
     target = load_target(tiny_qwen3_5_dir, "float32")

@@ -24,7 +24,7 @@ def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None,
         ...                      mesh="data=2,fsdp=4", batch_size=64)  # doctest: +SKIP
     """
     from dmtp_jax.errors import InputError
-    from dmtp_jax.models.dflash import default_drafter_config
+    from dmtp_jax.models.drafter_shape import default_drafter_config
     from dmtp_jax.plan.compile import compile_function
     from dmtp_jax.plan.models import shard_bytes, target_config_of
     from dmtp_jax.plan.topology import open_topology

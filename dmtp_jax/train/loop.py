@@ -137,7 +137,7 @@ def fresh_drafter_config(cfg: TrainConfig, target_cfg, tokenizer=None):
     Example:
         >>> dcfg = fresh_drafter_config(TrainConfig(draft_layers=2), target.cfg)  # doctest: +SKIP
     """
-    from dmtp_jax.models.dflash import default_drafter_config
+    from dmtp_jax.models.drafter_shape import default_drafter_config
     mask = cfg.mask_token_id
     if mask is None and tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is not None:
         mask = int(tokenizer.mask_token_id)
