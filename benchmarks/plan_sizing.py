@@ -24,34 +24,39 @@ Q27 = "configs/models/qwen3.6-27b.json"
 Q35 = "configs/models/qwen3.6-35b-a3b.json"
 SERVE_NEW_TOKENS = 1024
 
-# (target, topology, mesh) recommended for serving; each at batch 1 and 32, prompt 4K and 32K
-SERVING = [
-    (Q27, "h100x8", "tensor=8"), (Q27, "h200x8", "tensor=8"), (Q27, "v5p:2x2x1", "tensor=4"),
-    (Q27, "v6e:2x4", "tensor=8"), (Q27, "v5e:4x4", "tensor=8,data=2"),
-    (Q35, "h100x8", "expert=8"), (Q35, "h100x8", "expert=4,tensor=2"), (Q35, "h200x8", "expert=8"),
-    (Q35, "v5p:2x2x1", "expert=4"), (Q35, "v6e:2x4", "expert=8"), (Q35, "v5e:4x4", "expert=8,data=2"),
-]
-# the README's training command on v5p slices
-TRAINING = [
-    (Q27, "v5p:2x2x2", "data=2,fsdp=4", 64), (Q27, "v5p:4x4x4", "data=4,fsdp=16", 256),
-    (Q35, "v5p:2x2x2", "data=2,expert=4", 64),
+
+def serve(target, topo, mesh, batch, prompt, method="dmtp"):
+    return ("infer", dict(target=target, topology=topo, mesh=mesh, batch_size=batch, prompt_len=prompt,
+                          max_new_tokens=SERVE_NEW_TOKENS if prompt > 1024 else 256, method=method,
+                          dtype="bfloat16"))
+
+
+def train(target, topo, mesh, batch):
+    return ("train", dict(target=target, topology=topo, mesh=mesh, batch_size=batch, seq_len=4096, method="dmtp"))
+
+
+# the rows in the order they matter (the README's sizing table; the targets first)
+ROWS = [
+    serve(Q27, "h100x8", "tensor=8", 32, 32768), serve(Q35, "h100x8", "expert=8", 32, 32768),
+    train(Q27, "v5p:2x2x2", "data=2,fsdp=4", 64),
+    serve(Q27, "v5p:2x2x1", "tensor=4", 1, 1024), serve(Q27, "v5p:2x2x1", "tensor=4", 1, 1024, method="ar"),
+    serve(Q35, "v5p:2x2x1", "expert=4", 1, 1024), serve(Q35, "v5p:2x2x1", "expert=4", 1, 1024, method="dflash"),
+    serve(Q27, "v5p:2x2x1", "tensor=4", 1, 1024, method="dflash"),
+    serve(Q27, "v5p:2x2x2", "tensor=8", 32, 32768), serve(Q35, "v5p:2x2x2", "expert=8", 32, 32768),
+    train(Q27, "v5p:4x4x4", "data=4,fsdp=16", 256),
+    serve(Q27, "h100x8", "tensor=8", 1, 4096), serve(Q35, "h100x8", "expert=4,tensor=2", 32, 32768),
+    serve(Q27, "h200x8", "tensor=8", 32, 32768), serve(Q27, "v6e:2x4", "tensor=8", 32, 4096),
+    serve(Q27, "v5e:4x4", "tensor=8,data=2", 32, 4096), train(Q35, "v5p:2x2x2", "data=2,expert=4", 64),
 ]
 
 
 def rows():
-    for target, topo, mesh in SERVING:
-        for batch in (1, 32):
-            for prompt in (4096, 32768):
-                yield ("infer", dict(target=target, topology=topo, mesh=mesh, batch_size=batch, prompt_len=prompt,
-                                     max_new_tokens=SERVE_NEW_TOKENS, method="dmtp", dtype="bfloat16"))
-    for target, topo, mesh, batch in TRAINING:
-        yield ("train", dict(target=target, topology=topo, mesh=mesh, batch_size=batch, seq_len=4096,
-                             method="dmtp"))
+    return list(ROWS)
 
 
 def command(kind: str, kw: dict) -> str:
     if kind == "infer":
-        return (f"python infer.py plan --target {kw['target']} --method dmtp --topology {kw['topology']} "
+        return (f"python infer.py plan --target {kw['target']} --method {kw['method']} --topology {kw['topology']} "
                 f"--mesh {kw['mesh']} --batch-size {kw['batch_size']} --prompt-len {kw['prompt_len']} "
                 f"--max-new-tokens {kw['max_new_tokens']} --dtype bfloat16")
     return (f"python train.py plan --target {kw['target']} --method dmtp --topology {kw['topology']} "
@@ -80,7 +85,7 @@ def markdown(results: list[dict]) -> str:
         p, s = r["plan"], r["plan"]["settings"]
         est = {f["name"]: f["estimated_s"] for f in p["functions"]}
         fmt = lambda x: "-" if x is None else (f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s")  # noqa: E731
-        model = os.path.basename(r["kw"]["target"]).replace(".json", "")
+        model = os.path.basename(r["kw"]["target"]).replace(".json", "") + f" {s['method']}"
         prompt = s.get("prompt", s.get("seq"))
         first = "prefill" if r["kind"] == "infer" else "train_step"
         second = est.get("round", est.get("multi_round")) if r["kind"] == "infer" else None
