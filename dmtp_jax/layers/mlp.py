@@ -158,23 +158,30 @@ def block_rows_for(num_rows: int, num_groups: int) -> int:
     return min(MAX_BLOCK_ROWS, 1 << (per_group.bit_length() - 1))
 
 
-def _blocked_expert_mlp(x_mh, group_sizes_g, gate_ghi, up_ghi, down_gih):
-    """Same contract as `_ragged_expert_mlp`, without ragged_dot: groups padded to blocks of B rows,
-    one expert per block, and one batched matmul over the blocks with per-block gathered copies of
-    the weights (`blocks x H x I`: GBs per layer at prefill sizes; see the module docstring)."""
-    m, g = x_mh.shape[0], gate_ghi.shape[0]
+def _block_layout(m: int, group_sizes_g: jax.Array, g: int):
+    """Blocks of B rows (`block_rows_for`), one group each, over `m` rows sorted by group:
+    `(B, num_blocks, block_start_g, block_end_g, row_start_g, row_end_g, block_ids_b, group_b)`.
+    Every non-empty block holds >= 1 row and only the last block of a group is partial, so
+    `num_blocks = min(m, m // B + min(g, m))` always suffices; `group_b` of unused blocks is g - 1."""
     block = block_rows_for(m, g)
-    # every non-empty block holds >= 1 row, and only the last block of a group is partial
     num_blocks = min(m, m // block + min(g, m))
     blocks_g = (group_sizes_g + block - 1) // block
     block_end_g = jnp.cumsum(blocks_g)
     block_start_g = block_end_g - blocks_g
     row_end_g = jnp.cumsum(group_sizes_g)
     row_start_g = row_end_g - group_sizes_g
-
     block_ids_b = jnp.arange(num_blocks)
-    group_b = jnp.searchsorted(block_end_g, block_ids_b, side="right")          # g = unused block
-    group_b = jnp.minimum(group_b, g - 1)
+    group_b = jnp.minimum(jnp.searchsorted(block_end_g, block_ids_b, side="right"), g - 1)
+    return block, num_blocks, block_start_g, block_end_g, row_start_g, row_end_g, block_ids_b, group_b
+
+
+def _blocked_expert_mlp(x_mh, group_sizes_g, gate_ghi, up_ghi, down_gih):
+    """Same contract as `_ragged_expert_mlp`, without ragged_dot: groups padded to blocks of B rows,
+    one expert per block, and one batched matmul over the blocks with per-block gathered copies of
+    the weights (`blocks x H x I`: GBs per layer at prefill sizes; see the module docstring)."""
+    m, g = x_mh.shape[0], gate_ghi.shape[0]
+    block, num_blocks, block_start_g, block_end_g, row_start_g, row_end_g, block_ids_b, group_b = \
+        _block_layout(m, group_sizes_g, g)
     offset_br = (block_ids_b - block_start_g[group_b])[:, None] * block + jnp.arange(block)[None]
     valid_br = (offset_br >= 0) & (offset_br < group_sizes_g[group_b][:, None])
     src_br = jnp.where(valid_br, row_start_g[group_b][:, None] + offset_br, 0)
@@ -219,15 +226,8 @@ def _scan_expert_mlp(x_nh, token_m, weight_m, group_sizes_g, gate_ghi, up_ghi, d
     `B x (H + I)` rows."""
     n, h = x_nh.shape
     m, g = token_m.shape[0], gate_ghi.shape[0]
-    block = block_rows_for(m, g)
-    num_blocks = min(m, m // block + min(g, m))       # >= 1 row per used block; 1 partial block per group
-    blocks_g = (group_sizes_g + block - 1) // block
-    block_end_g = jnp.cumsum(blocks_g)
-    block_start_g = block_end_g - blocks_g
-    row_end_g = jnp.cumsum(group_sizes_g)
-    row_start_g = row_end_g - group_sizes_g
-    block_ids_b = jnp.arange(num_blocks)
-    group_b = jnp.minimum(jnp.searchsorted(block_end_g, block_ids_b, side="right"), g - 1)
+    block, num_blocks, block_start_g, block_end_g, row_start_g, row_end_g, block_ids_b, group_b = \
+        _block_layout(m, group_sizes_g, g)
     first_row_b = row_start_g[group_b] + (block_ids_b - block_start_g[group_b]) * block
     rows_b = jnp.where(block_ids_b < block_end_g[-1],
                        jnp.clip(row_end_g[group_b] - first_row_b, 0, block), 0)
