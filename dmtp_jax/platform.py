@@ -33,14 +33,23 @@ def compile_platform() -> str:
     return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
 
 
+def compile_device_count() -> int:
+    """Devices the programs run on: the `compiling_for` count if one is set, else the backend's.
+    Kernels that cannot be partitioned across devices (Pallas calls outside a `shard_map`) are
+    chosen only when this is 1."""
+    forced = getattr(_local, "devices", None)
+    return forced if forced else jax.device_count()
+
+
 @contextlib.contextmanager
-def compiling_for(platform: str):
-    """Traces inside this block pick the kernels of `platform` (one of `PLATFORMS`)."""
+def compiling_for(platform: str, devices: int | None = None):
+    """Traces inside this block pick the kernels of `platform` (one of `PLATFORMS`) on `devices`
+    devices (default: the backend's count)."""
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got '{platform}'")
-    before = getattr(_local, "platform", None)
-    _local.platform = platform
+    before = getattr(_local, "platform", None), getattr(_local, "devices", None)
+    _local.platform, _local.devices = platform, devices
     try:
         yield
     finally:
-        _local.platform = before
+        _local.platform, _local.devices = before

@@ -13,8 +13,9 @@ shapes and the platform programs are compiled for (`attention_kernel`):
                 the same numbers as a materialised mask);
 * `"cudnn"`     GPU, bf16 / fp16, a causal `self_keys` rule (keys are the queries' own tokens:
                 a prompt without a cache, training features): cuDNN's fused flash attention;
-* `"pallas"`    TPU, a causal `self_keys` rule without a window, T a multiple of 128: jax's Pallas
-                TPU flash kernel (`layers/fused_attention.py`);
+* `"pallas"`    one TPU chip, a causal `self_keys` rule without a window, T a multiple of 128: jax's
+                Pallas TPU flash kernel (`layers/fused_attention.py`; GSPMD cannot partition a
+                Pallas call, so on several chips the XLA blockwise form runs);
 * `"blockwise"` otherwise -- every platform's prefill chunks over a cache, sliding windows on TPU --
                 the XLA online-softmax form by blocks (`layers/blockwise_attention.py`), memory
                 linear in T and S.
@@ -57,7 +58,8 @@ def attention_kernel(t: int, s: int, dtype, rule: MaskRule | None, head_dim: int
     if (target == "gpu" and fused and jnp.dtype(dtype) in CUDNN_DTYPES and head_dim % 8 == 0
             and head_dim <= 256):
         return "cudnn"
-    if target == "tpu" and fused and not rule.window and t % PALLAS_BLOCK == 0:
+    if (target == "tpu" and fused and not rule.window and t % PALLAS_BLOCK == 0
+            and platform.compile_device_count() == 1):      # a Pallas call is not partitioned by GSPMD
         return "pallas"
     return "blockwise"
 

@@ -57,7 +57,7 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     topo = open_topology(topology)
     device_mesh = make_mesh(mesh, devices=topo.devices)
     notes = []
-    with compiling_for(topo.platform):
+    with compiling_for(topo.platform, device_mesh.size):
         models = plan_models(target, method, device_mesh, dtype, draft, block_size)
         if "mtp" in models and models["mtp"].model_dir is None:
             notes.append("the target's config declares no MTP layer (mtp_num_hidden_layers); planned with one "

@@ -45,7 +45,7 @@ def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None,
     device_mesh = make_mesh(mesh, devices=topo.devices)
     cfg = target_config_of(target)
     dcfg = default_drafter_config(cfg, draft_layers, block_size)
-    with compiling_for(topo.platform):
+    with compiling_for(topo.platform, device_mesh.size):
         target_model, mtp = abstract_models(cfg, target_dtype, device_mesh, with_mtp=uses_mtp(method))
         gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7 / 16))
         scfg = StepConfig(method=method, block_size=block_size, num_anchors=num_anchors, gamma=gamma,
