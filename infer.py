@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-new-tokens", type=int, default=256)
     pl.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the sampled round is larger)")
     pl.add_argument("--rounds-per-dispatch", type=int, default=1, metavar="K")
+    pl.add_argument("--exact-cost", action="store_true",
+                    help="also compile each function with the layer scan unrolled, for total FLOPs / bytes / time "
+                         "(XLA counts a loop body once; slower)")
     pl.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                     help="prompt tokens per prefill call (default: the decoders' 512)")
     pl.add_argument("--accept-len", type=float, default=None, metavar="TAU",
@@ -258,7 +261,8 @@ def cmd_plan(args) -> int:
                           max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                           rounds_per_dispatch=args.rounds_per_dispatch, topology=args.topology, hbm_gb=args.hbm_gb,
                           temperature=args.temperature, mtp_steps=args.mtp_steps, verify=args.verify,
-                          accept_len=args.accept_len, prefill_chunk=args.prefill_chunk, progress=plan_progress)
+                          accept_len=args.accept_len, prefill_chunk=args.prefill_chunk,
+                          exact_cost=args.exact_cost, progress=plan_progress)
     return finish_plan(plan, args.json_path)
 
 

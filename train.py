@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--grad-accum", type=int, default=1)
     pl.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     pl.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    pl.add_argument("--exact-cost", action="store_true",
+                    help="also compile the step with the layer scan unrolled, for total FLOPs / bytes / time")
     return p
 
 
@@ -168,7 +170,7 @@ def cmd_plan(args) -> int:
                          seq_len=args.seq_len, target_dtype=args.target_dtype, compute_dtype=args.compute_dtype,
                          draft_layers=args.draft_layers, block_size=args.block_size, num_anchors=args.num_anchors,
                          grad_accum=args.grad_accum, topology=args.topology, hbm_gb=args.hbm_gb,
-                         progress=plan_progress)
+                         exact_cost=args.exact_cost, progress=plan_progress)
     return finish_plan(plan, args.json_path)
 
 

@@ -53,3 +53,21 @@ def compiling_for(platform: str, devices: int | None = None):
         yield
     finally:
         _local.platform, _local.devices = before
+
+
+def layers_unrolled() -> bool:
+    """Whether the target's layer scan is unrolled in traces of this thread (`unrolled_layers`)."""
+    return bool(getattr(_local, "unroll", False))
+
+
+@contextlib.contextmanager
+def unrolled_layers():
+    """Traces inside this block unroll the target's layer scan. Only for cost analysis: XLA's
+    `cost_analysis()` counts a loop body once, so a scanned program reports one layer group's FLOPs
+    and bytes; the unrolled copy of the same program reports them all (`plan --exact-cost`)."""
+    before = layers_unrolled()
+    _local.unroll = True
+    try:
+        yield
+    finally:
+        _local.unroll = before

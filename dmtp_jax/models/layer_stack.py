@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dmtp_jax import platform
 from dmtp_jax.layers.kv_cache import PendingBlock
 
 STACKS_ATTR = "stacks"                      # QwenTarget's attribute holding the stacks
@@ -222,7 +223,8 @@ def run_stack(spec: StackSpec, members: nnx.List, carry: Carry, ctx: Context,
     if spec.repeats == 1:                       # static indices, no loop
         carry, parts = group(carry, (jax.tree.map(lambda v: v[0], state), 0, tuple(slots_gp[0])))
         return carry, list(parts)
-    carry, parts = jax.lax.scan(group, carry, (state, jnp.arange(spec.repeats), jnp.asarray(slots_gp)))
+    carry, parts = jax.lax.scan(group, carry, (state, jnp.arange(spec.repeats), jnp.asarray(slots_gp)),
+                                unroll=platform.layers_unrolled())
     return carry, [p.reshape((-1,) + p.shape[2:]) for p in parts]
 
 

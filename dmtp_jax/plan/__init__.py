@@ -16,7 +16,7 @@ Example:
 
 from __future__ import annotations
 
-from dmtp_jax.plan.report import DoesNotFitError, PlanResult, format_plan  # noqa: F401
+from dmtp_jax.plan.report import DoesNotFitError, PlanResult, cost_notes, format_plan  # noqa: F401
 
 
 def _mesh_sizes(mesh) -> dict:
@@ -32,7 +32,7 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
                    dtype: str = "bfloat16", rounds_per_dispatch: int = 1, topology: str = "cpu:1",
                    hbm_gb: float | None = None, temperature: float = 0.0, mtp_steps: int = 4,
                    verify: str = "rejection", accept_len: float | None = None, prefill_chunk: int | None = None,
-                   progress=None) -> PlanResult:
+                   exact_cost: bool = False, progress=None) -> PlanResult:
     """Compiles the prefill and the decode step / round / K-round dispatch of `method` for one
     request of `batch_size` prompts of `prompt_len` tokens and `max_new_tokens` new ones.
 
@@ -40,7 +40,9 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     without `draft`, the documented default drafter shape (`models.dflash.default_drafter_config`).
     `accept_len` (tokens committed per round, e.g. from a bench) turns the round's time estimate
     into tokens/s. `prefill_chunk` overrides the decoders' prefill chunk (tokens per prefill call).
-    `progress(name)` is called before each compile.
+    `exact_cost` compiles an unrolled copy of each function for its FLOPs, bytes and time estimate
+    (XLA counts a loop body once: without it they cover one layer group). `progress(name)` is
+    called before each compile.
 
     Example:
         >>> plan = plan_inference("configs/models/qwen3.6-27b.json", topology="v5p:2x2x1",
@@ -72,7 +74,8 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
             if progress:
                 progress(call.name)
             functions.append(compile_function(call.name, call.lower, min_bytes=call.min_bytes, calls=call.calls,
-                                              tokens_per_call=call.tokens_per_call, parts=call.parts))
+                                              tokens_per_call=call.tokens_per_call, parts=call.parts,
+                                              exact_cost=exact_cost))
     weights = {name: shard_bytes(m.state) for name, m in models.items()}
     state = {k.split(":", 1)[1]: v for k, v in calls[0].parts.items() if k.startswith("cache:")}
     settings = {"method": method, "batch": batch_size, "prompt": prompt_len, "new tokens": max_new_tokens,
@@ -87,6 +90,7 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
         d = models["drafter"].cfg
         notes.append(f"drafter: the default shape ({d.num_hidden_layers} layers of the target's width, "
                      f"context from target layers {list(d.target_layer_ids)}); --draft DIR|CONFIG.json for yours")
+    notes += cost_notes(functions, exact_cost)
     return PlanResult("inference", topology, topo.platform, topo.device_kind, device_mesh.size,
                       _mesh_sizes(device_mesh), _hbm(topo, hbm_gb), topo.peak_bytes_per_s, settings, weights, state,
                       functions, notes)

@@ -71,6 +71,17 @@ class PlanResult:
         return "caches" if self.kind == "inference" else "train state"
 
 
+def cost_notes(functions, exact_cost: bool) -> list[str]:
+    """What the FLOPs / bytes / estimate columns cover (XLA's cost analysis counts a loop body once)."""
+    if not any(f.flops is not None for f in functions):
+        return []
+    if exact_cost:
+        return ["FLOPs, bytes and estimates from copies with the layer scan unrolled (inner loops -- blockwise "
+                "attention, DeltaNet token scans -- still count once)"]
+    return ["FLOPs, bytes and estimates count each loop body once (XLA): the scanned layers as ONE group, "
+            "so they are not totals; --exact-cost compiles unrolled copies for totals"]
+
+
 def gib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 

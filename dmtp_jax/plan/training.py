@@ -8,13 +8,14 @@ Example:
 
 from __future__ import annotations
 
-from dmtp_jax.plan.report import PlanResult
+from dmtp_jax.plan.report import PlanResult, cost_notes
 
 
 def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None, batch_size: int = 8,
                   seq_len: int = 4096, target_dtype: str = "bfloat16", compute_dtype: str = "bfloat16",
                   draft_layers: int = 5, block_size: int = 8, num_anchors: int = 16, grad_accum: int = 1,
-                  topology: str = "cpu:1", hbm_gb: float | None = None, progress=None) -> PlanResult:
+                  topology: str = "cpu:1", hbm_gb: float | None = None, exact_cost: bool = False,
+                  progress=None) -> PlanResult:
     """Compiles `Trainer.lower_step(batch_size, seq_len)` for a fresh drafter of the target
     (`default_drafter_config` with `draft_layers` / `block_size`), the target (and, for the DMTP
     methods, its MTP head) frozen at `target_dtype`.
@@ -61,13 +62,13 @@ def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None,
             progress("train_step")
         fn = compile_function("train_step", lambda: trainer.lower_step(batch_size, seq_len),
                               min_bytes=sum(weights.values()) + sum(state.values()),
-                              tokens_per_call=batch_size * seq_len, parts=parts)
+                              tokens_per_call=batch_size * seq_len, parts=parts, exact_cost=exact_cost)
     settings = {"method": method, "batch": batch_size, "seq": seq_len, "target dtype": target_dtype,
                 "compute dtype": compute_dtype, "draft layers": draft_layers, "block": block_size,
                 "anchors": num_anchors}
     if grad_accum > 1:
         settings["grad accum"] = grad_accum
-    notes = [f"drafter: a fresh {draft_layers}-layer DFlash drafter of the target's width, context from target "
+    notes = cost_notes([fn], exact_cost) + [f"drafter: a fresh {draft_layers}-layer DFlash drafter of the target's width, context from target "
              f"layers {list(dcfg.target_layer_ids)}; AdamW state in fp32"]
     return PlanResult("training", topology, topo.platform, topo.device_kind, device_mesh.size,
                       {k: int(v) for k, v in device_mesh.shape.items()},
