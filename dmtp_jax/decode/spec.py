@@ -163,7 +163,7 @@ class SpecDecoder:
     # ---- state -------------------------------------------------------------------------------
     def new_state(self, batch: int, max_len: int) -> SpecState:
         rep = replicated(self.target.mesh)    # placed as the jitted calls leave them: one compile
-        zeros = jax.device_put(np.zeros(batch, np.int32), rep)
+        zeros = lambda: jax.device_put(np.zeros(batch, np.int32), rep)  # noqa: E731  (two buffers: both donated)
         ctx = mtp_cache = mtp_h = None
         if self.uses_drafter:
             d = self.drafter.cfg
@@ -174,7 +174,7 @@ class SpecDecoder:
             mtp_cache = new_kv_cache(self.target.mesh, kv_cache_shape(c, batch, max_len, self.target.mesh, 1),
                                      self.mtp.state_dtype)
             mtp_h = jax.device_put(np.zeros((batch, c.hidden_size), self.mtp.state_dtype), rep)
-        return SpecState(self.caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros, zeros)
+        return SpecState(self.caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros())
 
     def state_shardings(self, st: SpecState) -> SpecState:
         """The sharding of every array of a state (or of its shapes), as a `SpecState` tree."""

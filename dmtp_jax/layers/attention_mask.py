@@ -46,7 +46,7 @@ def attention_mask(q_pos_bt: jax.Array, k_pos_bs: jax.Array, k_valid_bs: jax.Arr
     return mask
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class MaskRule:
     """The inputs of `attention_mask`, for attention that never holds the whole `[B, T, S]` mask.
 
