@@ -1,4 +1,4 @@
-"""dmtp-jax inference CLI: generate | compare | bench.
+"""dmtp-jax inference CLI: generate | compare | bench | plan.
 
     python infer.py                                                  # the demo benchmark (see below)
     python infer.py --num-prompts 2 --max-new-tokens 16              # the same, shorter (bench flags)
@@ -7,6 +7,7 @@
     python infer.py generate --target DIR --draft DFLASH_DIR --prompt "..."   # speculative
     python infer.py compare --target DIR [--draft DFLASH_DIR] [--dtype float32] [--json report.json]
     python infer.py bench --target DIR --draft DIR --methods ar,dflash --workload gsm8k --plot acc.png
+    python infer.py plan --target configs/models/qwen3.6-27b.json --topology h100x8 --mesh tensor=8   # dry run
 
 Every subcommand uses the shipped demo (`demo/target`, a small Qwen3 pretrained on the Python
 stdlib with a native MTP head; drafters `demo/dflash` for dflash and `demo/dmtp` for the DMTP
