@@ -121,3 +121,20 @@ def test_cpu_mesh_of_two_devices(tiny_qwen3_dir, tmp_path):
     _, abstract = abstract_target(load_target_config(tiny_qwen3_dir), "float32")
     one = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(abstract))
     assert plan["weight_bytes"]["target"] < one         # split, not replicated
+
+
+def test_exact_cost_counts_every_scanned_group(tmp_path):
+    """XLA's cost analysis counts a loop body once; `exact_cost` reads FLOPs from an unrolled copy,
+    so a target of two scanned groups reports about twice the layers' FLOPs, with the same memory."""
+    from dmtp_jax.plan import plan_inference
+    cfg = {"model_type": "qwen3_5_text", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+           "linear_value_head_dim": 8, "max_position_embeddings": 512, "eos_token_id": 127}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    kw = dict(method="ar", dtype="float32", prompt_len=32, max_new_tokens=8)
+    scanned = {f.name: f for f in plan_inference(str(path), **kw).functions}["decode_step"]
+    exact = {f.name: f for f in plan_inference(str(path), exact_cost=True, **kw).functions}["decode_step"]
+    assert 1.5 * scanned.flops < exact.flops < 2.5 * scanned.flops
+    assert exact.temp_bytes == scanned.temp_bytes and exact.argument_bytes == scanned.argument_bytes

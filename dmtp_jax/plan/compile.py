@@ -74,8 +74,10 @@ def compile_function(name: str, lower: Callable[[], jax.stages.Lowered], *, min_
     cost = cost_of(compiled)
     if exact_cost and cost:
         from dmtp_jax.platform import unrolled_layers
+        jax.clear_caches()          # the jit's trace cache would hand back the scanned program
         with unrolled_layers():
             cost = cost_of(lower().compile())
+        jax.clear_caches()
     flops = cost.get("flops")
     accessed = cost.get("bytes accessed")
     estimate = cost.get("optimal_seconds")
