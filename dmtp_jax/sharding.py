@@ -126,6 +126,18 @@ def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: MeshRules = DE
     return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def at_shardings(shapes, shardings):
+    """`ShapeDtypeStruct`s of a tree of shapes, each at its sharding from a tree of the same structure
+    (abstract arguments to lower a jitted function with: nothing allocated).
+
+    Example:
+        >>> w = at_shardings({"w": jax.ShapeDtypeStruct((2,), np.float32)}, {"w": replicated(make_mesh())})["w"]
+        >>> w.shape, w.sharding.spec
+        ((2,), P())
+    """
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -23,20 +23,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from dmtp_jax.plan.compile import cost_of
+
 
 def tree_bytes(tree) -> int:
     """Bytes of every array leaf of a pytree (None leaves are skipped)."""
     return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)
                    if hasattr(x, "shape")))
-
-
-def _cost(compiled) -> tuple[float, float]:
-    """`(flops, bytes accessed)` of a compiled executable (a dict, or a list of one, by jax version)."""
-    ca = compiled.cost_analysis()
-    if isinstance(ca, (list, tuple)):
-        ca = ca[0] if ca else {}
-    ca = ca or {}
-    return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
 
 
 def _models(decoder) -> dict:
@@ -76,7 +69,8 @@ def round_cost(decoder, batch: int, max_len: int) -> dict:
         compiled = decoder.decode_step.lower(decoder.target.state, zeros, zeros, cache, sp, key,
                                              greedy=True).compile()
         caches = {"target_cache": tree_bytes(cache)}
-    flops, accessed = _cost(compiled)
+    cost = cost_of(compiled)
+    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
     minimum = sum(weights.values()) + sum(caches.values())
     return {"batch": batch, "max_len": max_len, "flops_per_round": flops, "bytes_per_round": accessed,
             "min_bytes_per_round": float(minimum), "weight_bytes": weights,

@@ -36,7 +36,7 @@ from dmtp_jax.checkpoint.safetensors_io import CheckpointError, CheckpointReader
 from dmtp_jax.config import TargetConfig, load_target_config
 from dmtp_jax.models import build_target
 from dmtp_jax.models.layer_stack import STACK_PATH, stack_layer_ids
-from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, make_mesh, state_shardings
+from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, at_shardings, make_mesh, state_shardings
 
 # (regex on our dotted param path, HF name template, how: "copy" | "T" (swap the last two axes))
 # A 3-D param whose rule is "T" is an expert stack: per-expert tensors or the fused ones.
@@ -255,9 +255,8 @@ def place_abstract(cfg, graphdef, abstract: nnx.State, mesh: Mesh, source: str |
     Example:
         >>> model = place_abstract(cfg, *abstract_target(cfg, "bfloat16"), make_mesh())  # doctest: +SKIP
     """
-    shardings = state_shardings(abstract, mesh, mesh_rules)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return LoadedModel(cfg, graphdef, state, mesh, source)
+    return LoadedModel(cfg, graphdef, at_shardings(abstract, state_shardings(abstract, mesh, mesh_rules)), mesh,
+                       source)
 
 
 def load_target(model_dir: str, dtype="float32", mesh: Mesh | None = None,

@@ -24,6 +24,7 @@ from dmtp_jax.decode.multi_round import pad_stop_ids
 from dmtp_jax.decode.prefill import chunk_length
 from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.plan.models import abstract_args, shard_bytes
+from dmtp_jax.sharding import at_shardings
 
 
 @dataclasses.dataclass
@@ -34,10 +35,6 @@ class PlannedCall:
     calls: int = 1              # per request
     tokens_per_call: float | None = None
     parts: dict = dataclasses.field(default_factory=dict)
-
-
-def _placed(shapes, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
 
 
 def request_shapes(cfg, batch: int, prompt_len: int, max_new_tokens: int, slack: int):
@@ -74,7 +71,7 @@ def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, t
             if loaded is not None:
                 weights[name] = shard_bytes(loaded.state)
         shapes = jax.eval_shape(lambda: decoder.new_state(rows, max_len))
-        state = _placed(shapes, decoder.state_shardings(shapes))
+        state = at_shardings(shapes, decoder.state_shardings(shapes))
         caches = {"target_cache": shard_bytes(state.target_cache)}
         if state.mtp_cache is not None:
             caches["mtp_cache"] = shard_bytes(state.mtp_cache)
@@ -107,7 +104,7 @@ def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, t
                 minimum, int(rounds_needed), per_round, parts))
         return calls
     shapes = jax.eval_shape(lambda: decoder.caches.new(rows, max_len))
-    cache = _placed(shapes, decoder.caches.shardings(shapes))
+    cache = at_shardings(shapes, decoder.caches.shardings(shapes))
     weights_b, cache_b = shard_bytes(target.state), shard_bytes(cache)
     parts = {"weights:target": weights_b, "cache:target_cache": cache_b}
     return [

@@ -31,6 +31,7 @@ def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None,
     from dmtp_jax.plan.topology import open_topology
     from dmtp_jax.platform import compiling_for
     from dmtp_jax.sharding import make_mesh
+    from dmtp_jax.train.loop import default_gamma
     from dmtp_jax.train.loss import uses_mtp
     from dmtp_jax.train.step import OptimConfig, StepConfig, Trainer, abstract_models
 
@@ -48,8 +49,8 @@ def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None,
     dcfg = default_drafter_config(cfg, draft_layers, block_size)
     with compiling_for(topo.platform, device_mesh.size):
         target_model, mtp = abstract_models(cfg, target_dtype, device_mesh, with_mtp=uses_mtp(method))
-        gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7 / 16))
-        scfg = StepConfig(method=method, block_size=block_size, num_anchors=num_anchors, gamma=gamma,
+        scfg = StepConfig(method=method, block_size=block_size, num_anchors=num_anchors,
+                          gamma=default_gamma(block_size),
                           grad_accum=grad_accum, compute_dtype=compute_dtype)
         trainer = Trainer(target_model, dcfg, scfg, OptimConfig(), device_mesh, mtp=mtp)
         train_state = trainer.abstract_state()

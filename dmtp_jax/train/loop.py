@@ -44,6 +44,16 @@ log = logging.getLogger(__name__)
 RUN_CONFIG = "run_config.json"
 
 
+def default_gamma(block_size: int) -> float:
+    """SpecForge's loss decay per block size (7 / 5 / 4 for 16 / 10 / 8), else `7 * block / 16`.
+
+    Example:
+        >>> default_gamma(8), default_gamma(32)
+        (4.0, 14.0)
+    """
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7 / 16))
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """Everything a run needs (CLI flags and `configs/*.py` `get_config()` fill it)."""
@@ -89,9 +99,7 @@ class TrainConfig:
     progress: bool = True
 
     def resolved_gamma(self) -> float:
-        if self.gamma is not None:
-            return float(self.gamma)
-        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, max(1.0, self.block_size * 7 / 16))
+        return float(self.gamma) if self.gamma is not None else default_gamma(self.block_size)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)

@@ -33,7 +33,7 @@ from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
 from dmtp_jax.errors import InputError
 from dmtp_jax.models.dflash import REMAT_POLICIES, DFlashConfig
 from dmtp_jax.models.fusion import ADAPTIVE, T1Fusion
-from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, batch_sharding, replicated, state_shardings
+from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, at_shardings, batch_sharding, replicated, state_shardings
 from dmtp_jax.train.anchors import sample_anchors
 from dmtp_jax.train.features import mtp_hidden, target_features
 from dmtp_jax.train.loss import (block_inputs, ce_sums, draft_head, drafter_block_hidden, method_layout,
@@ -223,8 +223,7 @@ class Trainer:
         """ShapeDtypeStructs (with shardings) of the train state, for restoring checkpoints."""
         shapes = jax.eval_shape(lambda p: TrainState(p, self.tx.init(p), jnp.zeros((), jnp.int32)),
                                 self.abstract_params)
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, self.state_shardings)
+        return at_shardings(shapes, self.state_shardings)
 
     def batch_sharding(self, global_shape):
         return batch_sharding(self.mesh, tuple(global_shape))
@@ -298,10 +297,8 @@ class Trainer:
     def abstract_frozen(self):
         """`(target_state, mtp_state)` as ShapeDtypeStructs at their shardings (mtp None when the
         method has none): what `step_fn(...).lower` takes in place of the frozen weights."""
-        def placed(state, shardings):
-            return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
-        mtp = None if self.mtp is None else placed(self.mtp.state, self.mtp_shardings)
-        return placed(self.target.state, self.target_shardings), mtp
+        mtp = None if self.mtp is None else at_shardings(self.mtp.state, self.mtp_shardings)
+        return at_shardings(self.target.state, self.target_shardings), mtp
 
     def lower_step(self, global_batch: int, seq_len: int) -> jax.stages.Lowered:
         """The train step for a global batch `[global_batch, seq_len]`, lowered on abstract inputs
