@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from dmtp_jax.checkpoint.hf import LoadedTarget
+from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.batch import StopTracker, pad_prompts
 from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK, prefill_chunks, target_chunk
 from dmtp_jax.decode.sampling import SamplingParams, pick_tokens
@@ -137,8 +138,8 @@ class ARDecoder:
         self.target = target
         self.caches = TargetCaches(target)
         self.prefill_chunk = int(prefill_chunk)
-        self.prefill_step = jax.jit(self._prefill_step, donate_argnames=("cache",), static_argnames=("greedy",))
-        self.decode_step = jax.jit(self._decode_step, donate_argnames=("cache",), static_argnames=("greedy",))
+        self.prefill_step = counted_jit(self._prefill_step, donate_argnames=("cache",), static_argnames=("greedy",))
+        self.decode_step = counted_jit(self._decode_step, donate_argnames=("cache",), static_argnames=("greedy",))
 
     def _model(self, state):
         return nnx.merge(self.target.graphdef, state)
@@ -218,4 +219,4 @@ class ARDecoder:
 
     def compile_counts(self) -> dict[str, int]:
         """How many executables each jitted entry point holds (one per shape bucket)."""
-        return {"prefill": self.prefill_step._cache_size(), "decode_step": self.decode_step._cache_size()}
+        return {"prefill": self.prefill_step.compiles, "decode_step": self.decode_step.compiles}

@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from dmtp_jax.checkpoint.hf import LoadedModel
+from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.ar import GenerationResult, TargetCaches, gather_rows, kv_cache_shape, new_kv_cache
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
 from dmtp_jax.decode.multi_round import feed_rounds, pad_stop_ids, run_rounds
@@ -154,10 +155,10 @@ class SpecDecoder:
         self.strict = strict        # exactness probe mismatch: raise instead of plain decoding
         self.caches = TargetCaches(target)
         self.prefill_chunk = int(prefill_chunk)
-        self.prefill_step = jax.jit(self._prefill_step, donate_argnames=("state",), static_argnames=("greedy",))
-        self.round = jax.jit(self._round, donate_argnames=("state",), static_argnames=("greedy",))
+        self.prefill_step = counted_jit(self._prefill_step, donate_argnames=("state",), static_argnames=("greedy",))
+        self.round = counted_jit(self._round, donate_argnames=("state",), static_argnames=("greedy",))
         self.rounds_per_dispatch = int(rounds_per_dispatch)
-        self.multi_round = jax.jit(self._multi_round, donate_argnames=("state",), static_argnames=("greedy",))
+        self.multi_round = counted_jit(self._multi_round, donate_argnames=("state",), static_argnames=("greedy",))
         self.last_state: SpecState | None = None
 
     # ---- state -------------------------------------------------------------------------------
@@ -480,7 +481,7 @@ class SpecDecoder:
         return GenerationResult([list(map(int, p)) for p in prompts], tracker.outputs, stats)
 
     def compile_counts(self) -> dict[str, int]:
-        counts = {"prefill": self.prefill_step._cache_size(), "round": self.round._cache_size()}
+        counts = {"prefill": self.prefill_step.compiles, "round": self.round.compiles}
         if self.rounds_per_dispatch > 1:
-            counts["multi_round"] = self.multi_round._cache_size()
+            counts["multi_round"] = self.multi_round.compiles
         return counts

@@ -39,6 +39,7 @@ from flax import nnx
 from dmtp_jax.checkpoint.hf import abstract_target
 from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
 from dmtp_jax.config import TargetConfig
+from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.train.step import OptimConfig, TrainState, lr_schedule, make_optimizer
 
 
@@ -146,7 +147,7 @@ class Pretrainer:
         self.target_graphdef, t_abs = abstract_target(target_cfg, "float32")
         self.mtp_graphdef, m_abs = abstract_mtp(target_cfg, "float32")
         self.abstract_params = {"target": t_abs, "mtp": m_abs}
-        self._step = jax.jit(self._step_impl, donate_argnums=(0,))
+        self._step = counted_jit(self._step_impl, donate_argnums=(0,))
         self._eval = jax.jit(self._eval_impl)
 
     def init_state(self, seed: int) -> TrainState:
@@ -198,7 +199,7 @@ class Pretrainer:
 
     def compile_count(self) -> int:
         """Compiled variants of the train step (1 for a fixed batch shape)."""
-        return self._step._cache_size()
+        return self._step.compiles
 
 
 class MtpDistiller:
@@ -219,7 +220,7 @@ class MtpDistiller:
         self.abstract_params = {"mtp": m_abs}
         self.target_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target_params)
         self.initial_mtp = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), mtp_params)
-        self._step = jax.jit(self._step_impl, donate_argnums=(0,))
+        self._step = counted_jit(self._step_impl, donate_argnums=(0,))
         self._eval = jax.jit(self._eval_impl)
 
     def init_state(self, seed: int) -> TrainState:
@@ -260,4 +261,4 @@ class MtpDistiller:
         return {k: float(np.mean([g[k] for g in got])) for k in got[0]} if got else {}
 
     def compile_count(self) -> int:
-        return self._step._cache_size()
+        return self._step.compiles

@@ -30,6 +30,7 @@ import optax
 from flax import nnx
 
 from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
+from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.errors import InputError
 from dmtp_jax.models.dflash import REMAT_POLICIES, DFlashConfig
 from dmtp_jax.models.fusion import ADAPTIVE, T1Fusion
@@ -277,7 +278,7 @@ class Trainer:
             if key[0] % self.scfg.grad_accum:
                 raise ValueError(f"batch size {key[0]} is not a multiple of grad_accum={self.scfg.grad_accum}")
             bs = self.batch_sharding(key)
-            self._steps[key] = jax.jit(
+            self._steps[key] = counted_jit(
                 self._step, donate_argnums=(0,),
                 in_shardings=(self.state_shardings, self.target_shardings, self.mtp_shardings, bs, bs),
                 out_shardings=(self.state_shardings, replicated(self.mesh)))
@@ -343,4 +344,4 @@ class Trainer:
 
     def compile_count(self) -> int:
         """Compiled variants of the train step (1 after any number of same-shape steps)."""
-        return sum(f._cache_size() for f in self._steps.values())
+        return sum(f.compiles for f in self._steps.values())
