@@ -46,6 +46,7 @@ DEMO_BENCH_ARGV = ["bench", "--methods", DEMO_METHODS, "--num-prompts", "12", "-
 def method_args(sp, verify_list: bool = False):
     """The flags that choose the models and shape of the speculative methods (generate, bench);
     `verify_list`: `--verify` takes a comma-separated list (bench runs every verifier)."""
+    from dmtp_jax.options import VERIFY_MODES
     sp.add_argument("--draft", help="DFlash / DFlash2 / DMTP drafter directory (dflash, dmtp*)")
     sp.add_argument("--mtp", default=None, help="directory with the native MTP head (mtp, dmtp*; "
                                                 "default: the target directory)")
@@ -70,7 +71,7 @@ def method_args(sp, verify_list: bool = False):
                         help=verify_help + ". A comma-separated list runs every speculative method once per "
                                            "verifier, side by side (e.g. rejection,target-only,block)")
     else:
-        sp.add_argument("--verify", default="rejection", choices=["rejection", "target-only", "block"],
+        sp.add_argument("--verify", default="rejection", choices=VERIFY_MODES,
                         help=verify_help)
     sp.add_argument("--strict", action="store_true",
                     help="fail (instead of falling back to plain decoding) when the exactness probe finds "
@@ -78,7 +79,7 @@ def method_args(sp, verify_list: bool = False):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dmtp_jax.decode import METHODS
+    from dmtp_jax.options import DECODE_METHODS as METHODS, VERIFY_MODES
     p = ArgumentParser(prog="infer.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -148,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--method", default="dmtp", choices=METHODS)
     pl.add_argument("--block-size", type=int, default=None, help="verify slots per round (default: the drafter's; 8)")
     pl.add_argument("--mtp-steps", type=int, default=4, help="chain length of mtp")
-    pl.add_argument("--verify", default="rejection", choices=["rejection", "target-only", "block"])
+    pl.add_argument("--verify", default="rejection", choices=VERIFY_MODES)
     pl.add_argument("--batch-size", type=int, default=1)
     pl.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per row")
     pl.add_argument("--max-new-tokens", type=int, default=256)
@@ -436,7 +437,7 @@ def verify_modes(text: str) -> list[str]:
         >>> verify_modes("rejection, block")
         ['rejection', 'block']
     """
-    from dmtp_jax.decode.spec import VERIFY_MODES
+    from dmtp_jax.options import VERIFY_MODES
     modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
     bad = [m for m in modes if m not in VERIFY_MODES]
     if bad or not modes:

@@ -32,6 +32,11 @@ class InputError(UserError, ValueError):
     """A bad value given on the command line or in a config / data file."""
 
 
+class RequestError(UserError, ValueError):
+    """Bad generation input: a decode option out of range, an empty prompt, a token outside the
+    vocabulary, a request too long for the model."""
+
+
 class DataError(UserError, ValueError):
     """A training data file that cannot be trained on (missing, empty, no valid record)."""
 

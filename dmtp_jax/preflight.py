@@ -2,22 +2,24 @@
 (not a model load) and is reported before anything is written to stdout.
 
 Each check raises one of our error types (`dmtp_jax.errors`), with the same message the loaders or
-decoders would give later.
+decoders would give later: option ranges and "which models a method needs" are `dmtp_jax.options`,
+the very functions the decoders and the trainer call.
 
 Example:
     >>> check_decode_options(mtp_steps=4, block_size=None, max_new_tokens=16)
     >>> check_decode_options(mtp_steps=0, block_size=None, max_new_tokens=16)
     Traceback (most recent call last):
     ...
-    dmtp_jax.decode.batch.RequestError: --mtp-steps must be in [1, 15], got 0
+    dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 0
 """
 
 from __future__ import annotations
 
 import os
 
-from dmtp_jax.decode.batch import RequestError, pad_prompts
-from dmtp_jax.errors import InputError
+from dmtp_jax import options
+from dmtp_jax.decode.batch import pad_prompts
+from dmtp_jax.errors import InputError, RequestError
 
 
 def target_config(target_dir: str):
@@ -38,19 +40,11 @@ def check_decode_options(mtp_steps: int | None, block_size: int | None, max_new_
                          rounds_per_dispatch: int | None = None, adaptive_threshold: float | None = None,
                          prefill_chunk: int | None = None) -> None:
     """Ranges of `--mtp-steps`, `--block-size`, `--max-new-tokens`, `--rounds-per-dispatch`,
-    `--adaptive-threshold` and `--prefill-chunk` (as the decoders check them)."""
-    if max_new_tokens < 1:
-        raise RequestError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if mtp_steps is not None and not 1 <= mtp_steps <= 15:
-        raise RequestError(f"--mtp-steps must be in [1, 15], got {mtp_steps}")
-    if block_size is not None and not 3 <= block_size <= 64:
-        raise RequestError(f"--block-size must be in [3, 64], got {block_size}")
-    if rounds_per_dispatch is not None and rounds_per_dispatch < 1:
-        raise RequestError(f"--rounds-per-dispatch must be an integer >= 1, got {rounds_per_dispatch}")
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise RequestError(f"--prefill-chunk must be an integer >= 1, got {prefill_chunk}")
-    if adaptive_threshold is not None and not 0.0 <= adaptive_threshold <= 1.0:
-        raise RequestError(f"--adaptive-threshold must be in [0, 1], got {adaptive_threshold}")
+    `--adaptive-threshold` and `--prefill-chunk`: `options.check_decode_options`, as the decoders
+    check them (None: not given)."""
+    options.check_decode_options(mtp_steps=mtp_steps, block_size=block_size, max_new_tokens=max_new_tokens,
+                                 rounds_per_dispatch=rounds_per_dispatch, adaptive_threshold=adaptive_threshold,
+                                 prefill_chunk=prefill_chunk)
 
 
 def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | None,
@@ -64,17 +58,16 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
         >>> check_method_models(["dflash"], "/models/x", None, None)
         Traceback (most recent call last):
         ...
-        dmtp_jax.decode.batch.RequestError: method 'dflash' needs a DFlash drafter (--draft DIR)
+        dmtp_jax.errors.RequestError: method 'dflash' needs a DFlash drafter (--draft DIR)
     """
-    from dmtp_jax.decode import method_needs
-    needs = [method_needs(m) for m in methods]
+    needs = [options.method_needs(m) for m in methods]
     if draft and not os.path.isdir(draft):
         raise InputError(f"drafter directory not found: {draft}")
     if draft and not os.path.isfile(os.path.join(draft, "config.json")):
         raise InputError(f"no config.json in the drafter directory {draft}")
     for method, need in zip(methods, needs):
         if need["drafter"] and not draft and not demo_drafters:
-            raise RequestError(f"method '{method}' needs a DFlash drafter (--draft DIR)")
+            raise options.missing_model_error(method, "drafter")
     if any(n["mtp"] for n in needs):
         from dmtp_jax.checkpoint.mtp_ckpt import MissingMtpError, has_mtp
         mtp_dir = mtp or target_dir

@@ -5,23 +5,7 @@ Example:
     >>> dec.generate([[1, 2, 3]], max_new_tokens=16).stats["per_verify_acceptance_length"]  # doctest: +SKIP
 """
 
-import numpy as np
-
-from dmtp_jax.models.fusion import DMTP_METHODS
-
-METHODS = ("ar", "mtp", "dflash") + tuple(DMTP_METHODS)
-
-
-def method_needs(method: str) -> dict[str, bool]:
-    """Which models a method uses: `{"drafter", "mtp", "fusion"}`.
-
-    Example:
-        >>> method_needs("dmtp")
-        {'drafter': True, 'mtp': True, 'fusion': True}
-    """
-    return {"drafter": method == "dflash" or method in DMTP_METHODS,
-            "mtp": method == "mtp" or method in DMTP_METHODS,
-            "fusion": method in DMTP_METHODS}
+from dmtp_jax.options import DECODE_METHODS as METHODS, check_decode_options, method_needs  # noqa: F401
 
 
 def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, block_size: int | None = None,
@@ -42,17 +26,17 @@ def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, bl
     device (`decode/multi_round.py`); the same outputs, streamed once per K rounds (`ar` ignores it).
     `prefill_chunk` (default `decode.prefill.DEFAULT_PREFILL_CHUNK`): prompts longer than this many
     tokens are prefilled in chunks of it, bounding the prefill's activations (`decode/prefill.py`)."""
-    from dmtp_jax.decode.batch import RequestError
     from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK
 
     prefill_chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
-    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
-        raise RequestError(f"--prefill-chunk must be an integer >= 1, got {prefill_chunk!r}")
+    # the options' ranges, as preflight checks them (`dmtp_jax/options.py`); the decoders check
+    # what depends on the loaded models (`options.check_models_given`, `options.verify_slots`)
+    check_decode_options(method=method, rounds_per_dispatch=rounds_per_dispatch, prefill_chunk=prefill_chunk,
+                         adaptive_threshold=adaptive_threshold, verify=verify,
+                         mtp_steps=mtp_steps, block_size=block_size)
     if method == "ar":
         from dmtp_jax.decode.ar import ARDecoder
         return ARDecoder(target, prefill_chunk=prefill_chunk)
-    if method not in METHODS:
-        raise RequestError(f"unknown method '{method}'; available: {', '.join(METHODS)}")
     from dmtp_jax.decode.spec import SpecDecoder
     return SpecDecoder(target, drafter, method=method, mtp=mtp, fusion=fusion, block_size=block_size,
                        mtp_steps=mtp_steps, verify=verify, strict=strict, adaptive_threshold=adaptive_threshold,

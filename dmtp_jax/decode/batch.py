@@ -12,14 +12,10 @@ import dataclasses
 
 import numpy as np
 
-from dmtp_jax.errors import UserError
+from dmtp_jax.errors import RequestError  # noqa: F401  (re-exported: callers import it from here)
 
 VERIFY_SLOTS = 8  # room kept past max_new_tokens for a speculative round's writes
 PROMPT_BUCKET_FLOOR = 64  # shortest prompt bucket: short prompts share one compile (prefill is cheap)
-
-
-class RequestError(UserError, ValueError):
-    """Bad generation input (empty prompt, token out of vocabulary, too long for the model)."""
 
 
 def next_pow2(n: int, floor: int = 1) -> int:

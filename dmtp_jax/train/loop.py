@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from dmtp_jax.errors import InputError
+from dmtp_jax.options import TRAIN_METHODS, check_block_size, check_method
 from dmtp_jax.train import resilience
 
 log = logging.getLogger(__name__)
@@ -123,8 +124,9 @@ class TrainConfig:
                      "max_nonfinite"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not 2 <= self.block_size <= 64:
-            raise InputError(f"--block-size must be in [2, 64], got {self.block_size}")
+        # the decoders' rules (`dmtp_jax/options.py`): a drafter trained here can be decoded with
+        check_method(self.method, TRAIN_METHODS, InputError, "training method")
+        check_block_size(self.block_size, InputError)
         if self.seq_len < self.block_size + 1:
             raise InputError(f"--seq-len {self.seq_len} is shorter than a block ({self.block_size}) + 1")
         if self.batch_size % self.grad_accum:

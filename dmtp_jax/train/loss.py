@@ -29,21 +29,32 @@ import jax.numpy as jnp
 from dmtp_jax.errors import InputError
 from dmtp_jax.models.dflash import transform_draft_logits
 from dmtp_jax.models.fusion import ADAPTIVE, DMTP_METHODS, block_layout, draft_block_embeds
+from dmtp_jax.options import TRAIN_METHODS, check_method, method_needs
 from dmtp_jax.models.qwen3 import lm_head_logits
 
-METHODS = ("dflash",) + tuple(DMTP_METHODS)
+METHODS = TRAIN_METHODS
 
 
 def method_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
     """`(row offsets from the anchor A, first predicted row)`, shared with the decode round
-    (`models.fusion.block_layout`). Raises for unknown methods."""
-    if method not in METHODS:
-        raise InputError(f"unknown training method '{method}'; available: {', '.join(METHODS)}")
+    (`models.fusion.block_layout`). Raises for unknown methods (`options.check_method`).
+
+    Example:
+        >>> method_layout("dmtp", 4)
+        ((0, 1, 2, 3), 2)
+    """
+    check_method(method, TRAIN_METHODS, InputError, "training method")
     return block_layout(method, slots)
 
 
 def uses_mtp(method: str) -> bool:
-    return method in DMTP_METHODS
+    """Whether training `method` runs the frozen MTP head: `options.method_needs`, the decoders' rule.
+
+    Example:
+        >>> uses_mtp("dflash"), uses_mtp("dmtp-single")
+        (False, True)
+    """
+    return method_needs(method)["mtp"]
 
 
 @jax.tree_util.register_dataclass

@@ -1,0 +1,273 @@
+"""Every decode and training option, checked in one place: its range, its message, and which models
+each method needs. `preflight` (before any model load), `decode.make_decoder` / `SpecDecoder`
+(after it) and the trainer (`train.loop.TrainConfig.validate`) call these same functions, so what
+the command line accepts is exactly what the decoders and the trainer accept.
+
+Messages name the command-line flag (`--flag must be ...`). Decode options raise `RequestError`,
+training options `InputError` (the `error` argument of the shared checks).
+
+The rules:
+
+| option                    | rule                       | why                                                    |
+| ------------------------- | -------------------------- | ------------------------------------------------------ |
+| `--block-size` (decode and training) | in [3, 64]      | the DMTP layouts know two rows (A, MTP's T1): a block of 2 drafts nothing, so a block-2 drafter could not be decoded with; 64 bounds the verify block |
+| `--mtp-steps`             | in [1, 15]                 | the MTP chain: 2 .. 16 verify slots                     |
+| `--adaptive-threshold`    | in [0, 1.01]               | an MTP top-1 probability; 1.01 (`NEVER_MTP_THRESHOLD`, calibration's last grid point) never takes MTP's T1 |
+| `--rounds-per-dispatch`, `--prefill-chunk`, `--max-new-tokens` | integer >= 1 | |
+| `--verify`                | one of `VERIFY_MODES`      |                                                        |
+
+Example:
+    >>> check_decode_options(method="dmtp", block_size=8, mtp_steps=4, max_new_tokens=16)
+    >>> check_block_size(2)
+    Traceback (most recent call last):
+    ...
+    dmtp_jax.errors.RequestError: --block-size must be in [3, 64], got 2
+    >>> method_needs("dflash")
+    {'drafter': True, 'mtp': False, 'fusion': False}
+"""
+
+from __future__ import annotations
+
+import numbers
+
+from dmtp_jax.errors import InputError, RequestError
+from dmtp_jax.models.fusion import ADAPTIVE, DMTP_METHODS
+
+DECODE_METHODS = ("ar", "mtp", "dflash") + tuple(DMTP_METHODS)   # `infer.py --method`
+SPEC_METHODS = ("dflash", "mtp") + tuple(DMTP_METHODS)           # the speculative decoder's
+TRAIN_METHODS = ("dflash",) + tuple(DMTP_METHODS)                # drafters the trainer trains
+VERIFY_MODES = ("rejection", "target-only", "block")
+BLOCK_SIZE_RANGE = (3, 64)
+MTP_STEPS_RANGE = (1, 15)
+NEVER_MTP_THRESHOLD = 1.01          # dmtp-adaptive: no MTP top-1 probability reaches it
+ADAPTIVE_THRESHOLD_RANGE = (0.0, NEVER_MTP_THRESHOLD)
+DEFAULT_ADAPTIVE_THRESHOLD = 0.5    # dmtp-adaptive without a calibrated threshold in its fusion
+
+
+def method_needs(method: str) -> dict[str, bool]:
+    """Which models a method uses: `{"drafter", "mtp", "fusion"}` (the one rule for decoding,
+    preflight, loading and training).
+
+    Example:
+        >>> method_needs("dmtp")
+        {'drafter': True, 'mtp': True, 'fusion': True}
+        >>> method_needs("mtp")
+        {'drafter': False, 'mtp': True, 'fusion': False}
+    """
+    return {"drafter": method == "dflash" or method in DMTP_METHODS,
+            "mtp": method == "mtp" or method in DMTP_METHODS,
+            "fusion": method in DMTP_METHODS}
+
+
+def check_method(method: str, methods: tuple[str, ...] = DECODE_METHODS, error: type = RequestError,
+                 what: str = "method") -> None:
+    """`method` is one of `methods` (decode: `DECODE_METHODS`; speculative: `SPEC_METHODS`;
+    training: `TRAIN_METHODS`, `error=InputError`, `what="training method"`).
+
+    Example:
+        >>> check_method("dmtp-single", TRAIN_METHODS, InputError, "training method")
+        >>> check_method("mtp", TRAIN_METHODS[:2], InputError, "training method")
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.InputError: unknown training method 'mtp'; available: dflash, dmtp
+    """
+    if method not in methods:
+        raise error(f"unknown {what} '{method}'; available: {', '.join(methods)}")
+
+
+def _positive_int(flag: str, value, error: type) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise error(f"{flag} must be an integer >= 1, got {value!r}")
+
+
+def check_block_size(block_size: int, error: type = RequestError) -> None:
+    """A drafter block (verify slots) in [3, 64], for decoding and training alike.
+
+    Example:
+        >>> check_block_size(16)
+        >>> check_block_size(2, InputError)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.InputError: --block-size must be in [3, 64], got 2
+    """
+    lo, hi = BLOCK_SIZE_RANGE
+    if not lo <= block_size <= hi:
+        raise error(f"--block-size must be in [{lo}, {hi}], got {block_size}")
+
+
+def check_mtp_steps(mtp_steps: int) -> None:
+    """The MTP chain length of method `mtp` in [1, 15].
+
+    Example:
+        >>> check_mtp_steps(0)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 0
+    """
+    lo, hi = MTP_STEPS_RANGE
+    if not lo <= mtp_steps <= hi:
+        raise RequestError(f"--mtp-steps must be in [{lo}, {hi}], got {mtp_steps}")
+
+
+def check_adaptive_threshold(threshold: float) -> None:
+    """dmtp-adaptive's MTP-confidence threshold in [0, 1.01] (1.01: never MTP's T1).
+
+    Example:
+        >>> check_adaptive_threshold(NEVER_MTP_THRESHOLD)
+        >>> check_adaptive_threshold(1.5)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.RequestError: --adaptive-threshold must be in [0, 1.01] (1.01: never MTP's T1), got 1.5
+    """
+    lo, hi = ADAPTIVE_THRESHOLD_RANGE
+    if not lo <= threshold <= hi:
+        raise RequestError(f"--adaptive-threshold must be in [0, {hi}] (1.01: never MTP's T1), got {threshold}")
+
+
+def check_rounds_per_dispatch(rounds: int) -> None:
+    """Speculative rounds per jitted call: an integer >= 1.
+
+    Example:
+        >>> check_rounds_per_dispatch(True)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.RequestError: --rounds-per-dispatch must be an integer >= 1, got True
+    """
+    _positive_int("--rounds-per-dispatch", rounds, RequestError)
+
+
+def check_prefill_chunk(chunk: int) -> None:
+    """Prefill chunk length: an integer >= 1.
+
+    Example:
+        >>> check_prefill_chunk(0)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.RequestError: --prefill-chunk must be an integer >= 1, got 0
+    """
+    _positive_int("--prefill-chunk", chunk, RequestError)
+
+
+def check_max_new_tokens(max_new_tokens: int) -> None:
+    """The generation budget: an integer >= 1.
+
+    Example:
+        >>> check_max_new_tokens(0)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.RequestError: --max-new-tokens must be an integer >= 1, got 0
+    """
+    _positive_int("--max-new-tokens", max_new_tokens, RequestError)
+
+
+def check_verify_mode(verify: str) -> None:
+    """The sampled verifier: one of `VERIFY_MODES`.
+
+    Example:
+        >>> check_verify_mode("token")
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.RequestError: --verify must be one of rejection, target-only, block, got 'token'
+    """
+    if verify not in VERIFY_MODES:
+        raise RequestError(f"--verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+
+
+def check_decode_options(*, method: str | None = None, mtp_steps: int | None = None, block_size: int | None = None,
+                         max_new_tokens: int | None = None, rounds_per_dispatch: int | None = None,
+                         adaptive_threshold: float | None = None, prefill_chunk: int | None = None,
+                         verify: str | None = None) -> None:
+    """Every decode option that is given (None: not given, the decoder's default applies), each by
+    its check above. `mtp_steps` and `block_size` are checked whatever the method (a flag given on
+    the command line is checked even where a method ignores it).
+
+    Example:
+        >>> check_decode_options(method="ar", max_new_tokens=8, prefill_chunk=512)
+        >>> check_decode_options(method="ar", mtp_steps=16)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 16
+    """
+    if method is not None:
+        check_method(method)
+    if max_new_tokens is not None:
+        check_max_new_tokens(max_new_tokens)
+    if mtp_steps is not None:
+        check_mtp_steps(mtp_steps)
+    if block_size is not None:
+        check_block_size(block_size)
+    if rounds_per_dispatch is not None:
+        check_rounds_per_dispatch(rounds_per_dispatch)
+    if prefill_chunk is not None:
+        check_prefill_chunk(prefill_chunk)
+    if adaptive_threshold is not None:
+        check_adaptive_threshold(adaptive_threshold)
+    if verify is not None:
+        check_verify_mode(verify)
+
+
+MISSING_MODEL = {"drafter": "a DFlash drafter (--draft DIR)", "mtp": "the target's native MTP head",
+                 "fusion": "its fusion (load the drafter with load_dmtp_drafter)"}
+
+
+def missing_model_error(method: str, kind: str) -> RequestError:
+    """The error for a model `kind` ("drafter", "mtp", "fusion") that `method` needs and lacks.
+
+    Example:
+        >>> print(missing_model_error("dmtp", "mtp"))
+        method 'dmtp' needs the target's native MTP head
+    """
+    return RequestError(f"method '{method}' needs {MISSING_MODEL[kind]}")
+
+
+def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None) -> None:
+    """The loaded models `method` needs (`method_needs`) are there, and dmtp-adaptive's drafter is
+    a DFlash (version 1) drafter.
+
+    Example:
+        >>> check_models_given("mtp", mtp=object())
+        >>> check_models_given("dflash")
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.RequestError: method 'dflash' needs a DFlash drafter (--draft DIR)
+    """
+    needs = method_needs(method)
+    for kind, model in (("drafter", drafter), ("mtp", mtp), ("fusion", fusion)):
+        if needs[kind] and model is None:
+            raise missing_model_error(method, kind)
+    if method == ADAPTIVE and drafter.cfg.version != 1:
+        raise RequestError("dmtp-adaptive needs a DFlash (version 1) drafter")
+
+
+def verify_slots(method: str, *, mtp_steps: int, block_size: int | None, drafter_block_size: int | None) -> int:
+    """The verify slots of a round (pending token + candidates), checked: `mtp_steps + 1` for
+    `mtp`, else `block_size` or, when not given, the drafter's own block size.
+
+    Example:
+        >>> verify_slots("mtp", mtp_steps=4, block_size=None, drafter_block_size=None)
+        5
+        >>> verify_slots("dflash", mtp_steps=4, block_size=None, drafter_block_size=16)
+        16
+    """
+    if method == "mtp":
+        check_mtp_steps(mtp_steps)
+        return mtp_steps + 1
+    slots = block_size or drafter_block_size
+    check_block_size(slots)
+    return slots
+
+
+def adaptive_threshold_for(method: str, threshold: float | None, calibrated: float | None) -> float | None:
+    """dmtp-adaptive's threshold: the given one, else the drafter's calibrated one, else
+    `DEFAULT_ADAPTIVE_THRESHOLD`, checked; None for every other method.
+
+    Example:
+        >>> adaptive_threshold_for("dmtp-adaptive", None, 0.35), adaptive_threshold_for("dmtp", 0.3, None)
+        (0.35, None)
+    """
+    if method != ADAPTIVE:
+        return None
+    if threshold is None:
+        threshold = DEFAULT_ADAPTIVE_THRESHOLD if calibrated is None else calibrated
+    check_adaptive_threshold(threshold)
+    return float(threshold)
