@@ -15,11 +15,12 @@ import json
 import os
 from typing import Any
 
-from dmtp_jax.errors import UserError
+from dmtp_jax.checkpoint.hf_config import FAMILIES, HYBRID_FAMILIES, require, stack_fields
+from dmtp_jax.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here)
 
-SUPPORTED_TARGET_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+SUPPORTED_TARGET_TYPES = FAMILIES
 # Hybrid (Gated DeltaNet + gated attention) families and the text-only spellings of their saves.
-HYBRID_TARGET_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+HYBRID_TARGET_TYPES = HYBRID_FAMILIES
 MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 # transformers' architecture and config model_type for each family (text-only saves)
@@ -27,29 +28,6 @@ HF_NAMES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCa
             "qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
             "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
             "qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next")}
-
-
-class ConfigError(UserError, ValueError):
-    """A config that cannot be used; the message names the offending key."""
-
-
-def _require(d: dict, key: str, where: str):
-    if key not in d or d[key] is None:
-        raise ConfigError(f"{where}: missing required key '{key}'")
-    return d[key]
-
-
-def _rope(d: dict, where: str) -> tuple[float, float]:
-    """`(rope_theta, partial_rotary_factor)` from `rope_parameters` (transformers >= 5) or the
-    top-level keys. Qwen3.5's interleaved multi-axis RoPE (`mrope_section`) is plain 1-D RoPE for
-    text (all three position streams equal), so it is accepted as default RoPE."""
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only 'default')")
-    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    return float(theta), float(factor)
 
 
 def text_config_dict(d: dict[str, Any]) -> dict[str, Any]:
@@ -96,7 +74,8 @@ class TargetConfig:
     (`qwen3_5` dense, `qwen3_5_moe`) and Qwen3-Next families.
 
     `layer_types[i]` is "full_attention", "sliding_attention" (keys with `q_pos - k_pos <
-    sliding_window`) or "linear_attention" (Gated DeltaNet, hybrid families only). MoE fields are
+    sliding_window`; with no window, like transformers, a full one) or "linear_attention" (Gated
+    DeltaNet, hybrid families only); `checkpoint/hf_config.py` derives them from HF keys. MoE fields are
     zero/empty for dense models. Hybrid families use zero-centred `(1 + w)` RMSNorms, a sigmoid
     output gate on attention and partial rotary embeddings (`rotary_dim` of `head_dim`).
     """
@@ -143,8 +122,8 @@ class TargetConfig:
             raise ConfigError(
                 f"unknown model_type '{self.model_type}'; supported: {', '.join(SUPPORTED_TARGET_TYPES)}")
         validate_decoder_stack(self, where, ("vocab_size",))
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ConfigError(f"{where}: sliding_attention layers need a positive 'sliding_window'")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"{where}: 'sliding_window' must be positive or unset, got {self.sliding_window}")
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ConfigError(f"{where}: partial_rotary_factor={self.partial_rotary_factor} gives "
                               f"{self.rotary_dim} rotary dims of head_dim={self.head_dim} (need even, > 0)")
@@ -218,43 +197,14 @@ class TargetConfig:
             raise ConfigError(
                 f"unknown model_type '{model_type}'; supported: {', '.join(SUPPORTED_TARGET_TYPES)}")
         where = f"config ({model_type})"
-        n_layers = int(_require(d, "num_hidden_layers", where))
-        n_heads = int(_require(d, "num_attention_heads", where))
-        hidden = int(_require(d, "hidden_size", where))
-        head_dim = d.get("head_dim") or hidden // n_heads
-        sliding_window = d.get("sliding_window")
-        layer_types = d.get("layer_types")
-        if not layer_types and model_type in HYBRID_TARGET_TYPES:
-            interval = int(d.get("full_attention_interval", 4))
-            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                           for i in range(n_layers)]
-        if not layer_types:
-            use_sw = d.get("use_sliding_window", False) and sliding_window
-            max_window = d.get("max_window_layers", n_layers)
-            layer_types = ["sliding_attention" if use_sw and i >= max_window else "full_attention"
-                           for i in range(n_layers)]
         hybrid = model_type in HYBRID_TARGET_TYPES
-        rope_theta, rotary_factor = _rope(d, where)
-        if hybrid and not (d.get("rope_parameters") or {}).get("partial_rotary_factor") \
-                and "partial_rotary_factor" not in d:
-            rotary_factor = 0.25          # transformers' default for these families
         kwargs = dict(
+            stack_fields(d, model_type, where),      # sizes, head dims, RoPE, layer types: hf_config's rules
             model_type=model_type,
-            vocab_size=int(_require(d, "vocab_size", where)),
-            hidden_size=hidden,
+            vocab_size=int(require(d, "vocab_size", where)),
             intermediate_size=int(d.get("intermediate_size") or 0) or 1,
-            num_hidden_layers=n_layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            partial_rotary_factor=rotary_factor,
             max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            layer_types=tuple(layer_types),
-            sliding_window=int(sliding_window) if sliding_window else None,
             eos_token_ids=_eos_ids(d),
             pad_token_id=d.get("pad_token_id"),
         )
@@ -297,7 +247,7 @@ class TargetConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
             "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
-            "use_sliding_window": "sliding_attention" in self.layer_types,
+            "use_sliding_window": self.sliding_window is not None,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else (
                 self.eos_token_ids[0] if self.eos_token_ids else None),
             "pad_token_id": self.pad_token_id,

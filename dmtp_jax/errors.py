@@ -32,6 +32,10 @@ class InputError(UserError, ValueError):
     """A bad value given on the command line or in a config / data file."""
 
 
+class ConfigError(UserError, ValueError):
+    """A model config that cannot be used; the message names the offending key."""
+
+
 class RequestError(UserError, ValueError):
     """Bad generation input: a decode option out of range, an empty prompt, a token outside the
     vocabulary, a request too long for the model."""

@@ -13,7 +13,8 @@ The rules:
 | `--block-size` (decode and training) | in [3, 64]      | the DMTP layouts know two rows (A, MTP's T1): a block of 2 drafts nothing, so a block-2 drafter could not be decoded with; 64 bounds the verify block |
 | `--mtp-steps`             | in [1, 15]                 | the MTP chain: 2 .. 16 verify slots                     |
 | `--adaptive-threshold`    | in [0, 1.01]               | an MTP top-1 probability; 1.01 (`NEVER_MTP_THRESHOLD`, calibration's last grid point) never takes MTP's T1 |
-| `--rounds-per-dispatch`, `--prefill-chunk`, `--max-new-tokens` | integer >= 1 | |
+| `--rounds-per-dispatch`, `--prefill-chunk` | an integer >= 1 |                                  |
+| `--max-new-tokens`        | >= 1                       |                                                        |
 | `--verify`                | one of `VERIFY_MODES`      |                                                        |
 
 Example:
@@ -155,9 +156,10 @@ def check_max_new_tokens(max_new_tokens: int) -> None:
         >>> check_max_new_tokens(0)
         Traceback (most recent call last):
         ...
-        dmtp_jax.errors.RequestError: --max-new-tokens must be an integer >= 1, got 0
+        dmtp_jax.errors.RequestError: --max-new-tokens must be >= 1, got 0
     """
-    _positive_int("--max-new-tokens", max_new_tokens, RequestError)
+    if max_new_tokens < 1:
+        raise RequestError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
 
 
 def check_verify_mode(verify: str) -> None:

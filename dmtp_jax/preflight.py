@@ -30,7 +30,7 @@ def target_config(target_dir: str):
         >>> target_config("/does-not-exist")
         Traceback (most recent call last):
         ...
-        dmtp_jax.config.ConfigError: model directory not found: /does-not-exist
+        dmtp_jax.errors.ConfigError: model directory not found: /does-not-exist
     """
     from dmtp_jax.config import load_target_config
     return load_target_config(target_dir)
@@ -98,7 +98,7 @@ def check_plan_options(args) -> None:
         ...     prompt_len=8, max_new_tokens=8, mtp_steps=4, block_size=None, rounds_per_dispatch=1))
         Traceback (most recent call last):
         ...
-        dmtp_jax.config.ConfigError: model directory not found: /nope.json
+        dmtp_jax.errors.ConfigError: model directory not found: /nope.json
     """
     from dmtp_jax.plan.topology import parse_topology
     parse_topology(args.topology)

@@ -47,6 +47,8 @@ BAD_INPUTS = [
      "error: --mtp-steps must be in [1, 15], got 0", False),
     ("block size 2", "infer generate --target {tiny} --prompt-ids 1 --block-size 2",
      "error: --block-size must be in [3, 64], got 2", False),
+    ("adaptive threshold 1.5", "infer generate --target {tiny} --prompt-ids 1 --adaptive-threshold 1.5",
+     "error: --adaptive-threshold must be in [0, 1.01] (1.01: never MTP's T1), got 1.5", False),
     ("rounds per dispatch 0", "infer bench --target {tiny} --rounds-per-dispatch 0",
      "error: --rounds-per-dispatch must be an integer >= 1, got 0", False),
     ("prefill chunk 0", "infer generate --target {tiny} --prompt-ids 1 --prefill-chunk 0",
@@ -69,6 +71,8 @@ BAD_INPUTS = [
     ("train: missing config", "train train --config {tmp}/none.py", "error: config file not found: ", False),
     ("train: run already there", "train train --target {tiny} --data {tmp}/ok.jsonl --out {tmp}/done",
      "already has checkpoints; pass --resume to continue or use a new --out", False),
+    ("train: block size 2", "train train --target {tiny} --data {tmp}/ok.jsonl --out {tmp}/r --block-size 2",
+     "error: --block-size must be in [3, 64], got 2", False),
     ("train: max-nonfinite 0", "train train --target {tiny} --data {tmp}/ok.jsonl --out {tmp}/r --max-nonfinite 0",
      "error: --max-nonfinite must be >= 1, got 0", False),
     ("export: not a run", "train export --run {tmp} --out {tmp}/x", "is not a training run directory", False),
@@ -125,3 +129,40 @@ def test_demo_argv_runs_the_demo_with_overrides():
     assert infer.demo_argv(["--num-prompts", "2"]) == [*infer.DEMO_BENCH_ARGV, "--num-prompts", "2"]
     assert infer.demo_argv(["--help"]) is None and infer.demo_argv(["bench"]) is None
     assert os.path.basename(infer.DEMO_BENCH_ARGV[infer.DEMO_BENCH_ARGV.index("--plot") + 1]) == "acceptance.png"
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 64, 65])
+def test_preflight_decoder_and_trainer_accept_the_same_block_sizes(block_size):
+    """One rule (`dmtp_jax/options.py`): what preflight accepts, the decoder and the trainer accept."""
+    from dmtp_jax import options, preflight
+    from dmtp_jax.errors import UserError
+    from dmtp_jax.train.loop import TrainConfig
+
+    def accepted(check):
+        try:
+            check()
+            return True
+        except UserError:
+            return False
+
+    cfg = TrainConfig(target="t", data="d", out="o", block_size=block_size, seq_len=128)
+    verdicts = {accepted(lambda: preflight.check_decode_options(None, block_size, 8)),
+                accepted(lambda: options.verify_slots("dflash", mtp_steps=4, block_size=block_size,
+                                                      drafter_block_size=16)),
+                accepted(cfg.validate)}
+    assert verdicts == {3 <= block_size <= 64}
+
+
+@pytest.mark.parametrize("threshold", [-0.1, 0.0, 1.0, 1.01, 1.5])
+def test_preflight_and_decoder_accept_the_same_adaptive_thresholds(threshold):
+    """Calibration's "never MTP's T1" (`train.calibrate.GRID`'s 1.01) passes preflight and the decoder."""
+    from dmtp_jax import options, preflight
+    from dmtp_jax.decode.batch import RequestError
+    ok = 0.0 <= threshold <= options.NEVER_MTP_THRESHOLD
+    for check in (lambda: preflight.check_decode_options(None, None, 8, adaptive_threshold=threshold),
+                  lambda: options.adaptive_threshold_for("dmtp-adaptive", None, threshold)):
+        if ok:
+            check()
+        else:
+            with pytest.raises(RequestError, match="--adaptive-threshold must be in"):
+                check()

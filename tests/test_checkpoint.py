@@ -145,3 +145,45 @@ def test_request_validation():
         pad_prompts([[1, 12]], 4, 10)
     with pytest.raises(RequestError, match="max_position_embeddings"):
         pad_prompts([[1] * 10], 8, 100, max_positions=16)
+
+
+BASE_STACK = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 30,
+              "num_attention_heads": 4, "num_key_value_heads": 2}
+# keys a config may leave out: each set against transformers' own parse of the same dict
+STACK_VARIANTS = [{}, {"use_sliding_window": True}, {"use_sliding_window": True, "sliding_window": 16},
+                  {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 4},
+                  {"sliding_window": 16, "max_window_layers": 4}, {"head_dim": 8},
+                  {"use_sliding_window": True, "sliding_window": 16,
+                   "layer_types": ["sliding_attention", "full_attention"] * 15}]
+
+
+@pytest.mark.parametrize("variant", STACK_VARIANTS, ids=lambda v: ",".join(v) or "bare")
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen3_next", "drafter"])
+def test_stack_fields_follow_transformers(model_type, variant):
+    """Targets and DFlash drafters read head_dim, the window and the per-layer attention types by
+    one rule (`checkpoint/hf_config.py`): the one transformers' config class of the family applies."""
+    import transformers
+    from dmtp_jax.config import TargetConfig
+    from dmtp_jax.models.dflash import DFlashConfig
+
+    d = {**BASE_STACK, **variant}
+    hf_cls = {"qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
+              "qwen3_next": transformers.Qwen3NextConfig, "drafter": transformers.Qwen3Config}[model_type]
+    if model_type in ("qwen3_moe", "qwen3_next"):
+        d = {**d, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    hf = hf_cls(**d)
+    hf_types = tuple(getattr(hf, "layer_types", None) or ["sliding_attention" if hf.sliding_window is not None
+                                                         else "full_attention"] * hf.num_hidden_layers)
+    if model_type == "qwen3_moe" and "layer_types" in variant:     # not a Qwen3-MoE key: we refuse it
+        with pytest.raises(ConfigError, match="every layer or none"):
+            TargetConfig.from_hf_dict({**d, "model_type": model_type})
+        return
+    if model_type == "drafter":
+        ours = DFlashConfig.from_hf_dict({**d, "architectures": ["DFlashDraftModel"], "mask_token_id": 3,
+                                          "target_layer_ids": [0]})
+    else:
+        ours = TargetConfig.from_hf_dict({**d, "model_type": model_type})
+    hf_head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert (ours.layer_types, ours.head_dim) == (hf_types, hf_head_dim)
+    if model_type != "qwen3_next":          # a stray key there: Qwen3-Next's attention has no window
+        assert ours.sliding_window == hf.sliding_window

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dmtp_jax.config import ConfigError, _rope, validate_decoder_stack
+from dmtp_jax.checkpoint.hf_config import require, stack_fields
+from dmtp_jax.config import ConfigError, validate_decoder_stack
 from dmtp_jax.layers import params
 from dmtp_jax.layers.attention import attention_mask, grouped_attention
 from dmtp_jax.layers.dynamic_conv import grouped_dynamic_conv
@@ -152,8 +153,8 @@ class DFlashConfig:
         if not isinstance(nested, dict):
             raise ConfigError("drafter config: 'dflash_config' must be an object")
 
-        def draft_value(name, default=None):
-            return nested.get(name, d.get(name, default))
+        draft = {**d, **nested}          # drafter keys: `dflash_config` first, then the top level
+        draft_value = draft.get
 
         archs = d.get("architectures") or []
         known = [a for a in archs if a in ARCHITECTURE_VERSIONS]
@@ -166,51 +167,31 @@ class DFlashConfig:
             version = 2 if all(draft_value(k) is not None for k in DFLASH2_KEYS) else 1
         where = f"drafter config (DFlash v{version})"
 
-        def require(name, value):
-            if value is None:
-                raise ConfigError(f"{where}: missing required key '{name}'")
-            return value
-
-        n_layers = int(require("num_hidden_layers", d.get("num_hidden_layers")))
-        n_heads = int(require("num_attention_heads", d.get("num_attention_heads")))
-        sliding_window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
-        layer_types = d.get("layer_types")
-        if not layer_types:   # Qwen3Config's rule
-            max_window = d.get("max_window_layers", 28)
-            layer_types = ["sliding_attention" if sliding_window is not None and i >= max_window
-                           else "full_attention" for i in range(n_layers)]
+        fields = stack_fields(d, "qwen3", where)     # a Qwen3Config: hf_config's rules, like the targets
+        fields.pop("partial_rotary_factor")
         num_target_layers = d.get("num_target_layers")
         layer_ids = draft_value("target_layer_ids")
         if layer_ids is None:
-            layer_ids = build_target_layer_ids(
-                int(require("num_target_layers", num_target_layers)), n_layers)
+            layer_ids = build_target_layer_ids(int(require(d, "num_target_layers", where)),
+                                               fields["num_hidden_layers"])
         is_causal = d.get("is_causal")
         softcap = draft_value("final_logit_softcapping")
         kwargs = dict(
+            fields,
             version=version,
-            hidden_size=int(require("hidden_size", d.get("hidden_size"))),
-            intermediate_size=int(require("intermediate_size", d.get("intermediate_size"))),
-            num_hidden_layers=n_layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
-            head_dim=int(d.get("head_dim") or 128),   # Qwen3Config's default
-            vocab_size=int(d.get("vocab_size") or 151936),
+            intermediate_size=int(require(d, "intermediate_size", where)),
+            vocab_size=int(d.get("vocab_size") or 151936),   # Qwen3Config's default
             block_size=int(draft_value("block_size", 16)),
-            mask_token_id=int(require("mask_token_id", draft_value("mask_token_id"))),
+            mask_token_id=int(require(draft, "mask_token_id", where)),
             target_layer_ids=tuple(int(i) for i in layer_ids),
             num_target_layers=int(num_target_layers) if num_target_layers is not None else None,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope(d, where)[0],
-            layer_types=tuple(layer_types),
-            sliding_window=int(sliding_window) if sliding_window is not None else None,
             is_causal=None if is_causal is None else bool(is_causal),
-            attention_bias=bool(d.get("attention_bias", False)),
             input_embedding_scale=float(draft_value("input_embedding_scale", 1.0)),
             output_multiplier=float(draft_value("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap is not None and float(softcap) > 0 else None,
         )
         if version == 2:
-            kwargs.update({k: int(require(k, draft_value(k))) for k in DFLASH2_KEYS})
+            kwargs.update({k: int(require(draft, k, where)) for k in DFLASH2_KEYS})
         return cls(**kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -1,0 +1,151 @@
+"""One parser of the fields every Qwen3-style stack shares, for targets (`config.TargetConfig`) and
+DFlash drafters (`models.dflash.DFlashConfig`, a `Qwen3Config`): sizes, head dims, RMSNorm eps,
+RoPE and the per-layer attention types. Keys a config leaves out take the value transformers'
+config class of that family gives them (transformers 5.x, `models/<family>/configuration_*.py`):
+
+| family                            | `head_dim` unset   | `layer_types` unset                                         |
+| --------------------------------- | ------------------ | ----------------------------------------------------------- |
+| `qwen3` (targets, DFlash drafters) | 128               | "sliding_attention" from layer `max_window_layers` (28) on when the window is on |
+| `qwen3_moe`                       | hidden / heads     | every layer "sliding_attention" when the window is on (no `max_window_layers`)  |
+| `qwen3_next`, `qwen3_5`, `qwen3_5_moe` | 256           | "full_attention" every `full_attention_interval` (4) layers, else "linear_attention" |
+
+The window is on when `use_sliding_window` is true; `sliding_window` is then its length (4096 when
+the key is absent), else None -- a "sliding_attention" layer without a window attends like a full one.
+`num_key_value_heads` unset means one KV head per attention head. The hybrid families' partial
+rotary factor defaults to 0.25.
+
+Example:
+    >>> f = stack_fields({"num_hidden_layers": 30, "num_attention_heads": 4, "hidden_size": 32,
+    ...                   "use_sliding_window": True, "sliding_window": 64}, "qwen3", "config (qwen3)")
+    >>> f["head_dim"], f["sliding_window"], f["layer_types"][27:]
+    (128, 64, ('full_attention', 'sliding_attention', 'sliding_attention'))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dmtp_jax.errors import ConfigError
+
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+FAMILIES = ("qwen3", "qwen3_moe") + HYBRID_FAMILIES
+DEFAULT_SLIDING_WINDOW = 4096      # Qwen3Config / Qwen3MoeConfig
+DEFAULT_MAX_WINDOW_LAYERS = 28     # Qwen3Config
+DEFAULT_FULL_ATTENTION_INTERVAL = 4
+HYBRID_ROTARY_FACTOR = 0.25
+
+
+def require(d: dict, key: str, where: str):
+    """`d[key]`, or a `ConfigError` naming the missing key.
+
+    Example:
+        >>> require({}, "hidden_size", "config (qwen3)")
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.ConfigError: config (qwen3): missing required key 'hidden_size'
+    """
+    if key not in d or d[key] is None:
+        raise ConfigError(f"{where}: missing required key '{key}'")
+    return d[key]
+
+
+def rope(d: dict, where: str, family: str = "qwen3") -> tuple[float, float]:
+    """`(rope_theta, partial_rotary_factor)` from `rope_parameters` (transformers >= 5), the v4
+    `rope_scaling` or the top-level keys. Qwen3.5's interleaved multi-axis RoPE (`mrope_section`) is
+    plain 1-D RoPE for text (all three position streams equal), so it is accepted as default RoPE.
+
+    Example:
+        >>> rope({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}, "x", "qwen3_5")
+        (1000000.0, 0.25)
+    """
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only 'default')")
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    default_factor = HYBRID_ROTARY_FACTOR if family in HYBRID_FAMILIES else 1.0
+    factor = params.get("partial_rotary_factor", d.get("partial_rotary_factor", default_factor))
+    return float(theta), float(factor)
+
+
+def sliding_window(d: dict) -> int | None:
+    """The attention window: `sliding_window` (4096 when absent) if `use_sliding_window`, else None.
+
+    Example:
+        >>> sliding_window({"sliding_window": 64}), sliding_window({"use_sliding_window": True})
+        (None, 4096)
+    """
+    if not d.get("use_sliding_window", False):
+        return None
+    window = d.get("sliding_window", DEFAULT_SLIDING_WINDOW)
+    return int(window) if window is not None else None
+
+
+def layer_types(d: dict, family: str, n_layers: int, window: int | None) -> tuple[str, ...]:
+    """Each layer's attention type: the config's `layer_types` when given, else the family's rule
+    (module table). Qwen3-MoE has no per-layer types: its window applies to every layer.
+
+    Example:
+        >>> layer_types({}, "qwen3_next", 4, None)
+        ('linear_attention', 'linear_attention', 'linear_attention', 'full_attention')
+        >>> layer_types({"max_window_layers": 1}, "qwen3", 2, 8)
+        ('full_attention', 'sliding_attention')
+    """
+    if family == "qwen3_moe":
+        rule = ("sliding_attention" if window is not None else "full_attention",) * n_layers
+        given = tuple(d.get("layer_types") or rule)
+        if given != rule:
+            raise ConfigError(f"config (qwen3_moe): layer_types {list(given)} disagree with transformers' "
+                              f"Qwen3-MoE, whose sliding window (use_sliding_window) covers every layer or none")
+        return rule
+    if d.get("layer_types"):
+        return tuple(d["layer_types"])
+    if family in HYBRID_FAMILIES:
+        interval = int(d.get("full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL))
+        return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers))
+    first_sliding = d.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
+    return tuple("sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+                 for i in range(n_layers))
+
+
+def default_head_dim(family: str, hidden: int, n_heads: int) -> int:
+    """`head_dim` when the config leaves it out (module table).
+
+    Example:
+        >>> default_head_dim("qwen3", 1024, 16), default_head_dim("qwen3_moe", 1024, 16)
+        (128, 64)
+    """
+    if family == "qwen3_moe":
+        return hidden // n_heads
+    return 256 if family in HYBRID_FAMILIES else 128
+
+
+def stack_fields(d: dict[str, Any], family: str, where: str) -> dict[str, Any]:
+    """The shared stack fields of a config dict, by the family's rules: `hidden_size`,
+    `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `head_dim`, `rms_norm_eps`,
+    `rope_theta`, `partial_rotary_factor`, `attention_bias`, `layer_types`, `sliding_window`
+    (the names `TargetConfig` and `DFlashConfig` share).
+
+    Example:
+        >>> f = stack_fields({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 32,
+        ...                   "head_dim": 8}, "qwen3", "drafter config")
+        >>> f["num_key_value_heads"], f["layer_types"], f["sliding_window"]
+        (4, ('full_attention', 'full_attention'), None)
+    """
+    if family not in FAMILIES:
+        raise ConfigError(f"unknown model_type '{family}'; supported: {', '.join(FAMILIES)}")
+    n_layers = int(require(d, "num_hidden_layers", where))
+    n_heads = int(require(d, "num_attention_heads", where))
+    hidden = int(require(d, "hidden_size", where))
+    window = sliding_window(d) if family in ("qwen3", "qwen3_moe") else None
+    theta, factor = rope(d, where, family)
+    return dict(
+        hidden_size=hidden, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+        num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
+        head_dim=int(d.get("head_dim") or default_head_dim(family, hidden, n_heads)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, partial_rotary_factor=factor,
+        attention_bias=bool(d.get("attention_bias", False)),
+        layer_types=layer_types(d, family, n_layers, window),
+        sliding_window=window,
+    )
