@@ -17,8 +17,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     torch_recurrent_gated_delta_rule)
 
 from dmtp_jax.layers.gated_deltanet import (
-    causal_conv_silu, conv_window_after, gated_delta_chunked, gated_delta_recurrent,
-    gated_delta_state_after, gated_rms_norm, prepare_qk)
+    RECURRENT_MAX_TOKENS, causal_conv_silu, conv_window_after, gated_delta_chunked, gated_delta_recurrent,
+    gated_delta_rule, gated_delta_state_after, gated_rms_norm, prepare_qk)
 
 B, NK, NV, DK, DV = 2, 2, 4, 8, 8
 LENGTHS = (1, 5, 64, 70, 130)
@@ -159,6 +159,31 @@ def test_state_after_prefix():
         _, want = numpy_reference(   # the recurrent rule (float64) over the first n tokens only
             *(a[row:row + 1, :n] for a in (q, k, v, g, beta)), s0[row:row + 1])
         np.testing.assert_allclose(got[row], want[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", (8, RECURRENT_MAX_TOKENS + 1, 64))
+def test_verify_block_and_commit_against_single_token_decoding(t):
+    """docs/ARCHITECTURE.md (block verification): a verify block of `t` tokens (the chunked form above
+    `RECURRENT_MAX_TOKENS`, the token scan up to it) gives plain decoding's outputs up to fp32
+    rounding, and `target.commit`'s replay (`gated_delta_state_after`) gives plain decoding's
+    state after every kept prefix bit for bit, whatever the block length: the state carried
+    from round to round is always the token scan's."""
+    x = make_inputs(t, seed=t, g_max=2.0, b=3)
+    q, k = prepare_qk(jnp.asarray(x["q"]), NV, True), prepare_qk(jnp.asarray(x["k"]), NV, False)
+    v, g, beta, s0 = (jnp.asarray(x[n]) for n in ("v", "g", "beta", "state"))
+    o_block, _ = jax.jit(gated_delta_rule)(q, k, v, g, beta, s0)
+    states, outs = [s0], []
+    for i in range(t):               # plain decoding: one single-token step per token
+        o, s = recurrent_jit(*(a[:, i:i + 1] for a in (q, k, v, g, beta)), states[-1])
+        outs.append(o)
+        states.append(s)
+    np.testing.assert_allclose(o_block, jnp.concatenate(outs, 1), **TOL)
+    if t <= RECURRENT_MAX_TOKENS:
+        np.testing.assert_array_equal(o_block, jnp.concatenate(outs, 1))
+    keep = np.array([0, t // 2, t])
+    committed = jax.jit(gated_delta_state_after)(k, v, g, beta, s0, jnp.asarray(keep))
+    for row, n in enumerate(keep):
+        np.testing.assert_array_equal(committed[row], states[n][row])
 
 
 def test_gated_rms_norm():
