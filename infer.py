@@ -180,6 +180,7 @@ def cmd_generate(args) -> int:
     preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
                                    args.adaptive_threshold, args.prefill_chunk)
     preflight.check_method_models([method], target_dir, args.draft, args.mtp, demo_drafters=uses_demo(args))
+    preflight.check_drafter_block([method], args.draft, args.block_size)
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
     tokenizer = load_tokenizer(target_dir, plain=True)     # no transformers / torch import when exact
@@ -328,6 +329,7 @@ def run_bench(args) -> dict:
     preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
                                    args.adaptive_threshold, args.prefill_chunk)
     preflight.check_method_models(methods, target_dir, args.draft, args.mtp, demo_drafters=demo)
+    preflight.check_drafter_block(methods, args.draft, args.block_size)
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
     workload = load_workload(args.workload, args.data_dir, args.num_prompts)

@@ -8,14 +8,17 @@ training options `InputError` (the `error` argument of the shared checks).
 
 The rules:
 
-| option                    | rule                       | why                                                    |
-| ------------------------- | -------------------------- | ------------------------------------------------------ |
-| `--block-size` (decode and training) | in [3, 64]      | the DMTP layouts know two rows (A, MTP's T1): a block of 2 drafts nothing, so a block-2 drafter could not be decoded with; 64 bounds the verify block |
-| `--mtp-steps`             | in [1, 15]                 | the MTP chain: 2 .. 16 verify slots                     |
-| `--adaptive-threshold`    | in [0, 1.01]               | an MTP top-1 probability; 1.01 (`NEVER_MTP_THRESHOLD`, calibration's last grid point) never takes MTP's T1 |
-| `--rounds-per-dispatch`, `--prefill-chunk` | an integer >= 1 |                                  |
-| `--max-new-tokens`        | >= 1                       |                                                        |
-| `--verify`                | one of `VERIFY_MODES`      |                                                        |
+- `--block-size` in [3, 64], for decoding and training alike. With 2 slots the DMTP layouts
+  (`[A, T1, ..]`, `[T1, ..]`: two rows known before the drafter runs) have no drafted row: the
+  drafter adds nothing to a round and its training blocks carry no loss. One rule for every
+  method and for both sides, so no drafter is trained that could not be decoded with (training
+  accepted 2 before). 64 bounds the verify block.
+- `--mtp-steps` in [1, 15]: the MTP chain, 2 .. 16 verify slots.
+- `--adaptive-threshold` in [0, 1.01]: an MTP top-1 probability; 1.01 (`NEVER_MTP_THRESHOLD`, the
+  last point of calibration's grid) never takes MTP's T1, so a calibrated "never" is accepted by
+  preflight and by the decoder alike (preflight allowed only [0, 1] before).
+- `--rounds-per-dispatch`, `--prefill-chunk`: an integer >= 1; `--max-new-tokens` >= 1;
+  `--verify` one of `VERIFY_MODES`.
 
 Example:
     >>> check_decode_options(method="dmtp", block_size=8, mtp_steps=4, max_new_tokens=16)
@@ -81,8 +84,9 @@ def _positive_int(flag: str, value, error: type) -> None:
         raise error(f"{flag} must be an integer >= 1, got {value!r}")
 
 
-def check_block_size(block_size: int, error: type = RequestError) -> None:
-    """A drafter block (verify slots) in [3, 64], for decoding and training alike.
+def check_block_size(block_size: int, error: type = RequestError, name: str = "--block-size") -> None:
+    """A drafter block (verify slots) in [3, 64], for decoding and training alike; `name` is what
+    the message calls it (the flag, or "the drafter's block_size" when it comes from the drafter).
 
     Example:
         >>> check_block_size(16)
@@ -93,7 +97,7 @@ def check_block_size(block_size: int, error: type = RequestError) -> None:
     """
     lo, hi = BLOCK_SIZE_RANGE
     if not lo <= block_size <= hi:
-        raise error(f"--block-size must be in [{lo}, {hi}], got {block_size}")
+        raise error(f"{name} must be in [{lo}, {hi}], got {block_size}")
 
 
 def check_mtp_steps(mtp_steps: int) -> None:
@@ -250,13 +254,19 @@ def verify_slots(method: str, *, mtp_steps: int, block_size: int | None, drafter
         5
         >>> verify_slots("dflash", mtp_steps=4, block_size=None, drafter_block_size=16)
         16
+        >>> verify_slots("dflash", mtp_steps=4, block_size=None, drafter_block_size=2)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.RequestError: the drafter's block_size (set --block-size) must be in [3, 64], got 2
     """
     if method == "mtp":
         check_mtp_steps(mtp_steps)
         return mtp_steps + 1
-    slots = block_size or drafter_block_size
-    check_block_size(slots)
-    return slots
+    if block_size is not None:
+        check_block_size(block_size)
+        return block_size
+    check_block_size(drafter_block_size, name="the drafter's block_size (set --block-size)")
+    return drafter_block_size
 
 
 def adaptive_threshold_for(method: str, threshold: float | None, calibrated: float | None) -> float | None:

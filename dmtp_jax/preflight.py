@@ -78,6 +78,26 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
                                   "mtp / dmtp need a target that carries one, or --mtp DIR")
 
 
+def check_drafter_block(methods, draft: str | None, block_size: int | None) -> None:
+    """The verify slots of every drafter method are ones the decoder takes (`options.verify_slots`):
+    `--block-size` when given, else the drafter's own `block_size` (its config is read, no weights).
+
+    Example:
+        >>> check_drafter_block(["ar", "mtp"], None, None)
+        >>> check_drafter_block(["dflash"], "/models/d", 2)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.RequestError: --block-size must be in [3, 64], got 2
+    """
+    for method in methods:
+        if options.method_needs(method)["drafter"] and (draft or block_size is not None):
+            drafter_block = None
+            if block_size is None:
+                from dmtp_jax.checkpoint.dflash_ckpt import load_dflash_config
+                drafter_block = load_dflash_config(draft).block_size
+            options.verify_slots(method, mtp_steps=0, block_size=block_size, drafter_block_size=drafter_block)
+
+
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, cfg) -> None:
     """Empty prompts, ids outside the vocabulary, prompt + budget past `max_position_embeddings`.
 

@@ -2,6 +2,7 @@
 line), nothing on stdout; the cheap ones before any model is loaded. And the other side: an
 exception that is not one of our error types keeps its traceback."""
 
+import json
 import os
 import shutil
 
@@ -49,6 +50,8 @@ BAD_INPUTS = [
      "error: --block-size must be in [3, 64], got 2", False),
     ("adaptive threshold 1.5", "infer generate --target {tiny} --prompt-ids 1 --adaptive-threshold 1.5",
      "error: --adaptive-threshold must be in [0, 1.01] (1.01: never MTP's T1), got 1.5", False),
+    ("drafter's own block size 2", "infer generate --target {tiny} --prompt-ids 1 --draft {tmp}/d2",
+     "error: the drafter's block_size (set --block-size) must be in [3, 64], got 2", False),
     ("rounds per dispatch 0", "infer bench --target {tiny} --rounds-per-dispatch 0",
      "error: --rounds-per-dispatch must be an integer >= 1, got 0", False),
     ("prefill chunk 0", "infer generate --target {tiny} --prompt-ids 1 --prefill-chunk 0",
@@ -90,6 +93,11 @@ def places(tiny_qwen3_dir, tmp_path_factory):
     (tmp / "garbage.jsonl").write_text('garbage\n{"foo": 1}\n[1, 2]\n')
     (tmp / "ok.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
     (tmp / "done" / "checkpoints" / "4").mkdir(parents=True)
+    (tmp / "d2").mkdir()
+    (tmp / "d2" / "config.json").write_text(json.dumps({
+        "architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "head_dim": 16, "vocab_size": 320,
+        "dflash_config": {"block_size": 2, "mask_token_id": 3, "target_layer_ids": [0]}}))
     broken = tmp / "broken"
     shutil.copytree(tiny_qwen3_dir, broken)
     weights = broken / "model.safetensors"
