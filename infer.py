@@ -55,7 +55,7 @@ def method_args(sp, verify_list: bool = False):
                     help="verify slots per round (default: the drafter's block_size)")
     sp.add_argument("--adaptive-threshold", type=float, default=None, metavar="P",
                     help="dmtp-adaptive: a row takes MTP's T1 when the MTP's top-1 probability is >= P "
-                         "(default: the drafter's calibrated threshold)")
+                         "(0..1.01, 1.01: never; default: the drafter's calibrated threshold)")
     sp.add_argument("--rounds-per-dispatch", type=int, default=None, metavar="K",
                     help="speculative rounds per jitted call, rows stopping on device (default 1: the host syncs "
                          "after every round); same outputs, streamed every K rounds")

@@ -30,7 +30,7 @@ from dmtp_jax.cli import (ArgumentParser, add_compile_cache_arg, add_plan_args, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dmtp_jax.train.loss import METHODS as TRAIN_METHODS
+    from dmtp_jax.options import TRAIN_METHODS
     p = ArgumentParser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 

@@ -32,9 +32,6 @@ from dmtp_jax.models.fusion import ADAPTIVE, DMTP_METHODS, block_layout, draft_b
 from dmtp_jax.options import TRAIN_METHODS, check_method, method_needs
 from dmtp_jax.models.qwen3 import lm_head_logits
 
-METHODS = TRAIN_METHODS
-
-
 def method_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
     """`(row offsets from the anchor A, first predicted row)`, shared with the decode round
     (`models.fusion.block_layout`). Raises for unknown methods (`options.check_method`).
