@@ -111,11 +111,11 @@ def enable_compile_cache(flag: str | None = None) -> str | None:
     Returns the directory, or None when off.
 
     Example:
-        >>> enable_compile_cache("off") is None  # doctest: +SKIP
+        >>> enable_compile_cache("off") is None
         True
     """
     import jax
-    from jax._src import compilation_cache as cc
+    from jax.experimental.compilation_cache import compilation_cache as cc
 
     path = compile_cache_dir(flag)
     if path is not None:

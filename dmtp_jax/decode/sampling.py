@@ -82,12 +82,13 @@ def filtered_probs(logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:
     scaled = logits / jnp.maximum(sp.temperature, 1e-6)
     top_k = sp.top_k if 0 < sp.top_k < v else 0
     if top_k:
-        kth_values, kth_index = jax.lax.top_k(scaled, top_k)    # sorted, descending
-        scaled = jnp.where(scaled < kth_values[..., -1:], -jnp.inf, scaled)
+        top_values, top_index = jax.lax.top_k(scaled, top_k)    # sorted, descending
+        # the min, not `[..., -1:]`: a slice of the k values stops XLA's CPU rewrite to its TopK kernel
+        scaled = jnp.where(scaled < jnp.min(top_values, axis=-1, keepdims=True), -jnp.inf, scaled)
     probs = jax.nn.softmax(scaled, axis=-1)
     if sp.top_p_on:
         # probabilities in descending order: the k kept ones (the rest are 0), else the whole sort
-        sorted_p = (jnp.take_along_axis(probs, kth_index, axis=-1) if top_k else -jnp.sort(-probs, axis=-1))
+        sorted_p = (jnp.take_along_axis(probs, top_index, axis=-1) if top_k else -jnp.sort(-probs, axis=-1))
         mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
         kept = mass_before < sp.top_p
         threshold = jnp.min(jnp.where(kept, sorted_p, jnp.inf), axis=-1, keepdims=True)

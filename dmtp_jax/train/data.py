@@ -62,7 +62,7 @@ def read_records(path: str) -> list[Any]:
     Example:
         >>> import pathlib, tempfile
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "train.jsonl"
-        >>> _ = path.write_text('{"text": "hello"}\n\n{"text": "bye"}\n')
+        >>> _ = path.write_text('{"text": "hello"}\\n\\n{"text": "bye"}\\n')
         >>> read_records(str(path))
         ['{"text": "hello"}', '{"text": "bye"}']
         >>> parse_record(read_records(str(path))[1])
