@@ -1,6 +1,8 @@
 """Where named bench workloads come from (`bench/sources.py`): an explicit local directory, else
 the hub through `datasets` (faked here: tests never touch the network), else the checkout's shared
-data; neither is one error saying why. Hub noise stays off stderr."""
+data; neither is one error saying why. Hub noise stays off stderr. Every named workload's parser runs
+on small files in the real layouts that the tests write (`workload_fixtures.py`), so a clean clone
+without `../shared/data` checks them too."""
 
 import json
 import sys
