@@ -1,13 +1,14 @@
 """Cost of the sampling filters: the jitted `filtered_probs`, and a sampled vs greedy speculative round.
 
     PYTHONPATH=. python benchmarks/bench_sampling.py [--vocab 151936] [--rows 16] [--repeats 20]
-                                                     [--round-vocab 320] [--new-tokens 32]
+                                                     [--round-vocab 32768] [--new-tokens 64]
 
 * `filtered_probs [rows, vocab]` (fp32 logits) for: temperature only (top-k / top-p off), top-k 20,
   top-p 0.9, and both; best wall time of `--repeats` calls after a compile.
 * a tiny random Qwen3 target (`dmtp_jax.tiny.tiny_target_config`, vocab `--round-vocab`) with a
   random native MTP head (`checkpoint.mtp_ckpt.init_mtp`), method `mtp`, batch 1: wall time per
-  speculative round (prefill included, divided by the rounds run) of greedy vs sampled
+  speculative round (generate with `--new-tokens` minus generate with half as many, divided by the
+  difference in rounds: prefill and per-call costs cancel) of greedy vs sampled
   (temperature 1, no filters) decoding, best of `--repeats` after a warm-up; the ratio sampled /
   greedy is the cost sampling adds to a round.
 
@@ -61,9 +62,11 @@ def round_times(vocab: int, new_tokens: int, repeats: int) -> dict[str, float]:
     prompt = [[(7 * i) % (vocab - 1) for i in range(20)]]
     out = {}
     for name, sp in (("greedy", SamplingParams.make()), ("sampled", SamplingParams.make(temperature=1.0))):
-        rounds = len(dec.generate(prompt, new_tokens, sp, stop_ids=[]).stats["acceptance_lengths"][0])
-        wall = best_of(lambda: dec.generate(prompt, new_tokens, sp, stop_ids=[]), repeats)
-        out[name] = wall / rounds
+        walls, rounds = [], []
+        for n in (new_tokens // 2, new_tokens):     # the difference drops prefill and per-call costs
+            rounds.append(len(dec.generate(prompt, n, sp, stop_ids=[]).stats["acceptance_lengths"][0]))
+            walls.append(best_of(lambda: dec.generate(prompt, n, sp, stop_ids=[]), repeats))
+        out[name] = (walls[1] - walls[0]) / max(rounds[1] - rounds[0], 1)
     return out
 
 
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--round-vocab", type=int, default=32768, help="the tiny target's vocabulary")
-    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--skip-round", action="store_true")
     args = ap.parse_args(argv)
 

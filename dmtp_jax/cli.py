@@ -42,7 +42,15 @@ class ArgumentParser(argparse.ArgumentParser):
     (two lines, exit status 2) instead of the whole usage. Subparsers inherit the class.
 
     Example:
-        >>> ArgumentParser(prog="infer.py").parse_args(["--bogus"])  # doctest: +SKIP
+        >>> import contextlib, io
+        >>> err = io.StringIO()
+        >>> with contextlib.redirect_stderr(err):
+        ...     try:
+        ...         ArgumentParser(prog="infer.py").parse_args(["--bogus"])
+        ...     except SystemExit as stop:
+        ...         print("exit status", stop.code)
+        exit status 2
+        >>> print(err.getvalue().strip())
         error: unrecognized arguments: --bogus
         hint: run 'infer.py --help' for the options
     """
@@ -138,7 +146,8 @@ def load_config_file(path: str) -> dict:
     """`get_config()` of a python file, as a dict (config files build on each other with it).
 
     Example:
-        >>> load_config_file("configs/demo_dflash.py")["method"]  # doctest: +SKIP
+        >>> repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        >>> load_config_file(os.path.join(repo, "configs", "demo_dflash.py"))["method"]
         'dflash'
     """
     spec = importlib.util.spec_from_file_location("_train_config", path)

@@ -14,9 +14,13 @@ stderr: the fallback is an expected situation, reported in the workload's `sourc
 hub attempt waits for its connection timeouts (~20 s) unless `HF_HUB_OFFLINE=1` is set.
 
 Example:
-    >>> records, source = named_records("gsm8k", ("gsm8k/test.jsonl",), data_dir="/data/evals")  # doctest: +SKIP
-    >>> source  # doctest: +SKIP
-    '/data/evals/gsm8k/test.jsonl'
+    >>> import pathlib, tempfile
+    >>> root = pathlib.Path(tempfile.mkdtemp())
+    >>> (root / "gsm8k").mkdir()
+    >>> _ = (root / "gsm8k" / "test.jsonl").write_text('{"question": "1 + 1?", "answer": "#### 2"}\\n')
+    >>> records, source = named_records("gsm8k", ("gsm8k/test.jsonl",), data_dir=str(root))
+    >>> records, source == f"{root}/gsm8k/test.jsonl"
+    ([{'question': '1 + 1?', 'answer': '#### 2'}], True)
 """
 
 from __future__ import annotations
@@ -139,8 +143,10 @@ def named_records(name: str, files, data_dir: str | None = None) -> tuple[list, 
     """`(records, source)` of a named workload, from the first place that has it (module docstring).
 
     Example:
-        >>> named_records("spec_bench", ("spec_bench/question.jsonl",), "/nowhere")  # doctest: +SKIP
-        WorkloadError: workload 'spec_bench' needs /nowhere/spec_bench/question.jsonl, which does not exist ...
+        >>> named_records("spec_bench", ("spec_bench/question.jsonl",), "/nowhere")
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.WorkloadError: workload 'spec_bench' needs /nowhere/spec_bench/question.jsonl, which does not exist (--data-dir is /nowhere)
     """
     if data_dir:
         return local_records(name, files, data_dir, "--data-dir")

@@ -195,8 +195,13 @@ def parse_user_lines(lines, path: str) -> list[Request]:
 def load_workload(name: str, data_dir: str | None = None, num_prompts: int | None = None) -> Workload:
     """A named workload from the data directory, or a user JSONL file; the first `num_prompts`.
 
-    Example:
-        >>> load_workload("mt_bench", num_prompts=1).requests[0].num_turns  # doctest: +SKIP
+    Example (`mt_bench` from a local copy holding one record):
+        >>> import json, pathlib, tempfile
+        >>> root = pathlib.Path(tempfile.mkdtemp())
+        >>> (root / "mt_bench").mkdir()
+        >>> record = {"question_id": 81, "turns": ["Write a poem.", "Now shorter."]}
+        >>> _ = (root / "mt_bench" / "question.jsonl").write_text(json.dumps(record))
+        >>> load_workload("mt_bench", str(root), num_prompts=1).requests[0].num_turns
         2
     """
     if num_prompts is not None and num_prompts < 1:
