@@ -42,7 +42,15 @@ class ArgumentParser(argparse.ArgumentParser):
     (two lines, exit status 2) instead of the whole usage. Subparsers inherit the class.
 
     Example:
-        >>> ArgumentParser(prog="infer.py").parse_args(["--bogus"])  # doctest: +SKIP
+        >>> import contextlib, io
+        >>> err = io.StringIO()
+        >>> with contextlib.redirect_stderr(err):
+        ...     try:
+        ...         ArgumentParser(prog="infer.py").parse_args(["--bogus"])
+        ...     except SystemExit as stop:
+        ...         print("exit status", stop.code)
+        exit status 2
+        >>> print(err.getvalue().strip())
         error: unrecognized arguments: --bogus
         hint: run 'infer.py --help' for the options
     """
@@ -111,11 +119,11 @@ def enable_compile_cache(flag: str | None = None) -> str | None:
     Returns the directory, or None when off.
 
     Example:
-        >>> enable_compile_cache("off") is None  # doctest: +SKIP
+        >>> enable_compile_cache("off") is None
         True
     """
     import jax
-    from jax._src import compilation_cache as cc
+    from jax.experimental.compilation_cache import compilation_cache as cc
 
     path = compile_cache_dir(flag)
     if path is not None:
@@ -138,7 +146,8 @@ def load_config_file(path: str) -> dict:
     """`get_config()` of a python file, as a dict (config files build on each other with it).
 
     Example:
-        >>> load_config_file("configs/demo_dflash.py")["method"]  # doctest: +SKIP
+        >>> repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        >>> load_config_file(os.path.join(repo, "configs", "demo_dflash.py"))["method"]
         'dflash'
     """
     spec = importlib.util.spec_from_file_location("_train_config", path)

@@ -45,6 +45,10 @@ class DataError(UserError, ValueError):
     """A training data file that cannot be trained on (missing, empty, no valid record)."""
 
 
+class WorkloadError(UserError, ValueError):
+    """A missing workload file, an unknown workload name or a malformed record (one line)."""
+
+
 class TrainingStopped(UserError, RuntimeError):
     """Training stopped on purpose with a clear reason (non-finite losses, a full disk)."""
 

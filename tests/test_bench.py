@@ -159,15 +159,15 @@ def test_every_named_workload_loads():
     assert load_workload("bfcl", DATA_DIR, num_prompts=1).requests[0].tools
 
 
-@needs_data
 def test_mt_bench_second_turn_carries_first_answer(tmp_path):
     from dmtp_jax.checkpoint.hf import load_target
     from dmtp_jax.tiny import ensure_tiny_target
     from dmtp_jax.tokenizer import load_tokenizer
+    from workload_fixtures import write_small_workloads
 
     target_dir = ensure_tiny_target(str(tmp_path / "tiny"))
     tok = load_tokenizer(target_dir)
-    wl = load_workload("mt_bench", DATA_DIR, num_prompts=2)
+    wl = load_workload("mt_bench", write_small_workloads(str(tmp_path / "data")), num_prompts=2)
     runs = run_benchmark(make_decoders(["ar"], load_target(target_dir), {}), wl, tok, max_new_tokens=6,
                          batch_size=2, stop_ids=[], retime=False)
     gens = runs["ar"].generations

@@ -2,9 +2,7 @@
 masked tokens, padding to the chunk size, strong decays, bf16 inputs) and both equal transformers'
 torch rules; the causal conv and its window, the partial-block state and the gated RMSNorm equal
 their transformers counterparts; gradients through the chunked form are finite and match the scan.
-Run with `-s` to see the chunked-vs-recurrent timing."""
-
-import time
+Timing of the two forms: `benchmarks/bench_deltanet_forms.py`."""
 
 import jax
 import jax.numpy as jnp
@@ -219,17 +217,3 @@ def test_grad_finite_and_matches_recurrent():
         for gc, gr in zip(grads["chunked"], grads["recurrent"]):
             assert np.isfinite(np.asarray(gc)).all()
             np.testing.assert_allclose(gc, gr, rtol=1e-4, atol=1e-4)
-
-
-def test_timing_chunked_vs_recurrent():
-    """Prints (does not assert) the jitted CPU time of both forms at T=512, B=1, nv=4, dk=dv=32."""
-    x = make_inputs(512, seed=11, nk=4, nv=4, dk=32, dv=32, b=1)
-    q, k = prepare_qk(jnp.asarray(x["q"]), 4, True), prepare_qk(jnp.asarray(x["k"]), 4, False)
-    args = (q, k) + tuple(jnp.asarray(x[n]) for n in ("v", "g", "beta", "state"))
-    for name, fn in (("recurrent", gated_delta_recurrent), ("chunked", gated_delta_chunked)):
-        f = jax.jit(fn)
-        jax.block_until_ready(f(*args))
-        n, t0 = 5, time.perf_counter()
-        for _ in range(n):
-            jax.block_until_ready(f(*args))
-        print(f"\n{name:9s} T=512 B=1 nv=4 dk=dv=32: {(time.perf_counter() - t0) / n * 1e3:.2f} ms")

@@ -1,6 +1,8 @@
 """Where named bench workloads come from (`bench/sources.py`): an explicit local directory, else
 the hub through `datasets` (faked here: tests never touch the network), else the checkout's shared
-data; neither is one error saying why. Hub noise stays off stderr."""
+data; neither is one error saying why. Hub noise stays off stderr. Every named workload's parser runs
+on small files in the real layouts that the tests write (`workload_fixtures.py`), so a clean clone
+without `../shared/data` checks them too."""
 
 import json
 import sys
@@ -81,3 +83,31 @@ def test_neither_hub_nor_local_is_one_error_saying_why(no_local, monkeypatch, ti
     assert len(lines) == 2 and lines[0].startswith("error: workload 'gsm8k' could not be loaded")
     assert lines[1] == ("hint: pass --data-dir DIR with gsm8k/test.jsonl under DIR "
                         "(pip install 'dmtp-jax[data]' for the hub)")
+
+
+@pytest.fixture
+def small_data(tmp_path):
+    from workload_fixtures import write_small_workloads
+    return write_small_workloads(str(tmp_path / "data"))
+
+
+@pytest.mark.parametrize("name", ["gsm8k", "math500", "humaneval", "mt_bench", "alpaca_eval", "spec_bench", "bfcl"])
+def test_every_named_workload_parses_its_file_layout(small_data, name):
+    from dmtp_jax.bench.workloads import WORKLOADS
+    from workload_fixtures import EXPECTED
+    wl = load_workload(name, small_data)
+    assert wl.source == ",".join(f"{small_data}/{f}" for f in WORKLOADS[name].files)
+    got = [(r.id, r.turns, r.system, tuple(t["name"] for t in r.tools) if r.tools else None) for r in wl.requests]
+    assert got == EXPECTED[name]
+    assert wl.num_generations == sum(len(turns) for _, turns, _, _ in EXPECTED[name])
+
+
+def test_a_bad_record_in_a_named_workload_is_one_error(small_data):
+    from pathlib import Path
+    path = Path(small_data) / "mt_bench" / "question.jsonl"
+    path.write_text(path.read_text() + "{not json\n")
+    with pytest.raises(WorkloadError, match=r"mt_bench/question.jsonl: record 3: bad JSON"):
+        load_workload("mt_bench", small_data)
+    path.write_text('{"question_id": 1}\n')
+    with pytest.raises(WorkloadError, match="unexpected record layout"):
+        load_workload("mt_bench", small_data)

@@ -6,9 +6,12 @@
   and keeps every output.
 * `report`: pooled acceptance statistics per method, the table, the JSON and the PNG.
 
-Example (the CLI is `python infer.py bench`):
+Example (the CLI is `python infer.py bench`; a named workload needs the hub or `--data-dir`):
+    >>> import pathlib, tempfile
     >>> from dmtp_jax.bench.workloads import load_workload
-    >>> wl = load_workload("gsm8k", num_prompts=2)  # doctest: +SKIP
-    >>> len(wl.requests)  # doctest: +SKIP
-    2
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "mine.jsonl"
+    >>> _ = path.write_text('{"prompt_ids": [1, 2, 3]}\\n{"turns": ["Hi.", "More."]}\\n')
+    >>> wl = load_workload(str(path))
+    >>> len(wl.requests), wl.num_generations
+    (2, 3)
 """

@@ -14,9 +14,13 @@ stderr: the fallback is an expected situation, reported in the workload's `sourc
 hub attempt waits for its connection timeouts (~20 s) unless `HF_HUB_OFFLINE=1` is set.
 
 Example:
-    >>> records, source = named_records("gsm8k", ("gsm8k/test.jsonl",), data_dir="/data/evals")  # doctest: +SKIP
-    >>> source  # doctest: +SKIP
-    '/data/evals/gsm8k/test.jsonl'
+    >>> import pathlib, tempfile
+    >>> root = pathlib.Path(tempfile.mkdtemp())
+    >>> (root / "gsm8k").mkdir()
+    >>> _ = (root / "gsm8k" / "test.jsonl").write_text('{"question": "1 + 1?", "answer": "#### 2"}\\n')
+    >>> records, source = named_records("gsm8k", ("gsm8k/test.jsonl",), data_dir=str(root))
+    >>> records, source == f"{root}/gsm8k/test.jsonl"
+    ([{'question': '1 + 1?', 'answer': '#### 2'}], True)
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ import logging
 import os
 import warnings
 from pathlib import Path
+
+from dmtp_jax.errors import DataError, WorkloadError
+from dmtp_jax.train.data import MalformedRecord, parse_record, read_records
 
 DATA_ENV = "DMTP_JAX_DATA"
 
@@ -109,10 +116,10 @@ def hub_records(source: HubSource) -> list[dict]:
     return [dict(row) for row in rows]
 
 
-def local_records(name: str, files, root: str, how: str) -> tuple[list, str]:
-    """Records of `files` under `root`, concatenated, and the paths read; a missing file is a
-    `WorkloadError` saying which and how `root` was chosen (`how`)."""
-    from dmtp_jax.bench.workloads import WorkloadError, read_records
+def local_records(name: str, files, root: str, how: str) -> tuple[list[dict], str]:
+    """Records of `files` under `root` (`train.data.read_records`: JSON lines, a JSON list, `.gz`),
+    concatenated, and the paths read; a missing file or a bad record is a `WorkloadError` saying
+    which (and how `root` was chosen: `how`)."""
     paths = [os.path.join(root, f) for f in files]
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
@@ -120,7 +127,15 @@ def local_records(name: str, files, root: str, how: str) -> tuple[list, str]:
                             hint=f"point --data-dir or {DATA_ENV} at a directory holding {', '.join(files)}")
     records = []
     for p in paths:
-        records += read_records(p)
+        try:
+            raw = read_records(p)
+        except DataError as e:
+            raise WorkloadError(str(e)) from None
+        for i, r in enumerate(raw, 1):
+            try:
+                records.append(parse_record(r))
+            except MalformedRecord as e:
+                raise WorkloadError(f"{p}: record {i}: {e}") from None
     return records, ",".join(paths)
 
 
@@ -128,10 +143,11 @@ def named_records(name: str, files, data_dir: str | None = None) -> tuple[list, 
     """`(records, source)` of a named workload, from the first place that has it (module docstring).
 
     Example:
-        >>> named_records("spec_bench", ("spec_bench/question.jsonl",), "/nowhere")  # doctest: +SKIP
-        WorkloadError: workload 'spec_bench' needs /nowhere/spec_bench/question.jsonl, which does not exist ...
+        >>> named_records("spec_bench", ("spec_bench/question.jsonl",), "/nowhere")
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.WorkloadError: workload 'spec_bench' needs /nowhere/spec_bench/question.jsonl, which does not exist (--data-dir is /nowhere)
     """
-    from dmtp_jax.bench.workloads import WorkloadError
     if data_dir:
         return local_records(name, files, data_dir, "--data-dir")
     if os.environ.get(DATA_ENV):

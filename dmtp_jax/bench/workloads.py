@@ -43,21 +43,17 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import os
 from typing import Callable
 
-from dmtp_jax.errors import UserError
+from dmtp_jax.bench.sources import DATA_ENV, named_records, sibling_data_dir
+from dmtp_jax.errors import WorkloadError
 
 REASON_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_FORMAT = ("Write a solution to the following problem and make sure that it passes the tests:\n"
                     "```python\n{prompt}\n```")
 TOOLS_PREAMBLE = "You have access to the following functions (JSON schema, one per line):\n"
-
-
-class WorkloadError(UserError, ValueError):
-    """A missing workload file, an unknown workload name or a malformed record (one line)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,28 +90,10 @@ class Workload:
         return any(r.is_text for r in self.requests)
 
 
-# ---- data directory and files -----------------------------------------------------------------
+# ---- data directory -------------------------------------------------------------------------
 def default_data_dir() -> str:
     """The local data directory: `$DMTP_JAX_DATA`, else `<repo>/../shared/data`."""
-    from dmtp_jax.bench.sources import DATA_ENV, sibling_data_dir
     return os.environ.get(DATA_ENV) or sibling_data_dir()
-
-
-def read_records(path: str) -> list:
-    """Records of a `.json` list, a JSON-lines file (whatever its extension) or a `.gz` of either."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        text = fh.read()
-    if text.lstrip().startswith("["):
-        return json.loads(text)
-    out = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise WorkloadError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-    return out
 
 
 # ---- named workloads --------------------------------------------------------------------------
@@ -217,14 +195,18 @@ def parse_user_lines(lines, path: str) -> list[Request]:
 def load_workload(name: str, data_dir: str | None = None, num_prompts: int | None = None) -> Workload:
     """A named workload from the data directory, or a user JSONL file; the first `num_prompts`.
 
-    Example:
-        >>> load_workload("mt_bench", num_prompts=1).requests[0].num_turns  # doctest: +SKIP
+    Example (`mt_bench` from a local copy holding one record):
+        >>> import json, pathlib, tempfile
+        >>> root = pathlib.Path(tempfile.mkdtemp())
+        >>> (root / "mt_bench").mkdir()
+        >>> record = {"question_id": 81, "turns": ["Write a poem.", "Now shorter."]}
+        >>> _ = (root / "mt_bench" / "question.jsonl").write_text(json.dumps(record))
+        >>> load_workload("mt_bench", str(root), num_prompts=1).requests[0].num_turns
         2
     """
     if num_prompts is not None and num_prompts < 1:
         raise WorkloadError(f"--num-prompts must be >= 1, got {num_prompts}")
     if name in WORKLOADS:
-        from dmtp_jax.bench.sources import named_records
         spec = WORKLOADS[name]
         records, source = named_records(name, spec.files, data_dir)
         try:

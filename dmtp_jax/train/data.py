@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import logging
 import os
@@ -51,12 +52,21 @@ class MalformedRecord(ValueError):
 
 
 def read_records(path: str) -> list[Any]:
-    """Raw records of a `.jsonl` / `.json` (one object per line) or `.parquet` file, unparsed for
-    JSONL (a line is parsed when it is used, so one bad line only spoils itself).
+    """Raw records of a data file, the one reader of training data and benchmark workloads.
+
+    A JSON-lines file (whatever its extension, `.gz` compressed or not): its non-blank lines,
+    unparsed (`parse_record` parses a line when it is used, so one bad line only spoils itself); a
+    `.json` / `.json.gz` file holding one JSON list: its items; a `.parquet` file (pyarrow): its rows
+    as dicts. A missing file, an empty one or a broken JSON list is a `DataError`.
 
     Example:
-        >>> read_records("/data/train.jsonl")[:1]  # doctest: +SKIP
-        ['{"text": "hello"}']
+        >>> import pathlib, tempfile
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "train.jsonl"
+        >>> _ = path.write_text('{"text": "hello"}\\n\\n{"text": "bye"}\\n')
+        >>> read_records(str(path))
+        ['{"text": "hello"}', '{"text": "bye"}']
+        >>> parse_record(read_records(str(path))[1])
+        {'text': 'bye'}
     """
     if not os.path.isfile(path):
         raise DataError(f"data file not found: {path}")
@@ -66,11 +76,19 @@ def read_records(path: str) -> list[Any]:
         except ImportError:
             raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
         return pq.read_table(path).to_pylist()
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        lines = [line for line in fh.read().splitlines() if line.strip()]
-    if not lines:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as fh:
+        text = fh.read()
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: not a valid JSON list ({e.msg} at line {e.lineno})") from None
+    else:
+        records = [line for line in text.splitlines() if line.strip()]
+    if not records:
         raise DataError(f"data file {path} has no records")
-    return lines
+    return records
 
 
 def parse_record(raw: Any) -> dict:
