@@ -120,17 +120,18 @@ def test_target_and_mtp_are_frozen(method, target_fixture, request, tmp_path):
     frozen = (target.state, mtp.state if mtp else None)
     before = [np.array(x) for x in jax.tree.leaves(frozen)]
     state = trainer.init_state(params)
-    batch = trainer.global_batch(batches.next(), (2, 32))
+    batch = batches.next()
 
     def loss(frozen_states):
         t_state, m_state = frozen_states
         return loss_sums(state.params, trainer.graphdefs, target.graphdef, t_state, mtp.graphdef if mtp else None,
-                         m_state, *batch, jax.random.key(0), trainer.scfg, jnp.float32)[0]
+                         m_state, batch["tokens_bt"], batch["loss_mask_bt"], jax.random.key(0), trainer.scfg,
+                         jnp.float32)[0]
     grads = jax.jit(jax.grad(loss))(frozen)
     assert jax.tree.leaves(grads) and all(not np.asarray(g).any() for g in jax.tree.leaves(grads))
     start = jax.tree.map(np.array, state.params)
     for _ in range(2):
-        state, m = trainer.step(state, target.state, *batch)
+        state, m = trainer.step(state, batch)
     assert float(m["loss"]) > 0
     for a, b in zip(before, jax.tree.leaves(frozen)):
         np.testing.assert_array_equal(a, np.asarray(b))
