@@ -305,17 +305,20 @@ class Trainer:
         return state, {"loss": loss, "weight_sum": sums["weight_sum"], "correct_k": sums["correct_k"],
                        "count_k": sums["count_k"], **update}
 
+    def _jit_kwargs(self, global_shape) -> dict:
+        """The step's jit arguments (donation, shardings) for this global batch shape."""
+        if global_shape[0] % self.scfg.grad_accum:
+            raise ValueError(f"batch size {global_shape[0]} is not a multiple of grad_accum={self.scfg.grad_accum}")
+        bs = self.batch_sharding(global_shape)
+        return dict(donate_argnums=(0,),
+                    in_shardings=(self.state_shardings, self.target_shardings, self.mtp_shardings, bs, bs),
+                    out_shardings=(self.state_shardings, replicated(self.mesh)))
+
     def step_fn(self, global_shape):
         """The jitted step for this global batch shape (built once; one compile)."""
         key = tuple(global_shape)
         if key not in self._steps:
-            if key[0] % self.scfg.grad_accum:
-                raise ValueError(f"batch size {key[0]} is not a multiple of grad_accum={self.scfg.grad_accum}")
-            bs = self.batch_sharding(key)
-            self._steps[key] = counted_jit(
-                self._step, donate_argnums=(0,),
-                in_shardings=(self.state_shardings, self.target_shardings, self.mtp_shardings, bs, bs),
-                out_shardings=(self.state_shardings, replicated(self.mesh)))
+            self._steps[key] = counted_jit(self._step, **self._jit_kwargs(key))
         return self._steps[key]
 
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
@@ -369,7 +372,7 @@ class Trainer:
 
     def abstract_frozen(self):
         """`(target_state, mtp_state)` as ShapeDtypeStructs at their shardings (mtp None when the
-        method has none): what `step_fn(...).lower` takes in place of the frozen weights."""
+        method has none): what `lower_step` takes in place of the frozen weights."""
         mtp = None if self.mtp is None else at_shardings(self.mtp.state, self.mtp_shardings)
         return at_shardings(self.target.state, self.target_shardings), mtp
 
@@ -377,8 +380,9 @@ class Trainer:
         """The train step for a global batch `[global_batch, seq_len]`, lowered on abstract inputs
         (ShapeDtypeStructs with their shardings: train state, frozen target / MTP states, int32
         tokens and loss mask) -- no weights, no data, nothing allocated. `.compile()` it, then read
-        `memory_analysis()` / `cost_analysis()`; the same jit as `step`, so what compiles here is
-        what a run compiles. Works on a Trainer built around `abstract_models(...)`.
+        `memory_analysis()` / `cost_analysis()`; the same function and jit arguments as `step`
+        (`_jit_kwargs`), so what compiles here is what a run compiles; `compile_count` is
+        untouched. Works on a Trainer built around `abstract_models(...)`.
 
         Example:
             >>> target, mtp = abstract_models(target_cfg, "bfloat16", mesh)  # doctest: +SKIP
@@ -388,7 +392,8 @@ class Trainer:
         shape = (int(global_batch), int(seq_len))
         batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding(shape))
         target_state, mtp_state = self.abstract_frozen()
-        return self.step_fn(shape).lower(self.abstract_state(), target_state, mtp_state, batch, batch)
+        lowered = jax.jit(self._step, **self._jit_kwargs(shape))      # the run's counter counts runs only
+        return lowered.lower(self.abstract_state(), target_state, mtp_state, batch, batch)
 
     def backward_residual_bytes(self, batch: int, seq_len: int) -> int:
         """Bytes the backward pass of one micro-batch `[batch, seq_len]` keeps from its forward
