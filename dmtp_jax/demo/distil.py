@@ -8,11 +8,11 @@ role a native MTP head plays when it proposes the first candidate. Steps of `run
 1. the corpus head is kept: written once to `cfg.corpus_head_dir` (`mtp.*` tensors and a card),
    and every run starts from that copy, so re-running never distils a distilled head;
 2. data: the regen rows (`input_ids`) of every file, joined with EOS into one stream; batch `s` is
-   `window_batch(stream, ..., seed, s)` (resumable bit for bit, as pretraining);
+   `window_batch(stream, ..., seed, s)` (`demo.pretrain.WindowBatches`: resumable bit for bit);
 3. the loop (`train.loop.run_loop`, the drafter's: signals, non-finite losses, full disk, cut-off
-   checkpoints; a stopped run replaces nothing and resumes with `--resume`), then the evaluation of both heads on held-out windows
-   (`val_tokens.npy`: the held-out modules, text the target never trained on; `agree` = MTP top-1
-   equals the target's top-1);
+   checkpoints; a stopped run replaces nothing and resumes with `--resume`), then the evaluation
+   of both heads on held-out windows (`val_tokens.npy`: the held-out modules, text the target
+   never trained on; `agree` = MTP top-1 equals the target's top-1);
 4. the distilled head replaces the `mtp.*` tensors of the target directory (in `save_dtype`); the
    target's own tensors are copied byte for byte.
 

@@ -432,7 +432,8 @@ def run_loop(run: RunOptions, trainer, start, batches, run_config: dict):
     or None), `exit_status` (128 + signal, else 0).
 
     Example:
-        >>> state, summary = run_loop(RunOptions(out="/tmp/run", steps=10), trainer, params, batches, {})  # doctest: +SKIP
+        >>> run = RunOptions(out="/tmp/run", steps=10)
+        >>> state, summary = run_loop(run, trainer, params, batches, {})  # doctest: +SKIP
     """
     from tqdm.auto import tqdm
     mngr, state, meta = resume_or_init(run, trainer, start, batches)
