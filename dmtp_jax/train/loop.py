@@ -36,12 +36,14 @@ import json
 import logging
 import os
 import time
+from typing import Protocol
 
 import jax
 import numpy as np
 
 from dmtp_jax.errors import InputError
 from dmtp_jax.train import resilience
+from dmtp_jax.train.metrics import TensorboardLog, step_record
 
 log = logging.getLogger(__name__)
 RUN_CONFIG = "run_config.json"
@@ -215,48 +217,6 @@ def restore_params(run_dir: str, dcfg, step: int | None = None, method: str = "d
     return jax.tree.unflatten(treedef, list(got["params"])), step
 
 
-# ---- metrics ------------------------------------------------------------------------------------
-def step_record(step: int, metrics: dict, derived: dict, tokens: int, seconds: float, malformed: int = 0) -> dict:
-    """The metrics line of one step, for every trainer: the step, its scalar metrics (host values;
-    integer ones as int; vectors left out), the trainer's `derived` fields (`record_fields`),
-    throughput, step time and the batch's malformed records.
-
-    Example:
-        >>> step_record(3, {"loss": np.float32(2.5), "nonfinite": np.int32(0), "count_k": np.ones(4)},
-        ...             {"acc": 0.5}, tokens=100, seconds=0.5)
-        {'step': 3, 'loss': 2.5, 'nonfinite': 0, 'acc': 0.5, 'tokens_per_s': 200.0, 'step_s': 0.5, 'malformed': 0}
-    """
-    rec = {"step": step}
-    for k, v in metrics.items():
-        v = np.asarray(v)
-        if v.ndim == 0:
-            rec[k] = int(v) if np.issubdtype(v.dtype, np.integer) else float(v)
-    rec.update(derived)
-    rec.update(tokens_per_s=tokens / seconds if seconds > 0 else 0.0, step_s=seconds, malformed=int(malformed))
-    return rec
-
-
-class _Tensorboard:
-    def __init__(self, out_dir: str, enabled: bool):
-        self.writer = None
-        if enabled:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.writer = SummaryWriter(os.path.join(out_dir, "tb"))
-            except Exception:   # tensorboard not installed: JSONL only
-                self.writer = None
-
-    def add(self, rec: dict) -> None:
-        if self.writer is not None:
-            for k, v in rec.items():
-                if k != "step" and isinstance(v, float):
-                    self.writer.add_scalar(k, v, rec["step"])
-
-    def close(self):
-        if self.writer is not None:
-            self.writer.close()
-
-
 # ---- the run ------------------------------------------------------------------------------------
 def setup(cfg: TrainConfig):
     """`(target, params, trainer, batches)`: the loaded target, the drafter's starting params,
@@ -341,6 +301,26 @@ class DrafterBatches:
         self.iterator.set_state(state)
 
 
+class TrainerInterface(Protocol):
+    """What `run_loop` needs of a trainer; `train.step.Trainer` (drafters) and the demo's
+    `demo.pretrain.WindowTrainer` (`Pretrainer`, `MtpDistiller`) implement it."""
+    BAR: dict                                    # progress-bar label -> metrics-line field
+
+    def init_state(self, start): ...             # step 0 from `start` (the drafter's params, a seed)
+    def abstract_state(self): ...                # ShapeDtypeStructs of the state (checkpoint restores)
+    def step(self, state, batch: dict): ...      # -> (state, device metrics); `state` donated
+    def evaluate(self, params, batches) -> dict: ...     # held-out metrics, no update
+    def record_fields(self, metrics: dict) -> dict: ...  # derived metrics-line fields (host metrics)
+    def compile_count(self) -> int: ...
+
+
+class BatchSource(Protocol):
+    """What `run_loop` needs of the data: `DrafterBatches`, `demo.pretrain.WindowBatches`."""
+    def next(self) -> dict: ...                  # one batch as `step` takes it ("malformed": counted)
+    def get_state(self): ...                     # JSON: the position, saved with each checkpoint
+    def set_state(self, state) -> None: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
     """What `run_loop` needs of a run, whatever it trains (`TrainConfig.run_options`; the demo's
@@ -365,7 +345,7 @@ def write_run_config(out: str, run_config: dict) -> None:
         json.dump(run_config, fh, indent=2)
 
 
-def resume_or_init(run: RunOptions, trainer, start, batches):
+def resume_or_init(run: RunOptions, trainer: TrainerInterface, start, batches: BatchSource):
     """`(mngr, state, meta)`: `trainer.init_state(start)` (`meta` None), or with `run.resume` the
     newest checkpoint that restores (and `batches` at its position). Cut-off saves and unreadable
     checkpoints are skipped with a warning (see `resilience`); `metrics.jsonl` is cut back to the
@@ -411,7 +391,7 @@ def resume_or_init(run: RunOptions, trainer, start, batches):
     return mngr, state, meta
 
 
-def run_loop(run: RunOptions, trainer, start, batches, run_config: dict):
+def run_loop(run: RunOptions, trainer: TrainerInterface, start, batches: BatchSource, run_config: dict):
     """THE training loop, for every trainer (the drafter's `train.step.Trainer`, the demo's
     `Pretrainer` / `MtpDistiller`): resume or `trainer.init_state(start)`, `run_config.json`,
     then `state, metrics = trainer.step(state, batches.next())` until `run.steps` (or `run.stop_at`),
@@ -421,10 +401,7 @@ def run_loop(run: RunOptions, trainer, start, batches, run_config: dict):
     return (`stopped_by`); a non-finite loss skips its update, `max_nonfinite` in a row raise
     `TrainingStopped` after a checkpoint; a full disk is one `TrainingStopped` line.
 
-    The trainer interface: `init_state(start)`, `abstract_state()`, `step(state, batch)`,
-    `record_fields(host_metrics)`, `compile_count()`, `BAR` (progress-bar label -> record field);
-    the batch source: `next()` (a dict; `"malformed"` counted when present), `get_state()`,
-    `set_state(state)`.
+    `trainer` implements `TrainerInterface`, `batches` `BatchSource`.
 
     Returns `(state, summary)`: `first_loss`, `last_loss`, `losses`, `records`, `last` (record), `steps_run`,
     `start_step`, `step` (the last one), `compile_count`, `last_checkpoint`, `tokens_per_s`
@@ -443,7 +420,7 @@ def run_loop(run: RunOptions, trainer, start, batches, run_config: dict):
     metrics_path = os.path.join(run.out, "metrics.jsonl")
     lead = jax.process_index() == 0
     write_run_config(run.out, run_config)
-    tb = _Tensorboard(run.out, lead)
+    tb = TensorboardLog(run.out, lead)
     bar = tqdm(total=run.steps, initial=begin, disable=not (run.progress and lead), unit="step",
                dynamic_ncols=True)
     records, last_saved, step = [], begin, begin
