@@ -188,20 +188,29 @@ def _init_distributed(args) -> None:
     initialize_distributed(args.coordinator, args.num_processes, args.process_id)
 
 
-def cmd_train(args) -> int:
+def training_logs() -> None:
+    """Warnings on stderr, one line each; a full disk reported once (even at exit)."""
     import logging
+    from dmtp_jax.train.resilience import QuietDiskFull
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(QuietDiskFull())
+
+
+def cmd_train(args) -> int:
     cfg = train_config(args)
     cfg.validate()
     _init_distributed(args)
     from dmtp_jax.train.loop import run_training
-    from dmtp_jax.train.resilience import QuietDiskFull
-    for name in ("absl", "asyncio"):    # a full disk is reported once, in one line (even at exit)
-        logging.getLogger(name).addFilter(QuietDiskFull())
-    summary = run_training(cfg)     # SIGTERM / SIGINT: checkpoint, then a clean return (see loop.py)
+    training_logs()
+    return report_run(run_training(cfg))     # SIGTERM / SIGINT: checkpoint, then a clean return (see loop.py)
+
+
+def report_run(summary: dict) -> int:
+    """Prints a training summary (process 0; a stop by a signal also on stderr); the exit status."""
     import jax
     if jax.process_index() == 0:
-        print(json.dumps({k: v for k, v in summary.items() if k not in ("records", "losses")}))
+        print(json.dumps({k: v for k, v in summary.items() if k not in ("records", "losses", "last", "data")}))
         if summary.get("stopped_by"):
             print(f"training stopped by {summary['stopped_by']} after step {summary['last_checkpoint']}; "
                   f"checkpoint written: continue with --resume", file=sys.stderr)
@@ -225,11 +234,10 @@ def cmd_regen(args) -> int:
 
 def cmd_pretrain(args) -> int:
     from dmtp_jax.demo.build import PretrainConfig, run_pretrain
+    training_logs()
     merged = load_config_file(args.config)
     merged.update({k: v for k, v in vars(args).items() if k not in ("command", "config") and v is not None})
-    summary = run_pretrain(PretrainConfig.from_dict(merged))
-    print(json.dumps({k: v for k, v in summary.items() if k != "data"}))
-    return 0
+    return report_run(run_pretrain(PretrainConfig.from_dict(merged)))
 
 
 def cmd_calibrate(args) -> int:
@@ -246,11 +254,11 @@ def cmd_calibrate(args) -> int:
 
 def cmd_distil(args) -> int:
     from dmtp_jax.demo.distil import DistilConfig, run_distil
+    training_logs()
     merged = load_config_file(args.config)
     merged.update({k: v for k, v in vars(args).items()
                    if k not in ("command", "config", "compile_cache") and v is not None})
-    print(json.dumps(run_distil(DistilConfig.from_dict(merged))))
-    return 0
+    return report_run(run_distil(DistilConfig.from_dict(merged)))
 
 
 def _config_command(argv: list[str]) -> list[str]:

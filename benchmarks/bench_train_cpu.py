@@ -43,15 +43,16 @@ def measure(args) -> dict:
     rng = np.random.default_rng(0)
     local = {"tokens_bt": rng.integers(0, 300, shape).astype(np.int32),
              "loss_mask_bt": np.ones(shape, np.int32)}
-    batch = trainer.global_batch(local, shape)
+    tokens_bt, loss_mask_bt = trainer.global_batch(local, shape)
+    batch = {"tokens_bt": tokens_bt, "loss_mask_bt": loss_mask_bt}
     t0 = time.perf_counter()
-    state, m = trainer.step(state, target.state, *batch)
+    state, m = trainer.step(state, batch)
     jax.block_until_ready(m["loss"])
     compile_s = time.perf_counter() - t0
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        state, m = trainer.step(state, target.state, *batch)
+        state, m = trainer.step(state, batch)
         jax.block_until_ready(m["loss"])
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))

@@ -161,7 +161,7 @@ def test_cut_off_and_corrupt_checkpoints_fall_back_with_a_warning(tiny_qwen3_dir
     (run / "checkpoints" / "6.orbax-checkpoint-tmp-1").mkdir()                 # 6: a save cut off by a kill
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
     caplog.set_level(logging.WARNING)
-    mngr, restored, meta = resume_or_init(cfg, trainer, params, batches)
+    mngr, restored, meta = resume_or_init(cfg.run_options(), trainer, params, batches)
     mngr.close()
     assert meta["step"] == 2 and int(restored.step) == 0
     assert "checkpoint 6 was cut off mid-write" in caplog.text

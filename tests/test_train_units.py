@@ -120,17 +120,18 @@ def test_target_and_mtp_are_frozen(method, target_fixture, request, tmp_path):
     frozen = (target.state, mtp.state if mtp else None)
     before = [np.array(x) for x in jax.tree.leaves(frozen)]
     state = trainer.init_state(params)
-    batch = trainer.global_batch(batches.next(), (2, 32))
+    batch = batches.next()
 
     def loss(frozen_states):
         t_state, m_state = frozen_states
         return loss_sums(state.params, trainer.graphdefs, target.graphdef, t_state, mtp.graphdef if mtp else None,
-                         m_state, *batch, jax.random.key(0), trainer.scfg, jnp.float32)[0]
+                         m_state, batch["tokens_bt"], batch["loss_mask_bt"], jax.random.key(0), trainer.scfg,
+                         jnp.float32)[0]
     grads = jax.jit(jax.grad(loss))(frozen)
     assert jax.tree.leaves(grads) and all(not np.asarray(g).any() for g in jax.tree.leaves(grads))
     start = jax.tree.map(np.array, state.params)
     for _ in range(2):
-        state, m = trainer.step(state, target.state, *batch)
+        state, m = trainer.step(state, batch)
     assert float(m["loss"]) > 0
     for a, b in zip(before, jax.tree.leaves(frozen)):
         np.testing.assert_array_equal(a, np.asarray(b))
@@ -138,3 +139,25 @@ def test_target_and_mtp_are_frozen(method, target_fixture, request, tmp_path):
         moved = [np.abs(np.asarray(b) - a).max() for a, b in zip(jax.tree.leaves(start[name]),
                                                                  jax.tree.leaves(state.params[name]))]
         assert max(moved) > 0, name
+
+
+def test_trainer_evaluate_pools_the_loss_without_updating(tiny_qwen3_dir, tmp_path):
+    """`Trainer.evaluate` (the trainer interface's held-out metrics): the weighted CE pooled over
+    the batches, anchors from `key(seed)`, params untouched."""
+    from dmtp_jax.train.loop import setup
+    from dmtp_jax.train.step import loss_sums
+    data = write_random_data(str(tmp_path / "d.jsonl"), n=4, length=32)
+    cfg = tiny_train_config(tiny_qwen3_dir, data, str(tmp_path / "r"), batch_size=2, seq_len=32)
+    target, params, trainer, batches = setup(cfg)
+    state = trainer.init_state(params)
+    evals = [batches.next(), batches.next()]
+    before = jax.tree.map(np.array, state.params)
+    got = trainer.evaluate(state.params, evals)
+    sums = [jax.device_get(loss_sums(state.params, trainer.graphdefs, target.graphdef, target.state, None, None,
+                                     b["tokens_bt"], b["loss_mask_bt"], jax.random.key(cfg.seed), trainer.scfg,
+                                     jnp.float32)[1]) for b in evals]
+    want = sum(float(s["loss_sum"]) for s in sums) / sum(float(s["weight_sum"]) for s in sums)
+    assert got["loss"] == pytest.approx(want, rel=1e-5) and 0 <= got["acc"] <= 1 and got["accept_len_proxy"] >= 1
+    assert trainer.evaluate(state.params, evals) == got
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(a, np.asarray(b))

@@ -6,8 +6,9 @@ Steps of `run_pretrain(cfg)` (all outputs under `cfg.work_dir` except the export
    (`train_tokens.npy`, `val_tokens.npy` from the held-out modules), the benchmark prompts
    (`cfg.bench_prompts`, from held-out modules) and the drafter prompts (`drafter_prompts.jsonl`,
    from training modules: `train.py regen` answers them with the target);
-2. the training loop (`demo.pretrain.Pretrainer`): progress bar, `metrics.jsonl`, orbax
-   checkpoints every `checkpoint_every` steps and at exit, `resume=True` continues bit for bit;
+2. training (`demo.pretrain.Pretrainer` in `train.loop.run_loop`, the drafter's loop): progress
+   bar, `metrics.jsonl`, orbax checkpoints every `checkpoint_every` steps and at exit, SIGTERM /
+   SIGINT checkpoint and stop, `resume=True` continues bit for bit;
 3. held-out evaluation (main / MTP CE and top-1) and the export: `config.json`, safetensors with
    the target and `mtp.*` tensors in `save_dtype`, tokenizer files, `generation_config.json`.
 
@@ -79,6 +80,7 @@ class PretrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     save_dtype: str = "bfloat16"
+    max_nonfinite: int = 10                 # stop after this many non-finite steps in a row
     resume: bool = False
     progress: bool = True
     data_only: bool = False
@@ -251,78 +253,11 @@ def export_target(cfg: PretrainConfig, params, target_cfg, tokenizer_dir: str) -
     return out
 
 
-def _record(step: int, metrics: dict, seconds: float, tokens: int) -> dict:
-    rec = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-    rec.update(step_s=seconds, tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
-    return rec
-
-
-def run_steps(trainer, run_dir: str, *, steps: int, batch_fn, seed: int, resume: bool, checkpoint_every: int,
-              keep_checkpoints: int, progress: bool, run_config: dict, postfix: dict[str, str]) -> dict:
-    """The loop `run_pretrain` and `demo.distil.run_distil` share: resumable orbax checkpoints every
-    `checkpoint_every` steps and at exit (interrupts included), `metrics.jsonl`, a progress bar
-    (`postfix`: bar label -> metric). `batch_fn(step)` is pure in the step, so a resumed run sees the
-    batches an uninterrupted one would. Returns `{"state", "step", "start", "last", "train_seconds"}`.
-
-    Example:
-        >>> out = run_steps(pt, "demo_out/target_run", steps=10, batch_fn=lambda s: batch(s), seed=0,
-        ...                 resume=False, checkpoint_every=5, keep_checkpoints=2, progress=False,
-        ...                 run_config={}, postfix={"loss": "loss"})  # doctest: +SKIP
-    """
-    import jax
-    from tqdm.auto import tqdm
-
-    from dmtp_jax.train.loop import checkpoint_manager, restore_checkpoint, save_checkpoint
-
-    os.makedirs(run_dir, exist_ok=True)
-    mngr = checkpoint_manager(run_dir, keep_checkpoints)
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if mngr.latest_step() is not None and not resume:
-        raise InputError(f"{run_dir} already has checkpoints; pass --resume to continue or remove it")
-    if resume and mngr.latest_step() is not None:
-        state, meta = restore_checkpoint(mngr, trainer)
-        start = int(meta["step"])
-        with open(metrics_path) as fh:
-            keep = [line for line in fh if line.strip() and json.loads(line)["step"] <= start]
-        with open(metrics_path, "w") as fh:
-            fh.writelines(keep)
-    else:
-        state, start = trainer.init_state(seed), 0
-        open(metrics_path, "w").close()
-    with open(os.path.join(run_dir, "run_config.json"), "w") as fh:
-        json.dump(run_config, fh, indent=2)
-    bar = tqdm(total=steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
-    step, last_saved, last = start, start, None
-    t_start = t_prev = time.perf_counter()
-    try:
-        while step < steps:
-            batch = batch_fn(step)
-            state, metrics = trainer.step(state, batch)
-            step += 1
-            metrics = jax.device_get(metrics)
-            now = time.perf_counter()
-            last = _record(step, metrics, now - t_prev, int(batch.shape[0] * (batch.shape[1] - 1)))
-            t_prev = now
-            with open(metrics_path, "a") as fh:
-                fh.write(json.dumps(last) + "\n")
-            bar.set_postfix({label: f"{last[key]:.3f}" for label, key in postfix.items()}, refresh=False)
-            bar.update(1)
-            if checkpoint_every and step % checkpoint_every == 0 and step < steps:
-                save_checkpoint(mngr, state, {"step": step})
-                last_saved = step
-    finally:
-        if step > last_saved and not any(x.is_deleted() for x in jax.tree.leaves(state)):
-            save_checkpoint(mngr, state, {"step": step})
-        mngr.wait_until_finished()
-        mngr.close()
-        bar.close()
-    return {"state": state, "step": step, "start": start, "last": last,
-            "train_seconds": time.perf_counter() - t_start}
-
-
 def run_pretrain(cfg: PretrainConfig) -> dict:
-    """Data, training (resumable), evaluation and export; returns the summary (also written to
-    `<work_dir>/target_run/summary.json`).
+    """Data, training (`train.loop.run_loop`, resumable), evaluation and export; returns the
+    summary (also written to `<work_dir>/target_run/summary.json`). A run stopped by SIGTERM /
+    SIGINT returns the loop's summary (`stopped_by`, `exit_status`) with a checkpoint written and
+    neither evaluates nor exports: `--resume` continues it.
 
     Example:
         >>> run_pretrain(PretrainConfig(steps=2, work_dir="/tmp/d", export_dir="/tmp/t"))  # doctest: +SKIP
@@ -330,7 +265,8 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     import jax
 
     from dmtp_jax.config import TargetConfig
-    from dmtp_jax.demo.pretrain import Pretrainer, PretrainStep, window_batch
+    from dmtp_jax.demo.pretrain import Pretrainer, PretrainStep, WindowBatches, window_run_options
+    from dmtp_jax.train.loop import run_loop
     from dmtp_jax.train.step import OptimConfig
 
     p = _paths(cfg)
@@ -341,21 +277,19 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     ocfg = OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
                        min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
     pt = Pretrainer(target_cfg, PretrainStep(cfg.mtp_lambda, cfg.mtp_stop_gradient, cfg.compute_dtype), ocfg)
-    train, val = np.load(p["train"]), np.load(p["val"])
     length = cfg.seq_len + 1
-    run = run_steps(pt, p["run"], steps=cfg.steps, seed=cfg.seed, resume=cfg.resume,
-                    batch_fn=lambda step: window_batch(train, cfg.batch_size, length, cfg.seed, step),
-                    checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints,
-                    progress=cfg.progress, postfix={"loss": "loss", "ce": "main_ce", "mtp": "mtp_ce"},
-                    run_config={"pretrain": dataclasses.asdict(cfg),
-                                "target": cfg.target_hf_config(manifest["eos_id"])})
-    state = run["state"]
-    evaluation = pt.evaluate(state.params, [window_batch(val, cfg.batch_size, length, cfg.seed + 1, i)
-                                            for i in range(cfg.eval_batches)])
+    state, run = run_loop(
+        window_run_options(cfg, p["run"]),
+        pt, cfg.seed, WindowBatches(np.load(p["train"]), cfg.batch_size, length, cfg.seed),
+        {"pretrain": dataclasses.asdict(cfg), "target": cfg.target_hf_config(manifest["eos_id"])})
+    if run["stopped_by"]:
+        return {k: v for k, v in run.items() if k not in ("records", "losses")}
+    val = WindowBatches(np.load(p["val"]), cfg.batch_size, length, cfg.seed + 1)
+    evaluation = pt.evaluate(state.params, [val.batch(i) for i in range(cfg.eval_batches)])
     out = export_target(cfg, state.params, target_cfg, p["tokenizer"])
-    summary = {"steps": run["step"], "start_step": run["start"], "train_seconds": run["train_seconds"],
-               "last": run["last"], "held_out_eval": evaluation, "export_dir": out,
-               "compile_count": pt.compile_count(),
+    summary = {"steps": run["step"], "start_step": run["start_step"], "train_seconds": run["train_seconds"],
+               "last": run["last"], "held_out_eval": evaluation,
+               "export_dir": out, "compile_count": pt.compile_count(),
                "params": int(sum(x.size for x in jax.tree.leaves(state.params["target"]))),
                "mtp_params": int(sum(x.size for x in jax.tree.leaves(state.params["mtp"]))), "data": manifest}
     with open(os.path.join(p["run"], "summary.json"), "w") as fh:

@@ -8,10 +8,11 @@ role a native MTP head plays when it proposes the first candidate. Steps of `run
 1. the corpus head is kept: written once to `cfg.corpus_head_dir` (`mtp.*` tensors and a card),
    and every run starts from that copy, so re-running never distils a distilled head;
 2. data: the regen rows (`input_ids`) of every file, joined with EOS into one stream; batch `s` is
-   `window_batch(stream, ..., seed, s)` (resumable bit for bit, as pretraining);
-3. the loop (`demo.build.run_steps`), then the evaluation of both heads on held-out windows
-   (`val_tokens.npy`: the held-out modules, text the target never trained on; `agree` = MTP top-1
-   equals the target's top-1);
+   `window_batch(stream, ..., seed, s)` (`demo.pretrain.WindowBatches`: resumable bit for bit);
+3. the loop (`train.loop.run_loop`, the drafter's: signals, non-finite losses, full disk, cut-off
+   checkpoints; a stopped run replaces nothing and resumes with `--resume`), then the evaluation
+   of both heads on held-out windows (`val_tokens.npy`: the held-out modules, text the target
+   never trained on; `agree` = MTP top-1 equals the target's top-1);
 4. the distilled head replaces the `mtp.*` tensors of the target directory (in `save_dtype`); the
    target's own tensors are copied byte for byte.
 
@@ -63,6 +64,7 @@ class DistilConfig:
     eval_batches: int = 8
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
+    max_nonfinite: int = 10                     # stop after this many non-finite steps in a row
     save_dtype: str = "bfloat16"
     mtp_lambda: float = 0.3                     # for the corpus head's card only
     resume: bool = False
@@ -138,7 +140,8 @@ def replace_mtp_tensors(target_dir: str, mtp_tensors: dict[str, np.ndarray]) -> 
 
 def run_distil(cfg: DistilConfig) -> dict:
     """Keeps the corpus head, distils, evaluates both heads, writes the distilled head into the
-    target; returns the summary (also `<run_dir>/summary.json`).
+    target; returns the summary (also `<run_dir>/summary.json`). A run stopped by SIGTERM / SIGINT
+    returns the loop's summary (`stopped_by`) with a checkpoint written and the target untouched.
 
     Example:
         >>> run_distil(DistilConfig(steps=2, target="/tmp/t", data="/tmp/regen.jsonl"))  # doctest: +SKIP
@@ -147,8 +150,8 @@ def run_distil(cfg: DistilConfig) -> dict:
 
     from dmtp_jax.checkpoint.hf import load_target
     from dmtp_jax.checkpoint.mtp_ckpt import load_mtp, mtp_tensors
-    from dmtp_jax.demo.build import run_steps
-    from dmtp_jax.demo.pretrain import MtpDistiller, window_batch
+    from dmtp_jax.demo.pretrain import MtpDistiller, WindowBatches, window_run_options
+    from dmtp_jax.train.loop import run_loop
     from dmtp_jax.train.step import OptimConfig
 
     name = os.path.basename(os.path.normpath(cfg.corpus_head_dir))
@@ -160,21 +163,21 @@ def run_distil(cfg: DistilConfig) -> dict:
                        min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
     distiller = MtpDistiller(target.cfg, target.state, corpus_head.state, ocfg, cfg.compute_dtype)
     length = cfg.seq_len + 1
-    run = run_steps(distiller, cfg.run_dir, steps=cfg.steps, seed=cfg.seed, resume=cfg.resume,
-                    batch_fn=lambda step: window_batch(stream, cfg.batch_size, length, cfg.seed, step),
-                    checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints,
-                    progress=cfg.progress, postfix={"kl": "kl", "agree": "agree"},
-                    run_config={"distil_mtp": dataclasses.asdict(cfg)})
-    state = run["state"]
+    state, run = run_loop(
+        window_run_options(cfg, cfg.run_dir),
+        distiller, cfg.seed, WindowBatches(stream, cfg.batch_size, length, cfg.seed),
+        {"distil_mtp": dataclasses.asdict(cfg)})
+    if run["stopped_by"]:
+        return {k: v for k, v in run.items() if k not in ("records", "losses")}
     evaluation = {}
     if os.path.isfile(cfg.val_tokens):
-        val = np.load(cfg.val_tokens)
-        batches = [window_batch(val, cfg.batch_size, length, cfg.seed + 1, i) for i in range(cfg.eval_batches)]
+        val = WindowBatches(np.load(cfg.val_tokens), cfg.batch_size, length, cfg.seed + 1)
+        batches = [val.batch(i) for i in range(cfg.eval_batches)]
         evaluation = {"corpus_head": distiller.evaluate({"mtp": corpus_head.state}, batches),
                       "distilled_head": distiller.evaluate(state.params, batches)}
     head = dataclasses.replace(corpus_head, state=state.params["mtp"])
     replace_mtp_tensors(cfg.target, mtp_tensors(head, dtype=cfg.save_dtype))
-    summary = {"steps": run["step"], "start_step": run["start"], "train_seconds": run["train_seconds"],
+    summary = {"steps": run["step"], "start_step": run["start_step"], "train_seconds": run["train_seconds"],
                "last": run["last"], "held_out_eval": evaluation, "stream_tokens": int(len(stream)),
                "compile_count": distiller.compile_count(),
                "mtp_params": int(sum(x.size for x in jax.tree.leaves(state.params["mtp"])))}

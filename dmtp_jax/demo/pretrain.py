@@ -12,8 +12,9 @@ DeepSeek-V3; `mtp_stop_gradient=True` detaches `h_t` instead). Data: packed wind
 resumed run sees exactly the batches an uninterrupted one would.
 
 The state is `train.step.TrainState` with `params = {"target": ..., "mtp": ...}`; optimiser
-`train.step.make_optimizer`, checkpoints `train.loop.save_checkpoint` / `restore_checkpoint`
-(orbax, async, atomic), one jitted donated step.
+`train.step.make_optimizer`, update `train.step.apply_gradients`, one jitted donated step
+(`WindowTrainer`, shared with `MtpDistiller`). Both run in `train.loop.run_loop`, the drafter's
+loop (checkpoints, metrics, signals, non-finite losses, full disk), on `WindowBatches`.
 
 A second phase, `MtpDistiller`, trains only the MTP head against the frozen target: at every row it
 matches the target's own next-token distribution (soft cross-entropy to `softmax(target logits)`
@@ -21,14 +22,15 @@ of the token the head predicts) on text the target wrote. That makes the head a 
 target* rather than of the corpus -- the role a native MTP head plays in speculative decoding.
 
 Example:
-    >>> pt = Pretrainer(target_cfg, PretrainConfig())  # doctest: +SKIP
+    >>> pt = Pretrainer(target_cfg, PretrainStep(), OptimConfig(total_steps=10))  # doctest: +SKIP
     >>> state = pt.init_state(seed=0)  # doctest: +SKIP
-    >>> state, metrics = pt.step(state, tokens_bt)  # doctest: +SKIP
+    >>> state, metrics = pt.step(state, {"tokens_bt": tokens_bt})  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +42,7 @@ from dmtp_jax.checkpoint.hf import abstract_target
 from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
 from dmtp_jax.config import TargetConfig
 from dmtp_jax.counted_jit import counted_jit
-from dmtp_jax.train.step import OptimConfig, TrainState, lr_schedule, make_optimizer
+from dmtp_jax.train.step import OptimConfig, TrainState, apply_gradients, make_optimizer, new_state
 
 
 def token_ce(logits_btv: jax.Array, labels_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -125,6 +127,49 @@ def window_batch(stream: np.ndarray, batch_size: int, length: int, seed: int, st
     return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
 
 
+class WindowBatches:
+    """The demo's batch source for `train.loop.run_loop`: batch `s` is `{"tokens_bt": window_batch(
+    stream, batch_size, length, seed, s)}`; the state is the next batch's index, so a resumed run
+    sees exactly the batches an uninterrupted one would.
+
+    Example:
+        >>> batches = WindowBatches(np.arange(100), 2, 5, seed=0)
+        >>> batches.next()["tokens_bt"].shape, batches.get_state()
+        ((2, 5), {'step': 1})
+    """
+
+    def __init__(self, stream: np.ndarray, batch_size: int, length: int, seed: int):
+        self.stream, self.batch_size, self.length, self.seed, self.index = stream, batch_size, length, seed, 0
+
+    def batch(self, index: int) -> dict:
+        return {"tokens_bt": window_batch(self.stream, self.batch_size, self.length, self.seed, index)}
+
+    def next(self) -> dict:
+        self.index += 1
+        return self.batch(self.index - 1)
+
+    def get_state(self) -> dict:
+        return {"step": self.index}
+
+    def set_state(self, state: dict) -> None:
+        self.index = int(state["step"])
+
+
+def window_run_options(cfg, out: str):
+    """`train.loop.RunOptions` of a demo run (`demo.build.PretrainConfig` or `demo.distil.DistilConfig`:
+    same field names) writing to `out`.
+
+    Example:
+        >>> from dmtp_jax.demo.distil import DistilConfig
+        >>> window_run_options(DistilConfig(steps=5, batch_size=2, seq_len=8), "/tmp/run").tokens_per_step
+        16
+    """
+    from dmtp_jax.train.loop import RunOptions
+    return RunOptions(out=out, steps=cfg.steps, resume=cfg.resume, checkpoint_every=cfg.checkpoint_every,
+                      keep_checkpoints=cfg.keep_checkpoints, max_nonfinite=cfg.max_nonfinite, progress=cfg.progress,
+                      tokens_per_step=cfg.batch_size * cfg.seq_len)
+
+
 @dataclasses.dataclass(frozen=True)
 class PretrainStep:
     """What one step computes (static in the jit)."""
@@ -133,132 +178,126 @@ class PretrainStep:
     compute_dtype: str = "float32"
 
 
-class Pretrainer:
-    """The joint target + MTP trainer: init, the jitted donated step, eval, abstract state.
+class WindowTrainer:
+    """What `Pretrainer` and `MtpDistiller` share: the trainer interface of `train.loop.run_loop`
+    around a subclass's `loss(params, frozen, tokens_bt) -> (loss, metrics)` on `[B, L+1]` windows.
+    `frozen` (a jit input, never trained: the distiller's target) is held by the trainer; the step
+    is one donated jit (`train.step.apply_gradients`: non-finite steps skip their update), the state
+    `train.step.TrainState` on one device.
 
     Example:
-        >>> pt = Pretrainer(cfg, PretrainStep(), OptimConfig(total_steps=10))  # doctest: +SKIP
-        >>> state = pt.init_state(0); state, m = pt.step(state, batch)  # doctest: +SKIP
+        >>> pt = Pretrainer(target_cfg, PretrainStep(), OptimConfig(total_steps=10))  # doctest: +SKIP
+        >>> state = pt.init_state(0); state, m = pt.step(state, {"tokens_bt": batch})  # doctest: +SKIP
     """
 
-    def __init__(self, target_cfg: TargetConfig, scfg: PretrainStep, ocfg: OptimConfig):
-        self.cfg, self.scfg, self.ocfg = target_cfg, scfg, ocfg
-        self.tx = make_optimizer(ocfg)
-        self.target_graphdef, t_abs = abstract_target(target_cfg, "float32")
-        self.mtp_graphdef, m_abs = abstract_mtp(target_cfg, "float32")
-        self.abstract_params = {"target": t_abs, "mtp": m_abs}
+    BAR = {"loss": "loss"}
+
+    def __init__(self, ocfg: OptimConfig, abstract_params: dict, frozen=None):
+        self.ocfg, self.tx = ocfg, make_optimizer(ocfg)
+        self.abstract_params, self.frozen = abstract_params, frozen
         self._step = counted_jit(self._step_impl, donate_argnums=(0,))
-        self._eval = jax.jit(self._eval_impl)
+        self._eval = jax.jit(lambda params, frozen, tokens_bt: self.loss(params, frozen, tokens_bt)[1])
+
+    def loss(self, params, frozen, tokens_bt) -> tuple[jax.Array, dict]:
+        raise NotImplementedError
+
+    def initial_params(self, seed: int) -> dict:
+        raise NotImplementedError
 
     def init_state(self, seed: int) -> TrainState:
-        """Fresh fp32 params (target and MTP from `seed`) and optimizer state."""
-        from dmtp_jax.models import build_target
-        from dmtp_jax.models.mtp import MtpHead, mtp_config_for
-
-        def make():
-            t = nnx.split(build_target(self.cfg, jnp.float32, nnx.Rngs(seed)))[1]
-            m = nnx.split(MtpHead(mtp_config_for(self.cfg), dtype=jnp.float32, rngs=nnx.Rngs(seed + 1)))[1]
-            params = {"target": t, "mtp": m}
-            return TrainState(params, self.tx.init(params), jnp.zeros((), jnp.int32))
-        return jax.jit(make)()
+        """Step 0 from `initial_params(seed)` (fp32) and a fresh optimizer state."""
+        return jax.jit(functools.partial(new_state, self.tx))(self.initial_params(seed))
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs of the state (for `train.loop.restore_checkpoint`)."""
         rep = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shapes = jax.eval_shape(lambda p: TrainState(p, self.tx.init(p), jnp.zeros((), jnp.int32)),
-                                self.abstract_params)
+        shapes = jax.eval_shape(functools.partial(new_state, self.tx), self.abstract_params)
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), shapes)
 
-    def _loss(self, params, tokens_bt):
-        return joint_loss(params, self.target_graphdef, self.mtp_graphdef, tokens_bt, self.scfg.mtp_lambda,
-                          self.scfg.mtp_stop_gradient, jnp.dtype(self.scfg.compute_dtype))
+    def _step_impl(self, state: TrainState, frozen, tokens_bt):
+        (loss, metrics), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, frozen, tokens_bt)
+        state, update = apply_gradients(self.tx, self.ocfg, state, grads, loss)
+        return state, {**metrics, "loss": loss, **update}
 
-    def _step_impl(self, state: TrainState, tokens_bt):
-        (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(state.params, tokens_bt)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": lr_schedule(self.ocfg)(state.step)}
-        return TrainState(params, opt_state, state.step + 1), metrics
-
-    def _eval_impl(self, params, tokens_bt):
-        return self._loss(params, tokens_bt)[1]
-
-    def step(self, state: TrainState, tokens_bt) -> tuple[TrainState, dict]:
-        """One optimizer step on `[B, L+1]` token windows; `state` is donated."""
-        return self._step(state, jnp.asarray(tokens_bt))
+    def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        """One optimizer step on `batch["tokens_bt"]` (`[B, L+1]` windows); `state` is donated."""
+        return self._step(state, self.frozen, jnp.asarray(batch["tokens_bt"]))
 
     def evaluate(self, params, batches) -> dict:
-        """Mean metrics (main / MTP CE and accuracy) over `batches` (held-out windows).
+        """Mean metrics of `params` over `batches` (dicts as `step` takes: held-out windows).
 
         Example:
-            >>> pt.evaluate(state.params, [window_batch(val, 8, 257, 0, i) for i in range(4)])  # doctest: +SKIP
+            >>> pt.evaluate(state.params, [WindowBatches(val, 8, 257, 1).batch(i) for i in range(4)])  # doctest: +SKIP
         """
-        got = [jax.device_get(self._eval(params, jnp.asarray(b))) for b in batches]
+        got = [jax.device_get(self._eval(params, self.frozen, jnp.asarray(b["tokens_bt"]))) for b in batches]
         return {k: float(np.mean([g[k] for g in got])) for k in got[0]} if got else {}
+
+    def record_fields(self, metrics: dict) -> dict:
+        """No derived fields: the step's scalar metrics are the metrics line."""
+        del metrics
+        return {}
 
     def compile_count(self) -> int:
         """Compiled variants of the train step (1 for a fixed batch shape)."""
         return self._step.compiles
 
 
-class MtpDistiller:
-    """The MTP-only phase: the target is frozen (held as `target_params`, never an optimiser
-    input); the state is `TrainState` with `params = {"mtp": ...}`, same loop as `Pretrainer`.
+class Pretrainer(WindowTrainer):
+    """The joint target + MTP trainer (`joint_loss`); fresh params from the seed.
+
+    Example:
+        >>> pt = Pretrainer(cfg, PretrainStep(), OptimConfig(total_steps=10))  # doctest: +SKIP
+    """
+
+    BAR = {"loss": "loss", "ce": "main_ce", "mtp": "mtp_ce"}
+
+    def __init__(self, target_cfg: TargetConfig, scfg: PretrainStep, ocfg: OptimConfig):
+        self.cfg, self.scfg = target_cfg, scfg
+        self.target_graphdef, t_abs = abstract_target(target_cfg, "float32")
+        self.mtp_graphdef, m_abs = abstract_mtp(target_cfg, "float32")
+        super().__init__(ocfg, {"target": t_abs, "mtp": m_abs})
+
+    def initial_params(self, seed: int) -> dict:
+        """Fresh fp32 target (from `seed`) and MTP head (from `seed + 1`)."""
+        from dmtp_jax.models import build_target
+        from dmtp_jax.models.mtp import MtpHead, mtp_config_for
+
+        def make():
+            t = nnx.split(build_target(self.cfg, jnp.float32, nnx.Rngs(seed)))[1]
+            m = nnx.split(MtpHead(mtp_config_for(self.cfg), dtype=jnp.float32, rngs=nnx.Rngs(seed + 1)))[1]
+            return {"target": t, "mtp": m}
+        return jax.jit(make)()
+
+    def loss(self, params, frozen, tokens_bt):
+        del frozen
+        return joint_loss(params, self.target_graphdef, self.mtp_graphdef, tokens_bt, self.scfg.mtp_lambda,
+                          self.scfg.mtp_stop_gradient, jnp.dtype(self.scfg.compute_dtype))
+
+
+class MtpDistiller(WindowTrainer):
+    """The MTP-only phase (`mtp_distil_loss`): the target is frozen (the jit input `frozen`, never
+    an optimiser input); the state is `TrainState` with `params = {"mtp": ...}` from the given head.
 
     Example:
         >>> d = MtpDistiller(target_cfg, t_params, m_params, OptimConfig(total_steps=10))  # doctest: +SKIP
-        >>> state = d.init_state(0); state, m = d.step(state, batch)  # doctest: +SKIP
+        >>> state = d.init_state(0); state, m = d.step(state, {"tokens_bt": batch})  # doctest: +SKIP
     """
+
+    BAR = {"kl": "kl", "agree": "agree"}
 
     def __init__(self, target_cfg: TargetConfig, target_params, mtp_params, ocfg: OptimConfig,
                  compute_dtype: str = "float32"):
-        self.cfg, self.ocfg, self.compute_dtype = target_cfg, ocfg, jnp.dtype(compute_dtype)
-        self.tx = make_optimizer(ocfg)
+        self.cfg, self.compute_dtype = target_cfg, jnp.dtype(compute_dtype)
         self.target_graphdef, _ = abstract_target(target_cfg, "float32")
         self.mtp_graphdef, m_abs = abstract_mtp(target_cfg, "float32")
-        self.abstract_params = {"mtp": m_abs}
-        self.target_params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target_params)
         self.initial_mtp = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), mtp_params)
-        self._step = counted_jit(self._step_impl, donate_argnums=(0,))
-        self._eval = jax.jit(self._eval_impl)
+        super().__init__(ocfg, {"mtp": m_abs}, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target_params))
 
-    def init_state(self, seed: int) -> TrainState:
-        """The given MTP head (fp32) and a fresh optimizer state (`seed` unused: nothing is random)."""
+    def initial_params(self, seed: int) -> dict:
+        """The given MTP head (`seed` unused: nothing is random)."""
         del seed
-        params = {"mtp": self.initial_mtp}
-        return jax.jit(lambda p: TrainState(p, self.tx.init(p), jnp.zeros((), jnp.int32)))(params)
+        return {"mtp": self.initial_mtp}
 
-    def abstract_state(self) -> TrainState:
-        """ShapeDtypeStructs of the state (for `train.loop.restore_checkpoint`)."""
-        rep = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shapes = jax.eval_shape(lambda p: TrainState(p, self.tx.init(p), jnp.zeros((), jnp.int32)),
-                                self.abstract_params)
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), shapes)
-
-    def _loss(self, params, target_params, tokens_bt):
-        return mtp_distil_loss(params["mtp"], target_params, self.target_graphdef, self.mtp_graphdef, tokens_bt,
+    def loss(self, params, frozen, tokens_bt):
+        return mtp_distil_loss(params["mtp"], frozen, self.target_graphdef, self.mtp_graphdef, tokens_bt,
                                self.compute_dtype)
-
-    def _step_impl(self, state: TrainState, target_params, tokens_bt):
-        (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(state.params, target_params, tokens_bt)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": lr_schedule(self.ocfg)(state.step)}
-        return TrainState(params, opt_state, state.step + 1), metrics
-
-    def _eval_impl(self, params, target_params, tokens_bt):
-        return self._loss(params, target_params, tokens_bt)[1]
-
-    def step(self, state: TrainState, tokens_bt) -> tuple[TrainState, dict]:
-        """One optimizer step of the MTP head on `[B, L+1]` token windows; `state` is donated."""
-        return self._step(state, self.target_params, jnp.asarray(tokens_bt))
-
-    def evaluate(self, params, batches) -> dict:
-        """Mean metrics (KL, agreement with the target, CE) over `batches`."""
-        got = [jax.device_get(self._eval(params, self.target_params, jnp.asarray(b))) for b in batches]
-        return {k: float(np.mean([g[k] for g in got])) for k in got[0]} if got else {}
-
-    def compile_count(self) -> int:
-        return self._step.compiles

@@ -1,8 +1,11 @@
-"""The training loop: config, drafter set-up, orbax checkpoints, metrics, progress bar.
+"""The one training loop (`run_loop`): orbax checkpoints, metrics, progress bar, resilience, for
+every trainer -- the drafter (`run_training`: `TrainConfig`, `setup`, `train.step.Trainer`) and the
+demo's target pretraining and MTP distillation (`demo.pretrain.Pretrainer` / `MtpDistiller`).
 
 Run directory layout (`--out DIR`):
 
-* `run_config.json` -- the `TrainConfig` and the drafter's HF config (what `export` needs);
+* `run_config.json` -- the run's config (a drafter run: the `TrainConfig` and the drafter's HF
+  config, what `export` needs);
 * `checkpoints/<step>/` -- orbax: `params` (drafter, fp32), `opt` (optimizer state), `meta` (step,
   data iterator state, non-finite counts); written every `checkpoint_every` steps and at exit
   (async, atomic: a run killed with SIGKILL resumes from the last complete one and loses only the
@@ -33,6 +36,7 @@ import json
 import logging
 import os
 import time
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -40,6 +44,7 @@ import numpy as np
 from dmtp_jax.errors import InputError
 from dmtp_jax.options import TRAIN_METHODS, check_block_size, check_method
 from dmtp_jax.train import resilience
+from dmtp_jax.train.metrics import TensorboardLog, step_record
 
 log = logging.getLogger(__name__)
 RUN_CONFIG = "run_config.json"
@@ -101,6 +106,13 @@ class TrainConfig:
 
     def resolved_gamma(self) -> float:
         return float(self.gamma) if self.gamma is not None else default_gamma(self.block_size)
+
+    def run_options(self) -> "RunOptions":
+        """What the loop needs of this config."""
+        return RunOptions(out=self.out, steps=self.steps, resume=self.resume, stop_at=self.stop_at,
+                          checkpoint_every=self.checkpoint_every, keep_checkpoints=self.keep_checkpoints,
+                          max_nonfinite=self.max_nonfinite, progress=self.progress,
+                          tokens_per_step=self.batch_size * self.seq_len)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -207,43 +219,10 @@ def restore_params(run_dir: str, dcfg, step: int | None = None, method: str = "d
     return jax.tree.unflatten(treedef, list(got["params"])), step
 
 
-# ---- metrics ------------------------------------------------------------------------------------
-def step_record(step: int, metrics: dict, tokens: int, seconds: float, malformed: int, known: int = 1,
-                base: int | None = None) -> dict:
-    """The metrics line of one step (host values)."""
-    from dmtp_jax.train.loss import acceptance_proxy
-    acc_k, acc, accept_len = acceptance_proxy(np.asarray(metrics["correct_k"]).tolist(),
-                                              np.asarray(metrics["count_k"]).tolist(), known, base)
-    return {"step": step, "loss": float(metrics["loss"]), "acc": acc, "acc_k": acc_k,
-            "accept_len_proxy": accept_len, "grad_norm": float(metrics["grad_norm"]),
-            "lr": float(metrics["lr"]), "weight_sum": float(metrics["weight_sum"]),
-            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "step_s": seconds,
-            "malformed": malformed, "nonfinite": int(metrics.get("nonfinite", 0))}
-
-
-class _Tensorboard:
-    def __init__(self, out_dir: str, enabled: bool):
-        self.writer = None
-        if enabled:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.writer = SummaryWriter(os.path.join(out_dir, "tb"))
-            except Exception:   # tensorboard not installed: JSONL only
-                self.writer = None
-
-    def add(self, rec: dict) -> None:
-        if self.writer is not None:
-            for k in ("loss", "acc", "accept_len_proxy", "grad_norm", "lr", "tokens_per_s"):
-                self.writer.add_scalar(k, rec[k], rec["step"])
-
-    def close(self):
-        if self.writer is not None:
-            self.writer.close()
-
-
 # ---- the run ------------------------------------------------------------------------------------
 def setup(cfg: TrainConfig):
-    """Loads the target, builds the drafter config, the trainer and the data iterator."""
+    """`(target, params, trainer, batches)`: the loaded target, the drafter's starting params,
+    the `Trainer` and its `DrafterBatches`."""
     import jax.numpy as jnp
     from dmtp_jax.checkpoint.dflash_ckpt import init_drafter, load_drafter
     from dmtp_jax.checkpoint.hf import load_target
@@ -292,43 +271,106 @@ def setup(cfg: TrainConfig):
                        max_grad_norm=cfg.max_grad_norm)
     trainer = Trainer(target, dcfg, scfg, ocfg, mesh, mtp=mtp)
     shape = (cfg.batch_size, cfg.seq_len)
-    batches = BatchIterator(dataset, cfg.batch_size, process_rows(trainer.batch_sharding(shape), shape),
-                            seed=cfg.seed)
+    batches = DrafterBatches(BatchIterator(dataset, cfg.batch_size, process_rows(trainer.batch_sharding(shape), shape),
+                                           seed=cfg.seed), trainer, shape)
     del jnp
     params = {"drafter": drafter.state, **({"fusion": fusion.state} if fusion is not None else {})}
     return target, params, trainer, batches
 
 
-def write_run_config(cfg: TrainConfig, dcfg) -> None:
+class DrafterBatches:
+    """The drafter's batch source for `run_loop`: this process's `BatchIterator` rows as global
+    `[B, L]` arrays (`{"tokens_bt", "loss_mask_bt", "malformed"}`, what `Trainer.step` takes);
+    `get_state` / `set_state` are the iterator's (checkpointed with every step).
+
+    Example:
+        >>> batch = DrafterBatches(iterator, trainer, (8, 512)).next()  # doctest: +SKIP
+    """
+
+    def __init__(self, iterator, trainer, global_shape):
+        self.iterator, self.trainer, self.global_shape = iterator, trainer, tuple(global_shape)
+        self.dataset = iterator.dataset
+
+    def next(self) -> dict:
+        local = self.iterator.next()
+        tokens_bt, loss_mask_bt = self.trainer.global_batch(local, self.global_shape)
+        return {"tokens_bt": tokens_bt, "loss_mask_bt": loss_mask_bt, "malformed": local["malformed"]}
+
+    def get_state(self):
+        return self.iterator.get_state()
+
+    def set_state(self, state) -> None:
+        self.iterator.set_state(state)
+
+
+class TrainerInterface(Protocol):
+    """What `run_loop` needs of a trainer; `train.step.Trainer` (drafters) and the demo's
+    `demo.pretrain.WindowTrainer` (`Pretrainer`, `MtpDistiller`) implement it."""
+    BAR: dict                                    # progress-bar label -> metrics-line field
+
+    def init_state(self, start): ...             # step 0 from `start` (the drafter's params, a seed)
+    def abstract_state(self): ...                # ShapeDtypeStructs of the state (checkpoint restores)
+    def step(self, state, batch: dict): ...      # -> (state, device metrics); `state` donated
+    def evaluate(self, params, batches) -> dict: ...     # held-out metrics, no update
+    def record_fields(self, metrics: dict) -> dict: ...  # derived metrics-line fields (host metrics)
+    def compile_count(self) -> int: ...
+
+
+class BatchSource(Protocol):
+    """What `run_loop` needs of the data: `DrafterBatches`, `demo.pretrain.WindowBatches`."""
+    def next(self) -> dict: ...                  # one batch as `step` takes it ("malformed": counted)
+    def get_state(self): ...                     # JSON: the position, saved with each checkpoint
+    def set_state(self, state) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """What `run_loop` needs of a run, whatever it trains (`TrainConfig.run_options`; the demo's
+    `PretrainConfig` / `DistilConfig` fill it too). `tokens_per_step` feeds `tokens_per_s`."""
+    out: str
+    steps: int
+    resume: bool = False
+    stop_at: int | None = None
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    max_nonfinite: int = 10
+    progress: bool = True
+    tokens_per_step: int = 0
+
+
+def write_run_config(out: str, run_config: dict) -> None:
+    """`<out>/run_config.json` (process 0)."""
     if jax.process_index() != 0:
         return
-    os.makedirs(cfg.out, exist_ok=True)
-    with open(os.path.join(cfg.out, RUN_CONFIG), "w") as fh:
-        json.dump({"train": cfg.to_json(), "drafter": dcfg.to_hf_dict()}, fh, indent=2)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, RUN_CONFIG), "w") as fh:
+        json.dump(run_config, fh, indent=2)
 
 
-def resume_or_init(cfg: TrainConfig, trainer, params, batches):
-    """`(mngr, state, meta)`: a fresh state (`meta` None), or with `cfg.resume` the newest
-    checkpoint that restores. Cut-off saves and unreadable checkpoints are skipped with a warning
-    (see `resilience`); `metrics.jsonl` is cut back to the restored step."""
+def resume_or_init(run: RunOptions, trainer: TrainerInterface, start, batches: BatchSource):
+    """`(mngr, state, meta)`: `trainer.init_state(start)` (`meta` None), or with `run.resume` the
+    newest checkpoint that restores (and `batches` at its position). Cut-off saves and unreadable
+    checkpoints are skipped with a warning (see `resilience`); `metrics.jsonl` is cut back to the
+    restored step (a line cut off by a kill dropped)."""
     lead = jax.process_index() == 0
-    ckpt_dir = os.path.join(cfg.out, "checkpoints")
-    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
-    mngr = checkpoint_manager(cfg.out, cfg.keep_checkpoints)
+    ckpt_dir = os.path.join(run.out, "checkpoints")
+    metrics_path = os.path.join(run.out, "metrics.jsonl")
+    mngr = checkpoint_manager(run.out, run.keep_checkpoints)
     steps = list(mngr.all_steps())
-    if steps and not cfg.resume:
-        raise InputError(f"{cfg.out} already has checkpoints; pass --resume to continue or use a new --out")
-    if not cfg.resume or not (steps or resilience.cut_off_saves(ckpt_dir)):
+    if steps and not run.resume:
+        raise InputError(f"{run.out} already has checkpoints; pass --resume to continue, or remove it / "
+                         f"use another directory")
+    if not run.resume or not (steps or resilience.cut_off_saves(ckpt_dir)):
         if lead and os.path.isfile(metrics_path):
             os.remove(metrics_path)
-        return mngr, trainer.init_state(params), None
+        return mngr, trainer.init_state(start), None
     if lead:
         resilience.discard_cut_off_saves(ckpt_dir)
     if not steps:
         log.warning("no complete checkpoint to resume from: starting at step 0")
         if lead and os.path.isfile(metrics_path):
             os.remove(metrics_path)
-        return mngr, trainer.init_state(params), None
+        return mngr, trainer.init_state(start), None
 
     def restore(step):
         state, meta = restore_checkpoint(mngr, trainer, step)
@@ -338,52 +380,54 @@ def resume_or_init(cfg: TrainConfig, trainer, params, batches):
 
     def quarantine(step):
         if lead:
-            log.warning("moved checkpoint %d to %s", step, resilience.quarantine_checkpoint(cfg.out, step))
+            log.warning("moved checkpoint %d to %s", step, resilience.quarantine_checkpoint(run.out, step))
 
     step, (state, meta) = resilience.restore_latest_good(steps, restore, quarantine)
     log.info("resuming from checkpoint %d", step)
     if step != max(steps):             # the manager must forget the moved checkpoints
         mngr.close()
-        mngr = checkpoint_manager(cfg.out, cfg.keep_checkpoints)
+        mngr = checkpoint_manager(run.out, run.keep_checkpoints)
     batches.set_state(meta["data"])
     if lead:
         resilience.truncate_metrics(metrics_path, step)
     return mngr, state, meta
 
 
-def run_training(cfg: TrainConfig) -> dict:
-    """Trains `cfg.steps` optimizer steps (resuming when asked); returns a summary dict
-    (`first_loss`, `last_loss`, `steps_run`, `compile_count`, `tokens_per_s`, `last_checkpoint`,
-    `stopped_by` (the signal that stopped the run, or None), `exit_status` (128 + signal, else 0),
-    `nonfinite_steps`). Raises `TrainingStopped` after `max_nonfinite` non-finite steps in a row
-    (after writing a checkpoint) or on a full disk.
+def run_loop(run: RunOptions, trainer: TrainerInterface, start, batches: BatchSource, run_config: dict):
+    """THE training loop, for every trainer (the drafter's `train.step.Trainer`, the demo's
+    `Pretrainer` / `MtpDistiller`): resume or `trainer.init_state(start)`, `run_config.json`,
+    then `state, metrics = trainer.step(state, batches.next())` until `run.steps` (or `run.stop_at`),
+    one `metrics.jsonl` line per step (`step_record`), checkpoints every `run.checkpoint_every`
+    steps and at the end (params, optimizer, step, `batches.get_state()`, non-finite counts), with
+    the interference of `resilience` handled: SIGTERM / SIGINT finish the step, checkpoint and
+    return (`stopped_by`); a non-finite loss skips its update, `max_nonfinite` in a row raise
+    `TrainingStopped` after a checkpoint; a full disk is one `TrainingStopped` line.
+
+    `trainer` implements `TrainerInterface`, `batches` `BatchSource`.
+
+    Returns `(state, summary)`: `first_loss`, `last_loss`, `losses`, `records`, `last` (record), `steps_run`,
+    `start_step`, `step` (the last one), `compile_count`, `last_checkpoint`, `tokens_per_s`
+    (median, first step left out), `train_seconds`, `nonfinite_steps`, `stopped_by` (the signal,
+    or None), `exit_status` (128 + signal, else 0).
 
     Example:
-        >>> run_training(TrainConfig(target=t, data=d, out=o, steps=10, batch_size=4, seq_len=64))  # doctest: +SKIP
+        >>> run = RunOptions(out="/tmp/run", steps=10)
+        >>> state, summary = run_loop(run, trainer, params, batches, {})  # doctest: +SKIP
     """
     from tqdm.auto import tqdm
-    if not cfg.resume and _latest_complete(cfg.out) is not None:       # before any model is loaded
-        raise InputError(f"{cfg.out} already has checkpoints; pass --resume to continue or use a new --out")
-    target, params, trainer, batches = setup(cfg)
-    mngr, state, meta = resume_or_init(cfg, trainer, params, batches)
-    start = int(meta["step"]) if meta else 0
-    guard = resilience.NonFiniteGuard(cfg.max_nonfinite, **(meta or {}).get("nonfinite", {}))
-    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+    mngr, state, meta = resume_or_init(run, trainer, start, batches)
+    del start
+    begin = int(meta["step"]) if meta else 0
+    guard = resilience.NonFiniteGuard(run.max_nonfinite, **(meta or {}).get("nonfinite", {}))
+    metrics_path = os.path.join(run.out, "metrics.jsonl")
     lead = jax.process_index() == 0
-    write_run_config(cfg, trainer.dcfg)
-    del params
-    shape = (cfg.batch_size, cfg.seq_len)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    from dmtp_jax.train.loss import method_layout, uses_mtp
-    # (known slots, base): DMTP counts MTP's T1 as given; dmtp-adaptive's proxy is its DFlash mode
-    proxy_layout = (method_layout(cfg.method, cfg.block_size)[1],
-                    2 if uses_mtp(cfg.method) and cfg.method != "dmtp-adaptive" else 1)
-    tb = _Tensorboard(cfg.out, lead)
-    bar = tqdm(total=cfg.steps, initial=start, disable=not (cfg.progress and lead), unit="step",
+    write_run_config(run.out, run_config)
+    tb = TensorboardLog(run.out, lead)
+    bar = tqdm(total=run.steps, initial=begin, disable=not (run.progress and lead), unit="step",
                dynamic_ncols=True)
-    records, last_saved, step = [], start, start
+    records, last_saved, step = [], begin, begin
     pending = None          # (step, metrics, malformed): logged one step behind
-    t_prev = time.perf_counter()
+    t_start = t_prev = time.perf_counter()
     data_state = batches.get_state()
     too_many_nonfinite = False
     quiet = resilience.QuietDiskFull()
@@ -395,7 +439,7 @@ def run_training(cfg: TrainConfig) -> dict:
         s, metrics, malformed = pending
         metrics = jax.device_get(metrics)
         now = time.perf_counter()
-        rec = step_record(s, metrics, tokens_per_step, now - t_prev, malformed, *proxy_layout)
+        rec = step_record(s, metrics, trainer.record_fields(metrics), run.tokens_per_step, now - t_prev, malformed)
         t_prev = now
         records.append(rec)
         if lead:
@@ -406,10 +450,9 @@ def run_training(cfg: TrainConfig) -> dict:
                     raise resilience.disk_full_error(metrics_path, mngr.latest_step()) from None
                 raise
             tb.add(rec)
-        too_many_nonfinite |= guard.update(s, finite=not rec["nonfinite"])
+        too_many_nonfinite |= guard.update(s, finite=not rec.get("nonfinite", 0))
         pending = None
-        bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}",
-                        tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+        bar.set_postfix({label: f"{rec[key]:.4g}" for label, key in trainer.BAR.items()}, refresh=False)
         bar.update(1)
 
     def checkpoint(at: int, wait: bool = False):
@@ -429,31 +472,30 @@ def run_training(cfg: TrainConfig) -> dict:
                     mngr.wait_until_finished()           # let an earlier save finish before naming it
                 except Exception:  # noqa: BLE001 -- it failed too: the listing below tells
                     pass
-                cut = [s for s, _ in resilience.cut_off_saves(os.path.join(cfg.out, "checkpoints"))]
+                cut = [s for s, _ in resilience.cut_off_saves(os.path.join(run.out, "checkpoints"))]
                 failed = min(cut) if cut else at             # an async save fails at the next call
-                raise resilience.disk_full_error(f"checkpoint {failed}", _latest_complete(cfg.out)) from None
+                raise resilience.disk_full_error(f"checkpoint {failed}", _latest_complete(run.out)) from None
             raise
         last_saved = at
 
     with resilience.DropTracebacks("Event loop is closed"):   # orbax's teardown after a failed save
         try:
             with resilience.StopSignals() as signals:
-                end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
+                end = min(run.steps, run.stop_at) if run.stop_at else run.steps
                 while step < end:
-                    local = batches.next()
-                    tokens_bt, loss_mask_bt = trainer.global_batch(local, shape)
-                    state, metrics = trainer.step(state, target.state, tokens_bt, loss_mask_bt)
+                    batch = batches.next()
+                    state, metrics = trainer.step(state, batch)
                     step += 1
                     data_state = batches.get_state()        # the iterator position that matches `state`
                     if pending is not None:
                         flush()                              # the previous step's line
-                    pending = (step, metrics, local["malformed"])
+                    pending = (step, metrics, batch.get("malformed", 0))
                     if guard.streak >= guard.limit - 1:
                         flush()                              # this step may complete the limit: check it now
                     stop = resilience.agreed(signals.requested is not None or too_many_nonfinite)
                     if stop or step == end:
                         break
-                    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    if run.checkpoint_every and step % run.checkpoint_every == 0:
                         checkpoint(step)
                 if pending is not None:
                     flush()
@@ -472,17 +514,34 @@ def run_training(cfg: TrainConfig) -> dict:
             tb.close()
     if too_many_nonfinite:
         raise guard.error(last_saved)
-    malformed_total = batches.dataset.malformed
-    if malformed_total:
-        log.warning("%d malformed records were skipped", malformed_total)
     timed = [r["tokens_per_s"] for r in records[1:]] or [r["tokens_per_s"] for r in records]
-    return {"first_loss": records[0]["loss"] if records else None,
-            "last_loss": records[-1]["loss"] if records else None,
-            "losses": [r["loss"] for r in records], "steps_run": len(records), "start_step": start,
-            "compile_count": trainer.compile_count(), "last_checkpoint": last_saved,
-            "tokens_per_s": float(np.median(timed)) if timed else 0.0, "malformed": malformed_total,
-            "nonfinite_steps": guard.total, "stopped_by": stopped_by, "exit_status": signals.exit_status,
-            "records": records}
+    return state, {"first_loss": records[0]["loss"] if records else None,
+                   "last_loss": records[-1]["loss"] if records else None,
+                   "losses": [r["loss"] for r in records], "last": records[-1] if records else None,
+                   "steps_run": len(records), "start_step": begin,
+                   "step": step, "compile_count": trainer.compile_count(), "last_checkpoint": last_saved,
+                   "tokens_per_s": float(np.median(timed)) if timed else 0.0,
+                   "train_seconds": time.perf_counter() - t_start, "nonfinite_steps": guard.total,
+                   "stopped_by": stopped_by, "exit_status": signals.exit_status, "records": records}
+
+
+def run_training(cfg: TrainConfig) -> dict:
+    """Trains a drafter `cfg.steps` optimizer steps through `run_loop` (resuming when asked);
+    returns its summary (without the state) plus `malformed`. Raises `TrainingStopped` after
+    `max_nonfinite` non-finite steps in a row (after writing a checkpoint) or on a full disk.
+
+    Example:
+        >>> run_training(TrainConfig(target=t, data=d, out=o, steps=10, batch_size=4, seq_len=64))  # doctest: +SKIP
+    """
+    if not cfg.resume and _latest_complete(cfg.out) is not None:       # before any model is loaded
+        raise InputError(f"{cfg.out} already has checkpoints; pass --resume to continue or use a new --out")
+    _, params, trainer, batches = setup(cfg)
+    _, summary = run_loop(cfg.run_options(), trainer, params, batches,
+                          {"train": cfg.to_json(), "drafter": trainer.dcfg.to_hf_dict()})
+    malformed = batches.dataset.malformed
+    if malformed:
+        log.warning("%d malformed records were skipped", malformed)
+    return {**summary, "malformed": malformed}
 
 
 def _latest_complete(run_dir: str) -> int | None:

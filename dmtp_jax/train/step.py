@@ -7,25 +7,28 @@ the features are under `stop_gradient`), draws anchors from `fold_in(key(seed), 
 into `grad_accum` micro-batches (a `lax.scan`), sums the gradients of the weighted CE numerator,
 divides by the summed weights of the whole step (SpecForge's normalisation), clips, and applies
 AdamW with warmup + cosine. Compute runs in `compute_dtype` (params cast in the step; master
-params and optimizer state stay fp32). A step whose loss or gradient norm is not finite keeps the
-params and optimizer state it was given (`jnp.where`, no recompile) and reports `nonfinite` = 1;
-the loop counts such steps (`resilience.NonFiniteGuard`). `Trainer.lower_step` lowers the step on
+params and optimizer state stay fp32). `apply_gradients` is the update of every trainer (this one
+and the demo's `Pretrainer` / `MtpDistiller`): a step whose loss or gradient norm is not finite
+keeps the params and optimizer state it was given (`jnp.where`, no recompile) and reports
+`nonfinite` = 1; the loop counts such steps (`resilience.NonFiniteGuard`). `Trainer.lower_step` lowers the step on
 abstract inputs (ShapeDtypeStructs at their shardings; `abstract_models` builds weightless target /
 MTP), for compiling for a topology and reading its memory analysis.
 
 Example:
     >>> trainer = Trainer(target, drafter_cfg, StepConfig(), OptimConfig(total_steps=100), mesh)  # doctest: +SKIP
     >>> state = trainer.init_state({"drafter": drafter.state})  # doctest: +SKIP
-    >>> state, metrics = trainer.step(state, target.state, tokens_bt, loss_mask_bt)  # doctest: +SKIP
+    >>> state, metrics = trainer.step(state, {"tokens_bt": tokens_bt, "loss_mask_bt": loss_mask_bt})  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -120,6 +123,42 @@ class TrainState:
     step: jax.Array           # int32 scalar: optimizer steps done
 
 
+def new_state(tx: optax.GradientTransformation, params) -> TrainState:
+    """Step 0: `params`, `tx`'s fresh optimizer state, a zero step counter (every trainer's start).
+
+    Example:
+        >>> state = new_state(make_optimizer(OptimConfig()), {"w": jnp.ones(2)})
+        >>> int(state.step), state.params["w"].shape
+        (0, (2,))
+    """
+    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+
+
+def apply_gradients(tx: optax.GradientTransformation, ocfg: OptimConfig, state: TrainState, grads,
+                    loss) -> tuple[TrainState, dict]:
+    """The update every trainer makes (drafter, demo pretraining, MTP distillation): `tx` on
+    `grads`, except that a non-finite loss or gradient norm keeps the params and optimizer state
+    it was given (`jnp.where`: no recompile); the step counter still advances, so the schedule and
+    the data stay in step. Metrics: `grad_norm`, `lr` (of this step), `nonfinite` (1: skipped).
+
+    Example:
+        >>> tx, ocfg = make_optimizer(OptimConfig(lr=0.1)), OptimConfig(lr=0.1)
+        >>> state = new_state(tx, {"w": jnp.ones(2)})
+        >>> new, m = apply_gradients(tx, ocfg, state, {"w": jnp.full(2, jnp.nan)}, jnp.float32(1.0))
+        >>> int(new.step), int(m["nonfinite"]), new.params["w"].tolist()
+        (1, 1, [1.0, 1.0])
+    """
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+    params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+    metrics = {"grad_norm": grad_norm, "lr": lr_schedule(ocfg)(state.step),
+               "nonfinite": jnp.logical_not(finite).astype(jnp.int32)}
+    return TrainState(params, opt_state, state.step + 1), metrics
+
+
 def loss_sums(params, graphdefs, target_graphdef, target_state, mtp_graphdef, mtp_state, tokens_bt,
               loss_mask_bt, key, scfg: StepConfig, compute_dtype) -> tuple[jax.Array, dict]:
     """`(loss_sum, sums)` of one micro-batch: features, anchors, blocks, drafter, decayed CE.
@@ -178,10 +217,14 @@ def abstract_models(target_cfg, dtype, mesh, mesh_rules: MeshRules = DEFAULT_RUL
 class Trainer:
     """Builds the optimizer, the shardings and the jitted step for one (target, drafter config).
 
-    `step(state, target_state, tokens_bt, loss_mask_bt) -> (state, metrics)`; `state` is donated.
-    Metrics (replicated scalars / `[K]` vectors): loss, weight_sum, correct_k, count_k, grad_norm,
-    lr, nonfinite (1 when the loss or gradient was not finite and the update was skipped).
+    The trainer interface of `train.loop.run_loop`: `init_state(params)`, `step(state, batch) ->
+    (state, metrics)` (`state` donated), `evaluate`, `abstract_state`, `record_fields`,
+    `compile_count`, `BAR` (progress-bar label -> metrics-line field). Metrics (replicated
+    scalars / `[K]` vectors): loss, weight_sum, correct_k, count_k, grad_norm, lr, nonfinite (1
+    when the loss or gradient was not finite and the update was skipped).
     """
+
+    BAR = {"loss": "loss", "acc": "acc", "tok_s": "tokens_per_s"}
 
     def __init__(self, target, dcfg: DFlashConfig, scfg: StepConfig, ocfg: OptimConfig, mesh,
                  mesh_rules: MeshRules = DEFAULT_RULES, mtp=None):
@@ -208,9 +251,10 @@ class Trainer:
         self.state_shardings = TrainState(self.param_shardings, self.opt_shardings, rep)
         self.target_shardings = jax.tree.map(lambda x: x.sharding, target.state)
         self.mtp_shardings = None if self.mtp is None else jax.tree.map(lambda x: x.sharding, self.mtp.state)
-        self._init = jax.jit(lambda p: TrainState(p, self.tx.init(p), jnp.zeros((), jnp.int32)),
-                             in_shardings=(self.param_shardings,), out_shardings=self.state_shardings)
+        self._init = jax.jit(functools.partial(new_state, self.tx), in_shardings=(self.param_shardings,),
+                             out_shardings=self.state_shardings)
         self._steps: dict = {}
+        self._eval = None
 
     # ---- state ---------------------------------------------------------------------------------
     def init_state(self, params: dict) -> TrainState:
@@ -222,9 +266,8 @@ class Trainer:
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs (with shardings) of the train state, for restoring checkpoints."""
-        shapes = jax.eval_shape(lambda p: TrainState(p, self.tx.init(p), jnp.zeros((), jnp.int32)),
-                                self.abstract_params)
-        return at_shardings(shapes, self.state_shardings)
+        return at_shardings(jax.eval_shape(functools.partial(new_state, self.tx), self.abstract_params),
+                            self.state_shardings)
 
     def batch_sharding(self, global_shape):
         return batch_sharding(self.mesh, tuple(global_shape))
@@ -257,37 +300,69 @@ class Trainer:
                                         (jnp.arange(m), micro_tokens, micro_mask))
         denom = jnp.where(sums["weight_sum"] > 0, sums["weight_sum"], 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
-        loss, grad_norm = sums["loss_sum"] / denom, optax.tree.norm(grads)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        # a non-finite loss or gradient skips the update (params and optimizer state unchanged);
-        # the step counter still advances, so the schedule and the data stay in step
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
-        metrics = {"loss": loss, "weight_sum": sums["weight_sum"],
-                   "correct_k": sums["correct_k"], "count_k": sums["count_k"],
-                   "grad_norm": grad_norm, "lr": lr_schedule(self.ocfg)(state.step),
-                   "nonfinite": jnp.logical_not(finite).astype(jnp.int32)}
-        return TrainState(params, opt_state, state.step + 1), metrics
+        loss = sums["loss_sum"] / denom
+        state, update = apply_gradients(self.tx, self.ocfg, state, grads, loss)
+        return state, {"loss": loss, "weight_sum": sums["weight_sum"], "correct_k": sums["correct_k"],
+                       "count_k": sums["count_k"], **update}
+
+    def _jit_kwargs(self, global_shape) -> dict:
+        """The step's jit arguments (donation, shardings) for this global batch shape."""
+        if global_shape[0] % self.scfg.grad_accum:
+            raise ValueError(f"batch size {global_shape[0]} is not a multiple of grad_accum={self.scfg.grad_accum}")
+        bs = self.batch_sharding(global_shape)
+        return dict(donate_argnums=(0,),
+                    in_shardings=(self.state_shardings, self.target_shardings, self.mtp_shardings, bs, bs),
+                    out_shardings=(self.state_shardings, replicated(self.mesh)))
 
     def step_fn(self, global_shape):
         """The jitted step for this global batch shape (built once; one compile)."""
         key = tuple(global_shape)
         if key not in self._steps:
-            if key[0] % self.scfg.grad_accum:
-                raise ValueError(f"batch size {key[0]} is not a multiple of grad_accum={self.scfg.grad_accum}")
-            bs = self.batch_sharding(key)
-            self._steps[key] = counted_jit(
-                self._step, donate_argnums=(0,),
-                in_shardings=(self.state_shardings, self.target_shardings, self.mtp_shardings, bs, bs),
-                out_shardings=(self.state_shardings, replicated(self.mesh)))
+            self._steps[key] = counted_jit(self._step, **self._jit_kwargs(key))
         return self._steps[key]
 
-    def step(self, state: TrainState, target_state, tokens_bt, loss_mask_bt):
-        """One optimizer step on global arrays `[B, L]` (see `global_batch`)."""
-        return self.step_fn(tokens_bt.shape)(state, target_state, self.mtp.state if self.mtp else None,
-                                             tokens_bt, loss_mask_bt)
+    def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        """One optimizer step on `batch["tokens_bt"]`, `batch["loss_mask_bt"]` (global `[B, L]`
+        arrays, see `global_batch`) against the frozen target (and MTP head); `state` is donated."""
+        tokens_bt = batch["tokens_bt"]
+        return self.step_fn(tokens_bt.shape)(state, self.target.state, self.mtp.state if self.mtp else None,
+                                             tokens_bt, batch["loss_mask_bt"])
+
+    def _eval_sums(self, params, target_state, mtp_state, tokens_bt, loss_mask_bt):
+        scfg = self.scfg
+        return loss_sums(params, self.graphdefs, self.target.graphdef, target_state,
+                         self.mtp.graphdef if self.mtp else None, mtp_state, tokens_bt, loss_mask_bt,
+                         jax.random.key(scfg.seed), scfg, jnp.dtype(scfg.compute_dtype))[1]
+
+    def evaluate(self, params, batches) -> dict:
+        """Loss and acceptance proxy of `params` over `batches` (dicts as `step` takes), no update:
+        the weighted CE pooled over every batch and `record_fields` of the summed counts.
+
+        Example:
+            >>> trainer.evaluate(state.params, [batches.next() for _ in range(4)])["loss"]  # doctest: +SKIP
+            3.91
+        """
+        if self._eval is None:
+            self._eval = jax.jit(self._eval_sums)
+        mtp_state = self.mtp.state if self.mtp else None
+        got = [jax.device_get(self._eval(params, self.target.state, mtp_state, b["tokens_bt"], b["loss_mask_bt"]))
+               for b in batches]
+        if not got:
+            return {}
+        total = jax.tree.map(lambda *xs: sum(xs), *got)
+        loss = float(total["loss_sum"]) / float(total["weight_sum"]) if total["weight_sum"] > 0 else 0.0
+        return {"loss": loss, **self.record_fields(total)}
+
+    def record_fields(self, metrics: dict) -> dict:
+        """The metrics-line fields derived from a step's host metrics: the acceptance proxy
+        (`acc_k`, `acc`, `accept_len_proxy`, `loss.acceptance_proxy`) of its summed counts; DMTP
+        counts MTP's T1 as given, dmtp-adaptive's proxy is its DFlash mode."""
+        from dmtp_jax.train.loss import acceptance_proxy
+        known = method_layout(self.scfg.method, self.scfg.block_size or self.dcfg.block_size)[1]
+        base = 2 if uses_mtp(self.scfg.method) and self.scfg.method != ADAPTIVE else 1
+        acc_k, acc, accept_len = acceptance_proxy(np.asarray(metrics["correct_k"]).tolist(),
+                                                  np.asarray(metrics["count_k"]).tolist(), known, base)
+        return {"acc": acc, "acc_k": acc_k, "accept_len_proxy": accept_len}
 
     def global_batch(self, local: dict, global_shape):
         """Global `[B, L]` arrays from this process's rows (`make_array_from_process_local_data`)."""
@@ -297,7 +372,7 @@ class Trainer:
 
     def abstract_frozen(self):
         """`(target_state, mtp_state)` as ShapeDtypeStructs at their shardings (mtp None when the
-        method has none): what `step_fn(...).lower` takes in place of the frozen weights."""
+        method has none): what `lower_step` takes in place of the frozen weights."""
         mtp = None if self.mtp is None else at_shardings(self.mtp.state, self.mtp_shardings)
         return at_shardings(self.target.state, self.target_shardings), mtp
 
@@ -305,8 +380,9 @@ class Trainer:
         """The train step for a global batch `[global_batch, seq_len]`, lowered on abstract inputs
         (ShapeDtypeStructs with their shardings: train state, frozen target / MTP states, int32
         tokens and loss mask) -- no weights, no data, nothing allocated. `.compile()` it, then read
-        `memory_analysis()` / `cost_analysis()`; the same jit as `step`, so what compiles here is
-        what a run compiles. Works on a Trainer built around `abstract_models(...)`.
+        `memory_analysis()` / `cost_analysis()`; the same function and jit arguments as `step`
+        (`_jit_kwargs`), so what compiles here is what a run compiles; `compile_count` is
+        untouched. Works on a Trainer built around `abstract_models(...)`.
 
         Example:
             >>> target, mtp = abstract_models(target_cfg, "bfloat16", mesh)  # doctest: +SKIP
@@ -316,7 +392,8 @@ class Trainer:
         shape = (int(global_batch), int(seq_len))
         batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding(shape))
         target_state, mtp_state = self.abstract_frozen()
-        return self.step_fn(shape).lower(self.abstract_state(), target_state, mtp_state, batch, batch)
+        lowered = jax.jit(self._step, **self._jit_kwargs(shape))      # the run's counter counts runs only
+        return lowered.lower(self.abstract_state(), target_state, mtp_state, batch, batch)
 
     def backward_residual_bytes(self, batch: int, seq_len: int) -> int:
         """Bytes the backward pass of one micro-batch `[batch, seq_len]` keeps from its forward
