@@ -130,7 +130,7 @@ def first_round_drafts(engine, prompts):
     from dmtp_jax.decode.batch import pad_prompts
     sp = SamplingParams.make()
     b = pad_prompts(prompts, 8, engine.target.cfg.vocab_size, slack=engine.slots)
-    states = engine._states()
+    states = engine.model_states()
     st = engine.prefill(states, b.tokens_bt, b.lengths_b, engine.new_state(len(b.lengths_b), b.max_len),
                         sp, jax.random.key(0))
     propose = jax.jit(lambda states, st: engine._propose(engine._models(states), st, sp, jax.random.key(1),
