@@ -159,7 +159,8 @@ def decode_step_logits(graphdef, state, tokens_b, positions_b, cache):
     fp32 `(logits [B, V], cache)`.
 
     Example:
-        >>> logits, cache = decode_step_logits(target.graphdef, target.state, tokens_b, positions_b, cache)  # doctest: +SKIP
+        >>> logits, cache = decode_step_logits(target.graphdef, target.state, tokens_b, positions_b,
+        ...                                    cache)  # doctest: +SKIP
     """
     logits, cache = step_logits(nnx.merge(graphdef, state), tokens_b, positions_b, cache)
     return logits.astype(jnp.float32), cache

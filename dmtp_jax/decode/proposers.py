@@ -7,12 +7,12 @@ whose first candidate each row verifies). Every proposer splits `propose` into `
 candidate T1, or None) and `draft` (the rest of the block given `first`), so the bench can time the
 two apart (`bench/phases.py`) with the very functions the round runs.
 
-| method               | proposer            | first (T1)           | draft                                   |
-| -------------------- | ------------------- | -------------------- | --------------------------------------- |
-| `mtp`                | `MtpChainProposer`  | MTP                  | the MTP chained through its own cache   |
-| `dflash`             | `DFlashProposer`    | -                    | DFlash block `[A, MASK..]` (DFlash2: its selector) |
-| `dmtp`, `dmtp-*`     | `DmtpProposer`      | MTP                  | DFlash block with MTP's T1 fused in (`models/fusion.py`) |
-| `dmtp-adaptive`      | `AdaptiveProposer`  | MTP, where confident | one drafter pass: `dmtp`'s block or DFlash's, per row |
+| method           | proposer           | first (T1)           | draft                                            |
+| ---------------- | ------------------ | -------------------- | ------------------------------------------------ |
+| `mtp`            | `MtpChainProposer` | MTP                  | the MTP chained through its own cache            |
+| `dflash`         | `DFlashProposer`   | -                    | DFlash block `[A, MASK..]` (DFlash2: selector)   |
+| `dmtp`, `dmtp-*` | `DmtpProposer`     | MTP                  | DFlash block, MTP's T1 fused in (`fusion.py`)    |
+| `dmtp-adaptive`  | `AdaptiveProposer` | MTP, where confident | one pass: `dmtp`'s block or DFlash's, per row    |
 
 Each proposer declares the models it needs (`NEEDS`); a new drafting method is a new proposer in
 `PROPOSERS`. Knobs a proposer reads at run time are traced (`RoundKnobs`), so changing them never

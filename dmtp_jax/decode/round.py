@@ -67,7 +67,8 @@ def merge_models(graphdefs, states) -> RoundModels:
     """`RoundModels` from `(target, drafter, mtp, fusion)` graphdefs and their states (inside jit).
 
     Example:
-        >>> models = merge_models((target.graphdef, None, None, None), (target.state, None, None, None))  # doctest: +SKIP
+        >>> models = merge_models((target.graphdef, None, None, None),
+        ...                       (target.state, None, None, None))  # doctest: +SKIP
     """
     return RoundModels(*(None if g is None else nnx.merge(g, s) for g, s in zip(graphdefs, states)))
 
@@ -109,7 +110,8 @@ def write_all_layers(cache_lbskd: jax.Array, new_lbtkd: jax.Array, positions_bt:
     """`write_layer` for every layer of a stacked cache.
 
     Example:
-        >>> write_all_layers(jnp.zeros((1, 1, 4, 1, 1)), jnp.ones((1, 1, 1, 1, 1)), jnp.array([[2]]))[0, 0, :, 0, 0].tolist()
+        >>> out = write_all_layers(jnp.zeros((1, 1, 4, 1, 1)), jnp.ones((1, 1, 1, 1, 1)), jnp.array([[2]]))
+        >>> out[0, 0, :, 0, 0].tolist()
         [0.0, 0.0, 1.0, 0.0]
     """
     for i in range(cache_lbskd.shape[0]):
@@ -154,7 +156,8 @@ def constrain_state(mesh, st: SpecState) -> SpecState:
 
 
 # ---- phases ------------------------------------------------------------------------------------
-def verify_forward(target, state: SpecState, drafts_bn: jax.Array, capture_layers: tuple[int, ...] = ()) -> VerifyForward:
+def verify_forward(target, state: SpecState, drafts_bn: jax.Array,
+                   capture_layers: tuple[int, ...] = ()) -> VerifyForward:
     """The target over `[pending, drafts]` at positions `L..L+n-1` from `state.target_cache`, as a
     verify round runs it (`speculative=True`: DeltaNet states wait for `commit`).
 
@@ -255,8 +258,8 @@ def commit(models: RoundModels, state: SpecState, proposal: Proposal, fwd: Verif
     slot = jnp.arange(drafts.shape[1] + 1)[None]
     tokens = jnp.where(slot < acc_b[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1), bonus_b[:, None])
     target_cache = target.commit(fwd.out.cache, fwd.out.pending, jnp.where(active_b, acc_b + 1, 0))
-    new = SpecState(target_cache, ctx, mtp_cache, mtp_h, jnp.where(active_b, state.lengths_b + acc_b + 1, state.lengths_b),
-                    jnp.where(active_b, bonus_b, state.pending_b))
+    lengths = jnp.where(active_b, state.lengths_b + acc_b + 1, state.lengths_b)
+    new = SpecState(target_cache, ctx, mtp_cache, mtp_h, lengths, jnp.where(active_b, bonus_b, state.pending_b))
     return new, tokens
 
 
@@ -291,7 +294,8 @@ def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state
     first token and the MTP hidden that predicts T1 until a row's prompt ends.
 
     Example:
-        >>> state = prefill_step(models, chunk_bt, next_b, np.int32(0), lengths_b, state, sp, key, True)  # doctest: +SKIP
+        >>> state = prefill_step(models, chunk_bt, next_b, np.int32(0), lengths_b, state, sp, key,
+        ...                      True)  # doctest: +SKIP
     """
     target, drafter, mtp = models.target, models.drafter, models.mtp
     res = target_chunk(target, tokens_bt, start, lengths_b, state.target_cache, state.pending_b, sp, key,

@@ -144,7 +144,8 @@ def prefill_entry(setup: RoundSetup, states, tokens_bt, next_b, start, lengths_b
     """`round.prefill_step` on the merged models, the state pinned at its shardings (jitted as
     `SpecDecoder.prefill_step`). Example: `SpecDecoder.prefill` runs it chunk by chunk."""
     models = merge_models(setup.graphdefs, states)
-    return constrain_state(setup.mesh, prefill_step(models, tokens_bt, next_b, start, lengths_b, state, sp, key, greedy))
+    state = prefill_step(models, tokens_bt, next_b, start, lengths_b, state, sp, key, greedy)
+    return constrain_state(setup.mesh, state)
 
 
 def _keyed_round(setup: RoundSetup, models, knobs, state, active_b, limits_b, sp, key, greedy):
