@@ -21,7 +21,7 @@ from flax import nnx
 
 from dmtp_jax.checkpoint.hf import abstract_target, init_target
 from dmtp_jax.config import TargetConfig
-from dmtp_jax.decode.ar import kv_cache_shape, recurrent_state_shapes
+from dmtp_jax.decode.caches import kv_cache_shape, recurrent_state_shapes
 from dmtp_jax.layers.kv_cache import KVCache, TargetCache
 
 

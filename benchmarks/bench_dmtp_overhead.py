@@ -28,21 +28,32 @@ SIZES.setdefault("medium", dict(hidden_size=1024, num_hidden_layers=8, intermedi
 
 
 class _EveryRow:
-    """A fusion stand-in that asks `_mtp_advance` for every row's output (the whole-layer path)."""
+    """The fusion, except that `round.mtp_advance` asks it for every row's output (the whole-layer
+    path); its own methods are the fusion's."""
     uses_mtp_context = True
+
+    def __init__(self, fusion):
+        self._fusion = fusion
+
+    def __getattr__(self, name):
+        return getattr(self._fusion, name)
 
 
 def whole_layer_advance(decoder):
     """The same decoder, except that its MTP advance runs the whole layer over every verified row."""
-    cls = type(decoder)
+    import copy
+    import dataclasses
 
-    class WholeLayer(cls):
-        def _mtp_advance(self, target, mtp, fusion, *args):
-            return cls._mtp_advance(self, target, mtp, _EveryRow(), *args)
+    from dmtp_jax.decode.round import merge_models, spec_round
 
-    clone = object.__new__(WholeLayer)
-    clone.__dict__.update(decoder.__dict__)
-    clone.round = jax.jit(clone._round, donate_argnames=("state",), static_argnames=("greedy",))
+    def entry(states, state, active_b, limits_b, sp, base_key, round_index, knobs, greedy):
+        models = merge_models(decoder.setup.graphdefs, states)
+        models = dataclasses.replace(models, fusion=_EveryRow(models.fusion))
+        return spec_round(decoder.proposer, decoder.verify_mode, models, state, active_b, limits_b, sp,
+                          jax.random.fold_in(base_key, round_index), greedy, knobs)
+
+    clone = copy.copy(decoder)
+    clone.round = jax.jit(entry, donate_argnames=("state",), static_argnames=("greedy",))
     return clone
 
 

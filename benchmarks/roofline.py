@@ -127,10 +127,12 @@ def time_round(decoder, batch: int, max_len: int, context: int, iters: int, gree
     key = jax.random.key(0)
     lengths = np.full(batch, context, np.int32)
     holder = {"state": dataclasses.replace(decoder.new_state(batch, max_len), lengths_b=lengths)}
-    states, active, limits = decoder._states(), np.ones(batch, bool), np.full(batch, max_len, np.int32)
+    states, active, limits = decoder.model_states(), np.ones(batch, bool), np.full(batch, max_len, np.int32)
+    knobs = decoder.knobs()
 
     def step():
-        st, tokens, acc, _ = decoder.round(states, holder["state"], active, limits, sp, key, greedy=greedy)
+        st, tokens, acc, _ = decoder.round(states, holder["state"], active, limits, sp, key, np.int32(1), knobs,
+                                           greedy=greedy)
         holder["state"] = dataclasses.replace(st, lengths_b=lengths)
         return acc
     return _median_time(step, iters)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from dmtp_jax.config import TargetConfig
-from dmtp_jax.decode.ar import state_bytes_per_row
+from dmtp_jax.decode.caches import state_bytes_per_row
 
 COMMON = dict(vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
               linear_conv_kernel_dim=4, linear_num_key_heads=16, rms_norm_eps=1e-6,

@@ -10,7 +10,8 @@ comparison becomes one check `{"name", "max_abs_diff", "tolerance", "ok"}`:
 * `hidden_layer_{k}`    our output of layer k vs HF `hidden_states[k+1]`; the last layer is compared
                         after the final norm (HF's last entry is post-norm, like our `hidden_bth`).
 * `cached_decode`       JAX only: a cache prefill of the first n-4 tokens followed by 4
-                        single-token decode steps vs the full (cache-free) forward, all n positions.
+                        single-token decode steps vs the full (cache-free) forward, all n positions
+                        (the prefill chunk and decode-step forward the decoders run).
 * `deltanet_state`      (hybrid targets) every Gated DeltaNet layer's conv window and recurrent state
                         after a prefill vs transformers' cache after the same prompt.
 * `greedy_continuation` fraction of tokens where our `ARDecoder` greedy continuation differs from
@@ -18,7 +19,8 @@ comparison becomes one check `{"name", "max_abs_diff", "tolerance", "ok"}`:
 * `mtp`                 (targets carrying `mtp.*`) our MTP head's logits vs transformers' `MtpModel`.
 * `mtp_cache`           JAX only: the MTP's cached path as decoding runs it (a prefill of the first
                         rows, then single-row steps) vs its full-window forward on the same rows.
-* `draft_hidden`, `draft_logits`  (with a drafter) our DFlash / DFlash2 block vs the `dflash` package.
+* `draft_hidden`, `draft_logits`  (with a drafter) our DFlash / DFlash2 block, built as the decode
+                        round builds it (`fusion.draft_block_embeds`), vs the `dflash` package.
 
 Tolerances (`TOLERANCES`). Float checks are relative to the reference's magnitude:
 `tol = rtol * max(1, max |reference|)`, the reference being the HF logits (`logits`, and
@@ -48,6 +50,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from dmtp_jax.decode.ar import step_logits
+from dmtp_jax.decode.prefill import target_chunk
+from dmtp_jax.decode.sampling import SamplingParams
 
 TOLERANCES = {  # dtype -> (rtol of float checks, their position quantile, argmax, greedy mismatch)
     "float32": (1e-4, 1.0, 0.0, 0.0),
@@ -133,10 +139,31 @@ def _full_forward(graphdef, layers, state, tokens_bt):
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _cached_step(graphdef, state, tokens_bt, positions_bt, cache, valid_bt=None):
+def prefill_logits(graphdef, state, tokens_bt, lengths_b, cache):
+    """Our prefill (`decode/prefill.py:target_chunk`, the chunk every decoder's prefill runs; tokens
+    at positions `>= lengths_b` are invalid) and fp32 logits at every position: `(logits, cache)`.
+
+    Example:
+        >>> logits, cache = prefill_logits(target.graphdef, target.state, tokens_bt, lengths_b, cache)  # doctest: +SKIP
+    """
     model = nnx.merge(graphdef, state)
-    out = model(tokens_bt, positions_bt, cache, kv_valid_bt=valid_bt)
-    return model.logits(out.hidden_bth).astype(jnp.float32), out.cache
+    b = tokens_bt.shape[0]
+    res = target_chunk(model, tokens_bt, jnp.int32(0), lengths_b, cache, jnp.zeros(b, jnp.int32),
+                       SamplingParams.make(), jax.random.key(0), True)
+    return model.logits(res.out.hidden_bth).astype(jnp.float32), res.out.cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def decode_step_logits(graphdef, state, tokens_b, positions_b, cache):
+    """Our single-token decode step (`decode/ar.py:step_logits`, the forward of `decode_step`):
+    fp32 `(logits [B, V], cache)`.
+
+    Example:
+        >>> logits, cache = decode_step_logits(target.graphdef, target.state, tokens_b, positions_b,
+        ...                                    cache)  # doctest: +SKIP
+    """
+    logits, cache = step_logits(nnx.merge(graphdef, state), tokens_b, positions_b, cache)
+    return logits.astype(jnp.float32), cache
 
 
 def jax_forward(target, tokens_bt) -> dict:
@@ -151,19 +178,18 @@ def jax_cached_logits(target, tokens_bt, lengths_b, steps: int = DECODE_STEPS) -
     """Logits `[B,T,V]` from a cache prefill of each row's first `len-steps` tokens, then `steps`
     single-token decode steps at per-row positions (the prefill's later tokens are marked invalid:
     their K/V slots are overwritten before being read, and they never enter a DeltaNet state)."""
-    from dmtp_jax.decode.ar import TargetCaches
+    from dmtp_jax.decode.caches import TargetCaches
 
     b, t = tokens_bt.shape
-    step = functools.partial(_cached_step, target.graphdef)
     cache = TargetCaches(target).new(b, -(-(t + 1) // 128) * 128)
-    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-    logits, cache = step(target.state, tokens_bt, positions, cache, positions < (lengths_b - steps)[:, None])
+    logits, cache = prefill_logits(target.graphdef, target.state, tokens_bt, (lengths_b - steps).astype(np.int32),
+                                   cache)
     logits = np.array(logits)
     rows = np.arange(b)
     for j in range(steps):
         pos = (lengths_b - steps + j).astype(np.int32)
-        step_logits, cache = step(target.state, tokens_bt[rows, pos][:, None], pos[:, None], cache)
-        logits[rows, pos] = np.asarray(step_logits)[:, 0]
+        logits_bv, cache = decode_step_logits(target.graphdef, target.state, tokens_bt[rows, pos], pos, cache)
+        logits[rows, pos] = np.asarray(logits_bv)
     return logits
 
 
@@ -179,7 +205,7 @@ def drafter_checks(target, hf_model, draft_dir: str, prompt: list[int], rtol: fl
                               extract_context_feature)
 
     from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
-    from dmtp_jax.models.dflash import block_embeddings, make_block_tokens
+    from dmtp_jax.models.fusion import draft_block_embeds
 
     drafter = load_drafter(draft_dir, target.cfg, target.state_dtype, target.mesh)
     dcfg, n, length = drafter.cfg, drafter.cfg.block_size, len(prompt)
@@ -201,7 +227,7 @@ def drafter_checks(target, hf_model, draft_dir: str, prompt: list[int], rtol: fl
     ctx_pos = jnp.arange(length)[None]
     feats = model(jnp.asarray([prompt]), ctx_pos, capture_layers=dcfg.target_layer_ids).captured
     k, v = dr.context_kv(dr.project_context(jnp.concatenate(feats, axis=-1)), ctx_pos)
-    embeds = block_embeddings(model.embed, make_block_tokens(jnp.asarray([anchor]), dcfg, n), dcfg)
+    embeds = draft_block_embeds("dflash", n, model.embed, dcfg, None, jnp.asarray([anchor]), None, None)
     hidden = dr(embeds, length + jnp.arange(n)[None], k, v, ctx_pos, jnp.ones((1, length), bool))
     logits = np.asarray(dr.draft_logits(hidden[:, 1:], model.logits), np.float32)
     hidden = np.asarray(hidden, np.float32)
@@ -216,15 +242,15 @@ def deltanet_state_check(target, hf_model, prompt: list[int], rtol: float, q: fl
     import torch
     from transformers import DynamicCache
 
-    from dmtp_jax.decode.ar import TargetCaches
+    from dmtp_jax.decode.caches import TargetCaches
 
     ids = torch.tensor([prompt])
     with torch.no_grad():
         hf_cache = DynamicCache(config=hf_model.config)
         hf_model(ids, cache=hf_cache, use_cache=True)
     cache = TargetCaches(target).new(1, -(-(len(prompt) + 1) // 128) * 128)
-    _, cache = _cached_step(target.graphdef, target.state, jnp.asarray([prompt], jnp.int32),
-                            jnp.arange(len(prompt))[None], cache)
+    _, cache = prefill_logits(target.graphdef, target.state, np.asarray([prompt], np.int32),
+                              np.asarray([len(prompt)], np.int32), cache)
     diffs, scale = [], 0.0
     for j, layer in enumerate(target.cfg.linear_layers):
         ref_conv = hf_cache.get_conv_state(layer, state_idx=0)[0].float().numpy()   # [C, K]
@@ -294,7 +320,7 @@ def mtp_cache_check(target, mtp, hidden_th, prompt: list[int], rtol: float, q: f
     """`mtp_cache`: the MTP over rows (h_t, x_{t+1}) at positions 1..n-1 through its private KV
     cache, as decoding runs it (all rows but the last 4 in one prefill call, then one row per
     call), vs the same rows in one cache-free forward."""
-    from dmtp_jax.decode.ar import new_kv_cache
+    from dmtp_jax.decode.caches import new_kv_cache
 
     model, head = nnx.merge(target.graphdef, target.state), nnx.merge(mtp.graphdef, mtp.state)
     n, split = len(prompt), len(prompt) - 1 - DECODE_STEPS

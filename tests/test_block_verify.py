@@ -219,8 +219,8 @@ def test_harness_rejects_the_wrong_block_variant(request, monkeypatch):
     min(1, p/q) instead of w_n (fixed seeds: deterministic). The variant accepts whole blocks
     through earlier drafts the target gives probability 0 (about 1 sample in 6 lies outside the
     target's top-k support) and skews the rest (chi-square p ~ 1e-31 on the in-support samples)."""
-    from dmtp_jax.decode import spec
-    monkeypatch.setattr(spec, "verify_block", functools.partial(verify_block, _token_level_last=True))
+    from dmtp_jax.decode import round as round_phases       # the round's accept phase calls it
+    monkeypatch.setattr(round_phases, "verify_block", functools.partial(verify_block, _token_level_last=True))
     engine, target = _mtp_engine("mtp", request, verify="block")
     pvalue, _ = target_joint_pvalues(engine, target, [5, 9, 31, 4, 77, 2, 18], SP)
     assert pvalue < 1e-3, pvalue

@@ -108,7 +108,7 @@ def test_spec_chunked_prefill_equals_one_call(method, hybrid_dmtp):
     one, chunked = (make_decoder(method, target, drafter, mtp=mtp, fusion=fusion, prefill_chunk=c)
                     for c in (ONE_SHOT, CHUNK))
     b = pad_prompts(PROMPTS, 8, target.cfg.vocab_size, slack=one.slots)
-    want, got = (dec.prefill(dec._states(), b.tokens_bt, b.lengths_b, dec.new_state(b.tokens_bt.shape[0], b.max_len),
+    want, got = (dec.prefill(dec.model_states(), b.tokens_bt, b.lengths_b, dec.new_state(b.tokens_bt.shape[0], b.max_len),
                              SamplingParams.make(), jax.random.key(0), greedy=True) for dec in (one, chunked))
     assert np.array_equal(np.asarray(got.pending_b), np.asarray(want.pending_b))
     assert np.array_equal(np.asarray(got.lengths_b), np.asarray(want.lengths_b))

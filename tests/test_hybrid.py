@@ -112,8 +112,8 @@ def test_hybrid_greedy_equals_ar_for_every_method(method, hybrid, hybrid_ar):
 def test_hybrid_committed_state_equals_a_fresh_prefill(hybrid):
     """After speculative rounds, each row's DeltaNet states equal those of one prefill over the
     committed text (the snapshot the next round starts from is the accepted prefix's)."""
-    from dmtp_jax.decode.ar import TargetCaches
-    from dmtp_jax.compare import _cached_step
+    from dmtp_jax.compare import prefill_logits
+    from dmtp_jax.decode.caches import TargetCaches
 
     target = hybrid["target"]
     engine = hybrid_engine("dmtp", hybrid)
@@ -122,8 +122,8 @@ def test_hybrid_committed_state_equals_a_fresh_prefill(hybrid):
     for row, (prompt, out) in enumerate(zip(PROMPTS, res.output_ids)):
         committed = (prompt + out)[:int(st.lengths_b[row])]
         cache = TargetCaches(target).new(1, st.target_cache.max_len)
-        _, cache = _cached_step(target.graphdef, target.state, np.asarray([committed], np.int32),
-                                np.arange(len(committed), dtype=np.int32)[None], cache)
+        _, cache = prefill_logits(target.graphdef, target.state, np.asarray([committed], np.int32),
+                                  np.asarray([len(committed)], np.int32), cache)
         for got, want in ((st.target_cache.conv_lbwc, cache.conv_lbwc), (st.target_cache.ssm_lbhkv, cache.ssm_lbhkv)):
             assert np.abs(np.asarray(got[:, row]) - np.asarray(want[:, 0])).max() < 1e-4
 

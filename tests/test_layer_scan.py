@@ -22,7 +22,7 @@ from flax import nnx
 
 from dmtp_jax.checkpoint.hf import export_tensors, init_target, load_target, resolve_source
 from dmtp_jax.config import TargetConfig
-from dmtp_jax.decode.ar import TargetCaches
+from dmtp_jax.decode.caches import TargetCaches
 from dmtp_jax.models.layer_stack import plan_stacks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

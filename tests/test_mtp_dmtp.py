@@ -16,6 +16,8 @@ from dmtp_jax.checkpoint.hf import load_target
 from dmtp_jax.checkpoint.mtp_ckpt import MissingMtpError, load_mtp
 from dmtp_jax.decode import make_decoder
 from dmtp_jax.decode.ar import ARDecoder
+from dmtp_jax.decode.batch import RequestError
+from dmtp_jax.decode.round import merge_models
 from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.models.fusion import DMTP_METHODS
 
@@ -130,11 +132,12 @@ def first_round_drafts(engine, prompts):
     from dmtp_jax.decode.batch import pad_prompts
     sp = SamplingParams.make()
     b = pad_prompts(prompts, 8, engine.target.cfg.vocab_size, slack=engine.slots)
-    states = engine._states()
+    states = engine.model_states()
     st = engine.prefill(states, b.tokens_bt, b.lengths_b, engine.new_state(len(b.lengths_b), b.max_len),
                         sp, jax.random.key(0))
-    propose = jax.jit(lambda states, st: engine._propose(engine._models(states), st, sp, jax.random.key(1),
-                                                         True, b.lengths_b + 8)[0])
+    models, knobs = (lambda states: merge_models(engine.setup.graphdefs, states)), engine.knobs()
+    propose = jax.jit(lambda states, st: engine.proposer.propose(models(states), st, sp, jax.random.key(1), True,
+                                                                 b.lengths_b + 8, knobs).drafts_bn)
     return np.asarray(propose(states, st)), st
 
 
@@ -292,6 +295,42 @@ def test_adaptive_mixes_modes_per_row_and_equals_ar(models, dmtp_dirs, ar_output
     assert 0.0 < s["mtp_t1_fraction"] < 1.0, s["mtp_t1_fraction"]
     assert s["first_candidate_acceptance_mtp_t1"] is not None and s["first_candidate_acceptance_drafter_t1"] is not None
     assert engine.compile_counts() == {"prefill": 1, "round": 1}
+
+
+def test_changing_the_adaptive_threshold_takes_effect_without_recompiling(models, dmtp_dirs, ar_outputs):
+    """The threshold is a traced argument of the round: set on the decoder between requests, it
+    decides the next request's first candidates (0: always MTP's, 1.01: never), with one compile."""
+    target, mtp = models
+    drafter, fusion = load_dmtp_drafter(dmtp_dirs["dmtp-adaptive"], target.cfg)
+    engine = make_decoder("dmtp-adaptive", target, drafter, mtp=mtp, fusion=fusion, adaptive_threshold=0.0)
+    for threshold, fraction in ((0.0, 1.0), (1.01, 0.0), (0.0, 1.0)):
+        engine.adaptive_threshold = threshold
+        res = engine.generate(PROMPTS, 20, stop_ids=[])
+        assert res.output_ids == ar_outputs[0]
+        assert res.stats["mtp_t1_fraction"] == fraction and res.stats["adaptive_threshold"] == threshold
+    assert engine.compile_counts() == {"prefill": 1, "round": 1}
+    engine.adaptive_threshold = 2.0
+    with pytest.raises(RequestError, match="adaptive-threshold"):
+        engine.generate(PROMPTS, 4)
+    with pytest.raises(AttributeError):
+        engine.verify_mode = "block"        # fixed at construction: read-only, never silently ignored
+
+
+def test_decoding_and_calibration_share_the_mtp_confidence(models):
+    """dmtp-adaptive's confidence is one function (`fusion.mtp_first_candidate`): the round's first
+    candidate and calibration both call it, and it is the MTP's top-1 softmax probability."""
+    import inspect
+
+    from dmtp_jax.decode import proposers
+    from dmtp_jax.models.fusion import mtp_first_candidate
+    from dmtp_jax.train import calibrate
+    target, mtp = models
+    model, head = nnx.merge(target.graphdef, target.state), nnx.merge(mtp.graphdef, mtp.state)
+    h = jax.random.normal(jax.random.key(0), (3, target.cfg.hidden_size))
+    _, logits, confidence = mtp_first_candidate(model, head, h)
+    np.testing.assert_allclose(np.asarray(confidence), np.asarray(jax.nn.softmax(logits, -1).max(-1)), rtol=1e-6)
+    for module in (proposers, calibrate):
+        assert "mtp_first_candidate(" in inspect.getsource(module)
 
 
 def test_sampled_adaptive_is_lossless(models, dmtp_dirs):

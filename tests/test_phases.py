@@ -31,7 +31,7 @@ def models(mtp_target_dir, tmp_path_factory):
 
 def prefilled(decoder):
     b = pad_prompts(PROMPTS, 8, decoder.target.cfg.vocab_size, slack=decoder.slots)
-    return decoder.prefill(decoder._states(), b.tokens_bt, b.lengths_b,
+    return decoder.prefill(decoder.model_states(), b.tokens_bt, b.lengths_b,
                            decoder.new_state(len(b.lengths_b), b.max_len), SamplingParams.make(),
                            jax.random.key(0), greedy=True)
 

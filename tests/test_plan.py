@@ -46,10 +46,12 @@ def test_plan_matches_a_real_compile_and_run(tiny_qwen3_5_dir, planned_dmtp):
                            fusion=init_fusion("dmtp", dcfg.hidden_size, dcfg.rms_norm_eps, "float32"))
     batch = pad_prompts([[1] * 20, [2] * 20], 16, target.cfg.vocab_size, slack=decoder.slots)
     sp, key = SamplingParams.make(), jax.random.key(0)
-    state = decoder.prefill(decoder._states(), batch.tokens_bt, batch.lengths_b,
+    state = decoder.prefill(decoder.model_states(), batch.tokens_bt, batch.lengths_b,
                             decoder.new_state(2, batch.max_len), sp, key, greedy=True)
     active, limits = np.ones(2, bool), np.full(2, 40, np.int32)
-    compiled = decoder.round.lower(decoder._states(), state, active, limits, sp, key, greedy=True).compile()
+    knobs = decoder.knobs()
+    compiled = decoder.round.lower(decoder.model_states(), state, active, limits, sp, key, np.int32(1), knobs,
+                                   greedy=True).compile()
     real_mem, real_cost = compiled.memory_analysis(), cost_of(compiled)
     planned = {f.name: f for f in planned_dmtp.functions}["round"]
     assert planned.flops == real_cost["flops"]
@@ -57,7 +59,7 @@ def test_plan_matches_a_real_compile_and_run(tiny_qwen3_5_dir, planned_dmtp):
     assert planned.argument_bytes == real_mem.argument_size_in_bytes
     assert planned.temp_bytes == real_mem.temp_size_in_bytes
     assert planned.alias_bytes == real_mem.alias_size_in_bytes
-    tokens = compiled(decoder._states(), state, active, limits, sp, key)[1]
+    tokens = compiled(decoder.model_states(), state, active, limits, sp, key, np.int32(1), knobs)[1]
     assert np.asarray(tokens).shape == (2, decoder.slots)
 
 

@@ -86,7 +86,8 @@ def test_mismatch_declines_to_plain_decoding_warns_once_and_strict_fails(mtp_mod
     with pytest.raises(InexactBackendError, match="differs from single-token decoding at 1 of 15 positions"):
         make_decoder("mtp", target, mtp=mtp, strict=True).generate(PROMPTS, 6)
     assert caplog.text.count("exactness probe:") == 1          # warned once per (target, width)
-    assert decoder.compile_counts()["round"] == 0              # the speculative round never ran
+    assert decoder.last_state is None                          # the speculative round never ran
+    assert decoder.compile_counts()["round"] <= 1              # (compiled ahead while the probe ran)
 
 
 def test_strict_cli_is_one_error_line_and_json_has_the_probe(mtp_target_dir, fresh_probe, tmp_path, capsys):

@@ -89,6 +89,33 @@ def test_sampled_k_rounds_equal_one_round_for_a_seed(engines):
     assert engines[4].generate(PROMPTS, NEW, sp, seed=8, stop_ids=[]).output_ids != one.output_ids
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_one_host_transfer_per_dispatch(engines, k, monkeypatch):
+    """The host syncs once per dispatch: one explicit `spec.to_host` (one `jax.device_get` of the
+    round's tokens, accepted counts and first-candidate sources) per jitted call, plus the first
+    token after prefill, and no implicit device-to-host transfer anywhere (the PRNG key is folded on
+    device). Sampling parameters as host scalars, so that reading `is_greedy` transfers nothing."""
+    import jax
+
+    from dmtp_jax.decode import spec
+    engine = engines[k]
+    engine.generate(ROWS, NEW, stop_ids=[])        # the exactness probe and the compiles are done
+    compiled = engine.compile_counts()
+    fetches, real = [], spec.to_host
+    monkeypatch.setattr(spec, "to_host", lambda tree: fetches.append(len(jax.tree.leaves(tree))) or real(tree))
+    sp = SamplingParams(np.float32(0.0), np.float32(1.0), np.int32(0))
+    with jax.transfer_guard_device_to_host("disallow"):
+        res = engine.generate(ROWS, NEW, sampling=sp, stop_ids=[])
+    rounds = res.stats["target_forwards"] - 1
+    assert fetches[0] == 1                          # the first tokens
+    assert all(n == (3 if k == 1 else 5) for n in fetches[1:])
+    if k == 1:
+        assert len(fetches) == 1 + rounds
+    else:
+        assert len(fetches) - 1 <= rounds and len(fetches) - 1 >= -(-rounds // k)
+    assert engine.compile_counts() == compiled     # host scalars for `sp`: the same programs
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True])
 def test_rounds_per_dispatch_below_one_is_refused(engines, bad):
     e = engines[1]

@@ -87,3 +87,31 @@ def test_sampled_decoding_reproduces_target_distribution(name, verify, peaked_ta
     target, drafter, _, _ = make_pair(name, peaked_target_dir, tmp_path_factory)
     assert_matches_target_joint(SpecDecoder(target, drafter, verify=verify), target, PROMPTS[0],
                                 SamplingParams.make(temperature=1.0, top_k=3))
+
+
+def test_every_method_has_one_proposer_that_declares_its_models():
+    """A method is a proposer (`decode/proposers.py`); the models it declares are the ones
+    `decode.method_needs` reports and the ones `check_spec_options` asks for."""
+    from dmtp_jax.decode import METHODS, method_needs
+    from dmtp_jax.decode.batch import RequestError
+    from dmtp_jax.decode.proposers import PROPOSERS
+    from dmtp_jax.decode.spec import SPEC_METHODS, check_spec_options
+
+    assert set(SPEC_METHODS) == set(METHODS) - {"ar"} == set(PROPOSERS)
+    for method, proposer in PROPOSERS.items():
+        assert proposer.NEEDS == method_needs(method), method
+        for missing in [m for m, needed in proposer.NEEDS.items() if needed]:
+            given = {m: object() for m in ("drafter", "mtp", "fusion") if m != missing}
+            with pytest.raises(RequestError, match="needs"):
+                check_spec_options(method, **given)
+
+
+def test_the_round_has_no_method_branches():
+    """`decode/spec.py` and `decode/round.py` never ask which method runs: proposers do."""
+    import inspect
+    import re
+
+    from dmtp_jax.decode import round as round_mod
+    from dmtp_jax.decode import spec
+    for module in (spec, round_mod):
+        assert not re.search(r"method\s*(==|!=|in)\s", inspect.getsource(module))

@@ -57,8 +57,8 @@ def round_cost(decoder, batch: int, max_len: int) -> dict:
         same = last is not None and last.target_cache.kv.k_lbskd.shape[1:3] == (batch, max_len)
         state = last if same else decoder.new_state(batch, max_len)
         limits = np.full(batch, max_len, np.int32)
-        compiled = decoder.round.lower(decoder._states(), state, np.ones(batch, bool), limits, sp, key,
-                                       greedy=True).compile()
+        compiled = decoder.round.lower(decoder.model_states(), state, np.ones(batch, bool), limits, sp, key,
+                                       np.int32(1), decoder.knobs(), greedy=True).compile()
         caches = {"target_cache": tree_bytes(state.target_cache), "mtp_cache": tree_bytes(state.mtp_cache)}
         if state.ctx_cache is not None:     # the drafter attends over its context window only
             ctx = tree_bytes(state.ctx_cache)

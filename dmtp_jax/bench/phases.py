@@ -1,14 +1,17 @@
-"""Where a speculative round's time goes: each phase of a greedy `SpecDecoder` round timed as its
-own jitted function of the inputs the round gives it, next to the fused round itself.
+"""Where a speculative round's time goes: each public phase of a greedy round (`decode/round.py`,
+`decode/proposers.py`) timed as its own jitted function of the inputs the round gives it, next to
+the fused round itself (`SpecDecoder.round`).
 
-Phases (the decoder's own methods, called inside one `jax.jit` each):
+Phases (the functions `round.spec_round` composes, called with the decoder's own proposer, models
+and knobs inside one `jax.jit` each):
 
-  propose-mtp      `_mtp_first` (the MTP head's T1); for method `mtp` the whole `_propose` (the chain)
-  propose-drafter  the rest of `_propose`: the drafter block and its draft logits (DFlash2: selector),
-                   given T1 from propose-mtp
-  verify           the target forward over `[pending, drafts]` (`speculative=True`) and its logits
-  accept           `verify_greedy`
-  commit           `target.commit`, `_mtp_advance` and `_write_context` (the drafter's context K/V)
+  propose-mtp      `proposer.first` (MTP's T1); for a proposer without a drafter (`mtp`) the whole
+                   `proposer.propose` (the chain)
+  propose-drafter  `proposer.draft` given T1 from propose-mtp: the drafter block and its draft
+                   logits (DFlash2: its selector)
+  verify           `round.verify_forward`: the target over `[pending, drafts]` and its logits
+  accept           `round.accept` (greedy exact match)
+  commit           `round.commit`: `target.commit`, `mtp_advance` and `write_context`
 
 Each time is the median of `repeats` calls after `warmup` calls, with `jax.block_until_ready`.
 Arguments the round updates in place (the caches) are donated fresh copies, made outside the timed
@@ -31,20 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 
 PHASES = ("propose-mtp", "propose-drafter", "verify", "accept", "commit")
-
-
-class _GivenFirst:
-    """The decoder, except that `_mtp_first` returns a T1 computed beforehand (so `_propose` times
-    only its drafter part)."""
-
-    def __init__(self, decoder, first):
-        self._decoder, self._first = decoder, first
-
-    def __getattr__(self, name):
-        return getattr(self._decoder, name)
-
-    def _mtp_first(self, *args, **kwargs):
-        return self._first
 
 
 def _copy(tree):
@@ -71,8 +60,8 @@ def phase_breakdown(decoder, state=None, *, repeats: int = 10, warmup: int = 2, 
 
     Returns `{"batch", "max_len", "repeats", "phases_ms": {phase: ms | None}, "sum_ms", "round_ms"}`.
     """
+    from dmtp_jax.decode.round import accept, commit, merge_models, verify_forward
     from dmtp_jax.decode.sampling import SamplingParams
-    from dmtp_jax.decode.verify import verify_greedy
 
     state = decoder.last_state if state is None else state
     if state is None:
@@ -80,77 +69,61 @@ def phase_breakdown(decoder, state=None, *, repeats: int = 10, warmup: int = 2, 
     sp = SamplingParams.make()
     batch = int(state.lengths_b.shape[0])
     max_len = int(state.target_cache.kv.k_lbskd.shape[2])
-    states = decoder._states()
+    graphdefs, proposer, knobs = decoder.setup.graphdefs, decoder.proposer, decoder.knobs()
+    states = decoder.model_states()
+    models = lambda states: merge_models(graphdefs, states)  # noqa: E731
     active = np.ones(batch, bool)
     limits = np.full(batch, max_len, np.int32)
-    key = jax.random.key(seed)
-    k_draft, _ = jax.random.split(key)      # as the round splits its key
-    n = decoder.slots
-    capture = decoder._capture(decoder.drafter)
+    base_key, round_index = jax.random.key(seed), np.int32(1)
+    k_draft, _ = jax.random.split(jax.random.fold_in(base_key, round_index))      # as the round splits its key
     ms = dict.fromkeys(PHASES)
     time_it = lambda fn, make_args: _median_ms(fn, make_args, repeats, warmup)  # noqa: E731
 
     # ---- propose ----
-    first, mtp_cache = None, state.mtp_cache
-    if decoder.method == "mtp":             # the whole chain; it writes speculative rows into the MTP cache
-        def propose_chain(states, st, mtp_cache):
-            st = dataclasses.replace(st, mtp_cache=mtp_cache)
-            drafts, _, mtp_cache, _ = decoder._propose(decoder._models(states), st, sp, k_draft, True, limits)
-            return drafts, mtp_cache
-        propose_chain = jax.jit(propose_chain, donate_argnames=("mtp_cache",))
-        ms["propose-mtp"], (drafts, mtp_cache) = time_it(propose_chain,
-                                                         lambda: (states, state, _copy(state.mtp_cache)))
+    def propose(states, st, mtp_cache):     # a chained MTP writes speculative rows into its cache
+        st = dataclasses.replace(st, mtp_cache=mtp_cache)
+        return proposer.propose(models(states), st, sp, k_draft, True, limits, knobs)
+    propose = jax.jit(propose, donate_argnames=("mtp_cache",))
+    if not proposer.NEEDS["drafter"]:
+        ms["propose-mtp"], proposal = time_it(propose, lambda: (states, state, _copy(state.mtp_cache)))
     else:
-        if decoder.uses_mtp:
-            @jax.jit
-            def mtp_first(states, st):
-                target, _, mtp, _ = decoder._models(states)
-                t1, _, y, top_p = decoder._mtp_first(target, mtp, st, sp, jax.random.split(k_draft, n)[0], True)
-                return t1, y, top_p
-            ms["propose-mtp"], (t1, y, top_p) = time_it(mtp_first, lambda: (states, state))
-            first = (t1, None, y, top_p)
-
-        @jax.jit
-        def propose_drafter(states, st, first):
-            proposer = decoder if first is None else _GivenFirst(decoder, first)
-            return type(decoder)._propose(proposer, decoder._models(states), st, sp, k_draft, True, limits)[0]
-        ms["propose-drafter"], drafts = time_it(propose_drafter, lambda: (states, state, first))
+        first = None
+        if proposer.NEEDS["mtp"]:
+            first_fn = jax.jit(lambda states, st: proposer.first(models(states), st, sp, k_draft, True))
+            ms["propose-mtp"], first = time_it(first_fn, lambda: (states, state))
+        draft_fn = jax.jit(lambda states, st, first: proposer.draft(models(states), st, first, sp, k_draft, True,
+                                                                    limits, knobs))
+        ms["propose-drafter"], proposal = time_it(draft_fn, lambda: (states, state, first))
 
     # ---- verify ----
-    def verify(states, target_cache, lengths_b, pending_b, drafts):
-        target = decoder._models(states)[0]
-        positions = lengths_b[:, None] + jnp.arange(n)
-        tokens = jnp.concatenate([pending_b[:, None], drafts], axis=1)
-        out = target(tokens, positions, target_cache, capture_layers=capture, speculative=True)
-        return out, target.logits(out.hidden_bth)
+    def verify(states, st, target_cache, drafts_bn):
+        m = models(states)
+        return verify_forward(m.target, dataclasses.replace(st, target_cache=target_cache), drafts_bn,
+                              m.capture_layers)
     verify = jax.jit(verify, donate_argnames=("target_cache",))
-    ms["verify"], (out, logits) = time_it(
-        verify, lambda: (states, _copy(state.target_cache), state.lengths_b, state.pending_b, drafts))
+    rest = dataclasses.replace(state, target_cache=None)
+    ms["verify"], fwd = time_it(verify, lambda: (states, rest, _copy(state.target_cache), proposal.drafts_bn))
 
     # ---- accept ----
-    ms["accept"], (acc, bonus) = time_it(jax.jit(verify_greedy), lambda: (logits, drafts))
+    accept_fn = jax.jit(lambda logits, drafts: accept(logits, drafts, None, sp, k_draft, True))
+    ms["accept"], (acc, bonus) = time_it(accept_fn, lambda: (fwd.logits_bnv, proposal.drafts_bn))
 
     # ---- commit ----
-    def commit(states, target_cache, ctx_cache, mtp_cache, st, out, drafts, acc, bonus, active_b):
-        target, drafter, mtp, fusion = decoder._models(states)
-        positions = st.lengths_b[:, None] + jnp.arange(n)
-        verify_tokens = jnp.concatenate([st.pending_b[:, None], drafts], axis=1)
-        mtp_h = mtp_rows = None
-        if mtp is not None:
-            mtp_cache, mtp_h, mtp_rows = decoder._mtp_advance(target, mtp, fusion, st, mtp_cache, verify_tokens,
-                                                              out.hidden_bth, acc, bonus, active_b)
-        if drafter is not None:
-            ctx_cache = decoder._write_context(drafter, fusion, ctx_cache, out.captured, positions, mtp_rows)
-        target_cache = target.commit(target_cache, out.pending, jnp.where(active_b, acc + 1, 0))
-        return target_cache, ctx_cache, mtp_cache, mtp_h
-    commit = jax.jit(commit, donate_argnames=("target_cache", "ctx_cache", "mtp_cache"))
+    def commit_fn(states, st, ctx_cache, mtp_cache, verified_cache, proposal, fwd, acc, bonus, active_b):
+        proposal = dataclasses.replace(proposal, mtp_cache=mtp_cache)
+        fwd = dataclasses.replace(fwd, out=dataclasses.replace(fwd.out, cache=verified_cache))
+        return commit(models(states), dataclasses.replace(st, ctx_cache=ctx_cache), proposal, fwd, acc, bonus,
+                      active_b)
+    commit_fn = jax.jit(commit_fn, donate_argnames=("ctx_cache", "mtp_cache", "verified_cache"))
     rest = dataclasses.replace(state, target_cache=None, ctx_cache=None, mtp_cache=None)
-    spec_out = dataclasses.replace(out, cache=None)
-    ms["commit"], _ = time_it(commit, lambda: (states, _copy(out.cache), _copy(state.ctx_cache), _copy(mtp_cache),
-                                               rest, spec_out, drafts, acc, bonus, active))
+    bare_proposal = dataclasses.replace(proposal, mtp_cache=None)
+    bare_fwd = dataclasses.replace(fwd, out=dataclasses.replace(fwd.out, cache=None))
+    ms["commit"], _ = time_it(commit_fn, lambda: (states, rest, _copy(state.ctx_cache), _copy(proposal.mtp_cache),
+                                                  _copy(fwd.out.cache), bare_proposal, bare_fwd, acc, bonus, active))
 
     # ---- the fused round, for comparison ----
-    round_ms, _ = time_it(lambda st: decoder.round(states, st, active, limits, sp, key, greedy=True),
+    round_ms, _ = time_it(lambda st: decoder.round(states, st, active, limits, sp, base_key, round_index, knobs,
+                                                   greedy=True),
                           lambda: (_copy(state),))
     ran = [v for v in ms.values() if v is not None]
     return {"batch": batch, "max_len": max_len, "repeats": repeats, "phases_ms": ms,

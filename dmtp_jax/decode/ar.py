@@ -19,7 +19,6 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -28,8 +27,8 @@ from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.batch import StopTracker, pad_prompts
 from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK, prefill_chunks, target_chunk
 from dmtp_jax.decode.sampling import SamplingParams, pick_tokens
-from dmtp_jax.layers.kv_cache import KVCache, TargetCache
-from dmtp_jax.sharding import cache_kv_heads, kv_cache_sharding, recurrent_state_sharding, replicated
+from dmtp_jax.decode.caches import TargetCaches, constrain_target_cache
+from dmtp_jax.sharding import replicated
 
 
 @dataclasses.dataclass
@@ -39,133 +38,82 @@ class GenerationResult:
     stats: dict
 
 
-def gather_rows(x_bt_: jax.Array, index_b: jax.Array) -> jax.Array:
-    """`x[b, index[b]]` for every row."""
-    return jnp.take_along_axis(x_bt_, index_b.reshape((-1,) + (1,) * (x_bt_.ndim - 1)), axis=1)[:, 0]
-
-
-@functools.lru_cache(maxsize=None)
-def _zeros_cache_maker(mesh, shape, dtype):
-    s = kv_cache_sharding(mesh, shape)
-    return jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), out_shardings=KVCache(s, s))
-
-
-def new_kv_cache(mesh, shape, dtype) -> KVCache:
-    """A zero KV cache `[layers, B, S, kv, D]` created at its mesh sharding (so donating it never
-    recompiles); one jitted maker per (mesh, shape, dtype)."""
-    return _zeros_cache_maker(mesh, tuple(shape), jnp.dtype(dtype))()
-
-
-@functools.lru_cache(maxsize=None)
-def _zeros_maker(mesh, shape, dtype):
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=recurrent_state_sharding(mesh, shape))
-
-
-def kv_cache_shape(cfg, batch: int, max_len: int, mesh=None, layers: int | None = None) -> tuple[int, ...]:
-    """`[attention layers (or layers), B, S, kv_heads, head_dim]`, the KV heads as laid out on
-    `mesh` (`sharding.cache_kv_heads`; the model's own without one)."""
-    heads = cache_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads, mesh)
-    return (len(cfg.attention_layers) if layers is None else layers, batch, max_len, heads, cfg.head_dim)
-
-
-def recurrent_state_shapes(cfg, batch: int):
-    """`(conv [Ll, B, K-1, C], ssm [Ll, B, nv, dk, dv])` of the DeltaNet layers, or None."""
-    n = len(cfg.linear_layers)
-    if not n:
-        return None
-    return ((n, batch, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim),
-            (n, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
-
-
-def state_bytes_per_row(cfg, max_len: int, dtype_bytes: int = 2, verify_slots: int = 8) -> dict[str, int]:
-    """Bytes one row holds across rounds -- `kv` (K/V of the attention layers at `max_len` slots),
-    `conv` and `ssm` (fp32) of the DeltaNet layers -- and `verify_transient`: the per-token DeltaNet
-    inputs a verify round of `verify_slots` keeps for its commit (released after the round).
-    DeltaNet states are committed by replaying the accepted prefix, so no per-slot snapshots exist.
+def step_logits(model, tokens_b: jax.Array, positions_b: jax.Array, cache):
+    """The target on one token per row at its position, with `cache`: `(logits [B, V], cache)`.
+    The forward of every single-token step (`decode_step`; `compare.py`'s cached-decode check).
 
     Example:
-        >>> state_bytes_per_row(cfg, 32768)["ssm"]  # doctest: +SKIP
+        >>> logits_bv, cache = step_logits(model, tokens_b, positions_b, cache)  # doctest: +SKIP
     """
-    out = {"kv": 2 * int(np.prod(kv_cache_shape(cfg, 1, max_len))) * dtype_bytes, "conv": 0, "ssm": 0,
-           "verify_transient": 0}
-    shapes = recurrent_state_shapes(cfg, 1)
-    if shapes:
-        conv, ssm = shapes
-        out["conv"] = int(np.prod(conv)) * dtype_bytes
-        out["ssm"] = int(np.prod(ssm)) * 4
-        nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        per_token = cfg.linear_conv_dim * dtype_bytes + 4 * (nv * dk + nv * dv + 2 * nv)
-        out["verify_transient"] = conv[0] * verify_slots * per_token
-    return out
+    out = model(tokens_b[:, None], positions_b[:, None], cache)
+    return model.logits(out.hidden_bth[:, 0]), out.cache
 
 
-class TargetCaches:
-    """The target's `TargetCache` (attention K/V, DeltaNet conv windows and states): created and
-    pinned at their mesh sharding (sizes: `state_bytes_per_row`)."""
+def prefill_step(graphdef, mesh, state, tokens_bt, start, lengths_b, cache, first_b, sp, key, greedy: bool = False):
+    """One prefill chunk of plain decoding (`prefill.target_chunk`); returns the first new token per
+    row (carried for rows whose prompt ends in a later chunk) and the cache, pinned on `mesh`.
+    `graphdef` and `mesh` are static (bound before jitting); everything else is traced.
 
-    def __init__(self, target: LoadedTarget):
-        self.target = target
+    Example:
+        >>> step = jax.jit(functools.partial(prefill_step, target.graphdef, target.mesh),
+        ...                static_argnames="greedy")  # doctest: +SKIP
+        >>> first_b, cache = step(target.state, tokens_bt, np.int32(0), lengths_b, cache, first_b, sp, key,
+        ...                       greedy=True)  # doctest: +SKIP
+    """
+    res = target_chunk(nnx.merge(graphdef, state), tokens_bt, start, lengths_b, cache, first_b, sp, key, greedy)
+    first = jax.lax.with_sharding_constraint(res.first_b, replicated(mesh))
+    return first, constrain_target_cache(mesh, res.out.cache)
 
-    def shape(self, batch: int, max_len: int):
-        return kv_cache_shape(self.target.cfg, batch, max_len, self.target.mesh)
 
-    def shardings(self, cache: TargetCache) -> TargetCache:
-        """The sharding of every array of a cache (or of its shapes), as a `TargetCache` tree."""
-        mesh = self.target.mesh
-        state = lambda x: None if x is None else recurrent_state_sharding(mesh, x.shape)  # noqa: E731
-        kv = kv_cache_sharding(mesh, cache.kv.k_lbskd.shape)
-        return TargetCache(KVCache(kv, kv), state(cache.conv_lbwc), state(cache.ssm_lbhkv))
+def decode_step(graphdef, mesh, state, tokens_b, positions_b, cache, sp, key, greedy: bool = False):
+    """Feeds one token per row at its position (`step_logits`); returns the next token per row and
+    the cache. The one single-token step: `ARDecoder.decode_step` and the exactness probe's chain.
 
-    def constrain(self, cache: TargetCache) -> TargetCache:
-        return jax.tree.map(jax.lax.with_sharding_constraint, cache, self.shardings(cache))
+    Example:
+        >>> step = jax.jit(functools.partial(decode_step, target.graphdef, target.mesh),
+        ...                static_argnames="greedy")  # doctest: +SKIP
+        >>> next_b, cache = step(target.state, tokens_b, positions_b, cache, sp, key, greedy=True)  # doctest: +SKIP
+    """
+    logits, cache = step_logits(nnx.merge(graphdef, state), tokens_b, positions_b, cache)
+    nxt = jax.lax.with_sharding_constraint(pick_tokens(logits, sp, key, greedy), replicated(mesh))
+    return nxt, constrain_target_cache(mesh, cache)
 
-    def new(self, batch: int, max_len: int) -> TargetCache:
-        mesh = self.target.mesh
-        kv = new_kv_cache(mesh, self.shape(batch, max_len), self.target.state_dtype)
-        shapes = recurrent_state_shapes(self.target.cfg, batch)
-        if shapes is None:
-            return TargetCache(kv)
-        conv_shape, ssm_shape = shapes
-        return TargetCache(kv, _zeros_maker(mesh, conv_shape, jnp.dtype(self.target.state_dtype))(),
-                           _zeros_maker(mesh, ssm_shape, jnp.dtype(jnp.float32))())
+
+def run_prefill(step, state, tokens_bt, lengths_b, cache, sp, key, greedy: bool, prefill_chunk: int, mesh):
+    """The padded prompts through `step` (a jitted `prefill_step`) chunk by chunk; returns the first
+    new token per row and the filled cache (donated).
+
+    Example:
+        >>> first_b, cache = run_prefill(dec.prefill_step, target.state, tokens_bt, lengths_b, cache, sp, key,
+        ...                              True, 512, target.mesh)  # doctest: +SKIP
+    """
+    first = jax.device_put(np.zeros(tokens_bt.shape[0], np.int32), replicated(mesh))
+    for start, chunk_bt, _ in prefill_chunks(tokens_bt, prefill_chunk):
+        first, cache = step(state, chunk_bt, start, lengths_b, cache, first, sp, key, greedy=greedy)
+    return first, cache
 
 
 class ARDecoder:
     """Batched greedy / sampled generation with EOS, stop tokens and max_new_tokens. Prompts longer
-    than `prefill_chunk` tokens are prefilled in chunks of that many (`decode/prefill.py`)."""
+    than `prefill_chunk` tokens are prefilled in chunks of that many (`decode/prefill.py`).
+
+    Example: see the module docstring."""
 
     def __init__(self, target: LoadedTarget, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         self.target = target
         self.caches = TargetCaches(target)
         self.prefill_chunk = int(prefill_chunk)
-        self.prefill_step = counted_jit(self._prefill_step, donate_argnames=("cache",), static_argnames=("greedy",))
-        self.decode_step = counted_jit(self._decode_step, donate_argnames=("cache",), static_argnames=("greedy",))
-
-    def _model(self, state):
-        return nnx.merge(self.target.graphdef, state)
-
-    def _prefill_step(self, state, tokens_bt, start, lengths_b, cache, first_b, sp, key, greedy: bool = False):
-        """One prefill chunk; returns the first new token per row (carried for rows whose prompt
-        ends in a later chunk) and the cache."""
-        res = target_chunk(self._model(state), tokens_bt, start, lengths_b, cache, first_b, sp, key, greedy)
-        first = jax.lax.with_sharding_constraint(res.first_b, replicated(self.target.mesh))
-        return first, self.caches.constrain(res.out.cache)
+        static = (target.graphdef, target.mesh)
+        self.prefill_step = counted_jit(functools.partial(prefill_step, *static), donate_argnames=("cache",),
+                                        static_argnames=("greedy",))
+        self.decode_step = counted_jit(functools.partial(decode_step, *static), donate_argnames=("cache",),
+                                       static_argnames=("greedy",))
 
     def prefill(self, state, tokens_bt, lengths_b, cache, sp, key, greedy: bool = False):
-        """Runs the padded prompts chunk by chunk; returns the first new token per row and the
-        filled cache (donated)."""
-        first = jax.device_put(np.zeros(tokens_bt.shape[0], np.int32), replicated(self.target.mesh))
-        for start, chunk_bt, _ in prefill_chunks(tokens_bt, self.prefill_chunk):
-            first, cache = self.prefill_step(state, chunk_bt, start, lengths_b, cache, first, sp, key, greedy=greedy)
-        return first, cache
-
-    def _decode_step(self, state, tokens_b, positions_b, cache, sp, key, greedy: bool = False):
-        """Feeds one token per row at its position; returns the next token per row."""
-        model = self._model(state)
-        out = model(tokens_b[:, None], positions_b[:, None], cache)
-        logits = model.logits(out.hidden_bth[:, 0])
-        nxt = jax.lax.with_sharding_constraint(pick_tokens(logits, sp, key, greedy), replicated(self.target.mesh))
-        return nxt, self.caches.constrain(out.cache)
+        """Runs the padded prompts chunk by chunk (`run_prefill`); returns the first new token per
+        row and the filled cache (donated)."""
+        return run_prefill(self.prefill_step, state, tokens_bt, lengths_b, cache, sp, key, greedy, self.prefill_chunk,
+                           self.target.mesh)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  sampling: SamplingParams | None = None, seed: int = 0, stop_ids=None,

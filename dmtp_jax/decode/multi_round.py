@@ -1,4 +1,4 @@
-"""Several speculative rounds per dispatch: an on-device loop around `SpecDecoder._round`.
+"""Several speculative rounds per dispatch: an on-device loop around the round (`round.spec_round`).
 
 With `rounds_per_dispatch=K > 1` the host no longer syncs after every round: one jitted call runs
 up to `K` rounds (`run_rounds`, a `jax.lax.while_loop` over the unchanged round), decides on device
@@ -69,8 +69,8 @@ def rows_still_running(tokens_bn: jax.Array, accepted_b: jax.Array, lengths_b: j
 
 def run_rounds(round_fn: Callable, state, active_b, limits_b, sp, base_key, first_round, stop_ids_s, *,
                rounds: int, slots: int, greedy: bool):
-    """Up to `rounds` calls of `round_fn(state, active_b, limits_b, sp, key, greedy)` (the round of
-    `SpecDecoder._round` with its model states bound; `slots` verify slots) in one
+    """Up to `rounds` calls of `round_fn(state, active_b, limits_b, sp, key, greedy)` (`round.spec_round`
+    with its proposer, verifier, models and knobs bound; `slots` verify slots) in one
     `jax.lax.while_loop`; stops early when no row is running. Round `i` of the loop is round
     `first_round + i` of the request and uses the key `fold_in(base_key, first_round + i)`.
 
@@ -80,9 +80,9 @@ def run_rounds(round_fn: Callable, state, active_b, limits_b, sp, base_key, firs
     `ran_bk[b, k]` says whether row `b` was active in it; rounds past `rounds_run` did not run.
 
     Example:
-        >>> fn = functools.partial(run_rounds, functools.partial(engine._round, states), rounds=4,
-        ...                        slots=engine.slots)
-        ... # doctest: +SKIP
+        >>> one = lambda st, act, lim, sp, key, greedy: spec_round(proposer, "rejection", models, st, act, lim,
+        ...                                                        sp, key, greedy, knobs)[:4]  # doctest: +SKIP
+        >>> fn = functools.partial(run_rounds, one, rounds=4, slots=proposer.slots)  # doctest: +SKIP
         >>> state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, n = jax.jit(fn, static_argnames="greedy")(
         ...     state, active_b, limits_b, sp, key, np.int32(1), pad_stop_ids([127]), greedy=True)
         ... # doctest: +SKIP

@@ -11,9 +11,10 @@ near-tie between two logits can then flip, so the speculative output would drift
 
 Before the first speculative request, `exactness_gate(decoder)` checks it once (memoized per
 target and block width): `inputs` random prompts of `prompt_len` tokens are prefilled, then decoded
-greedily one token at a time (the chain: the single-token forward `ARDecoder` runs) for `width`
-more tokens, and ONE forward over the chain's first `width` tokens from the same prefilled cache
-(the block, as a verify round runs it) must give the chain's next token at every position. On a
+greedily one token at a time (the chain: `ARDecoder`'s own prefill and decode-step functions) for
+`width` more tokens, and ONE verify forward over the chain's first `width` tokens from the same
+prefilled cache (the block: the round's `verify_forward` phase) must give the chain's next token at
+every position. On a
 mismatch the decoder warns once and declines to plain decoding (`ar`), or raises
 `InexactBackendError` when the decoder is strict (`--strict`); `DMTP_JAX_ALLOW_INEXACT=1` engages
 speculative decoding anyway (its greedy output may then differ from `ar`). The verdict is in every
@@ -39,6 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dmtp_jax.decode import ar
+from dmtp_jax.decode.batch import pad_prompts
+from dmtp_jax.decode.caches import TargetCaches
+from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK
+from dmtp_jax.decode.round import SpecState, verify_forward
+from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.errors import InexactBackendError
 
 log = logging.getLogger(__name__)
@@ -95,56 +102,48 @@ def compare_block_to_chain(chain_rn: np.ndarray, block_argmax_rw: np.ndarray) ->
     return int(wrong.sum()), (tuple(int(i) for i in where[0]) if len(where) else None)
 
 
-# Module-level jits with the graphdef static: one compile per (architecture, shape), shared by
-# every probe of a target of that architecture. The chain's single-token step is the forward
-# `ARDecoder.decode_step` runs; the block is the forward a verify round runs.
-@functools.partial(jax.jit, static_argnums=0)
-def _prefill(graphdef, state, tokens_bt, lengths_b, cache):
-    model = nnx.merge(graphdef, state)
-    positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-    out = model(tokens_bt, positions, cache, kv_valid_bt=positions < lengths_b[:, None])
-    last_bh = jnp.take_along_axis(out.hidden_bth, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
-    return jnp.argmax(model.logits(last_bh), axis=-1).astype(jnp.int32), out.cache
+# The probe runs the decoders' own step functions, jitted here with the graphdef and mesh static so
+# that probes of targets of one architecture share their compiles: the chain is plain decoding's
+# prefill and single-token step (`decode/ar.py:prefill_step`, `decode_step`, as `ARDecoder` runs
+# them), the block is the round's verify phase (`decode/round.py:verify_forward`).
+_prefill_step = jax.jit(ar.prefill_step, static_argnums=(0, 1), static_argnames=("greedy",))
+_decode_step = jax.jit(ar.decode_step, static_argnums=(0, 1), static_argnames=("greedy",))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _single_token_step(graphdef, state, tokens_b, positions_b, cache):
-    model = nnx.merge(graphdef, state)
-    out = model(tokens_b[:, None], positions_b[:, None], cache)
-    return jnp.argmax(model.logits(out.hidden_bth[:, 0]), axis=-1).astype(jnp.int32), out.cache
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _block_forward(graphdef, state, block_bt, positions_bt, cache):
-    model = nnx.merge(graphdef, state)
-    out = model(block_bt, positions_bt, cache, speculative=True)      # exactly as the round verifies
-    return jnp.argmax(model.logits(out.hidden_bth), axis=-1).astype(jnp.int32)
+def _verify_argmax(graphdef, state, lengths_b, block_bt, cache):
+    """Argmax of the round's verify forward over `block` (pending token + drafts) from `cache`."""
+    st = SpecState(cache, None, None, None, lengths_b, block_bt[:, 0])
+    fwd = verify_forward(nnx.merge(graphdef, state), st, block_bt[:, 1:])
+    return jnp.argmax(fwd.logits_bnv, axis=-1).astype(jnp.int32)
 
 
 def chain_and_block(target, prompts: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
     """`(chain [rows, width + 1], block argmax [rows, width])`: after one prefill of `prompts`, the
-    greedy tokens of single-token decoding, and the argmax of ONE forward over the chain's first
-    `width` tokens from the same prefilled cache.
+    greedy tokens of single-token decoding, and the argmax of ONE verify forward over the chain's
+    first `width` tokens from the same prefilled cache.
 
     Example:
         >>> chain, block = chain_and_block(target, [[1, 2, 3]], width=4)  # doctest: +SKIP
         >>> chain.shape, block.shape  # doctest: +SKIP
         ((1, 5), (1, 4))
     """
-    from dmtp_jax.decode.ar import TargetCaches
-    from dmtp_jax.decode.batch import pad_prompts
-    cfg, graphdef, state = target.cfg, target.graphdef, target.state
+    cfg, graphdef, state, mesh = target.cfg, target.graphdef, target.state, target.mesh
     batch = pad_prompts(prompts, width + 1, cfg.vocab_size, cfg.max_position_embeddings, slack=width)
     rows = batch.tokens_bt.shape[0]
-    first, prefilled = _prefill(graphdef, state, batch.tokens_bt, batch.lengths_b,
-                                TargetCaches(target).new(rows, batch.max_len))
+    sp, key = SamplingParams.make(), jax.random.key(0)
+    prefill = functools.partial(_prefill_step, graphdef, mesh)
+    first, prefilled = ar.run_prefill(prefill, state, batch.tokens_bt, batch.lengths_b,
+                                      TargetCaches(target).new(rows, batch.max_len), sp, key, True,
+                                      DEFAULT_PREFILL_CHUNK, mesh)
     chain, cache = [first], prefilled
     for j in range(width):            # a fresh positions array per call: jit may alias numpy inputs
-        nxt, cache = _single_token_step(graphdef, state, chain[-1], batch.lengths_b + np.int32(j), cache)
+        nxt, cache = _decode_step(       # not donated: `prefilled` stays for the block
+            graphdef, mesh, state, chain[-1], batch.lengths_b + np.int32(j), cache, sp, key,
+                                  greedy=True)
         chain.append(nxt)
     chain_rn = np.stack([np.asarray(t) for t in chain], axis=1)
-    block_positions = batch.lengths_b[:, None] + np.arange(width, dtype=np.int32)
-    block = _block_forward(graphdef, state, chain_rn[:, :width], block_positions, prefilled)
+    block = _verify_argmax(graphdef, state, batch.lengths_b, chain_rn[:, :width], prefilled)
     return chain_rn[:len(prompts)], np.asarray(block)[:len(prompts)]
 
 

@@ -117,6 +117,32 @@ class T1Fusion(nnx.Module):
         return self._hidden(mtp_h_bh) @ self.proj[...]
 
 
+def mtp_first_candidate(target, mtp, mtp_h_bh: jax.Array):
+    """MTP's first candidate from its pre-norm hidden `h`: `(y = mtp.post_norm(h), fp32 logits of T1,
+    confidence)`, where the confidence is the MTP's top-1 probability at temperature 1 (whatever the
+    sampling temperature). The one definition of dmtp-adaptive's confidence: the decode round
+    (`decode/proposers.py:mtp_first`) and calibration (`train/calibrate.py:anchor_outcomes`) both
+    call this, so a calibrated threshold means the same thing when decoding.
+
+    Example:
+        >>> y, logits, confidence = mtp_first_candidate(target, mtp, state.mtp_h_bh)  # doctest: +SKIP
+    """
+    y = mtp.post_norm(mtp_h_bh)
+    logits = target.logits(y).astype(jnp.float32)
+    return y, logits, mtp_confidence(logits)
+
+
+def mtp_confidence(logits_bv: jax.Array) -> jax.Array:
+    """The top-1 probability of `softmax(logits)` (temperature 1), fp32 (see `mtp_first_candidate`).
+
+    Example:
+        >>> round(float(mtp_confidence(jnp.log(jnp.array([0.7, 0.2, 0.1])))), 4)
+        0.7
+    """
+    logits = logits_bv.astype(jnp.float32)
+    return 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
+
+
 def block_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
     """(position offsets of the drafter's block rows relative to the pending token's position L,
     index of the first block row whose output is a draft). `slots` = verify slots (A + candidates).

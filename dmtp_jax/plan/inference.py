@@ -81,7 +81,7 @@ def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, t
             read["ctx_cache"] = caches["ctx_cache"] * min(1.0, decoder.context_window / max_len)
         parts = {**{f"weights:{k}": v for k, v in weights.items()}, **{f"cache:{k}": v for k, v in caches.items()}}
         minimum = int(sum(weights.values()) + sum(read.values()))
-        states = decoder._states()
+        states, knobs = decoder.model_states(), decoder.knobs()
         active = jax.ShapeDtypeStruct((rows,), np.bool_)
         limits = jax.ShapeDtypeStruct((rows,), np.int32)
         rounds_needed = -(-max_new_tokens // (accept_len or 1.0))
@@ -95,12 +95,13 @@ def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, t
             stop = pad_stop_ids(target.cfg.eos_token_ids)
             calls.append(PlannedCall(
                 "multi_round", lambda: decoder.multi_round.lower(*args(states), state, *args(active, limits, sp, key,
-                                                                                          np.int32(1), stop),
+                                                                                          np.int32(1), stop, knobs),
                                                                  greedy=greedy),
                 minimum * k, int(-(-rounds_needed // k)), per_round and per_round * k, parts))
         else:
             calls.append(PlannedCall(
-                "round", lambda: decoder.round.lower(*args(states), state, *args(active, limits, sp, key), greedy=greedy),
+                "round", lambda: decoder.round.lower(*args(states), state, *args(active, limits, sp, key, np.int32(1),
+                                                                                 knobs), greedy=greedy),
                 minimum, int(rounds_needed), per_round, parts))
         return calls
     shapes = jax.eval_shape(lambda: decoder.caches.new(rows, max_len))

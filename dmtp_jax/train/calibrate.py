@@ -55,6 +55,7 @@ def anchor_outcomes(target, mtp, drafter, fusion, tokens_bt, loss_mask_bt, ancho
     """
     import jax.numpy as jnp
 
+    from dmtp_jax.models.fusion import mtp_first_candidate
     from dmtp_jax.train.features import mtp_hidden, target_features
     from dmtp_jax.train.loss import block_inputs, drafter_block_logits
 
@@ -63,8 +64,7 @@ def anchor_outcomes(target, mtp, drafter, fusion, tokens_bt, loss_mask_bt, ancho
     feats, hidden = target_features(target, tokens_bt, valid_bt, dcfg)
     mtp_h = mtp_hidden(mtp, target, tokens_bt, hidden)
     h_a = jnp.take_along_axis(mtp_h, anchors_bn[..., None], axis=1)
-    mtp_logits = target.logits(mtp.post_norm(h_a)).astype(jnp.float32)
-    top_p = 1.0 / jnp.sum(jnp.exp(mtp_logits - mtp_logits.max(-1, keepdims=True)), axis=-1)
+    _, mtp_logits, top_p = mtp_first_candidate(target, mtp, h_a)     # the decode round's confidence
     x_next = jnp.take_along_axis(tokens_bt, anchors_bn + 1, axis=1)
     mtp_right = jnp.argmax(mtp_logits, -1) == x_next
     committed = {}

@@ -1,0 +1,152 @@
+"""The decode caches, created at their mesh sharding: the target's `TargetCache` (attention K/V,
+Gated DeltaNet conv windows and recurrent states) and plain `KVCache`s (the drafter's context, the
+MTP's private cache). The arrays themselves are `layers/kv_cache.py`; this module makes them.
+
+Every maker is one jitted function per (mesh, shape, dtype) whose output sits at the cache's
+sharding, so a donated cache never recompiles the function it is passed to.
+
+Example:
+    >>> from dmtp_jax.sharding import make_mesh
+    >>> cache = new_kv_cache(make_mesh("tensor=1"), (1, 2, 16, 1, 4), "float32")
+    >>> cache.k_lbskd.shape
+    (1, 2, 16, 1, 4)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dmtp_jax.layers.kv_cache import KVCache, TargetCache
+from dmtp_jax.sharding import cache_kv_heads, kv_cache_sharding, recurrent_state_sharding
+
+if TYPE_CHECKING:
+    from dmtp_jax.checkpoint.hf import LoadedTarget
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_cache_maker(mesh, shape, dtype):
+    s = kv_cache_sharding(mesh, shape)
+    return jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), out_shardings=KVCache(s, s))
+
+
+def new_kv_cache(mesh, shape, dtype) -> KVCache:
+    """A zero KV cache `[layers, B, S, kv, D]` created at its mesh sharding (so donating it never
+    recompiles); one jitted maker per (mesh, shape, dtype).
+
+    Example: see the module docstring."""
+    return _zeros_cache_maker(mesh, tuple(shape), jnp.dtype(dtype))()
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_maker(mesh, shape, dtype):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=recurrent_state_sharding(mesh, shape))
+
+
+def kv_cache_shape(cfg, batch: int, max_len: int, mesh=None, layers: int | None = None) -> tuple[int, ...]:
+    """`[attention layers (or layers), B, S, kv_heads, head_dim]`, the KV heads as laid out on
+    `mesh` (`sharding.cache_kv_heads`; the model's own without one).
+
+    Example:
+        >>> kv_cache_shape(cfg, batch=2, max_len=128)  # doctest: +SKIP
+        (28, 2, 128, 8, 128)
+    """
+    heads = cache_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads, mesh)
+    return (len(cfg.attention_layers) if layers is None else layers, batch, max_len, heads, cfg.head_dim)
+
+
+def recurrent_state_shapes(cfg, batch: int):
+    """`(conv [Ll, B, K-1, C], ssm [Ll, B, nv, dk, dv])` of the DeltaNet layers, or None.
+
+    Example:
+        >>> recurrent_state_shapes(qwen3_cfg, 2) is None  # doctest: +SKIP
+        True
+    """
+    n = len(cfg.linear_layers)
+    if not n:
+        return None
+    return ((n, batch, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim),
+            (n, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+
+
+def state_bytes_per_row(cfg, max_len: int, dtype_bytes: int = 2, verify_slots: int = 8) -> dict[str, int]:
+    """Bytes one row holds across rounds -- `kv` (K/V of the attention layers at `max_len` slots),
+    `conv` and `ssm` (fp32) of the DeltaNet layers -- and `verify_transient`: the per-token DeltaNet
+    inputs a verify round of `verify_slots` keeps for its commit (released after the round).
+    DeltaNet states are committed by replaying the accepted prefix, so no per-slot snapshots exist.
+
+    Example:
+        >>> state_bytes_per_row(cfg, 32768)["ssm"]  # doctest: +SKIP
+    """
+    out = {"kv": 2 * int(np.prod(kv_cache_shape(cfg, 1, max_len))) * dtype_bytes, "conv": 0, "ssm": 0,
+           "verify_transient": 0}
+    shapes = recurrent_state_shapes(cfg, 1)
+    if shapes:
+        conv, ssm = shapes
+        out["conv"] = int(np.prod(conv)) * dtype_bytes
+        out["ssm"] = int(np.prod(ssm)) * 4
+        nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        per_token = cfg.linear_conv_dim * dtype_bytes + 4 * (nv * dk + nv * dv + 2 * nv)
+        out["verify_transient"] = conv[0] * verify_slots * per_token
+    return out
+
+
+def target_cache_shardings(mesh, cache: TargetCache) -> TargetCache:
+    """The sharding of every array of a target cache (or of its shapes) on `mesh`, as a `TargetCache`.
+
+    Example:
+        >>> target_cache_shardings(mesh, cache).kv.k_lbskd  # doctest: +SKIP
+    """
+    state = lambda x: None if x is None else recurrent_state_sharding(mesh, x.shape)  # noqa: E731
+    kv = kv_cache_sharding(mesh, cache.kv.k_lbskd.shape)
+    return TargetCache(KVCache(kv, kv), state(cache.conv_lbwc), state(cache.ssm_lbhkv))
+
+
+def constrain_target_cache(mesh, cache: TargetCache) -> TargetCache:
+    """`cache` pinned at `target_cache_shardings` (inside a jitted function).
+
+    Example:
+        >>> cache = jax.jit(lambda c: constrain_target_cache(mesh, c))(cache)  # doctest: +SKIP
+    """
+    return jax.tree.map(jax.lax.with_sharding_constraint, cache, target_cache_shardings(mesh, cache))
+
+
+class TargetCaches:
+    """The target's `TargetCache` (attention K/V, DeltaNet conv windows and states): created and
+    pinned at their mesh sharding (sizes: `state_bytes_per_row`).
+
+    Example:
+        >>> cache = TargetCaches(load_target("/tmp/tiny-qwen3")).new(2, 128)  # doctest: +SKIP
+        >>> cache.max_len  # doctest: +SKIP
+        128
+    """
+
+    def __init__(self, target: LoadedTarget):
+        self.target = target
+
+    def shape(self, batch: int, max_len: int):
+        """`kv_cache_shape` of the target's attention layers."""
+        return kv_cache_shape(self.target.cfg, batch, max_len, self.target.mesh)
+
+    def shardings(self, cache: TargetCache) -> TargetCache:
+        """The sharding of every array of a cache (or of its shapes), as a `TargetCache` tree."""
+        return target_cache_shardings(self.target.mesh, cache)
+
+    def constrain(self, cache: TargetCache) -> TargetCache:
+        """`cache` pinned at its shardings (inside a jitted function)."""
+        return constrain_target_cache(self.target.mesh, cache)
+
+    def new(self, batch: int, max_len: int) -> TargetCache:
+        """A zero cache of `batch` rows and `max_len` slots at its sharding."""
+        mesh = self.target.mesh
+        kv = new_kv_cache(mesh, self.shape(batch, max_len), self.target.state_dtype)
+        shapes = recurrent_state_shapes(self.target.cfg, batch)
+        if shapes is None:
+            return TargetCache(kv)
+        conv_shape, ssm_shape = shapes
+        return TargetCache(kv, _zeros_maker(mesh, conv_shape, jnp.dtype(self.target.state_dtype))(),
+                           _zeros_maker(mesh, ssm_shape, jnp.dtype(jnp.float32))())

@@ -1,0 +1,235 @@
+"""Proposers: one object per drafting mode, behind one interface.
+
+    proposal = proposer.propose(models, state, sp, key, greedy, limits_b, knobs)
+
+returns a `round.Proposal` (drafts `[B, n-1]`, their probabilities when sampling, the MTP cache, and
+whose first candidate each row verifies). Every proposer splits `propose` into `first` (MTP's first
+candidate T1, or None) and `draft` (the rest of the block given `first`), so the bench can time the
+two apart (`bench/phases.py`) with the very functions the round runs.
+
+| method           | proposer           | first (T1)           | draft                                            |
+| ---------------- | ------------------ | -------------------- | ------------------------------------------------ |
+| `mtp`            | `MtpChainProposer` | MTP                  | the MTP chained through its own cache            |
+| `dflash`         | `DFlashProposer`   | -                    | DFlash block `[A, MASK..]` (DFlash2: selector)   |
+| `dmtp`, `dmtp-*` | `DmtpProposer`     | MTP                  | DFlash block, MTP's T1 fused in (`fusion.py`)    |
+| `dmtp-adaptive`  | `AdaptiveProposer` | MTP, where confident | one pass: `dmtp`'s block or DFlash's, per row    |
+
+Each proposer declares the models it needs (`NEEDS`); a new drafting method is a new proposer in
+`PROPOSERS`. Knobs a proposer reads at run time are traced (`RoundKnobs`), so changing them never
+recompiles and always takes effect.
+
+Example:
+    >>> make_proposer("dmtp", slots=8, context_window=4096).NEEDS
+    {'drafter': True, 'mtp': True, 'fusion': True}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dmtp_jax.decode.round import Proposal, RoundModels, SpecState, context_window
+from dmtp_jax.decode.sampling import filtered_probs, sample_from_probs
+from dmtp_jax.decode.verify import candidate_probs_to_dense
+from dmtp_jax.models.fusion import ADAPTIVE, DMTP_METHODS, block_layout, draft_block_embeds, mtp_first_candidate
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RoundKnobs:
+    """Traced run-time knobs of the proposers: `adaptive_threshold` (dmtp-adaptive: the MTP
+    confidence from which a row takes MTP's T1; f32 scalar, ignored by the other proposers)."""
+    adaptive_threshold: jax.Array
+
+    @classmethod
+    def make(cls, adaptive_threshold: float | None = None) -> "RoundKnobs":
+        """Host-side knobs. Example: `RoundKnobs.make(0.5).adaptive_threshold` is `np.float32(0.5)`."""
+        return cls(np.float32(0.0 if adaptive_threshold is None else adaptive_threshold))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class FirstCandidate:
+    """MTP's first candidate: the token, its probabilities (None when greedy), the MTP's post-norm
+    output `y` (the chain continues from it) and its confidence (`fusion.mtp_confidence`)."""
+    t1_b: jax.Array
+    q1_bv: jax.Array | None
+    y_bh: jax.Array
+    confidence_b: jax.Array
+
+
+def pick(logits_bkv: jax.Array, sp, key: jax.Array, greedy: bool):
+    """`(tokens, probabilities or None)`: the argmax when greedy, else a draw from `filtered_probs`.
+
+    Example:
+        >>> pick(jnp.array([[0.1, 3.0, 0.2]]), None, None, True)[0].tolist()
+        [1]
+    """
+    if greedy:
+        return jnp.argmax(logits_bkv, axis=-1).astype(jnp.int32), None
+    q = filtered_probs(logits_bkv, sp)
+    return sample_from_probs(q, key), q
+
+
+def mtp_first(models: RoundModels, state: SpecState, sp, key: jax.Array, greedy: bool) -> FirstCandidate:
+    """T1 = head(mtp.norm(h)) from the state's MTP hidden (`fusion.mtp_first_candidate`).
+
+    Example:
+        >>> first = mtp_first(models, state, sp, key, True)  # doctest: +SKIP
+    """
+    y, logits, confidence = mtp_first_candidate(models.target, models.mtp, state.mtp_h_bh)
+    t1, q1 = pick(logits, sp, key, greedy)
+    return FirstCandidate(t1, q1, y, confidence)
+
+
+def drafter_hidden(method: str, slots: int, window: int, models: RoundModels, state: SpecState, t1_b, t1_from_mtp_b,
+                   limits_b) -> jax.Array:
+    """The drafter's block (`fusion.draft_block_embeds`) over its cached context window; the output
+    rows that draft (`[B, n-1, H]`, from `block_layout`'s first drafting row). Rows past a row's token
+    budget `limits_b` are hidden, as the reference shortens its last blocks.
+
+    Example:
+        >>> hidden = drafter_hidden("dflash", 8, 4096, models, state, None, None, limits_b)  # doctest: +SKIP
+    """
+    target, drafter = models.target, models.drafter
+    offsets, first_row = block_layout(method, slots)
+    positions = state.lengths_b[:, None] + jnp.asarray(offsets)
+    embeds = draft_block_embeds(method, slots, target.embed, drafter.cfg, models.fusion, state.pending_b, t1_b,
+                                state.mtp_h_bh, t1_from_mtp_b)
+    ctx_k, ctx_pos = context_window(state.ctx_cache.k_lbskd, state.lengths_b, window)
+    ctx_v, _ = context_window(state.ctx_cache.v_lbskd, state.lengths_b, window)
+    block_valid = positions < jnp.maximum(limits_b, state.lengths_b + 1)[:, None]
+    return drafter(embeds, positions, ctx_k, ctx_v, ctx_pos, ctx_pos < state.lengths_b[:, None],
+                   block_valid_bt=block_valid)[:, first_row:]
+
+
+def drafter_tokens(models: RoundModels, hidden_bkh: jax.Array, predecessor_b: jax.Array, sp, key: jax.Array,
+                   greedy: bool):
+    """`(tokens [B, k], probabilities [B, k, V] or None)` from the drafter's rows: DFlash's draft
+    logits, or DFlash2's selector (which chains from `predecessor_b`, the token before the first row).
+
+    Example:
+        >>> tokens_bk, q_bkv = drafter_tokens(models, hidden, state.pending_b, sp, key, False)  # doctest: +SKIP
+    """
+    target, drafter = models.target, models.drafter
+    if drafter.cfg.version == 2:
+        sel = drafter.propose(hidden_bkh, predecessor_b, target.logits, 0.0 if greedy else sp.temperature, key)
+        q = None if greedy else candidate_probs_to_dense(sel.candidates_blk, sel.probs_blk, target.cfg.vocab_size)
+        return sel.tokens_bl.astype(jnp.int32), q
+    return pick(drafter.draft_logits(hidden_bkh, target.logits), sp, key, greedy)
+
+
+def _joined(first_b, first_q, tokens_bk, q_bkv):
+    drafts = jnp.concatenate([first_b[:, None], tokens_bk], axis=1)
+    q = None if first_q is None else jnp.concatenate([first_q[:, None], q_bkv], axis=1)
+    return drafts, q
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposer:
+    """A drafting mode for `slots` verify slots (the pending token + `slots - 1` drafts); the drafter
+    attends to the last `window` context positions. Subclasses set `NEEDS` and implement `draft`
+    (and `first` when MTP proposes T1)."""
+    method: str
+    slots: int
+    window: int = 4096
+    NEEDS = {"drafter": False, "mtp": False, "fusion": False}
+    ADAPTIVE = False        # reports per-round first-candidate sources (dmtp-adaptive)
+
+    def first(self, models: RoundModels, state: SpecState, sp, key: jax.Array, greedy: bool) -> FirstCandidate | None:
+        """MTP's first candidate (None for a proposer without MTP); `key` is `propose`'s key."""
+        return None
+
+    def draft(self, models: RoundModels, state: SpecState, first: FirstCandidate | None, sp, key: jax.Array,
+              greedy: bool, limits_b, knobs: RoundKnobs) -> Proposal:
+        """The whole proposal given `first`; `key` is `propose`'s key."""
+        raise NotImplementedError
+
+    def propose(self, models: RoundModels, state: SpecState, sp, key: jax.Array, greedy: bool, limits_b,
+                knobs: RoundKnobs) -> Proposal:
+        """`draft(first(...))`: drafts `[B, n-1]`, their probabilities when sampling, the MTP cache and
+        whose first candidate each row verifies. Example: see the module docstring."""
+        return self.draft(models, state, self.first(models, state, sp, key, greedy), sp, key, greedy, limits_b,
+                          knobs)
+
+    def _keys(self, key):
+        return jax.random.split(key, self.slots)
+
+
+class _MtpFirst(Proposer):
+    def first(self, models, state, sp, key, greedy):
+        return mtp_first(models, state, sp, self._keys(key)[0], greedy)
+
+
+class MtpChainProposer(_MtpFirst):
+    """`mtp`: T1 from the MTP, then T2.. by chaining the MTP through its own cache (speculative rows
+    past the accepted prefix are overwritten later)."""
+    NEEDS = {"drafter": False, "mtp": True, "fusion": False}
+
+    def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
+        target, mtp = models.target, models.mtp
+        keys = self._keys(key)
+        drafts, qs, y, mtp_cache = [first.t1_b], [first.q1_bv], first.y_bh, state.mtp_cache
+        for j in range(2, self.slots):
+            pos = (state.lengths_b + j - 1)[:, None]
+            h, mtp_cache = mtp(target.embed(drafts[-1][:, None]), y[:, None], pos, mtp_cache)
+            y = mtp.post_norm(h[:, 0])
+            token, q = pick(target.logits(y), sp, keys[j - 1], greedy)
+            drafts.append(token)
+            qs.append(q)
+        q_all = None if greedy else jnp.stack(qs, axis=1)
+        return Proposal(jnp.stack(drafts, axis=1), q_all, mtp_cache, jnp.ones(first.t1_b.shape, bool))
+
+
+class DFlashProposer(Proposer):
+    """`dflash`: the drafter's block `[A, MASK..]` drafts every candidate (DFlash2: its selector)."""
+    NEEDS = {"drafter": True, "mtp": False, "fusion": False}
+
+    def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
+        hidden = drafter_hidden(self.method, self.slots, self.window, models, state, None, None, limits_b)
+        tokens, q = drafter_tokens(models, hidden, state.pending_b, sp, self._keys(key)[-1], greedy)
+        return Proposal(tokens, q, state.mtp_cache, jnp.zeros(state.pending_b.shape, bool))
+
+
+class DmtpProposer(_MtpFirst):
+    """`dmtp` and its block variants: MTP's T1, then the drafter's block with T1 (and the MTP hidden)
+    fused in as `models/fusion.py`'s table says."""
+    NEEDS = {"drafter": True, "mtp": True, "fusion": True}
+
+    def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
+        hidden = drafter_hidden(self.method, self.slots, self.window, models, state, first.t1_b, None, limits_b)
+        tokens, q = drafter_tokens(models, hidden, first.t1_b, sp, self._keys(key)[-1], greedy)
+        drafts, q_all = _joined(first.t1_b, first.q1_bv, tokens, q)
+        return Proposal(drafts, q_all, state.mtp_cache, jnp.ones(first.t1_b.shape, bool))
+
+
+class AdaptiveProposer(DmtpProposer):
+    """`dmtp-adaptive`: rows whose MTP confidence is at least `knobs.adaptive_threshold` take `dmtp`'s
+    block after MTP's T1; the others DFlash's `[A, MASK..]` (the drafter's own T1), in one drafter
+    pass (DFlash version 1 drafters)."""
+    ADAPTIVE = True
+
+    def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
+        from_mtp = first.confidence_b >= knobs.adaptive_threshold
+        hidden = drafter_hidden(self.method, self.slots, self.window, models, state, first.t1_b, from_mtp, limits_b)
+        own, own_q = drafter_tokens(models, hidden, state.pending_b, sp, self._keys(key)[-1], greedy)
+        drafts = own.at[:, 0].set(jnp.where(from_mtp, first.t1_b, own[:, 0]))
+        q = None if greedy else own_q.at[:, 0].set(jnp.where(from_mtp[:, None], first.q1_bv, own_q[:, 0]))
+        return Proposal(drafts, q, state.mtp_cache, from_mtp)
+
+
+PROPOSERS: dict[str, type[Proposer]] = {"dflash": DFlashProposer, "mtp": MtpChainProposer,
+                                        **{m: DmtpProposer for m in DMTP_METHODS}, ADAPTIVE: AdaptiveProposer}
+
+
+def make_proposer(method: str, slots: int, context_window: int = 4096) -> Proposer:
+    """The proposer of `method` (a key of `PROPOSERS`) for `slots` verify slots.
+
+    Example:
+        >>> type(make_proposer("dmtp-adaptive", 8)).__name__
+        'AdaptiveProposer'
+    """
+    return PROPOSERS[method](method, slots, context_window)
