@@ -114,19 +114,21 @@ def check_mtp_steps(mtp_steps: int) -> None:
         raise RequestError(f"--mtp-steps must be in [{lo}, {hi}], got {mtp_steps}")
 
 
-def check_adaptive_threshold(threshold: float) -> None:
-    """dmtp-adaptive's MTP-confidence threshold in [0, 1.01] (1.01: never MTP's T1).
+def check_adaptive_threshold(threshold: float) -> float:
+    """dmtp-adaptive's MTP-confidence threshold in [0, 1.01] (1.01: never MTP's T1), as a float.
 
     Example:
         >>> check_adaptive_threshold(NEVER_MTP_THRESHOLD)
+        1.01
         >>> check_adaptive_threshold(1.5)
         Traceback (most recent call last):
         ...
         dmtp_jax.errors.RequestError: --adaptive-threshold must be in [0, 1.01] (1.01: never MTP's T1), got 1.5
     """
     lo, hi = ADAPTIVE_THRESHOLD_RANGE
-    if not lo <= threshold <= hi:
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not lo <= threshold <= hi:
         raise RequestError(f"--adaptive-threshold must be in [0, {hi}] (1.01: never MTP's T1), got {threshold}")
+    return float(threshold)
 
 
 def check_rounds_per_dispatch(rounds: int) -> None:
@@ -281,5 +283,4 @@ def adaptive_threshold_for(method: str, threshold: float | None, calibrated: flo
         return None
     if threshold is None:
         threshold = DEFAULT_ADAPTIVE_THRESHOLD if calibrated is None else calibrated
-    check_adaptive_threshold(threshold)
-    return float(threshold)
+    return check_adaptive_threshold(threshold)

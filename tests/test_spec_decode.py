@@ -89,18 +89,19 @@ def test_sampled_decoding_reproduces_target_distribution(name, verify, peaked_ta
                                 SamplingParams.make(temperature=1.0, top_k=3))
 
 
-def test_every_method_has_one_proposer_that_declares_its_models():
-    """A method is a proposer (`decode/proposers.py`); the models it declares are the ones
-    `decode.method_needs` reports and the ones `check_spec_options` asks for."""
+def test_every_method_has_one_proposer_and_the_models_it_needs_are_checked():
+    """Every speculative method is a proposer (`decode/proposers.py`); the models it runs are
+    `options.method_needs` (the one rule), and `check_spec_options` refuses a decoder without one."""
     from dmtp_jax.decode import METHODS, method_needs
     from dmtp_jax.decode.batch import RequestError
-    from dmtp_jax.decode.proposers import PROPOSERS
+    from dmtp_jax.decode.proposers import PROPOSERS, make_proposer
     from dmtp_jax.decode.spec import SPEC_METHODS, check_spec_options
 
     assert set(SPEC_METHODS) == set(METHODS) - {"ar"} == set(PROPOSERS)
-    for method, proposer in PROPOSERS.items():
-        assert proposer.NEEDS == method_needs(method), method
-        for missing in [m for m, needed in proposer.NEEDS.items() if needed]:
+    for method in PROPOSERS:
+        needs = make_proposer(method, slots=8).needs
+        assert needs == method_needs(method) and any(needs.values()), method
+        for missing in [m for m, needed in needs.items() if needed]:
             given = {m: object() for m in ("drafter", "mtp", "fusion") if m != missing}
             with pytest.raises(RequestError, match="needs"):
                 check_spec_options(method, **given)

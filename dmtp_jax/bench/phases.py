@@ -84,11 +84,11 @@ def phase_breakdown(decoder, state=None, *, repeats: int = 10, warmup: int = 2, 
         st = dataclasses.replace(st, mtp_cache=mtp_cache)
         return proposer.propose(models(states), st, sp, k_draft, True, limits, knobs)
     propose = jax.jit(propose, donate_argnames=("mtp_cache",))
-    if not proposer.NEEDS["drafter"]:
+    if not proposer.needs["drafter"]:
         ms["propose-mtp"], proposal = time_it(propose, lambda: (states, state, _copy(state.mtp_cache)))
     else:
         first = None
-        if proposer.NEEDS["mtp"]:
+        if proposer.needs["mtp"]:
             first_fn = jax.jit(lambda states, st: proposer.first(models(states), st, sp, k_draft, True))
             ms["propose-mtp"], first = time_it(first_fn, lambda: (states, state))
         draft_fn = jax.jit(lambda states, st, first: proposer.draft(models(states), st, first, sp, k_draft, True,

@@ -14,12 +14,12 @@ two apart (`bench/phases.py`) with the very functions the round runs.
 | `dmtp`, `dmtp-*` | `DmtpProposer`     | MTP                  | DFlash block, MTP's T1 fused in (`fusion.py`)    |
 | `dmtp-adaptive`  | `AdaptiveProposer` | MTP, where confident | one pass: `dmtp`'s block or DFlash's, per row    |
 
-Each proposer declares the models it needs (`NEEDS`); a new drafting method is a new proposer in
+Each proposer's `needs` are the models its method needs (`options.method_needs`, the one rule); a new drafting method is a new proposer in
 `PROPOSERS`. Knobs a proposer reads at run time are traced (`RoundKnobs`), so changing them never
 recompiles and always takes effect.
 
 Example:
-    >>> make_proposer("dmtp", slots=8, context_window=4096).NEEDS
+    >>> make_proposer("dmtp", slots=8, context_window=4096).needs
     {'drafter': True, 'mtp': True, 'fusion': True}
 """
 
@@ -35,6 +35,7 @@ from dmtp_jax.decode.round import Proposal, RoundModels, SpecState, context_wind
 from dmtp_jax.decode.sampling import filtered_probs, sample_from_probs
 from dmtp_jax.decode.verify import candidate_probs_to_dense
 from dmtp_jax.models.fusion import ADAPTIVE, DMTP_METHODS, block_layout, draft_block_embeds, mtp_first_candidate
+from dmtp_jax.options import method_needs
 
 
 @jax.tree_util.register_dataclass
@@ -131,13 +132,17 @@ def _joined(first_b, first_q, tokens_bk, q_bkv):
 @dataclasses.dataclass(frozen=True)
 class Proposer:
     """A drafting mode for `slots` verify slots (the pending token + `slots - 1` drafts); the drafter
-    attends to the last `window` context positions. Subclasses set `NEEDS` and implement `draft`
+    attends to the last `window` context positions. Subclasses implement `draft`
     (and `first` when MTP proposes T1)."""
     method: str
     slots: int
     window: int = 4096
-    NEEDS = {"drafter": False, "mtp": False, "fusion": False}
     ADAPTIVE = False        # reports per-round first-candidate sources (dmtp-adaptive)
+
+    @property
+    def needs(self) -> dict[str, bool]:
+        """The models this proposer runs: `options.method_needs(method)`, the one rule."""
+        return method_needs(self.method)
 
     def first(self, models: RoundModels, state: SpecState, sp, key: jax.Array, greedy: bool) -> FirstCandidate | None:
         """MTP's first candidate (None for a proposer without MTP); `key` is `propose`'s key."""
@@ -167,7 +172,6 @@ class _MtpFirst(Proposer):
 class MtpChainProposer(_MtpFirst):
     """`mtp`: T1 from the MTP, then T2.. by chaining the MTP through its own cache (speculative rows
     past the accepted prefix are overwritten later)."""
-    NEEDS = {"drafter": False, "mtp": True, "fusion": False}
 
     def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
         target, mtp = models.target, models.mtp
@@ -186,7 +190,6 @@ class MtpChainProposer(_MtpFirst):
 
 class DFlashProposer(Proposer):
     """`dflash`: the drafter's block `[A, MASK..]` drafts every candidate (DFlash2: its selector)."""
-    NEEDS = {"drafter": True, "mtp": False, "fusion": False}
 
     def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
         hidden = drafter_hidden(self.method, self.slots, self.window, models, state, None, None, limits_b)
@@ -197,7 +200,6 @@ class DFlashProposer(Proposer):
 class DmtpProposer(_MtpFirst):
     """`dmtp` and its block variants: MTP's T1, then the drafter's block with T1 (and the MTP hidden)
     fused in as `models/fusion.py`'s table says."""
-    NEEDS = {"drafter": True, "mtp": True, "fusion": True}
 
     def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
         hidden = drafter_hidden(self.method, self.slots, self.window, models, state, first.t1_b, None, limits_b)

@@ -57,20 +57,19 @@ from dmtp_jax.decode.proposers import PROPOSERS, Proposer, RoundKnobs, make_prop
 from dmtp_jax.decode.round import SpecState, constrain_state, merge_models, prefill_step, spec_round, state_shardings
 from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
+from dmtp_jax.options import (SPEC_METHODS, VERIFY_MODES, adaptive_threshold_for, check_adaptive_threshold,  # noqa: F401
+                              check_method, check_models_given, check_rounds_per_dispatch, check_verify_mode, verify_slots)
 from dmtp_jax.sharding import replicated
 
 DEFAULT_CONTEXT_WINDOW = 4096
-DEFAULT_ADAPTIVE_THRESHOLD = 0.5     # dmtp-adaptive without a calibrated threshold in its drafter
-VERIFY_MODES = ("rejection", "target-only", "block")
-SPEC_METHODS = tuple(PROPOSERS)
 
 
 def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, block_size: int | None = None,
                        mtp_steps: int = 4, verify: str = "rejection", adaptive_threshold: float | None = None,
                        rounds_per_dispatch: int = 1) -> tuple[int, float | None]:
     """Every option of a `SpecDecoder`, checked in one place: returns `(verify slots, adaptive
-    threshold or None)`; raises `RequestError` (`ValueError` for `verify`) naming the bad option.
-    The models a method needs are its proposer's `NEEDS`.
+    threshold or None)`; raises `RequestError` naming the bad option.
+    The rules are `dmtp_jax.options`' (the models a method needs: `options.method_needs`).
 
     Example:
         >>> check_spec_options("mtp", mtp=object(), mtp_steps=3)
@@ -78,51 +77,17 @@ def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, bloc
         >>> check_spec_options("mtp", mtp=object(), mtp_steps=0)
         Traceback (most recent call last):
         ...
-        dmtp_jax.decode.batch.RequestError: --mtp-steps must be in [1, 15], got 0
+        dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 0
     """
-    if verify not in VERIFY_MODES:
-        raise ValueError(f"verify must be one of {VERIFY_MODES}, got '{verify}'")
-    if method not in SPEC_METHODS:
-        raise RequestError(f"unknown speculative method '{method}'; known: {', '.join(SPEC_METHODS)}")
-    if isinstance(rounds_per_dispatch, bool) or not isinstance(rounds_per_dispatch, (int, np.integer)) \
-            or rounds_per_dispatch < 1:
-        raise RequestError(f"--rounds-per-dispatch must be an integer >= 1, got {rounds_per_dispatch!r}")
-    proposer = PROPOSERS[method]
-    needs = proposer.NEEDS
-    if needs["drafter"] and drafter is None:
-        raise RequestError(f"method '{method}' needs a DFlash drafter (--draft DIR)")
-    if needs["mtp"] and mtp is None:
-        raise RequestError(f"method '{method}' needs the target's native MTP head")
-    if needs["fusion"] and fusion is None:
-        raise RequestError(f"method '{method}' needs its fusion (load the drafter with load_dmtp_drafter)")
-    if not needs["drafter"]:
-        if not 1 <= mtp_steps <= 15:
-            raise RequestError(f"--mtp-steps must be in [1, 15], got {mtp_steps}")
-        slots = mtp_steps + 1
-    else:
-        slots = block_size or drafter.cfg.block_size
-        if not 3 <= slots <= 64:
-            raise RequestError(f"block size must be in [3, 64], got {slots}")
-    threshold = None
-    if proposer.ADAPTIVE:
-        if drafter.cfg.version != 1:
-            raise RequestError("dmtp-adaptive needs a DFlash (version 1) drafter")
-        if adaptive_threshold is None:
-            adaptive_threshold = fusion.cfg.get("threshold", DEFAULT_ADAPTIVE_THRESHOLD)
-        threshold = check_adaptive_threshold(adaptive_threshold)
+    check_verify_mode(verify)
+    check_method(method, SPEC_METHODS, what="speculative method")
+    check_rounds_per_dispatch(rounds_per_dispatch)
+    check_models_given(method, drafter=drafter, mtp=mtp, fusion=fusion)
+    slots = verify_slots(method, mtp_steps=mtp_steps, block_size=block_size,
+                         drafter_block_size=None if drafter is None else drafter.cfg.block_size)
+    threshold = adaptive_threshold_for(method, adaptive_threshold,
+                                       None if fusion is None else fusion.cfg.get("threshold"))
     return slots, threshold
-
-
-def check_adaptive_threshold(threshold) -> float:
-    """The threshold as a float in [0, 1.01] (1.01: never MTP's T1, calibration's "never").
-
-    Example:
-        >>> check_adaptive_threshold(0.25)
-        0.25
-    """
-    if threshold is None or not 0.0 <= float(threshold) <= 1.01:
-        raise RequestError(f"--adaptive-threshold must be in [0, 1], got {threshold}")
-    return float(threshold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +146,7 @@ def multi_round_entry(setup: RoundSetup, states, state: SpecState, active_b, lim
 
 def _used(proposer: Proposer, target, drafter, mtp, fusion) -> tuple:
     """`(target, drafter, mtp, fusion)` with the models the proposer does not need set to None."""
-    needs = proposer.NEEDS
+    needs = proposer.needs
     return (target, drafter if needs["drafter"] else None, mtp if needs["mtp"] else None,
             fusion if needs["fusion"] else None)
 
@@ -257,11 +222,11 @@ class SpecDecoder:
         rep = replicated(mesh)    # placed as the jitted calls leave them: one compile
         zeros = lambda: jax.device_put(np.zeros(batch, np.int32), rep)  # noqa: E731  (two buffers: both donated)
         ctx = mtp_cache = mtp_h = None
-        if self.proposer.NEEDS["drafter"]:
+        if self.proposer.needs["drafter"]:
             d = self.drafter.cfg
             ctx = new_kv_cache(mesh, kv_cache_shape(d, batch, max_len, mesh, d.num_hidden_layers),
                                self.drafter.state_dtype)
-        if self.proposer.NEEDS["mtp"]:
+        if self.proposer.needs["mtp"]:
             c = self.target.cfg
             mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, 1), self.mtp.state_dtype)
             mtp_h = jax.device_put(np.zeros((batch, c.hidden_size), self.mtp.state_dtype), rep)

@@ -29,8 +29,9 @@ import os
 import numpy as np
 
 from dmtp_jax.errors import InputError
+from dmtp_jax.options import NEVER_MTP_THRESHOLD
 
-GRID = tuple(round(0.05 * i, 2) for i in range(21)) + (1.01,)     # 1.01: never MTP's T1
+GRID = tuple(round(0.05 * i, 2) for i in range(21)) + (NEVER_MTP_THRESHOLD,)     # never MTP's T1
 
 
 @dataclasses.dataclass
