@@ -44,7 +44,7 @@ VERIFY_MODES = ("rejection", "target-only", "block")
 BLOCK_SIZE_RANGE = (3, 64)
 MTP_STEPS_RANGE = (1, 15)
 NEVER_MTP_THRESHOLD = 1.01          # dmtp-adaptive: no MTP top-1 probability reaches it
-ADAPTIVE_THRESHOLD_RANGE = (0.0, NEVER_MTP_THRESHOLD)
+ADAPTIVE_THRESHOLD_RANGE = (0, NEVER_MTP_THRESHOLD)
 DEFAULT_ADAPTIVE_THRESHOLD = 0.5    # dmtp-adaptive without a calibrated threshold in its fusion
 
 
@@ -84,6 +84,12 @@ def _positive_int(flag: str, value, error: type) -> None:
         raise error(f"{flag} must be an integer >= 1, got {value!r}")
 
 
+def _in_range(flag: str, value, bounds: tuple, error: type = RequestError, note: str = "") -> None:
+    lo, hi = bounds
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not lo <= value <= hi:
+        raise error(f"{flag} must be in [{lo}, {hi}]{note}, got {value}")
+
+
 def check_block_size(block_size: int, error: type = RequestError, name: str = "--block-size") -> None:
     """A drafter block (verify slots) in [3, 64], for decoding and training alike; `name` is what
     the message calls it (the flag, or "the drafter's block_size" when it comes from the drafter).
@@ -95,9 +101,7 @@ def check_block_size(block_size: int, error: type = RequestError, name: str = "-
         ...
         dmtp_jax.errors.InputError: --block-size must be in [3, 64], got 2
     """
-    lo, hi = BLOCK_SIZE_RANGE
-    if not lo <= block_size <= hi:
-        raise error(f"{name} must be in [{lo}, {hi}], got {block_size}")
+    _in_range(name, block_size, BLOCK_SIZE_RANGE, error)
 
 
 def check_mtp_steps(mtp_steps: int) -> None:
@@ -109,9 +113,7 @@ def check_mtp_steps(mtp_steps: int) -> None:
         ...
         dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 0
     """
-    lo, hi = MTP_STEPS_RANGE
-    if not lo <= mtp_steps <= hi:
-        raise RequestError(f"--mtp-steps must be in [{lo}, {hi}], got {mtp_steps}")
+    _in_range("--mtp-steps", mtp_steps, MTP_STEPS_RANGE)
 
 
 def check_adaptive_threshold(threshold: float) -> float:
@@ -125,9 +127,7 @@ def check_adaptive_threshold(threshold: float) -> float:
         ...
         dmtp_jax.errors.RequestError: --adaptive-threshold must be in [0, 1.01] (1.01: never MTP's T1), got 1.5
     """
-    lo, hi = ADAPTIVE_THRESHOLD_RANGE
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not lo <= threshold <= hi:
-        raise RequestError(f"--adaptive-threshold must be in [0, {hi}] (1.01: never MTP's T1), got {threshold}")
+    _in_range("--adaptive-threshold", threshold, ADAPTIVE_THRESHOLD_RANGE, note=" (1.01: never MTP's T1)")
     return float(threshold)
 
 

@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 
 from dmtp_jax.checkpoint.safetensors_io import SafetensorsFile
+from train_fixtures import sigterm_on_call
 
 
 def test_distil_mtp_replaces_only_the_head_and_keeps_the_corpus_head(tiny_qwen3_5_dir, tmp_path):
@@ -59,8 +60,6 @@ def test_pretrain_stops_on_sigterm_survives_a_cut_metrics_line_and_resumes_bit_f
     """Demo pretraining runs in the drafter's loop: SIGTERM checkpoints and stops (nothing
     exported); a metrics line cut off by a kill is dropped on `--resume`; the resumed run logs
     every step once, with the losses and the exported weights of an uninterrupted run."""
-    import signal
-
     from dmtp_jax.demo import pretrain as pretrain_mod
     from dmtp_jax.demo.build import run_pretrain
     from dmtp_jax.train.loop import checkpoint_manager
@@ -68,15 +67,7 @@ def test_pretrain_stops_on_sigterm_survives_a_cut_metrics_line_and_resumes_bit_f
     straight = run_pretrain(tiny_pretrain_config(str(tmp_path / "a")))
     assert straight["steps"] == 6 and straight["compile_count"] == 1
     shutil.copytree(tmp_path / "a" / "data", tmp_path / "b" / "data")      # the same corpus and tokenizer
-    real_next, calls = pretrain_mod.WindowBatches.next, []
-
-    def next_with_sigterm(self):
-        calls.append(1)
-        if len(calls) == 3:                       # preempted while step 3's batch is read
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_next(self)
-
-    monkeypatch.setattr(pretrain_mod.WindowBatches, "next", next_with_sigterm)
+    real_next = sigterm_on_call(monkeypatch, pretrain_mod.WindowBatches, 3)   # preempted while step 3's batch is read
     b = tmp_path / "b"
     stopped = run_pretrain(tiny_pretrain_config(str(b)))
     assert (stopped["stopped_by"], stopped["exit_status"], stopped["last_checkpoint"]) == ("SIGTERM", 143, 3)

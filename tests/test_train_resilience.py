@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train_fixtures import tiny_train_config, write_random_data
+from train_fixtures import sigterm_on_call, tiny_train_config, write_random_data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 POISON = 119          # a batch whose first token is POISON gets a NaN loss (see `poisoned_loss`)
@@ -119,15 +119,7 @@ def test_sigterm_checkpoints_and_resume_logs_every_step_once(tiny_qwen3_dir, tmp
     from dmtp_jax.train.loop import checkpoint_manager, run_training
     data = write_random_data(str(tmp_path / "d.jsonl"), n=12, length=48)
     common = dict(steps=8, batch_size=4, seq_len=48, checkpoint_every=3)
-    real_next, calls = data_mod.BatchIterator.next, []
-
-    def next_with_sigterm(self):
-        calls.append(1)
-        if len(calls) == 5:                       # preempted while step 5's batch is read
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_next(self)
-
-    monkeypatch.setattr(data_mod.BatchIterator, "next", next_with_sigterm)
+    real_next = sigterm_on_call(monkeypatch, data_mod.BatchIterator, 5)   # preempted while step 5's batch is read
     run = str(tmp_path / "run")
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     first = run_training(tiny_train_config(tiny_qwen3_dir, data, run, **common))

@@ -51,3 +51,21 @@ def tiny_train_config(target_dir: str, data: str, out: str, **overrides):
                 checkpoint_every=20, keep_checkpoints=2, progress=False)
     base.update(overrides)
     return TrainConfig(**base)
+
+
+def sigterm_on_call(monkeypatch, cls, call: int):
+    """Patch `cls.next` (a batch source) to send this process SIGTERM on its `call`-th call: a
+    preemption while that step's batch is read. Returns the original `next`, to restore."""
+    import os
+    import signal
+
+    real_next, calls = cls.next, []
+
+    def next_with_sigterm(self):
+        calls.append(1)
+        if len(calls) == call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_next(self)
+
+    monkeypatch.setattr(cls, "next", next_with_sigterm)
+    return real_next
