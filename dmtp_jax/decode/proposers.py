@@ -14,9 +14,9 @@ two apart (`bench/phases.py`) with the very functions the round runs.
 | `dmtp`, `dmtp-*` | `DmtpProposer`     | MTP                  | DFlash block, MTP's T1 fused in (`fusion.py`)    |
 | `dmtp-adaptive`  | `AdaptiveProposer` | MTP, where confident | one pass: `dmtp`'s block or DFlash's, per row    |
 
-Each proposer's `needs` are the models its method needs (`options.method_needs`, the one rule); a new drafting method is a new proposer in
-`PROPOSERS`. Knobs a proposer reads at run time are traced (`RoundKnobs`), so changing them never
-recompiles and always takes effect.
+Each proposer's `needs` are the models its method needs (`options.method_needs`, the one rule); a
+new drafting method is a new proposer in `PROPOSERS`. Knobs a proposer reads at run time are traced
+(`RoundKnobs`), so changing them never recompiles and always takes effect.
 
 Example:
     >>> make_proposer("dmtp", slots=8, context_window=4096).needs

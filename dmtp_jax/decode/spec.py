@@ -57,8 +57,9 @@ from dmtp_jax.decode.proposers import PROPOSERS, Proposer, RoundKnobs, make_prop
 from dmtp_jax.decode.round import SpecState, constrain_state, merge_models, prefill_step, spec_round, state_shardings
 from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
-from dmtp_jax.options import (SPEC_METHODS, VERIFY_MODES, adaptive_threshold_for, check_adaptive_threshold,  # noqa: F401
-                              check_method, check_models_given, check_rounds_per_dispatch, check_verify_mode, verify_slots)
+from dmtp_jax.options import (SPEC_METHODS, VERIFY_MODES, adaptive_threshold_for,  # noqa: F401
+                              check_adaptive_threshold, check_method, check_models_given,
+                              check_rounds_per_dispatch, check_verify_mode, verify_slots)
 from dmtp_jax.sharding import replicated
 
 DEFAULT_CONTEXT_WINDOW = 4096
