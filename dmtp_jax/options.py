@@ -196,22 +196,12 @@ def check_decode_options(*, method: str | None = None, mtp_steps: int | None = N
         ...
         dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 16
     """
-    if method is not None:
-        check_method(method)
-    if max_new_tokens is not None:
-        check_max_new_tokens(max_new_tokens)
-    if mtp_steps is not None:
-        check_mtp_steps(mtp_steps)
-    if block_size is not None:
-        check_block_size(block_size)
-    if rounds_per_dispatch is not None:
-        check_rounds_per_dispatch(rounds_per_dispatch)
-    if prefill_chunk is not None:
-        check_prefill_chunk(prefill_chunk)
-    if adaptive_threshold is not None:
-        check_adaptive_threshold(adaptive_threshold)
-    if verify is not None:
-        check_verify_mode(verify)
+    for value, check in ((method, check_method), (max_new_tokens, check_max_new_tokens), (mtp_steps, check_mtp_steps),
+                         (block_size, check_block_size), (rounds_per_dispatch, check_rounds_per_dispatch),
+                         (prefill_chunk, check_prefill_chunk), (adaptive_threshold, check_adaptive_threshold),
+                         (verify, check_verify_mode)):
+        if value is not None:
+            check(value)
 
 
 MISSING_MODEL = {"drafter": "a DFlash drafter (--draft DIR)", "mtp": "the target's native MTP head",
