@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dmtp_jax.errors import InputError
 from dmtp_jax.layers import params
 
 DRAFT_HEADS = ("full", "efficient")
@@ -66,7 +67,7 @@ def head_shape(hidden: int, vocab: int, rank: int | None = None, shortlist: int 
     rank = min(DEFAULT_RANK, max(1, hidden // 4)) if rank is None else rank
     shortlist = min(DEFAULT_SHORTLIST, max(1, vocab // 16)) if shortlist is None else shortlist
     if rank < 1 or shortlist < 1:
-        raise ValueError(f"the draft head's rank and shortlist must be >= 1, got {rank} and {shortlist}")
+        raise InputError(f"--draft-head-rank and --draft-head-shortlist must be >= 1, got {rank} and {shortlist}")
     return min(rank, hidden), min(shortlist, vocab)
 
 
