@@ -14,6 +14,10 @@ two apart (`bench/phases.py`) with the very functions the round runs.
 | `dmtp`, `dmtp-*` | `DmtpProposer`     | MTP                  | DFlash block, MTP's T1 fused in (`fusion.py`)    |
 | `dmtp-adaptive`  | `AdaptiveProposer` | MTP, where confident | one pass: `dmtp`'s block or DFlash's, per row    |
 
+Every vocabulary projection a proposer makes goes through the drafting side's head
+(`RoundModels.draft_logits`, `mtp_first_candidate(..., models.draft_head)`: the full LM head or the
+efficient shortlist head, `models/draft_head.py`); verification always uses the full head.
+
 Each proposer's `needs` are the models its method needs (`options.method_needs`, the one rule); a
 new drafting method is a new proposer in `PROPOSERS`. Knobs a proposer reads at run time are traced
 (`RoundKnobs`), so changing them never recompiles and always takes effect.

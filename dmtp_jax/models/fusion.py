@@ -144,7 +144,7 @@ def mtp_confidence(logits_bv: jax.Array, rest_lse_b: jax.Array | None = None) ->
     Example:
         >>> round(float(mtp_confidence(jnp.log(jnp.array([0.7, 0.2, 0.1])))), 4)
         0.7
-        >>> round(float(mtp_confidence(jnp.log(jnp.array([0.7, 0.2, -jnp.inf])), jnp.log(0.1))), 4)
+        >>> round(float(mtp_confidence(jnp.log(jnp.array([0.7, 0.2, 0.0])), jnp.log(0.1))), 4)
         0.7
     """
     logits = logits_bv.astype(jnp.float32)
