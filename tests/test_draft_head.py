@@ -32,8 +32,8 @@ def test_exact_on_the_shortlist_and_full_rank_holds_the_argmax(tied):
     full = jnp.einsum("...h,vh->...v" if tied else "...h,hv->...v", x, w)
     for rank, shortlist in ((2, 6), (h_dim, 4)):
         head = factor_head(EfficientHead(hidden=h_dim, vocab=vocab, rank=rank, shortlist=shortlist,
-                                         dtype=jnp.float32), w, tied=tied)
-        scores = head.scores(x, w, tied=tied)
+                                         dtype=jnp.float32, tied=tied), w)
+        scores = head.scores(x, w if tied else None)
         kept = np.isfinite(np.asarray(scores.logits))
         assert (kept.sum(-1) == shortlist).all()
         np.testing.assert_allclose(np.asarray(scores.logits)[kept], np.asarray(full)[kept], rtol=1e-5, atol=1e-5)
@@ -41,8 +41,8 @@ def test_exact_on_the_shortlist_and_full_rank_holds_the_argmax(tied):
         if rank == h_dim:      # the full-rank factor scores exactly: its shortlist holds the argmax
             assert (np.argmax(np.asarray(scores.logits), -1) == np.argmax(np.asarray(full), -1)).all()
     # the confidence counts the mass outside the shortlist: no more than the full softmax's top-1
-    small = factor_head(EfficientHead(hidden=h_dim, vocab=vocab, rank=2, shortlist=4, dtype=jnp.float32), w,
-                        tied=tied).scores(x, w, tied=tied)
+    small = factor_head(EfficientHead(hidden=h_dim, vocab=vocab, rank=2, shortlist=4, dtype=jnp.float32, tied=tied),
+                        w).scores(x, w if tied else None)
     shortlist_only = mtp_confidence(small.logits)
     assert (np.asarray(mtp_confidence(small.logits, small.rest_lse)) < np.asarray(shortlist_only)).all()
 

@@ -26,7 +26,7 @@ Example:
     >>> w = jax.random.normal(jax.random.key(0), (8, 32))
     >>> head = factor_head(head, w)
     >>> h = jax.random.normal(jax.random.key(1), (2, 8))
-    >>> scores = head.scores(h, w, tied=False)
+    >>> scores = head.scores(h)
     >>> bool(jnp.all(jnp.argmax(scores.logits, -1) == jnp.argmax(h @ w, -1)))  # full rank: exact argmax
     True
 """
@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from dmtp_jax.errors import InputError
 from dmtp_jax.layers import params
@@ -73,48 +74,86 @@ def head_shape(hidden: int, vocab: int, rank: int | None = None, shortlist: int 
 
 class EfficientHead(nnx.Module):
     """Low-rank shortlist + exact rescoring. Params: `down` A `[H, r]`, `up` B `[r, V]` (vocab axis
-    sharded like the LM head's); `shortlist` K is static."""
+    sharded like the LM head's) and, for an untied LM head, `rows`: the head transposed `[V, H]`,
+    so that the shortlist's exact rescoring reads K contiguous rows (a tied head's rows are the
+    target's `embed_tokens`, not copied). `shortlist` K and `tied` are static."""
 
-    def __init__(self, *, hidden: int, vocab: int, rank: int, shortlist: int, dtype):
-        self.rank, self.shortlist = int(rank), int(shortlist)
+    def __init__(self, *, hidden: int, vocab: int, rank: int, shortlist: int, dtype, tied: bool = False):
+        self.rank, self.shortlist, self.tied = int(rank), int(shortlist), bool(tied)
         self.down = params.zeros((hidden, rank), ("embed", None), dtype)
         self.up = params.zeros((rank, vocab), (None, "vocab"), dtype)
+        if not tied:
+            self.rows = params.zeros((vocab, hidden), ("vocab", "embed"), dtype)
 
-    def scores(self, hidden: jax.Array, weight: jax.Array, *, tied: bool) -> DraftScores:
-        """`hidden [..., H]` against the LM head `weight` (`[H, V]`, or `[V, H]` when `tied`, as
-        `qwen3.lm_head_logits` takes it): exact fp32 logits on the top-`shortlist` of the low-rank
-        scores, -inf elsewhere, and the low-rank scores' logsumexp outside the shortlist."""
+    def scores(self, hidden: jax.Array, embed_vh: jax.Array | None = None) -> DraftScores:
+        """`hidden [..., H]`: exact fp32 logits on the top-`shortlist` of the low-rank scores, -inf
+        elsewhere, and the low-rank scores' logsumexp outside the shortlist. `embed_vh`: the
+        target's `embed_tokens` when the head is tied (the rows rescored), else unused."""
         lead, h = hidden.shape[:-1], hidden.shape[-1]
         x = hidden.reshape(-1, h)
         z = jnp.dot(x, self.down[...], preferred_element_type=jnp.float32).astype(x.dtype)
         approx = jnp.dot(z, self.up[...], preferred_element_type=jnp.float32)          # [N, V]
         _, idx = jax.lax.top_k(approx, self.shortlist)                                  # [N, K]
-        if tied:     # embed_tokens [V, H]: the shortlist's rows
-            exact = jnp.einsum("nh,nkh->nk", x, jnp.take(weight, idx, axis=0), preferred_element_type=jnp.float32)
-        else:        # lm_head [H, V]: the shortlist's columns
-            exact = jnp.einsum("nh,hnk->nk", x, jnp.take(weight, idx, axis=1), preferred_element_type=jnp.float32)
-        rows = jnp.arange(x.shape[0])[:, None]
-        logits = jnp.full(approx.shape, -jnp.inf, jnp.float32).at[rows, idx].set(exact)
-        rest = jax.nn.logsumexp(approx.at[rows, idx].set(-jnp.inf), axis=-1)
+        exact = shortlist_scores(x, embed_vh if self.tied else self.rows[...], idx)
+        n = jnp.arange(x.shape[0])[:, None]
+        logits = jnp.full(approx.shape, -jnp.inf, jnp.float32).at[n, idx].set(exact)
+        rest = jax.nn.logsumexp(approx.at[n, idx].set(-jnp.inf), axis=-1)
         vocab = approx.shape[-1]
         return DraftScores(logits.reshape(*lead, vocab), rest.reshape(lead))
 
 
-def factor_head(head: EfficientHead, weight, *, tied: bool = False) -> EfficientHead:
+def shortlist_scores(x_nh: jax.Array, rows_vh: jax.Array, idx_nk: jax.Array) -> jax.Array:
+    """`[N, K]` fp32: `x_n . rows[idx_nk]`. On a mesh where `rows` is split over the vocabulary,
+    each shard scores the ids it holds (a local gather of contiguous rows) and the `[N, K]` scores
+    are summed over the shards, so no shard gathers (or moves) another's rows.
+
+    Example:
+        >>> rows = jnp.arange(12.0).reshape(4, 3)
+        >>> shortlist_scores(jnp.ones((1, 3)), rows, jnp.array([[3, 0]])).tolist()
+        [[30.0, 3.0]]
+    """
+    from dmtp_jax.layers.mlp import _axes, weights_mesh
+    from dmtp_jax.sharding import DEFAULT_RULES, spec_for
+
+    def local(x, rows, idx, first):
+        inside = (idx >= first) & (idx < first + rows.shape[0])
+        picked = jnp.take(rows, jnp.clip(idx - first, 0, rows.shape[0] - 1), axis=0)
+        return jnp.where(inside, jnp.einsum("nh,nkh->nk", x, picked, preferred_element_type=jnp.float32), 0.0)
+
+    mesh = weights_mesh(rows_vh)
+    if mesh is None:
+        return local(x_nh, rows_vh, idx_nk, 0)
+    spec = tuple(spec_for(("vocab", "embed"), rows_vh.shape, mesh, DEFAULT_RULES)) + (None, None)
+    vocab_axes, embed_axes = _axes(spec[0]), _axes(spec[1])
+    local_v = rows_vh.shape[0] // int(np.prod([mesh.shape[a] for a in vocab_axes]))
+
+    def shard(x, rows, idx):
+        first = jax.lax.axis_index(vocab_axes) * local_v if vocab_axes else 0
+        summed = vocab_axes + embed_axes
+        return jax.lax.psum(local(x, rows, idx, first), summed) if summed else local(x, rows, idx, first)
+
+    return jax.shard_map(shard, mesh=mesh, in_specs=(P(None, spec[1]), P(spec[0], spec[1]), P()),
+                         out_specs=P())(x_nh, rows_vh, idx_nk)
+
+
+def factor_head(head: EfficientHead, weight) -> EfficientHead:
     """`head` with its factor set to the rank-r truncated SVD of the LM head `weight` (`[H, V]`, or
-    `[V, H]` when `tied`): `A = U_r`, `B = U_r^T W` from the eigenvectors of `W W^T` (an `[H, H]`
-    product, so the `[H, V]` matrix is never decomposed). Runs once, at load time.
+    `[V, H]` when `head.tied`): `A = U_r`, `B = U_r^T W` from the eigenvectors of `W W^T` (an `[H, H]`
+    product, so the `[H, V]` matrix is never decomposed), and an untied head's rows `W^T`. Runs
+    once, at load time.
 
     Example: see the module docstring.
     """
     w = jnp.asarray(weight)
-    w_hv = w.T if tied else w
+    w_hv = w.T if head.tied else w
     gram = np.asarray(jax.jit(lambda m: jnp.dot(m, m.T, preferred_element_type=jnp.float32))(w_hv), np.float64)
     _, vectors = np.linalg.eigh(gram)                       # ascending eigenvalues
     u = jnp.asarray(vectors[:, ::-1][:, :head.rank], jnp.float32)
     b = jax.jit(lambda m, u: jnp.dot(u.T, m.astype(jnp.float32)))(w_hv, u)
     head.down[...] = u.astype(head.down.dtype)
     head.up[...] = b.astype(head.up.dtype)
+    if not head.tied:
+        head.rows[...] = w_hv.T.astype(head.rows.dtype)
     return head
 
 
@@ -129,7 +168,7 @@ def draft_scores(target, head: EfficientHead | None, hidden: jax.Array) -> Draft
     if head is None:
         logits = target.logits(hidden)
         return DraftScores(logits, jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32))
-    return head.scores(hidden, target.head_weight(), tied=target.cfg.tie_word_embeddings)
+    return head.scores(hidden, target.embed_tokens[...] if head.tied else None)
 
 
 def head_name(head_cfg) -> str:
@@ -148,7 +187,8 @@ def abstract_efficient_head(target_cfg, dtype, rank: int | None = None, shortlis
     """`(cfg, graphdef, abstract state)` of an efficient head for a target config (nothing allocated)."""
     rank, shortlist = head_shape(target_cfg.hidden_size, target_cfg.vocab_size, rank, shortlist)
     head = nnx.eval_shape(lambda: EfficientHead(hidden=target_cfg.hidden_size, vocab=target_cfg.vocab_size,
-                                                rank=rank, shortlist=shortlist, dtype=jnp.dtype(dtype)))
+                                                rank=rank, shortlist=shortlist, dtype=jnp.dtype(dtype),
+                                                tied=target_cfg.tie_word_embeddings))
     return {"rank": rank, "shortlist": shortlist}, *nnx.split(head)
 
 
@@ -168,8 +208,9 @@ def make_efficient_head(target, rank: int | None = None, shortlist: int | None =
     dtype = target.state_dtype
     rank, shortlist = head_shape(cfg.hidden_size, cfg.vocab_size, rank, shortlist)
     model = nnx.merge(target.graphdef, target.state)
-    head = EfficientHead(hidden=cfg.hidden_size, vocab=cfg.vocab_size, rank=rank, shortlist=shortlist, dtype=dtype)
-    head = factor_head(head, model.head_weight(), tied=cfg.tie_word_embeddings)
+    head = EfficientHead(hidden=cfg.hidden_size, vocab=cfg.vocab_size, rank=rank, shortlist=shortlist, dtype=dtype,
+                         tied=cfg.tie_word_embeddings)
+    head = factor_head(head, model.head_weight())
     graphdef, state = nnx.split(head)
     state = jax.device_put(state, state_shardings(state, target.mesh))
     return LoadedModel({"rank": rank, "shortlist": shortlist}, graphdef, state, target.mesh, None)
