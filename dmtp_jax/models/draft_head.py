@@ -3,6 +3,8 @@ candidates with a low-rank factor of the LM head and rescores the shortlist exac
 
     full        logits = h W                                  (the target's own head, V columns)
     efficient   shortlist = top-K of (h A) B                  A [H, r], B [r, V]: W ~= A B
+                (XLA's `approx_max_k`: on TPU an approximate top-K, recall >= 0.95 of it; elsewhere
+                the exact top-K. Any shortlist keeps decoding exact / lossless, see below.)
                 logits[v] = h W[:, v] for v in the shortlist, -inf elsewhere
 
 The factor is the rank-r truncated SVD of the LM head, made once at load time
@@ -93,7 +95,7 @@ class EfficientHead(nnx.Module):
         x = hidden.reshape(-1, h)
         z = jnp.dot(x, self.down[...], preferred_element_type=jnp.float32).astype(x.dtype)
         approx = jnp.dot(z, self.up[...], preferred_element_type=jnp.float32)          # [N, V]
-        _, idx = jax.lax.top_k(approx, self.shortlist)                                  # [N, K]
+        _, idx = jax.lax.approx_max_k(approx, self.shortlist)       # [N, K]; exact top-K off TPU
         exact = shortlist_scores(x, embed_vh if self.tied else self.rows[...], idx)
         n = jnp.arange(x.shape[0])[:, None]
         logits = jnp.full(approx.shape, -jnp.inf, jnp.float32).at[n, idx].set(exact)
