@@ -43,6 +43,19 @@ DEMO_BENCH_ARGV = ["bench", "--methods", DEMO_METHODS, "--num-prompts", "12", "-
                    "--outputs", os.path.join(DEMO_OUT, "outputs.jsonl"), "--show-sample"]
 
 
+def draft_head_args(sp):
+    """`--draft-head` and its shape (generate, bench, plan)."""
+    from dmtp_jax.models.draft_head import DRAFT_HEADS
+    sp.add_argument("--draft-head", default="full", choices=DRAFT_HEADS,
+                    help="the drafting side's LM head (MTP's T1 and chain, the drafter's positions; verification "
+                         "always uses the full head): full, or efficient (a low-rank factor of the head, from its "
+                         "truncated SVD at load time, shortlists candidates that are rescored exactly)")
+    sp.add_argument("--draft-head-rank", type=int, default=None, metavar="R",
+                    help="efficient head: rank of the factor (default min(256, hidden/4))")
+    sp.add_argument("--draft-head-shortlist", type=int, default=None, metavar="K",
+                    help="efficient head: candidates rescored exactly (default min(1024, vocab/16))")
+
+
 def method_args(sp, verify_list: bool = False):
     """The flags that choose the models and shape of the speculative methods (generate, bench);
     `verify_list`: `--verify` takes a comma-separated list (bench runs every verifier)."""
@@ -73,6 +86,7 @@ def method_args(sp, verify_list: bool = False):
     else:
         sp.add_argument("--verify", default="rejection", choices=VERIFY_MODES,
                         help=verify_help)
+    draft_head_args(sp)
     sp.add_argument("--strict", action="store_true",
                     help="fail (instead of falling back to plain decoding) when the exactness probe finds "
                          "that a verify block differs from single-token decoding on this backend / dtype")
@@ -160,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(XLA counts a loop body once; slower)")
     pl.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                     help="prompt tokens per prefill call (default: the decoders' 512)")
+    draft_head_args(pl)
     pl.add_argument("--accept-len", type=float, default=None, metavar="TAU",
                     help="tokens committed per round (from a bench): turns the round's time estimate into tokens/s")
     return p
@@ -265,7 +280,9 @@ def cmd_plan(args) -> int:
                           rounds_per_dispatch=args.rounds_per_dispatch, topology=args.topology, hbm_gb=args.hbm_gb,
                           temperature=args.temperature, mtp_steps=args.mtp_steps, verify=args.verify,
                           accept_len=args.accept_len, prefill_chunk=args.prefill_chunk,
-                          exact_cost=args.exact_cost, progress=plan_progress)
+                          exact_cost=args.exact_cost, draft_head=args.draft_head,
+                          draft_head_rank=args.draft_head_rank, draft_head_shortlist=args.draft_head_shortlist,
+                          progress=plan_progress)
     return finish_plan(plan, args.json_path)
 
 
@@ -360,8 +377,16 @@ def run_bench(args) -> dict:
               "mtp_steps": args.mtp_steps, "verify": verifies[0] if len(verifies) == 1 else verifies,
               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
               "dtype": args.dtype, "mesh": args.mesh, "stop_ids": stops, "strict": args.strict,
-              "rounds_per_dispatch": args.rounds_per_dispatch or 1, "prefill_chunk": args.prefill_chunk}
+              "rounds_per_dispatch": args.rounds_per_dispatch or 1, "prefill_chunk": args.prefill_chunk,
+              "draft_head": args.draft_head, "draft_head_rank": args.draft_head_rank,
+              "draft_head_shortlist": args.draft_head_shortlist}
     report = rep.build_report(runs, config)
+    from dmtp_jax.bench.head_agreement import t1_agreement
+    for name, run in runs.items():      # efficient head: how often its T1 is the full head's
+        agreement = t1_agreement(decoders[name], [g.prompt_ids + g.output_ids for g in run.generations])
+        report["methods"][name]["t1_agreement"] = agreement
+        if agreement is not None:
+            print(f"{name}: T1 from the efficient draft head equals the full head's at {agreement:.2%} of positions")
     from dmtp_jax.bench.efficiency import format_efficiency, method_efficiency
     report["efficiency"] = {name: method_efficiency(decoders[name], run) for name, run in runs.items()}
     print(f"workload {workload.name}: {len(workload.requests)} requests, {workload.num_generations} generations, "
@@ -418,6 +443,8 @@ def format_sample(runs: dict, tokenizer) -> str:
 def format_stats(stats: dict) -> str:
     line = ("method={method} new_tokens={new_tokens} target_forwards={target_forwards} "
             "ttft={ttft_s:.3f}s decode={decode_tokens_per_s:.1f} tok/s compiles={compiles}").format(**stats)
+    if "draft_head" in stats:
+        line += f" draft_head={stats['draft_head']}"
     if "per_verify_acceptance_length" in stats:
         line += ("\nacceptance: per-request {per_request_acceptance_length:.3f} per-verify "
                  "{per_verify_acceptance_length:.3f} first-candidate {first_candidate_acceptance:.3f} "

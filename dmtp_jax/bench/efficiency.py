@@ -34,7 +34,7 @@ def tree_bytes(tree) -> int:
 
 def _models(decoder) -> dict:
     out = {"target": decoder.target}
-    for name in ("drafter", "mtp", "fusion"):
+    for name in ("drafter", "mtp", "fusion", "draft_head"):
         loaded = getattr(decoder, name, None)
         if loaded is not None:
             out[name] = loaded

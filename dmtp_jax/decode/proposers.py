@@ -14,6 +14,10 @@ two apart (`bench/phases.py`) with the very functions the round runs.
 | `dmtp`, `dmtp-*` | `DmtpProposer`     | MTP                  | DFlash block, MTP's T1 fused in (`fusion.py`)    |
 | `dmtp-adaptive`  | `AdaptiveProposer` | MTP, where confident | one pass: `dmtp`'s block or DFlash's, per row    |
 
+Every vocabulary projection a proposer makes goes through the drafting side's head
+(`RoundModels.draft_logits`, `mtp_first_candidate(..., models.draft_head)`: the full LM head or the
+efficient shortlist head, `models/draft_head.py`); verification always uses the full head.
+
 Each proposer's `needs` are the models its method needs (`options.method_needs`, the one rule); a
 new drafting method is a new proposer in `PROPOSERS`. Knobs a proposer reads at run time are traced
 (`RoundKnobs`), so changing them never recompiles and always takes effect.
@@ -81,7 +85,7 @@ def mtp_first(models: RoundModels, state: SpecState, sp, key: jax.Array, greedy:
     Example:
         >>> first = mtp_first(models, state, sp, key, True)  # doctest: +SKIP
     """
-    y, logits, confidence = mtp_first_candidate(models.target, models.mtp, state.mtp_h_bh)
+    y, logits, confidence = mtp_first_candidate(models.target, models.mtp, state.mtp_h_bh, models.draft_head)
     t1, q1 = pick(logits, sp, key, greedy)
     return FirstCandidate(t1, q1, y, confidence)
 
@@ -117,10 +121,11 @@ def drafter_tokens(models: RoundModels, hidden_bkh: jax.Array, predecessor_b: ja
     """
     target, drafter = models.target, models.drafter
     if drafter.cfg.version == 2:
-        sel = drafter.propose(hidden_bkh, predecessor_b, target.logits, 0.0 if greedy else sp.temperature, key)
+        sel = drafter.propose(hidden_bkh, predecessor_b, models.draft_logits, 0.0 if greedy else sp.temperature,
+                              key)
         q = None if greedy else candidate_probs_to_dense(sel.candidates_blk, sel.probs_blk, target.cfg.vocab_size)
         return sel.tokens_bl.astype(jnp.int32), q
-    return pick(drafter.draft_logits(hidden_bkh, target.logits), sp, key, greedy)
+    return pick(drafter.draft_logits(hidden_bkh, models.draft_logits), sp, key, greedy)
 
 
 def _joined(first_b, first_q, tokens_bk, q_bkv):
@@ -181,7 +186,7 @@ class MtpChainProposer(_MtpFirst):
             pos = (state.lengths_b + j - 1)[:, None]
             h, mtp_cache = mtp(target.embed(drafts[-1][:, None]), y[:, None], pos, mtp_cache)
             y = mtp.post_norm(h[:, 0])
-            token, q = pick(target.logits(y), sp, keys[j - 1], greedy)
+            token, q = pick(models.draft_logits(y), sp, keys[j - 1], greedy)
             drafts.append(token)
             qs.append(q)
         q_all = None if greedy else jnp.stack(qs, axis=1)

@@ -36,6 +36,7 @@ from dmtp_jax.decode.prefill import target_chunk
 from dmtp_jax.decode.sampling import filtered_probs
 from dmtp_jax.decode.verify import verify_block, verify_greedy, verify_rejection, verify_target_only
 from dmtp_jax.layers.kv_cache import KVCache, TargetCache, write_layer
+from dmtp_jax.models.draft_head import draft_scores
 from dmtp_jax.sharding import kv_cache_sharding, replicated
 
 @jax.tree_util.register_dataclass
@@ -51,11 +52,17 @@ class SpecState:
 
 @dataclasses.dataclass(frozen=True)
 class RoundModels:
-    """The merged modules a round runs (`None` where the method uses none)."""
+    """The merged modules a round runs (`None` where the method uses none; `draft_head` None: the
+    drafting side uses the target's full LM head, `models/draft_head.py`)."""
     target: nnx.Module
     drafter: nnx.Module | None = None
     mtp: nnx.Module | None = None
     fusion: nnx.Module | None = None
+    draft_head: nnx.Module | None = None
+
+    def draft_logits(self, hidden: jax.Array) -> jax.Array:
+        """The drafting side's fp32 logits of post-norm hidden states (`draft_head.draft_scores`)."""
+        return draft_scores(self.target, self.draft_head, hidden).logits
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -64,11 +71,12 @@ class RoundModels:
 
 
 def merge_models(graphdefs, states) -> RoundModels:
-    """`RoundModels` from `(target, drafter, mtp, fusion)` graphdefs and their states (inside jit).
+    """`RoundModels` from `(target, drafter, mtp, fusion, draft_head)` graphdefs and their states
+    (inside jit).
 
     Example:
-        >>> models = merge_models((target.graphdef, None, None, None),
-        ...                       (target.state, None, None, None))  # doctest: +SKIP
+        >>> models = merge_models((target.graphdef, None, None, None, None),
+        ...                       (target.state, None, None, None, None))  # doctest: +SKIP
     """
     return RoundModels(*(None if g is None else nnx.merge(g, s) for g, s in zip(graphdefs, states)))
 

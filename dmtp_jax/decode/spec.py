@@ -57,6 +57,7 @@ from dmtp_jax.decode.proposers import PROPOSERS, Proposer, RoundKnobs, make_prop
 from dmtp_jax.decode.round import SpecState, constrain_state, merge_models, prefill_step, spec_round, state_shardings
 from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
+from dmtp_jax.models.draft_head import head_name
 from dmtp_jax.options import (SPEC_METHODS, VERIFY_MODES, adaptive_threshold_for,  # noqa: F401
                               check_adaptive_threshold, check_method, check_models_given,
                               check_rounds_per_dispatch, check_verify_mode, verify_slots)
@@ -94,7 +95,7 @@ def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, bloc
 @dataclasses.dataclass(frozen=True)
 class RoundSetup:
     """What the jitted entry points read besides their arguments; frozen, bound before jitting."""
-    graphdefs: tuple              # (target, drafter, mtp, fusion); None where unused
+    graphdefs: tuple              # (target, drafter, mtp, fusion, draft_head); None where unused / full head
     mesh: object
     proposer: Proposer
     verify_mode: str
@@ -145,11 +146,12 @@ def multi_round_entry(setup: RoundSetup, states, state: SpecState, active_b, lim
                       greedy=greedy)
 
 
-def _used(proposer: Proposer, target, drafter, mtp, fusion) -> tuple:
-    """`(target, drafter, mtp, fusion)` with the models the proposer does not need set to None."""
+def _used(proposer: Proposer, target, drafter, mtp, fusion, draft_head) -> tuple:
+    """`(target, drafter, mtp, fusion, draft_head)` with the models the proposer does not need set to
+    None (`draft_head` None: the full LM head drafts)."""
     needs = proposer.needs
     return (target, drafter if needs["drafter"] else None, mtp if needs["mtp"] else None,
-            fusion if needs["fusion"] else None)
+            fusion if needs["fusion"] else None, draft_head)
 
 
 def to_host(tree):
@@ -176,7 +178,9 @@ class SpecDecoder:
     may be changed between requests. `rounds_per_dispatch` K > 1 runs up to K rounds per jitted
     call with on-device stopping (`decode/multi_round.py`): the host syncs, and `on_tokens` streams,
     once per K rounds; outputs and statistics are those of K = 1. The method, slots, verifier,
-    context window and K are fixed at construction (read-only).
+    context window and K are fixed at construction (read-only). `draft_head`: the drafting side's
+    efficient LM head (`models/draft_head.py:make_efficient_head`), None for the full head; part of
+    the static setup (its factor is model state, an argument of the jitted calls).
 
     Example: see the module docstring.
     """
@@ -186,18 +190,20 @@ class SpecDecoder:
                  block_size: int | None = None, mtp_steps: int = 4, verify: str = "rejection",
                  context_window: int = DEFAULT_CONTEXT_WINDOW, strict: bool = False,
                  adaptive_threshold: float | None = None, rounds_per_dispatch: int = 1,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft_head: LoadedModel | None = None):
         slots, threshold = check_spec_options(method, drafter, mtp, fusion, block_size=block_size,
                                               mtp_steps=mtp_steps, verify=verify,
                                               adaptive_threshold=adaptive_threshold,
                                               rounds_per_dispatch=rounds_per_dispatch)
         self.adaptive_threshold = threshold
         self.target, self.drafter, self.mtp, self.fusion = target, drafter, mtp, fusion
+        self.draft_head = draft_head
         self.strict = strict        # exactness probe mismatch: raise instead of plain decoding
         self.caches = TargetCaches(target)
         self.prefill_chunk = int(prefill_chunk)
         proposer = make_proposer(method, slots, context_window)
-        graphdefs = tuple(None if m is None else m.graphdef for m in _used(proposer, target, drafter, mtp, fusion))
+        graphdefs = tuple(None if m is None else m.graphdef
+                          for m in _used(proposer, target, drafter, mtp, fusion, draft_head))
         self.setup = RoundSetup(graphdefs, target.mesh, proposer, verify, int(rounds_per_dispatch))
         self.prefill_step = counted_jit(functools.partial(prefill_entry, self.setup), donate_argnames=("state",),
                                         static_argnames=("greedy",))
@@ -238,10 +244,10 @@ class SpecDecoder:
         return state_shardings(self.target.mesh, st)
 
     def model_states(self) -> tuple:
-        """`(target, drafter, mtp, fusion)` weights as the jitted entry points take them (None where
-        the method uses none)."""
+        """`(target, drafter, mtp, fusion, draft_head)` weights as the jitted entry points take them
+        (None where the method uses none)."""
         return tuple(None if m is None else m.state
-                     for m in _used(self.proposer, self.target, self.drafter, self.mtp, self.fusion))
+                     for m in _used(self.proposer, self.target, self.drafter, self.mtp, self.fusion, self.draft_head))
 
     def knobs(self) -> RoundKnobs:
         """The proposers' traced knobs from the decoder's current settings (`adaptive_threshold`)."""
@@ -341,6 +347,7 @@ class SpecDecoder:
             "decode_tokens_per_s": (new_tokens - batch.num_rows) / decode_s if decode_s > 0 else 0.0,
             "batch_bucket": rows, "max_len": batch.max_len, "block_size": self.slots,
             "rounds_per_dispatch": self.rounds_per_dispatch,
+            "draft_head": head_name(None if self.draft_head is None else self.draft_head.cfg),
             "acceptance_lengths": acceptance,
             "exactness_probe": gate.summary(),
             **acceptance_stats(acceptance, self.slots),

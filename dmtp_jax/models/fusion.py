@@ -117,30 +117,42 @@ class T1Fusion(nnx.Module):
         return self._hidden(mtp_h_bh) @ self.proj[...]
 
 
-def mtp_first_candidate(target, mtp, mtp_h_bh: jax.Array):
+def mtp_first_candidate(target, mtp, mtp_h_bh: jax.Array, head=None):
     """MTP's first candidate from its pre-norm hidden `h`: `(y = mtp.post_norm(h), fp32 logits of T1,
     confidence)`, where the confidence is the MTP's top-1 probability at temperature 1 (whatever the
-    sampling temperature). The one definition of dmtp-adaptive's confidence: the decode round
-    (`decode/proposers.py:mtp_first`) and calibration (`train/calibrate.py:anchor_outcomes`) both
-    call this, so a calibrated threshold means the same thing when decoding.
+    sampling temperature). `head`: the drafting side's efficient head (`models/draft_head.py`), None
+    for the full LM head; with it, the logits are -inf outside its shortlist and the confidence's
+    partition adds the low-rank scores' mass outside the shortlist. The one definition of
+    dmtp-adaptive's confidence: the decode round (`decode/proposers.py:mtp_first`) and calibration
+    (`train/calibrate.py:anchor_outcomes`) both call this, so a calibrated threshold means the same
+    thing when decoding.
 
     Example:
         >>> y, logits, confidence = mtp_first_candidate(target, mtp, state.mtp_h_bh)  # doctest: +SKIP
     """
+    from dmtp_jax.models.draft_head import draft_scores
     y = mtp.post_norm(mtp_h_bh)
-    logits = target.logits(y).astype(jnp.float32)
-    return y, logits, mtp_confidence(logits)
+    scores = draft_scores(target, head, y)
+    return y, scores.logits, mtp_confidence(scores.logits, scores.rest_lse)
 
 
-def mtp_confidence(logits_bv: jax.Array) -> jax.Array:
-    """The top-1 probability of `softmax(logits)` (temperature 1), fp32 (see `mtp_first_candidate`).
+def mtp_confidence(logits_bv: jax.Array, rest_lse_b: jax.Array | None = None) -> jax.Array:
+    """The top-1 probability of `softmax(logits)` (temperature 1), fp32 (see `mtp_first_candidate`);
+    `rest_lse_b`: the log of mass outside `logits` that the partition also counts (an efficient
+    head's low-rank scores outside its shortlist).
 
     Example:
         >>> round(float(mtp_confidence(jnp.log(jnp.array([0.7, 0.2, 0.1])))), 4)
         0.7
+        >>> round(float(mtp_confidence(jnp.log(jnp.array([0.7, 0.2, 0.0])), jnp.log(0.1))), 4)
+        0.7
     """
     logits = logits_bv.astype(jnp.float32)
-    return 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
+    top = jnp.max(logits, axis=-1)
+    partition = jnp.sum(jnp.exp(logits - top[..., None]), axis=-1)
+    if rest_lse_b is not None:
+        partition = partition + jnp.exp(rest_lse_b.astype(jnp.float32) - top)
+    return 1.0 / partition
 
 
 def block_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:

@@ -32,7 +32,8 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
                    dtype: str = "bfloat16", rounds_per_dispatch: int = 1, topology: str = "cpu:1",
                    hbm_gb: float | None = None, temperature: float = 0.0, mtp_steps: int = 4,
                    verify: str = "rejection", accept_len: float | None = None, prefill_chunk: int | None = None,
-                   exact_cost: bool = False, progress=None) -> PlanResult:
+                   exact_cost: bool = False, draft_head: str = "full", draft_head_rank: int | None = None,
+                   draft_head_shortlist: int | None = None, progress=None) -> PlanResult:
     """Compiles the prefill and the decode step / round / K-round dispatch of `method` for one
     request of `batch_size` prompts of `prompt_len` tokens and `max_new_tokens` new ones.
 
@@ -41,8 +42,9 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     `accept_len` (tokens committed per round, e.g. from a bench) turns the round's time estimate
     into tokens/s. `prefill_chunk` overrides the decoders' prefill chunk (tokens per prefill call).
     `exact_cost` compiles an unrolled copy of each function for its FLOPs, bytes and time estimate
-    (XLA counts a loop body once: without it they cover one layer group). `progress(name)` is
-    called before each compile.
+    (XLA counts a loop body once: without it they cover one layer group). `draft_head` "efficient":
+    the drafting side's low-rank shortlist head (`models/draft_head.py`, rank / shortlist defaults
+    from `head_shape`). `progress(name)` is called before each compile.
 
     Example:
         >>> plan = plan_inference("configs/models/qwen3.6-27b.json", topology="v5p:2x2x1",
@@ -61,13 +63,18 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     notes = []
     with compiling_for(topo.platform, device_mesh.size):
         models = plan_models(target, method, device_mesh, dtype, draft, block_size)
+        if draft_head == "efficient" and method != "ar":
+            from dmtp_jax.checkpoint.hf import place_abstract
+            from dmtp_jax.models.draft_head import abstract_efficient_head
+            models["draft_head"] = place_abstract(*abstract_efficient_head(
+                models["target"].cfg, dtype, draft_head_rank, draft_head_shortlist), device_mesh)
         if "mtp" in models and models["mtp"].model_dir is None:
             notes.append("the target's config declares no MTP layer (mtp_num_hidden_layers); planned with one "
                          "native MTP head of the target's layer shape")
         decoder = make_decoder(method, models["target"], models.get("drafter"), mtp=models.get("mtp"),
                                fusion=models.get("fusion"), block_size=block_size, mtp_steps=mtp_steps,
                                verify=verify, rounds_per_dispatch=rounds_per_dispatch,
-                               prefill_chunk=prefill_chunk)
+                               prefill_chunk=prefill_chunk, draft_head=models.get("draft_head"))
         calls = inference_calls(decoder, batch_size, prompt_len, max_new_tokens, temperature, accept_len)
         functions = []
         for call in calls:
@@ -81,7 +88,9 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     settings = {"method": method, "batch": batch_size, "prompt": prompt_len, "new tokens": max_new_tokens,
                 "dtype": dtype, "prefill chunk": decoder.prefill_chunk}
     if method != "ar":
+        from dmtp_jax.models.draft_head import head_name
         settings["block"] = decoder.slots
+        settings["draft head"] = head_name(models["draft_head"].cfg if "draft_head" in models else None)
     if rounds_per_dispatch > 1:
         settings["rounds/dispatch"] = rounds_per_dispatch
     if temperature:

@@ -66,7 +66,7 @@ def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, t
     args = lambda *xs: abstract_args(xs, mesh)  # noqa: E731
     weights = {"target": shard_bytes(target.state)}
     if speculative:
-        for name in ("drafter", "mtp", "fusion"):
+        for name in ("drafter", "mtp", "fusion", "draft_head"):
             loaded = getattr(decoder, name)
             if loaded is not None:
                 weights[name] = shard_bytes(loaded.state)

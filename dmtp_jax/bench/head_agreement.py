@@ -1,0 +1,73 @@
+"""How often the drafting side's efficient head (`models/draft_head.py`) picks the full head's T1.
+
+At every position of the bench's generated sequences (prompt + answer), the MTP's first candidate
+is scored twice from the same MTP hidden, once with the full LM head and once with the decoder's
+efficient head, and the two argmaxes are compared: the fraction of equal ones is `t1_agreement`.
+The MTP hidden comes from one causal target pass and one causal MTP pass over the whole sequence
+(`train/features.py:mtp_hidden`, as calibration builds it), so it is the hidden a round would
+start from at that position. Greedy rounds draft T1 as exactly this argmax.
+
+Example:
+    >>> t1_agreement(decoder, [[1, 2, 3, 4]])  # doctest: +SKIP
+    0.998
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dmtp_jax.decode.batch import next_pow2
+
+
+def agreement_counts(target, mtp, head, tokens_bt: jax.Array, valid_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(positions where the efficient head's T1 equals the full head's, positions compared)` over
+    the valid positions of `tokens_bt` (merged modules; pure).
+
+    Example:
+        >>> same, total = agreement_counts(target, mtp, head, tokens_bt, valid_bt)  # doctest: +SKIP
+    """
+    from dmtp_jax.models.fusion import mtp_first_candidate
+    from dmtp_jax.train.features import mtp_hidden
+
+    positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+    hidden = target(tokens_bt, positions, None, kv_valid_bt=valid_bt).hidden_bth
+    h = mtp_hidden(mtp, target, tokens_bt, hidden)[:, 1:]           # position 0 has no MTP row
+    _, full, _ = mtp_first_candidate(target, mtp, h)
+    _, efficient, _ = mtp_first_candidate(target, mtp, h, head)
+    valid = valid_bt[:, 1:]
+    same = (jnp.argmax(full, -1) == jnp.argmax(efficient, -1)) & valid
+    return same.sum(), valid.sum()
+
+
+def t1_agreement(decoder, sequences: list[list[int]]) -> float | None:
+    """The fraction of positions of `sequences` where T1 from `decoder`'s efficient head equals T1
+    from the full head; None when the decoder drafts with the full head or has no MTP.
+
+    Example: see the module docstring.
+    """
+    head = getattr(decoder, "draft_head", None)
+    if head is None or not decoder.proposer.needs["mtp"] or not sequences:
+        return None
+    length = next_pow2(max(2, max(len(s) for s in sequences)))
+    tokens = np.zeros((len(sequences), length), np.int32)
+    valid = np.zeros(tokens.shape, bool)
+    for i, s in enumerate(sequences):
+        tokens[i, :len(s)], valid[i, :len(s)] = s, True
+    graphdefs = (decoder.target.graphdef, decoder.mtp.graphdef, head.graphdef)
+
+    @jax.jit
+    def counts(states, tokens_bt, valid_bt):
+        return agreement_counts(*(nnx.merge(g, s) for g, s in zip(graphdefs, states)), tokens_bt, valid_bt)
+
+    same = total = 0
+    for start in range(0, len(sequences), 8):           # 8 rows per call: one compile, bounded memory
+        rows = slice(start, start + 8)
+        t, v = tokens[rows], valid[rows]
+        if t.shape[0] < 8:
+            t, v = np.pad(t, ((0, 8 - t.shape[0]), (0, 0))), np.pad(v, ((0, 8 - v.shape[0]), (0, 0)))
+        s, n = jax.device_get(counts((decoder.target.state, decoder.mtp.state, head.state), t, v))
+        same, total = same + int(s), total + int(n)
+    return same / total if total else None

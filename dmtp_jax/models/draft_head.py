@@ -1,0 +1,218 @@
+"""The drafting side's vocabulary projection: the full LM head, or an efficient head that shortlists
+candidates with a low-rank factor of the LM head and rescores the shortlist exactly.
+
+    full        logits = h W                                  (the target's own head, V columns)
+    efficient   shortlist = top-K of (h A) B                  A [H, r], B [r, V]: W ~= A B
+                (XLA's `approx_max_k`: on TPU an approximate top-K, recall >= 0.95 of it; elsewhere
+                the exact top-K. Any shortlist keeps decoding exact / lossless, see below.)
+                logits[v] = h W[:, v] for v in the shortlist, -inf elsewhere
+
+The factor is the rank-r truncated SVD of the LM head, made once at load time
+(`make_efficient_head`): with `W W^T = U S^2 U^T`, `A = U_r` and `B = U_r^T W`, the best rank-r
+approximation of `W`. It is model state (`down`, `up`; `up` sharded like the head's vocabulary
+axis), so it travels into the jitted round as an argument and is never baked into the program.
+
+The efficient head's output is the same dense fp32 `[..., V]` as the full head's, with the exact
+values on the shortlist and -inf elsewhere, so `pick`, `filtered_probs`, DFlash2's selector and
+verification are unchanged: greedy verification stays token-exact, and sampled verification stays
+lossless because the proposal q it receives is exactly the distribution the draft was sampled from
+(zero outside the shortlist). Only the drafting side uses it (MTP's T1 and chain steps, the
+drafter's positions); the target's verify logits always come from the full head.
+
+dmtp-adaptive's confidence (the MTP's top-1 probability) over the shortlist alone would overstate
+it (the mass outside the shortlist is missing), so the partition adds the low-rank scores' mass
+outside the shortlist (`DraftScores.rest_lse`, see `fusion.mtp_confidence`).
+
+Example:
+    >>> head = EfficientHead(hidden=8, vocab=32, rank=8, shortlist=4, dtype=jnp.float32)
+    >>> w = jax.random.normal(jax.random.key(0), (8, 32))
+    >>> head = factor_head(head, w)
+    >>> h = jax.random.normal(jax.random.key(1), (2, 8))
+    >>> scores = head.scores(h)
+    >>> bool(jnp.all(jnp.argmax(scores.logits, -1) == jnp.argmax(h @ w, -1)))  # full rank: exact argmax
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dmtp_jax.errors import InputError
+from dmtp_jax.layers import params
+
+DRAFT_HEADS = ("full", "efficient")
+DEFAULT_RANK = 256          # at most; H // 4 for narrow models (`head_shape`)
+DEFAULT_SHORTLIST = 1024    # at most; V // 16 for small vocabularies
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftScores:
+    """Drafting-side logits `[..., V]` (fp32) and the log of the probability mass the head left out
+    of them (`[...]`, -inf for the full head): the low-rank scores' logsumexp outside the shortlist."""
+    logits: jax.Array
+    rest_lse: jax.Array
+
+
+def head_shape(hidden: int, vocab: int, rank: int | None = None, shortlist: int | None = None) -> tuple[int, int]:
+    """`(rank, shortlist)` of an efficient head, defaults filled in and clipped to the model.
+
+    Example:
+        >>> head_shape(256, 4096), head_shape(5120, 248320), head_shape(256, 4096, 512, 8192)
+        ((64, 256), (256, 1024), (256, 4096))
+    """
+    rank = min(DEFAULT_RANK, max(1, hidden // 4)) if rank is None else rank
+    shortlist = min(DEFAULT_SHORTLIST, max(1, vocab // 16)) if shortlist is None else shortlist
+    if rank < 1 or shortlist < 1:
+        raise InputError(f"--draft-head-rank and --draft-head-shortlist must be >= 1, got {rank} and {shortlist}")
+    return min(rank, hidden), min(shortlist, vocab)
+
+
+class EfficientHead(nnx.Module):
+    """Low-rank shortlist + exact rescoring. Params: `down` A `[H, r]`, `up` B `[r, V]` (vocab axis
+    sharded like the LM head's) and, for an untied LM head, `rows`: the head transposed `[V, H]`,
+    so that the shortlist's exact rescoring reads K contiguous rows (a tied head's rows are the
+    target's `embed_tokens`, not copied). `shortlist` K and `tied` are static."""
+
+    def __init__(self, *, hidden: int, vocab: int, rank: int, shortlist: int, dtype, tied: bool = False):
+        self.rank, self.shortlist, self.tied = int(rank), int(shortlist), bool(tied)
+        self.down = params.zeros((hidden, rank), ("embed", None), dtype)
+        self.up = params.zeros((rank, vocab), (None, "vocab"), dtype)
+        if not tied:
+            self.rows = params.zeros((vocab, hidden), ("vocab", "embed"), dtype)
+
+    def scores(self, hidden: jax.Array, embed_vh: jax.Array | None = None) -> DraftScores:
+        """`hidden [..., H]`: exact fp32 logits on the top-`shortlist` of the low-rank scores, -inf
+        elsewhere, and the low-rank scores' logsumexp outside the shortlist. `embed_vh`: the
+        target's `embed_tokens` when the head is tied (the rows rescored), else unused."""
+        lead, h = hidden.shape[:-1], hidden.shape[-1]
+        x = hidden.reshape(-1, h)
+        z = jnp.dot(x, self.down[...], preferred_element_type=jnp.float32).astype(x.dtype)
+        approx = jnp.dot(z, self.up[...], preferred_element_type=jnp.float32)          # [N, V]
+        _, idx = jax.lax.approx_max_k(approx, self.shortlist)       # [N, K]; exact top-K off TPU
+        exact = shortlist_scores(x, embed_vh if self.tied else self.rows[...], idx)
+        n = jnp.arange(x.shape[0])[:, None]
+        logits = jnp.full(approx.shape, -jnp.inf, jnp.float32).at[n, idx].set(exact)
+        rest = jax.nn.logsumexp(approx.at[n, idx].set(-jnp.inf), axis=-1)
+        vocab = approx.shape[-1]
+        return DraftScores(logits.reshape(*lead, vocab), rest.reshape(lead))
+
+
+def shortlist_scores(x_nh: jax.Array, rows_vh: jax.Array, idx_nk: jax.Array) -> jax.Array:
+    """`[N, K]` fp32: `x_n . rows[idx_nk]`. On a mesh where `rows` is split over the vocabulary,
+    each shard scores the ids it holds (a local gather of contiguous rows) and the `[N, K]` scores
+    are summed over the shards, so no shard gathers (or moves) another's rows.
+
+    Example:
+        >>> rows = jnp.arange(12.0).reshape(4, 3)
+        >>> shortlist_scores(jnp.ones((1, 3)), rows, jnp.array([[3, 0]])).tolist()
+        [[30.0, 3.0]]
+    """
+    from dmtp_jax.layers.mlp import _axes, weights_mesh
+    from dmtp_jax.sharding import DEFAULT_RULES, spec_for
+
+    def local(x, rows, idx, first):
+        inside = (idx >= first) & (idx < first + rows.shape[0])
+        picked = jnp.take(rows, jnp.clip(idx - first, 0, rows.shape[0] - 1), axis=0)
+        return jnp.where(inside, jnp.einsum("nh,nkh->nk", x, picked, preferred_element_type=jnp.float32), 0.0)
+
+    mesh = weights_mesh(rows_vh)
+    if mesh is None:
+        return local(x_nh, rows_vh, idx_nk, 0)
+    spec = tuple(spec_for(("vocab", "embed"), rows_vh.shape, mesh, DEFAULT_RULES)) + (None, None)
+    vocab_axes, embed_axes = _axes(spec[0]), _axes(spec[1])
+    local_v = rows_vh.shape[0] // int(np.prod([mesh.shape[a] for a in vocab_axes]))
+
+    def shard(x, rows, idx):
+        first = jax.lax.axis_index(vocab_axes) * local_v if vocab_axes else 0
+        summed = vocab_axes + embed_axes
+        return jax.lax.psum(local(x, rows, idx, first), summed) if summed else local(x, rows, idx, first)
+
+    return jax.shard_map(shard, mesh=mesh, in_specs=(P(None, spec[1]), P(spec[0], spec[1]), P()),
+                         out_specs=P())(x_nh, rows_vh, idx_nk)
+
+
+def factor_head(head: EfficientHead, weight) -> EfficientHead:
+    """`head` with its factor set to the rank-r truncated SVD of the LM head `weight` (`[H, V]`, or
+    `[V, H]` when `head.tied`): `A = U_r`, `B = U_r^T W` from the eigenvectors of `W W^T` (an `[H, H]`
+    product, so the `[H, V]` matrix is never decomposed), and an untied head's rows `W^T`. Runs
+    once, at load time.
+
+    Example: see the module docstring.
+    """
+    w = jnp.asarray(weight)
+    w_hv = w.T if head.tied else w
+    gram = np.asarray(jax.jit(lambda m: jnp.dot(m, m.T, preferred_element_type=jnp.float32))(w_hv), np.float64)
+    _, vectors = np.linalg.eigh(gram)                       # ascending eigenvalues
+    u = jnp.asarray(vectors[:, ::-1][:, :head.rank], jnp.float32)
+    b = jax.jit(lambda m, u: jnp.dot(u.T, m.astype(jnp.float32)))(w_hv, u)
+    head.down[...] = u.astype(head.down.dtype)
+    head.up[...] = b.astype(head.up.dtype)
+    if not head.tied:
+        head.rows[...] = w_hv.T.astype(head.rows.dtype)
+    return head
+
+
+def draft_scores(target, head: EfficientHead | None, hidden: jax.Array) -> DraftScores:
+    """The drafting side's scores of post-norm hidden states: the target's full LM head when `head`
+    is None, else the efficient head's shortlist (the one place the choice is read).
+
+    Example:
+        >>> draft_scores(target, None, y).logits.shape  # doctest: +SKIP
+        (1, 248320)
+    """
+    if head is None:
+        logits = target.logits(hidden)
+        return DraftScores(logits, jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32))
+    return head.scores(hidden, target.embed_tokens[...] if head.tied else None)
+
+
+def head_name(head_cfg) -> str:
+    """The draft head as the stats report it.
+
+    Example:
+        >>> head_name(None), head_name({"rank": 64, "shortlist": 256})
+        ('full', 'efficient(rank=64,shortlist=256)')
+    """
+    if head_cfg is None:
+        return "full"
+    return f"efficient(rank={head_cfg['rank']},shortlist={head_cfg['shortlist']})"
+
+
+def abstract_efficient_head(target_cfg, dtype, rank: int | None = None, shortlist: int | None = None):
+    """`(cfg, graphdef, abstract state)` of an efficient head for a target config (nothing allocated)."""
+    rank, shortlist = head_shape(target_cfg.hidden_size, target_cfg.vocab_size, rank, shortlist)
+    head = nnx.eval_shape(lambda: EfficientHead(hidden=target_cfg.hidden_size, vocab=target_cfg.vocab_size,
+                                                rank=rank, shortlist=shortlist, dtype=jnp.dtype(dtype),
+                                                tied=target_cfg.tie_word_embeddings))
+    return {"rank": rank, "shortlist": shortlist}, *nnx.split(head)
+
+
+def make_efficient_head(target, rank: int | None = None, shortlist: int | None = None):
+    """A `LoadedModel` holding the efficient head of a loaded target (`factor_head` of its LM head),
+    its params at their mesh shardings.
+
+    Example:
+        >>> head = make_efficient_head(target, rank=64, shortlist=256)  # doctest: +SKIP
+        >>> head.cfg  # doctest: +SKIP
+        {'rank': 64, 'shortlist': 256}
+    """
+    from dmtp_jax.checkpoint.hf import LoadedModel
+    from dmtp_jax.sharding import state_shardings
+
+    cfg = target.cfg
+    dtype = target.state_dtype
+    rank, shortlist = head_shape(cfg.hidden_size, cfg.vocab_size, rank, shortlist)
+    model = nnx.merge(target.graphdef, target.state)
+    head = EfficientHead(hidden=cfg.hidden_size, vocab=cfg.vocab_size, rank=rank, shortlist=shortlist, dtype=dtype,
+                         tied=cfg.tie_word_embeddings)
+    head = factor_head(head, model.head_weight())
+    graphdef, state = nnx.split(head)
+    state = jax.device_put(state, state_shardings(state, target.mesh))
+    return LoadedModel({"rank": rank, "shortlist": shortlist}, graphdef, state, target.mesh, None)

@@ -1,0 +1,98 @@
+"""The drafting side's efficient LM head (`models/draft_head.py`): exact scores on the shortlist,
+a full-rank factor's shortlist holds the argmax, greedy speculative decoding with a small
+(draft-changing) head equals plain greedy for mtp, dflash and dmtp, and sampled decoding with it
+is lossless (chi-square)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from stat_checks import assert_matches_target_joint
+from test_mtp_dmtp import PROMPTS, randomized
+from dflash_fixtures import build_reference_drafter
+from dmtp_jax.bench.head_agreement import t1_agreement
+from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter, save_dmtp_drafter
+from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
+from dmtp_jax.decode import make_decoder
+from dmtp_jax.decode.ar import ARDecoder
+from dmtp_jax.decode.sampling import SamplingParams
+from dmtp_jax.models.draft_head import EfficientHead, draft_scores, factor_head, make_efficient_head
+from dmtp_jax.models.fusion import mtp_confidence
+
+SMALL = dict(rank=2, shortlist=4)       # of H = 32, V = 128: the shortlist changes drafts
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_exact_on_the_shortlist_and_full_rank_holds_the_argmax(tied):
+    h_dim, vocab = 16, 64
+    w = jax.random.normal(jax.random.key(0), (vocab, h_dim) if tied else (h_dim, vocab))
+    x = jax.random.normal(jax.random.key(1), (3, 5, h_dim))
+    full = jnp.einsum("...h,vh->...v" if tied else "...h,hv->...v", x, w)
+    for rank, shortlist in ((2, 6), (h_dim, 4)):
+        head = factor_head(EfficientHead(hidden=h_dim, vocab=vocab, rank=rank, shortlist=shortlist,
+                                         dtype=jnp.float32, tied=tied), w)
+        scores = head.scores(x, w if tied else None)
+        kept = np.isfinite(np.asarray(scores.logits))
+        assert (kept.sum(-1) == shortlist).all()
+        np.testing.assert_allclose(np.asarray(scores.logits)[kept], np.asarray(full)[kept], rtol=1e-5, atol=1e-5)
+        assert np.isfinite(np.asarray(scores.rest_lse)).all()
+        if rank == h_dim:      # the full-rank factor scores exactly: its shortlist holds the argmax
+            assert (np.argmax(np.asarray(scores.logits), -1) == np.argmax(np.asarray(full), -1)).all()
+    # the confidence counts the mass outside the shortlist: no more than the full softmax's top-1
+    small = factor_head(EfficientHead(hidden=h_dim, vocab=vocab, rank=2, shortlist=4, dtype=jnp.float32, tied=tied),
+                        w).scores(x, w if tied else None)
+    shortlist_only = mtp_confidence(small.logits)
+    assert (np.asarray(mtp_confidence(small.logits, small.rest_lse)) < np.asarray(shortlist_only)).all()
+
+
+@pytest.fixture(scope="module")
+def models(mtp_target_dir):
+    target = load_target(mtp_target_dir)
+    return target, load_mtp(mtp_target_dir, target.cfg), make_efficient_head(target, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def dmtp_dir(models, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("dflash") / "d")
+    build_reference_drafter(d, seed=3, layer_types=("sliding_attention", "full_attention"), sliding_window=6)
+    drafter, fusion = load_dmtp_drafter(d, models[0].cfg, "dmtp")
+    out = str(tmp_path_factory.mktemp("dmtp") / "dmtp")
+    save_dmtp_drafter(drafter, randomized(fusion, 0), out)
+    return out
+
+
+def engine(method, models, dmtp_dir, head=True, **options):
+    target, mtp, efficient = models
+    drafter = fusion = None
+    if method != "mtp":
+        drafter, fusion = load_dmtp_drafter(dmtp_dir, target.cfg)
+    return make_decoder(method, target, drafter, mtp=mtp, fusion=fusion if method == "dmtp" else None,
+                        draft_head=efficient if head else None, **options)
+
+
+def test_greedy_with_the_efficient_head_equals_plain_greedy(models, dmtp_dir):
+    target, _, efficient = models
+    # the small head's argmax differs from the full head's on the prompts' own hidden states
+    model, head = nnx.merge(target.graphdef, target.state), nnx.merge(efficient.graphdef, efficient.state)
+    hidden = model(jnp.asarray([PROMPTS[0]]), jnp.arange(len(PROMPTS[0]))[None]).hidden_bth
+    differ = np.argmax(np.asarray(draft_scores(model, head, hidden).logits), -1) != np.argmax(
+        np.asarray(model.logits(hidden)), -1)
+    assert differ.any() and not differ.all()
+    want = ARDecoder(target).generate(PROMPTS, 12, stop_ids=[]).output_ids
+    for method in ("mtp", "dflash", "dmtp"):
+        dec = engine(method, models, dmtp_dir)
+        res = dec.generate(PROMPTS, 12, stop_ids=[])
+        assert res.output_ids == want, method
+        assert res.stats["draft_head"] == "efficient(rank=2,shortlist=4)"
+    # the bench's figure: T1 from this head is the full head's at some positions of the text, not all
+    agreement = t1_agreement(dec, [p + o for p, o in zip(PROMPTS, want)])
+    assert 0.0 < agreement < 1.0
+
+
+@pytest.mark.parametrize("method", ["dmtp"])       # T1 from MTP and the drafter's rows
+def test_sampled_with_the_efficient_head_is_lossless(method, models, dmtp_dir):
+    dec = engine(method, models, dmtp_dir, mtp_steps=3)
+    assert_matches_target_joint(dec, models[0], PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
