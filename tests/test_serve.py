@@ -78,3 +78,118 @@ def test_stop_tokens_and_cancel_free_rows(decoder, reference):
     assert a.output_ids == reference[2][:reference[2].index(stop) + 1] and a.finish_reason == "stop"
     assert b.finish_reason == "cancelled" and len(b.output_ids) < MAX_TOKENS[0]
     assert c.output_ids == reference[3]
+
+
+# ---- the HTTP server, through the real openai client ----------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from dmtp_jax.tiny import save_byte_tokenizer
+    from dmtp_jax.tokenizer import load_tokenizer
+    d = str(tmp_path_factory.mktemp("tok"))
+    save_byte_tokenizer(d)
+    return load_tokenizer(d, plain=True)
+
+
+@pytest.fixture(scope="module")
+def server(decoder, tokenizer):
+    """`(base url, scheduler)` of a server on a free local port, in this process (same decoder:
+    the compiles are shared with the engine tests)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from dmtp_jax.serve.app import Scheduler, build_app, warm_up
+
+    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[])
+    warm_up(engine)
+    scheduler = Scheduler(engine)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(build_app(scheduler, tokenizer, "tiny", drain_s=5), host="127.0.0.1",
+                                        port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", scheduler
+    srv.should_exit = True
+    thread.join(timeout=30)
+    assert not scheduler.accepting
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
+
+
+def test_concurrent_streams_equal_generate(client, reference, tokenizer):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def stream(i):
+        chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i],
+                                                temperature=0, stream=True))
+        return "".join(c.choices[0].text for c in chunks), chunks[-1]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:       # more requests than rows: some wait for a row
+        results = list(pool.map(stream, range(len(PROMPTS))))
+    for (text, last), ref in zip(results, reference):
+        assert text == tokenizer.decode(ref)
+        assert last.choices[0].finish_reason == "length" and last.usage.completion_tokens == len(ref)
+        assert last.usage.model_extra["dmtp"]["method"] == "dmtp"
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_stop_strings_cut_exactly(client, reference, tokenizer):
+    full = tokenizer.decode(reference[2])
+    stop = next(full[i:i + 2] for i in range(1, len(full) - 2) if "\ufffd" not in full[:i + 2]
+                and full.index(full[i:i + 2]) == i)     # a bigram's first occurrence, past the start
+    want = full[:full.index(stop)]
+    out = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=MAX_TOKENS[2], temperature=0,
+                                    stop=[stop, "never seen"])
+    assert out.choices[0].text == want and out.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=MAX_TOKENS[2], temperature=0,
+                                       stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == want
+
+
+def test_bad_requests_get_openai_errors(client, server):
+    import httpx
+    import openai
+
+    for kwargs in (dict(max_tokens=-1), dict(temperature=-0.5), dict(n=2), dict(top_p=0),
+                   dict(prompt=[1, 999999]), dict(extra_body={"max_tokens": "many"})):
+        args = {"model": "tiny", "prompt": [1, 2], "max_tokens": 4, **kwargs}
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**args)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model="tiny", prompt=[1] * 100, max_tokens=50)
+    assert err.value.status_code == 413
+    with pytest.raises(openai.BadRequestError, match="chat template"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    r = httpx.post(server[0] + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert httpx.get(server[0] + "/health").status_code == 200
+
+
+def test_disconnect_frees_the_row_and_metrics(server):
+    import time
+
+    import httpx
+    base, scheduler = server
+    body = {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 100, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body) as r:
+        next(r.iter_lines())
+    deadline = time.time() + 20
+    while scheduler.engine.busy and time.time() < deadline:
+        time.sleep(0.05)
+    assert not scheduler.engine.busy, "the disconnected request should free its row"
+    text = httpx.get(base + "/metrics").text
+    assert 'dmtp_requests_finished_total{reason="cancelled"} 1' in text
+    for name in ("dmtp_requests_total", "dmtp_generation_tokens_total", "dmtp_running_rows 0",
+                 "dmtp_waiting_requests 0", 'dmtp_verify_rounds_total{method="dmtp"}',
+                 "dmtp_time_to_first_token_seconds_bucket", "dmtp_time_per_output_token_seconds_count"):
+        assert name in text
