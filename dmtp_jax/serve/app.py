@@ -233,7 +233,7 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
         return list(tokenizer(text).input_ids)
 
     def decode(ids) -> str:
-        return tokenizer.decode(ids) if tokenizer is not None else ""
+        return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
 
     async def run(req: Request, body, http: HttpRequest, chat: bool):
         loop = asyncio.get_running_loop()
@@ -330,11 +330,26 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
     return app
 
 
-def warm_up(engine: Engine) -> None:
-    """Compiles the greedy prefill, row scatter and round before the first request (one short
-    request through the engine), so `/health` answers only once they are ready."""
-    req = engine.add(Request([0], 2, stop_ids=()))
-    while not req.finished:
+def warm_up(engine: Engine, every_bucket: bool = True) -> None:
+    """Compiles the greedy prefill of every prompt bucket (`every_bucket`; else the shortest only),
+    the row scatter and the round before the first request, so that `/health` answers only once
+    they are ready and no request waits for a compile.
+
+    Example:
+        >>> warm_up(engine)  # doctest: +SKIP
+    """
+    from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, next_pow2
+
+    top = next_pow2(engine.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
+    chunk = max(engine.rows.decoder.prefill_chunk, PROMPT_BUCKET_FLOOR)
+    bucket, lengths = PROMPT_BUCKET_FLOOR, []
+    while bucket <= min(top, chunk):
+        lengths.append(min(bucket, engine.max_model_len - 2))
+        bucket *= 2
+    if top > chunk:                 # longer prompts run chunks of `prefill_chunk` tokens
+        lengths.append(engine.max_model_len - 2)
+    reqs = [engine.add(Request([0] * n, 2, stop_ids=())) for n in lengths]
+    while not all(r.finished for r in reqs):
         engine.step()
     engine.counters.clear()
 
