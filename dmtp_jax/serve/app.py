@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import threading
 import time
 import uuid
@@ -256,14 +257,25 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
         def finish_reason():
             return "stop" if req.finish_reason in ("stop", "stop_string") else req.finish_reason
 
+        async def next_event():
+            """The next event; checks every second whether the client is still there (a
+            non-streaming client that went away cancels its request too)."""
+            while True:
+                try:
+                    return await asyncio.wait_for(queue.get(), 1.0)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        scheduler.cancel(req, "cancelled")
+                        raise asyncio.CancelledError from None
+
         async def events():
             """(text delta, token ids, finished) per committed chunk; cancels on a stop string."""
             while True:
-                ev = await queue.get()
+                ev = await next_event()
                 delta = text.add(ev.tokens)
                 if text.stopped and not ev.finished:
                     scheduler.cancel(req, "stop_string")
-                    while not (await queue.get()).finished:
+                    while not (await next_event()).finished:
                         pass
                     yield delta, ev.tokens, True
                     return
@@ -274,8 +286,12 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
 
         if not body.stream:
             parts = []
-            async for delta, _, _ in events():
-                parts.append(delta)
+            try:
+                async for delta, _, _ in events():
+                    parts.append(delta)
+            finally:
+                if not req.finished:
+                    scheduler.cancel(req, "cancelled")
             out = "".join(parts)
             choice = ({"index": 0, "message": {"role": "assistant", "content": out}} if chat
                       else {"index": 0, "text": out, "logprobs": None})
@@ -372,5 +388,9 @@ def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port:
     app = build_app(scheduler, tokenizer, model_name)
     print(f"serving {model_name} ({engine.method}, {max_batch_size} rows, max_model_len {engine.max_model_len}) "
           f"on http://{host}:{port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+    # uvicorn re-raises the SIGTERM it handled once it has shut down; with this handler that ends
+    # the process normally (exit status 0) instead of by the signal
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                  timeout_graceful_shutdown=30)).run()
     return 0
