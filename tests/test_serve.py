@@ -80,6 +80,22 @@ def test_stop_tokens_and_cancel_free_rows(decoder, reference):
     assert c.output_ids == reference[3]
 
 
+def test_plain_decoding_engine_equals_generate(decoder, reference):
+    """`ar` through the same engine (`PlainRows`: the decoder's prefill and decode steps), rows joining
+    mid-flight; also what a speculative decoder declined by the exactness probe serves. (The
+    reference is greedy dmtp's `generate`, which equals ar's: tests/test_mtp_dmtp.py.)"""
+    from dmtp_jax.decode.ar import ARDecoder
+    ar = ARDecoder(decoder.target)
+    want = [ref[:8] for ref in reference[:3]]
+    engine = Engine(ar, max_batch_size=2, max_model_len=MAX_MODEL_LEN, stop_ids=[])
+    reqs = [engine.add(Request(PROMPTS[0], 8))]
+    engine.step()
+    reqs += [engine.add(Request(p, 8)) for p in PROMPTS[1:3]]
+    while engine.busy:
+        engine.step()
+    assert [r.output_ids for r in reqs] == want and engine.method == "ar"
+
+
 # ---- the HTTP server, through the real openai client ----------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
