@@ -209,3 +209,18 @@ def test_disconnect_frees_the_row_and_metrics(server):
                  "dmtp_waiting_requests 0", 'dmtp_verify_rounds_total{method="dmtp"}',
                  "dmtp_time_to_first_token_seconds_bucket", "dmtp_time_per_output_token_seconds_count"):
         assert name in text
+
+
+def test_a_failing_step_ends_its_requests_and_the_server_lives_on(client, server, reference, tokenizer,
+                                                                  monkeypatch):
+    rows = server[1].engine.rows
+    real_step = rows.step
+
+    def fail_once(*args, **kwargs):
+        monkeypatch.setattr(rows, "step", real_step)
+        raise RuntimeError("injected")
+    monkeypatch.setattr(rows, "step", fail_once)
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0)
+    assert out.choices[0].finish_reason == "error"
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0)
+    assert out.choices[0].text == tokenizer.decode(reference[0][:5], skip_special_tokens=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import signal
 import threading
 import time
@@ -39,6 +40,8 @@ from dmtp_jax.errors import RequestError
 from dmtp_jax.serve.engine import Engine, Request
 from dmtp_jax.serve.metrics import ServerMetrics
 from dmtp_jax.serve.text import TextStream
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -99,7 +102,12 @@ class Scheduler:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            for event in engine.step():
+            try:
+                events = engine.step()
+            except Exception:           # a bug, not bad input: logged, its requests end, the server lives on
+                log.exception("engine step failed; ending every running request")
+                events = engine.abort_all("error")
+            for event in events:
                 sink = self._sinks.get(event.request.id)
                 if event.finished:
                     self._sinks.pop(event.request.id, None)

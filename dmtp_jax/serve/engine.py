@@ -290,8 +290,22 @@ class Engine:
             self._prefill = None
             self._finish(req, req.cancel_reason, events)
 
-    def _shared_top_k(self, exclude=None) -> int | None:
-        ks = {r.top_k for r in self.running if r is not None and r is not exclude and not r.greedy}
+    def abort_all(self, reason: str = "error") -> list[Event]:
+        """Ends every request at once (the scheduler's answer to a failed step) and frees every row;
+        the running state is rebuilt so the next request starts clean."""
+        events: list[Event] = []
+        reqs = [r for r in self.running if r is not None] + list(self.waiting)
+        if self._prefill is not None:
+            reqs.append(self._prefill[0])
+        self.running, self._prefill = [None] * self.max_batch_size, None
+        self.waiting.clear()
+        for req in reqs:
+            self._finish(req, reason, events)
+        self.state = self.rows.new_state(self.max_batch_size, self.max_len)
+        return events
+
+    def _shared_top_k(self) -> int | None:
+        ks = {r.top_k for r in self.running if r is not None and not r.greedy}
         return ks.pop() if ks else None
 
     def _admit(self, events):
