@@ -275,7 +275,7 @@ def cmd_serve(args) -> int:
                          f"max_position_embeddings), got {args.max_model_len}")
     if args.max_batch_size < 1:
         raise InputError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
-    tokenizer = load_tokenizer(target_dir, plain=True)     # transformers' only where it adds something (a chat template)
+    tokenizer = load_tokenizer(target_dir, plain=True)     # transformers' only where it adds something (chat template)
     decoder, stops = load_decoder(args, target_dir, method, make_mesh(args.mesh), tokenizer)
     name = args.served_model_name or os.path.basename(os.path.normpath(target_dir))
     return serve(decoder, tokenizer, name, host=args.host, port=args.port, max_batch_size=args.max_batch_size,

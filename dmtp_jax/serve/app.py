@@ -77,7 +77,11 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, req: Request, sink) -> Request:
-        """Checks and queues `req`; `sink(event)` is called (on the scheduler thread) per event."""
+        """Checks and queues `req`; `sink(event)` is called (on the scheduler thread) per event.
+
+        Example:
+            >>> scheduler.submit(Request([1, 2], 8), print)  # doctest: +SKIP
+        """
         if not self.accepting:
             raise ApiError("the server is shutting down", 503, kind="server_error")
         self.engine.check(req)
@@ -116,7 +120,11 @@ class Scheduler:
                     sink(event)
 
     def shutdown(self, drain_s: float = 30.0) -> None:
-        """Stops admitting, lets running requests finish for up to `drain_s`, cancels the rest."""
+        """Stops admitting, lets running requests finish for up to `drain_s`, cancels the rest.
+
+        Example:
+            >>> scheduler.shutdown(drain_s=5)  # doctest: +SKIP
+        """
         self.accepting = False
         deadline = time.monotonic() + drain_s
         while (self.engine.busy or self._inbox) and time.monotonic() < deadline:
@@ -172,7 +180,11 @@ def one_prompt(prompt) -> str | list[int]:
 
 def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float = 30.0) -> FastAPI:
     """The FastAPI app serving `scheduler`'s engine as `model_name` (`tokenizer` may be None:
-    token-id prompts only)."""
+    token-id prompts only); on shutdown it drains the scheduler for up to `drain_s`.
+
+    Example:
+        >>> app = build_app(Scheduler(engine), tokenizer, "demo")  # doctest: +SKIP
+    """
     engine = scheduler.engine
 
     @contextlib.asynccontextmanager

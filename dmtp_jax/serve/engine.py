@@ -79,7 +79,12 @@ class Request:
         return self.temperature == 0.0
 
     def acceptance_stats(self) -> dict:
-        """This request's rounds and tokens per round (accepted drafts + bonus)."""
+        """This request's rounds and tokens per round (accepted drafts + bonus), for `usage`.
+
+        Example:
+            >>> Request([1], 4, acceptance=[3, 1]).acceptance_stats()["mean_acceptance_length"]
+            2.0
+        """
         rounds = len(self.acceptance)
         return {"verify_rounds": rounds,
                 "mean_acceptance_length": sum(self.acceptance) / rounds if rounds else 0.0,
@@ -183,8 +188,14 @@ class PlainRows:
 
 
 def engine_rows(decoder, seed: int = 0):
-    """`SpecRows` / `PlainRows` for a decoder; a speculative decoder passes the exactness probe
-    first and is served with plain decoding when the probe declines (`exactness_gate`)."""
+    """`(rows, gate)`: `SpecRows` / `PlainRows` for a decoder; a speculative decoder passes the
+    exactness probe first and is served with plain decoding when the probe declines (`exactness_gate`).
+
+    Example:
+        >>> rows, gate = engine_rows(make_decoder("dflash", target, drafter))  # doctest: +SKIP
+        >>> rows.method, gate.engaged  # doctest: +SKIP
+        ('dflash', True)
+    """
     if isinstance(decoder, ARDecoder):
         return PlainRows(decoder, seed), None
     from dmtp_jax.decode.probe import exactness_gate
@@ -229,7 +240,13 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------
     def check(self, req: Request) -> Request:
-        """Validates a request (raises `RequestError` naming the problem); returns it."""
+        """Validates a request (raises `RequestError` naming the problem); returns it.
+
+        Example:
+            >>> engine.check(Request([1, 2], max_tokens=0))  # doctest: +SKIP
+            Traceback (most recent call last):
+            dmtp_jax.errors.RequestError: max_tokens must be >= 1, got 0
+        """
         if req.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
         SamplingParams.make(req.temperature, req.top_p, req.top_k)
@@ -241,7 +258,11 @@ class Engine:
         return req
 
     def add(self, req: Request) -> Request:
-        """Queues a (checked) request; it is admitted by a later `step`."""
+        """Queues a (checked) request; it is admitted by a later `step`.
+
+        Example:
+            >>> req = engine.add(Request([1, 2, 3], max_tokens=8, temperature=0.7))  # doctest: +SKIP
+        """
         self.check(req)
         req.tracker = StopTracker(1, req.max_tokens, self.stop_ids if req.stop_ids is None else req.stop_ids)
         self.waiting.append(req)
@@ -250,7 +271,12 @@ class Engine:
         return req
 
     def cancel(self, req: Request, reason: str = "cancelled") -> None:
-        """Ends a request at the next step (its row is freed then); `reason` is its finish reason."""
+        """Ends a request at the next step (its row is freed then); `reason` is its finish reason.
+
+        Example:
+            >>> engine.cancel(req); engine.step()[0].finished  # doctest: +SKIP
+            True
+        """
         if not req.finished:
             req.cancelled, req.cancel_reason = True, reason
 
@@ -265,7 +291,12 @@ class Engine:
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[Event]:
         """Frees cancelled rows, advances an admission by one prefill chunk, runs one round over
-        the running rows; returns what each request committed."""
+        the running rows; returns what each request committed.
+
+        Example:
+            >>> [(ev.request.id, ev.tokens, ev.finished) for ev in engine.step()]  # doctest: +SKIP
+            [(1, [17, 4, 9], False)]
+        """
         events: list[Event] = []
         self._drop_cancelled(events)
         self._admit(events)

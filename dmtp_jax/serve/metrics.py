@@ -85,8 +85,9 @@ class ServerMetrics:
         out += [f"# HELP {prefix}_requests_finished_total requests finished, by reason",
                 f"# TYPE {prefix}_requests_finished_total counter"]
         out += [f'{prefix}_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]
-        for name, hist, help_text in (("time_to_first_token_seconds", self.ttft, "arrival to first token"),
-                                      ("time_per_output_token_seconds", self.tpot, "decode time per token after the first")):
+        histograms = (("time_to_first_token_seconds", self.ttft, "arrival to first token"),
+                      ("time_per_output_token_seconds", self.tpot, "decode time per token after the first"))
+        for name, hist, help_text in histograms:
             out += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} histogram"]
             out += hist.lines(f"{prefix}_{name}")
         return "\n".join(out) + "\n"
