@@ -4,6 +4,8 @@ the real `openai` client against a server on a free local port (streaming, stop 
 disconnects, /metrics). One tiny random Qwen3 target with an MTP head, a DFlash drafter and a DMTP
 fusion, built in JAX (no torch); a few LM-head columns scaled up so drafts are partly accepted."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -224,3 +226,28 @@ def test_a_failing_step_ends_its_requests_and_the_server_lives_on(client, server
     assert out.choices[0].finish_reason == "error"
     out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0)
     assert out.choices[0].text == tokenizer.decode(reference[0][:5], skip_special_tokens=True)
+
+
+def test_chat_completions_use_the_chat_template(server, decoder, tmp_path):
+    """A tokenizer with a chat template (transformers'): the messages' ids through the engine equal
+    `generate` on those ids, streamed and not."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from dmtp_jax.serve.app import build_app
+    from dmtp_jax.tiny import save_byte_tokenizer
+    save_byte_tokenizer(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    messages = [{"role": "user", "content": "hi"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = tok.decode(decoder.generate([ids], 6, stop_ids=[]).output_ids[0], skip_special_tokens=True)
+    http = TestClient(build_app(server[1], tok, "tiny"))      # the running scheduler; no lifespan
+    body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0}
+    out = http.post("/v1/chat/completions", json=body).json()
+    assert out["choices"][0]["message"]["content"] == want and out["usage"]["prompt_tokens"] == len(ids)
+    lines = http.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n\n")
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and lines[-2] == "data: [DONE]"
