@@ -1,10 +1,11 @@
-"""dmtp-jax inference CLI: generate | compare | bench | plan.
+"""dmtp-jax inference CLI: generate | serve | compare | bench | plan.
 
     python infer.py                                                  # the demo benchmark (see below)
     python infer.py --num-prompts 2 --max-new-tokens 16              # the same, shorter (bench flags)
     python infer.py generate --prompt "def fibonacci(n):"            # the shipped demo target
     python infer.py generate --target DIR --prompt-ids 1,2,3 --json out.json
     python infer.py generate --target DIR --draft DFLASH_DIR --prompt "..."   # speculative
+    python infer.py serve --port 8000                                # OpenAI-compatible server (demo: dmtp)
     python infer.py compare --target DIR [--draft DFLASH_DIR] [--dtype float32] [--json report.json]
     python infer.py bench --target DIR --draft DIR --methods ar,dflash --workload gsm8k --plot acc.png
     python infer.py plan --target configs/models/qwen3.6-27b.json --topology h100x8 --mesh tensor=8   # dry run
@@ -123,6 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-token-ids", type=int_list, default=None,
                    help="extra stop token ids, comma-separated (EOS ids of the checkpoint always stop)")
 
+    sv = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching (see README: Serve)")
+    common(sv)
+    method_args(sv)
+    sv.add_argument("--method", default=None, choices=METHODS,
+                    help="decoding method (default: dmtp on the demo, else dflash with --draft, else ar)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-batch-size", type=int, default=8, help="rows of the running batch")
+    sv.add_argument("--max-model-len", type=int, default=None,
+                    help="most tokens (prompt + max_tokens) per request (default: max_position_embeddings)")
+    sv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the "
+                                                               "target directory's name)")
+
     c = sub.add_parser("compare", help="numerics of JAX vs transformers on the same checkpoint")
     common(c)
     c.add_argument("--seed", type=int, default=0)
@@ -182,11 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_generate(args) -> int:
     from dmtp_jax import preflight
-    from dmtp_jax.checkpoint.hf import load_target
-    from dmtp_jax.decode.loading import make_decoders
     from dmtp_jax.decode.sampling import SamplingParams
     from dmtp_jax.sharding import make_mesh
-    from dmtp_jax.tokenizer import load_tokenizer, stop_token_ids
+    from dmtp_jax.tokenizer import load_tokenizer
 
     # cheap checks first: every bad input ends here, before the model load and before any output
     target_dir = resolve_target(args.target)
@@ -214,13 +226,7 @@ def cmd_generate(args) -> int:
         prompts = [prompts[i % len(prompts)] for i in range(args.batch_size)]
     preflight.check_prompts(prompts, args.max_new_tokens, cfg)
 
-    target = load_target(target_dir, args.dtype, mesh)
-    stops = stop_token_ids(target_dir, target.cfg.eos_token_ids, tokenizer)
-    stops = sorted(set(stops) | set(args.stop_token_ids or []))
-    decoder = make_decoders([method], target, method_models(args, target, [method]), block_size=args.block_size,
-                            verify=args.verify, mtp_steps=args.mtp_steps, strict=args.strict,
-                            rounds_per_dispatch=args.rounds_per_dispatch, prefill_chunk=args.prefill_chunk,
-                            adaptive_threshold=args.adaptive_threshold)[method]
+    decoder, stops = load_decoder(args, target_dir, method, mesh, tokenizer)
 
     stream = len(prompts) == 1 and tokenizer is not None and not args.json_path
     streamed = []
@@ -248,6 +254,47 @@ def cmd_generate(args) -> int:
         with open(args.json_path, "w") as fh:
             json.dump(record, fh)
     return 0
+
+
+def load_decoder(args, target_dir: str, method: str, mesh, tokenizer):
+    """`(decoder, stop token ids)` of `method` on the target, from generate's / serve's model flags."""
+    from dmtp_jax.checkpoint.hf import load_target
+    from dmtp_jax.decode.loading import make_decoders
+    from dmtp_jax.tokenizer import stop_token_ids
+
+    target = load_target(target_dir, args.dtype, mesh)
+    stops = stop_token_ids(target_dir, target.cfg.eos_token_ids, tokenizer)
+    stops = sorted(set(stops) | set(getattr(args, "stop_token_ids", None) or []))
+    decoder = make_decoders([method], target, method_models(args, target, [method]), block_size=args.block_size,
+                            verify=args.verify, mtp_steps=args.mtp_steps, strict=args.strict,
+                            rounds_per_dispatch=args.rounds_per_dispatch, prefill_chunk=args.prefill_chunk,
+                            adaptive_threshold=args.adaptive_threshold)[method]
+    return decoder, stops
+
+
+def cmd_serve(args) -> int:
+    from dmtp_jax import preflight
+    from dmtp_jax.serve.app import serve
+    from dmtp_jax.sharding import make_mesh
+    from dmtp_jax.tokenizer import load_tokenizer
+
+    target_dir = resolve_target(args.target)
+    cfg = preflight.target_config(target_dir)
+    method = args.method or ("dmtp" if uses_demo(args) else "dflash" if args.draft else "ar")
+    preflight.check_decode_options(args.mtp_steps, args.block_size, 1, args.rounds_per_dispatch,
+                                   args.adaptive_threshold, args.prefill_chunk)
+    preflight.check_method_models([method], target_dir, args.draft, args.mtp, demo_drafters=uses_demo(args))
+    preflight.check_drafter_block([method], args.draft, args.block_size)
+    if args.max_model_len is not None and not 2 <= args.max_model_len <= cfg.max_position_embeddings:
+        raise InputError(f"--max-model-len must be in [2, {cfg.max_position_embeddings}] (the model's "
+                         f"max_position_embeddings), got {args.max_model_len}")
+    if args.max_batch_size < 1:
+        raise InputError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    tokenizer = load_tokenizer(target_dir, plain=True)     # transformers' only where it adds something (chat template)
+    decoder, stops = load_decoder(args, target_dir, method, make_mesh(args.mesh), tokenizer)
+    name = args.served_model_name or os.path.basename(os.path.normpath(target_dir))
+    return serve(decoder, tokenizer, name, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
+                 max_model_len=args.max_model_len, stop_ids=stops)
 
 
 def cmd_compare(args) -> int:
@@ -603,7 +650,7 @@ def main(argv=None) -> int:
         use_host_backend()
     else:
         enable_compile_cache(args.compile_cache)
-    handler = cmd_demo if demo is not None else {"generate": cmd_generate, "compare": cmd_compare,
+    handler = cmd_demo if demo is not None else {"generate": cmd_generate, "serve": cmd_serve, "compare": cmd_compare,
                                                  "bench": cmd_bench, "plan": cmd_plan}[args.command]
     return run_command(handler, args)
 

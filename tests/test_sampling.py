@@ -77,3 +77,15 @@ def test_ties_at_the_kth_logit_are_kept_and_greedy_is_one_hot():
     np.testing.assert_array_equal(got > 0, [[True, True, True, False]])
     np.testing.assert_array_equal(np.asarray(filtered_probs(logits, SamplingParams.make(0.0, top_p=0.5, top_k=2))),
                                   [[1.0, 0.0, 0.0, 0.0]])
+
+
+def test_per_row_parameters_equal_each_row_alone():
+    """`SamplingParams.rows` (the server's batches): each row filtered with its own temperature and
+    top-p equals that row filtered alone with scalars; a greedy row is one-hot, a top_p 1 row unfiltered."""
+    logits = np.random.default_rng(5).normal(size=(4, 3, 200)).astype(np.float32) * 2.5
+    rows = [(0.0, 1.0), (0.7, 0.9), (1.3, 1.0), (1.0, 0.5)]
+    got = np.asarray(jax.jit(filtered_probs)(jnp.asarray(logits), SamplingParams.rows(*zip(*rows), top_k=50)))
+    for b, (t, p) in enumerate(rows):
+        alone = np.asarray(filtered_probs(jnp.asarray(logits[b]), SamplingParams.make(t, p, 50)))
+        np.testing.assert_allclose(got[b], alone, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(got[0].max(-1), 1.0)

@@ -9,7 +9,9 @@ compiles once per on/off combination and per `top_k`): a filter that is off cost
 vocabulary sort -- and `top_p = 1` is exactly no filter (no cumulative sum that float rounding
 could push past 1 and so drop a tail token). Top-k alone is `lax.top_k` (k static), top-k with
 top-p sorts only those k; top-p alone sorts the vocabulary once. Temperature and the value of
-`top_p` are traced arrays: changing them never recompiles.
+`top_p` are traced arrays: changing them never recompiles. They are scalars, or `[B]` arrays of
+one value per row (broadcast over the leading batch axis: `per_row`), so greedy rows (temperature
+0: one-hot) and sampled rows with their own temperature / top-p share a batch (the server's).
 
 Example:
     >>> sp = SamplingParams.make(temperature=0.0)
@@ -26,6 +28,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dmtp_jax.decode.batch import RequestError
 
@@ -43,8 +46,8 @@ class SamplingParams:
         >>> sp.top_p_on, sp.top_k, sp.is_greedy
         (True, 0, False)
     """
-    temperature: jax.Array   # f32 scalar; 0 = greedy
-    top_p: jax.Array         # f32 scalar; filters only when `top_p_on`
+    temperature: jax.Array   # f32 scalar or [B] (one per row); 0 = greedy
+    top_p: jax.Array         # f32 scalar or [B]; filters only when `top_p_on` (a row's 1 keeps all)
     top_k: int = dataclasses.field(default=0, metadata=dict(static=True))            # 0 = off
     top_p_on: bool = dataclasses.field(default=False, metadata=dict(static=True))    # top_p < 1
 
@@ -59,9 +62,33 @@ class SamplingParams:
             raise RequestError(f"top_k must be >= 0, got {top_k}")
         return cls(jnp.float32(temperature), jnp.float32(top_p), int(top_k), bool(top_p < 1))
 
+    @classmethod
+    def rows(cls, temperature_b, top_p_b, top_k: int = 0) -> "SamplingParams":
+        """One temperature and top-p per row (`[B]`, values checked by `make` per request); top-k is
+        shared (static). Top-p filters when any row's top_p < 1; a row with top_p 1 keeps every token.
+
+        Example:
+            >>> sp = SamplingParams.rows([0.0, 1.0], [1.0, 0.5])
+            >>> sp.is_greedy, sp.top_p_on, sp.temperature.shape
+            (False, True, (2,))
+        """
+        temperature_b, top_p_b = np.asarray(temperature_b, np.float32), np.asarray(top_p_b, np.float32)
+        return cls(temperature_b, top_p_b, int(top_k), bool((top_p_b < 1).any()))
+
     @property
     def is_greedy(self) -> bool:
-        return float(self.temperature) == 0.0
+        return bool(np.all(np.asarray(self.temperature) == 0.0))
+
+
+def per_row(x: jax.Array, like: jax.Array) -> jax.Array:
+    """A scalar, or a `[B]` array reshaped to broadcast over `like`'s leading batch axis.
+
+    Example:
+        >>> per_row(jnp.array([1.0, 2.0]), jnp.zeros((2, 3, 4))).shape
+        (2, 1, 1)
+    """
+    x = jnp.asarray(x)
+    return x if x.ndim == 0 else x.reshape(x.shape + (1,) * (like.ndim - x.ndim))
 
 
 def filtered_probs(logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:
@@ -79,7 +106,8 @@ def filtered_probs(logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:
     logits = logits_bv.astype(jnp.float32)
     v = logits.shape[-1]
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
-    scaled = logits / jnp.maximum(sp.temperature, 1e-6)
+    temperature = per_row(sp.temperature, logits)
+    scaled = logits / jnp.maximum(temperature, 1e-6)
     top_k = sp.top_k if 0 < sp.top_k < v else 0
     if top_k:
         top_values, top_index = jax.lax.top_k(scaled, top_k)    # sorted, descending
@@ -90,11 +118,12 @@ def filtered_probs(logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:
         # probabilities in descending order: the k kept ones (the rest are 0), else the whole sort
         sorted_p = (jnp.take_along_axis(probs, top_index, axis=-1) if top_k else -jnp.sort(-probs, axis=-1))
         mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-        kept = mass_before < sp.top_p
+        top_p = per_row(sp.top_p, logits)
+        kept = (mass_before < top_p) | (top_p >= 1)     # a row's top_p 1 is no filter (no rounding)
         threshold = jnp.min(jnp.where(kept, sorted_p, jnp.inf), axis=-1, keepdims=True)
         probs = jnp.where(probs >= threshold, probs, 0.0)
         probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    return jnp.where(sp.temperature > 0, probs, greedy)
+    return jnp.where(temperature > 0, probs, greedy)
 
 
 def sample_from_probs(probs: jax.Array, key: jax.Array) -> jax.Array:
@@ -115,7 +144,7 @@ def sample_tokens(logits_bv: jax.Array, sp: SamplingParams, key: jax.Array) -> j
         1
     """
     sampled = sample_from_probs(filtered_probs(logits_bv, sp), key)
-    return jnp.where(sp.temperature > 0, sampled, jnp.argmax(logits_bv, axis=-1).astype(jnp.int32))
+    return jnp.where(per_row(sp.temperature, sampled) > 0, sampled, jnp.argmax(logits_bv, axis=-1).astype(jnp.int32))
 
 
 def pick_tokens(logits_bv: jax.Array, sp: SamplingParams, key: jax.Array, greedy: bool) -> jax.Array:

@@ -46,6 +46,7 @@ from dmtp_jax.layers.dynamic_conv import grouped_dynamic_conv
 from dmtp_jax.layers.kv_cache import repeat_kv_heads
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import rope_cos_sin
+from dmtp_jax.decode.sampling import per_row
 from dmtp_jax.models.qwen3 import Attention, DenseMLP
 
 ARCHITECTURE_VERSIONS = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}
@@ -548,7 +549,8 @@ class DFlashDrafter(nnx.Module):
             if greedy:
                 index, probs = jnp.argmax(scores, axis=-1), jnp.zeros(scores.shape, jnp.float32)
             else:
-                scaled = scores.astype(jnp.float32) / temperature
+                # a [B] temperature (one per row, the server's batches) broadcasts over the candidates
+                scaled = scores.astype(jnp.float32) / jnp.maximum(per_row(temperature, scores), 1e-6)
                 probs = jax.nn.softmax(scaled, axis=-1)
                 index = jax.random.categorical(slot_key, scaled, axis=-1)
             token = jnp.take_along_axis(cand_bk, index[:, None], axis=-1)[:, 0]

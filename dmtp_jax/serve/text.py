@@ -1,0 +1,70 @@
+"""Output text of a request as its tokens arrive: incremental detokenisation and stop strings.
+
+`TextStream.add(tokens)` returns the text that is safe to send now: everything before the first
+stop string (then the request is done: `stopped`), less a held-back tail that could still be the
+start of a stop string, or an incomplete UTF-8 character (decoded as U+FFFD). So a stop string is
+cut exactly even when it spans a verified block or several, streaming or not.
+
+Example:
+    >>> ts = TextStream(lambda ids: "".join(map(chr, ids)), ["END"])
+    >>> ts.add([ord(c) for c in "abcE"]), ts.add([ord(c) for c in "Nx"]), ts.add([ord(c) for c in "EN"])
+    ('abc', 'ENx', '')
+    >>> ts.add([ord("D")]), ts.stopped
+    ('', True)
+"""
+
+from __future__ import annotations
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters of `text` might begin a stop string (or be a partial UTF-8
+    character, U+FFFD), so must wait for more tokens.
+
+    Example:
+        >>> held_back("x = 1\\n#", ["\\n##"]), held_back("abc", ["\\n##"])
+        (2, 0)
+    """
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), hold, -1):
+            if stop.startswith(text[-k:]):
+                hold = k
+                break
+    while hold < len(text) and text[len(text) - hold - 1] == "\ufffd":
+        hold += 1
+    return hold
+
+
+class TextStream:
+    """One request's output text (see the module docstring). `decode(ids) -> str` is the
+    tokenizer's; `stops` the request's stop strings."""
+
+    def __init__(self, decode, stops: list[str] | None = None):
+        self.decode, self.stops = decode, [s for s in (stops or []) if s]
+        self.ids: list[int] = []
+        self.sent = 0               # characters of the decoded text already returned
+        self.stopped = False
+
+    def add(self, tokens) -> str:
+        """The new safe text after appending `tokens` ("" once stopped)."""
+        if self.stopped:
+            return ""
+        self.ids.extend(tokens)
+        text = self.decode(self.ids)
+        hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
+        if hits:
+            cut = min(hits)
+            self.stopped = True
+        else:
+            cut = len(text) - held_back(text, self.stops)
+        delta = text[self.sent:cut] if cut > self.sent else ""
+        self.sent = max(self.sent, cut)
+        return delta
+
+    def flush(self) -> str:
+        """The held-back tail, once the request ended without a stop string."""
+        if self.stopped:
+            return ""
+        text = self.decode(self.ids)
+        delta, self.sent = text[self.sent:], len(text)
+        return delta

@@ -1,0 +1,253 @@
+"""The server (`dmtp_jax/serve/`): continuous batching equals `generate` token for token (engine
+level, rows joining mid-flight, greedy and sampled rows sharing a batch), and the HTTP API through
+the real `openai` client against a server on a free local port (streaming, stop strings, errors,
+disconnects, /metrics). One tiny random Qwen3 target with an MTP head, a DFlash drafter and a DMTP
+fusion, built in JAX (no torch); a few LM-head columns scaled up so drafts are partly accepted."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dmtp_jax.serve.engine import Engine, Request, insert_row
+
+PROMPTS = [[5, 9, 31, 4, 77, 2, 18], [3], [100, 101, 7, 66, 12, 9, 43, 8, 8, 1, 60, 21, 94], [42, 17], [7, 7, 7]]
+MAX_TOKENS = [20, 9, 30, 14, 25]
+MAX_MODEL_LEN = 120     # cache 128 slots, as generate's: the prefill compile is shared
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    from dmtp_jax.checkpoint.dflash_ckpt import init_drafter
+    from dmtp_jax.checkpoint.dmtp_ckpt import init_fusion
+    from dmtp_jax.checkpoint.hf import init_target
+    from dmtp_jax.checkpoint.mtp_ckpt import init_mtp
+    from dmtp_jax.decode import make_decoder
+    from dmtp_jax.models.drafter_shape import default_drafter_config
+    from dmtp_jax.tiny import tiny_target_config
+
+    cfg = tiny_target_config()
+    target = init_target(cfg, "float32", seed=0)
+    head = target.state["lm_head"]
+    head[...] = head[...].at[:, 10:40].multiply(6.0)       # peaked: drafters sharing the head agree often
+    drafter = init_drafter(default_drafter_config(cfg, num_layers=1, block_size=4), seed=2)
+    return make_decoder("dmtp", target, drafter, mtp=init_mtp(cfg, seed=1),
+                        fusion=init_fusion("dmtp", cfg.hidden_size, cfg.rms_norm_eps, seed=3))
+
+
+@pytest.fixture(scope="module")
+def reference(decoder):
+    """`generate` of each prompt alone, greedy, no stop tokens."""
+    return [decoder.generate([p], m, stop_ids=[]).output_ids[0] for p, m in zip(PROMPTS, MAX_TOKENS)]
+
+
+def test_insert_row_finds_each_leafs_batch_axis():
+    state = {"k": np.zeros((2, 3, 4)), "n": np.zeros(3)}
+    out = insert_row(state, {"k": np.ones((2, 1, 4)), "n": np.full(1, 7.0)}, 1)
+    assert out["k"].sum(axis=(0, 2)).tolist() == [0.0, 8.0, 0.0] and out["n"].tolist() == [0.0, 7.0, 0.0]
+
+
+def test_continuous_batching_equals_generate(decoder, reference):
+    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[])
+    reqs = [engine.add(Request(PROMPTS[0], MAX_TOKENS[0])), engine.add(Request(PROMPTS[1], MAX_TOKENS[1]))]
+    steps, joined = 0, False
+    while engine.busy:
+        engine.step()
+        steps += 1
+        if steps == 3:      # more than the free rows join mid-flight, a sampled row among them
+            reqs += [engine.add(Request(p, m)) for p, m in zip(PROMPTS[2:], MAX_TOKENS[2:])]
+            sampled = engine.add(Request([1, 2, 3], 12, temperature=0.8, top_p=0.9, seed=1))
+            joined = True
+    assert joined and [r.output_ids for r in reqs] == reference
+    assert all(r.finish_reason == "length" for r in reqs) and len(sampled.output_ids) == 12
+    accepted = [a for r in reqs for a in r.acceptance]
+    assert max(accepted) > 1, "drafts should be partly accepted"
+    counts = engine.compile_counts()
+    assert counts["insert_row"] == 1 and counts["round"] <= 3     # generate's + the engine's greedy + sampled
+
+
+def test_stop_tokens_and_cancel_free_rows(decoder, reference):
+    engine = Engine(decoder, max_batch_size=2, max_model_len=MAX_MODEL_LEN, stop_ids=[])
+    stop = reference[2][5]
+    a = engine.add(Request(PROMPTS[2], MAX_TOKENS[2], stop_ids=(stop,)))
+    b = engine.add(Request(PROMPTS[0], MAX_TOKENS[0]))
+    c = engine.add(Request(PROMPTS[3], MAX_TOKENS[3]))       # waits for a free row
+    while not b.output_ids:
+        engine.step()
+    engine.cancel(b)
+    while engine.busy:
+        engine.step()
+    assert a.output_ids == reference[2][:reference[2].index(stop) + 1] and a.finish_reason == "stop"
+    assert b.finish_reason == "cancelled" and len(b.output_ids) < MAX_TOKENS[0]
+    assert c.output_ids == reference[3]
+
+
+def test_plain_decoding_engine_equals_generate(decoder, reference):
+    """`ar` through the same engine (`PlainRows`: the decoder's prefill and decode steps), rows joining
+    mid-flight; also what a speculative decoder declined by the exactness probe serves. (The
+    reference is greedy dmtp's `generate`, which equals ar's: tests/test_mtp_dmtp.py.)"""
+    from dmtp_jax.decode.ar import ARDecoder
+    ar = ARDecoder(decoder.target)
+    want = [ref[:8] for ref in reference[:3]]
+    engine = Engine(ar, max_batch_size=2, max_model_len=MAX_MODEL_LEN, stop_ids=[])
+    reqs = [engine.add(Request(PROMPTS[0], 8))]
+    engine.step()
+    reqs += [engine.add(Request(p, 8)) for p in PROMPTS[1:3]]
+    while engine.busy:
+        engine.step()
+    assert [r.output_ids for r in reqs] == want and engine.method == "ar"
+
+
+# ---- the HTTP server, through the real openai client ----------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from dmtp_jax.tiny import save_byte_tokenizer
+    from dmtp_jax.tokenizer import load_tokenizer
+    d = str(tmp_path_factory.mktemp("tok"))
+    save_byte_tokenizer(d)
+    return load_tokenizer(d, plain=True)
+
+
+@pytest.fixture(scope="module")
+def server(decoder, tokenizer):
+    """`(base url, scheduler)` of a server on a free local port, in this process (same decoder:
+    the compiles are shared with the engine tests)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from dmtp_jax.serve.app import Scheduler, build_app, warm_up
+
+    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[])
+    warm_up(engine, every_bucket=False)
+    scheduler = Scheduler(engine)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(build_app(scheduler, tokenizer, "tiny", drain_s=5), host="127.0.0.1",
+                                        port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", scheduler
+    srv.should_exit = True
+    thread.join(timeout=30)
+    assert not scheduler.accepting
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
+
+
+def test_concurrent_streams_equal_generate(client, reference, tokenizer):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def stream(i):
+        chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i],
+                                                temperature=0, stream=True))
+        return "".join(c.choices[0].text for c in chunks), chunks[-1]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:       # more requests than rows: some wait for a row
+        results = list(pool.map(stream, range(len(PROMPTS))))
+    for (text, last), ref in zip(results, reference):
+        assert text == tokenizer.decode(ref, skip_special_tokens=True)
+        assert last.choices[0].finish_reason == "length" and last.usage.completion_tokens == len(ref)
+        assert last.usage.model_extra["dmtp"]["method"] == "dmtp"
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_stop_strings_cut_exactly(client, reference, tokenizer):
+    full = tokenizer.decode(reference[2], skip_special_tokens=True)
+    stop = next(full[i:i + 2] for i in range(1, len(full) - 2) if "\ufffd" not in full[:i + 2]
+                and full.index(full[i:i + 2]) == i)     # a bigram's first occurrence, past the start
+    want = full[:full.index(stop)]
+    out = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=MAX_TOKENS[2], temperature=0,
+                                    stop=[stop, "never seen"])
+    assert out.choices[0].text == want and out.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=MAX_TOKENS[2], temperature=0,
+                                       stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == want
+
+
+def test_bad_requests_get_openai_errors(client, server):
+    import httpx
+    import openai
+
+    for kwargs in (dict(max_tokens=-1), dict(temperature=-0.5), dict(n=2), dict(top_p=0),
+                   dict(prompt=[1, 999999]), dict(extra_body={"max_tokens": "many"})):
+        args = {"model": "tiny", "prompt": [1, 2], "max_tokens": 4, **kwargs}
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**args)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model="tiny", prompt=[1] * 100, max_tokens=50)
+    assert err.value.status_code == 413
+    with pytest.raises(openai.BadRequestError, match="chat template"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    r = httpx.post(server[0] + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert httpx.get(server[0] + "/health").status_code == 200
+
+
+def test_disconnect_frees_the_row_and_metrics(server):
+    import time
+
+    import httpx
+    base, scheduler = server
+    body = {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 100, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body) as r:
+        next(r.iter_lines())
+    deadline = time.time() + 20
+    while scheduler.engine.busy and time.time() < deadline:
+        time.sleep(0.05)
+    assert not scheduler.engine.busy, "the disconnected request should free its row"
+    text = httpx.get(base + "/metrics").text
+    assert 'dmtp_requests_finished_total{reason="cancelled"} 1' in text
+    for name in ("dmtp_requests_total", "dmtp_generation_tokens_total", "dmtp_running_rows 0",
+                 "dmtp_waiting_requests 0", 'dmtp_verify_rounds_total{method="dmtp"}',
+                 "dmtp_time_to_first_token_seconds_bucket", "dmtp_time_per_output_token_seconds_count"):
+        assert name in text
+
+
+def test_a_failing_step_ends_its_requests_and_the_server_lives_on(client, server, reference, tokenizer,
+                                                                  monkeypatch):
+    rows = server[1].engine.rows
+    real_step = rows.step
+
+    def fail_once(*args, **kwargs):
+        monkeypatch.setattr(rows, "step", real_step)
+        raise RuntimeError("injected")
+    monkeypatch.setattr(rows, "step", fail_once)
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0)
+    assert out.choices[0].finish_reason == "error"
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0)
+    assert out.choices[0].text == tokenizer.decode(reference[0][:5], skip_special_tokens=True)
+
+
+def test_chat_completions_use_the_chat_template(server, decoder, tmp_path):
+    """A tokenizer with a chat template (transformers'): the messages' ids through the engine equal
+    `generate` on those ids, streamed and not."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from dmtp_jax.serve.app import build_app
+    from dmtp_jax.tiny import save_byte_tokenizer
+    save_byte_tokenizer(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    messages = [{"role": "user", "content": "hi"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = tok.decode(decoder.generate([ids], 6, stop_ids=[]).output_ids[0], skip_special_tokens=True)
+    http = TestClient(build_app(server[1], tok, "tiny"))      # the running scheduler; no lifespan
+    body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0}
+    out = http.post("/v1/chat/completions", json=body).json()
+    assert out["choices"][0]["message"]["content"] == want and out["usage"]["prompt_tokens"] == len(ids)
+    lines = http.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n\n")
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and lines[-2] == "data: [DONE]"
