@@ -60,7 +60,8 @@ from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
 from dmtp_jax.models.draft_head import head_name
 from dmtp_jax.options import (SPEC_METHODS, VERIFY_MODES, adaptive_threshold_for,  # noqa: F401
                               check_adaptive_threshold, check_method, check_models_given,
-                              check_rounds_per_dispatch, check_verify_mode, verify_slots)
+                              check_prefill_chunk, check_rounds_per_dispatch, check_verify_mode,
+                              verify_slots)
 from dmtp_jax.sharding import replicated
 
 DEFAULT_CONTEXT_WINDOW = 4096
@@ -68,7 +69,8 @@ DEFAULT_CONTEXT_WINDOW = 4096
 
 def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, block_size: int | None = None,
                        mtp_steps: int = 4, verify: str = "rejection", adaptive_threshold: float | None = None,
-                       rounds_per_dispatch: int = 1) -> tuple[int, float | None]:
+                       rounds_per_dispatch: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+                       ) -> tuple[int, float | None]:
     """Every option of a `SpecDecoder`, checked in one place: returns `(verify slots, adaptive
     threshold or None)`; raises `RequestError` naming the bad option.
     The rules are `dmtp_jax.options`' (the models a method needs: `options.method_needs`).
@@ -80,10 +82,15 @@ def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, bloc
         Traceback (most recent call last):
         ...
         dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 0
+        >>> check_spec_options("mtp", mtp=object(), prefill_chunk=0)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.RequestError: --prefill-chunk must be an integer >= 1, got 0
     """
     check_verify_mode(verify)
     check_method(method, SPEC_METHODS, what="speculative method")
     check_rounds_per_dispatch(rounds_per_dispatch)
+    check_prefill_chunk(prefill_chunk)
     check_models_given(method, drafter=drafter, mtp=mtp, fusion=fusion)
     slots = verify_slots(method, mtp_steps=mtp_steps, block_size=block_size,
                          drafter_block_size=None if drafter is None else drafter.cfg.block_size)
@@ -194,7 +201,7 @@ class SpecDecoder:
         slots, threshold = check_spec_options(method, drafter, mtp, fusion, block_size=block_size,
                                               mtp_steps=mtp_steps, verify=verify,
                                               adaptive_threshold=adaptive_threshold,
-                                              rounds_per_dispatch=rounds_per_dispatch)
+                                              rounds_per_dispatch=rounds_per_dispatch, prefill_chunk=prefill_chunk)
         self.adaptive_threshold = threshold
         self.target, self.drafter, self.mtp, self.fusion = target, drafter, mtp, fusion
         self.draft_head = draft_head
@@ -353,7 +360,7 @@ class SpecDecoder:
             **acceptance_stats(acceptance, self.slots),
         }
         if self.proposer.ADAPTIVE:
-            stats["adaptive_threshold"] = check_adaptive_threshold(self.adaptive_threshold)
+            stats["adaptive_threshold"] = float(knobs.adaptive_threshold)
             stats["t1_from_mtp"] = first_source
             stats.update(first_candidate_by_source(acceptance, first_source))
         return GenerationResult([list(map(int, p)) for p in prompts], tracker.outputs, stats)
