@@ -7,6 +7,9 @@ it is shown to have power. `target_joint_pvalues` gives the two p-values (a test
 wrong verifier to fail checks the first one).
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -16,14 +19,20 @@ from dmtp_jax.decode.sampling import SamplingParams, filtered_probs
 DRAWS_PER_CALL, CALLS = 256, 16
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def last_token_probs(graphdef, state, ids_bt, sp):
+    """The target's filtered next-token probabilities after each row of `ids_bt` (one compiled
+    program per target architecture and shape, shared by every check in the run; the temperature is
+    traced, so the colder target of the power check reuses it)."""
+    model = nnx.merge(graphdef, state)
+    out = model(ids_bt, jnp.broadcast_to(jnp.arange(ids_bt.shape[1]), ids_bt.shape))
+    return filtered_probs(model.logits(out.hidden_bth[:, -1]), sp)
+
+
 def exact_joint(target, prompt, sp, depth=3):
     """Exact target distribution of the first `depth` sampled tokens, by enumerating the support."""
-    model = nnx.merge(target.graphdef, target.state)
-
     def next_probs(seqs):
-        ids = jnp.asarray(seqs)
-        out = model(ids, jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape))
-        return np.asarray(filtered_probs(model.logits(out.hidden_bth[:, -1]), sp), np.float64)
+        return np.asarray(last_token_probs(target.graphdef, target.state, jnp.asarray(seqs), sp), np.float64)
 
     joint = {(): 1.0}
     for _ in range(depth):

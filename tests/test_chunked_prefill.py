@@ -62,22 +62,40 @@ def test_chunks_cover_the_bucket():
     assert len(list(prefill_chunks(tokens, 64))) == 1
 
 
+NEW_TOKENS = 16
+
+
+def ar_prefill(dec, b):
+    """`(first token, target cache)` of `dec`'s greedy prefill of the padded batch `b`."""
+    cache = dec.caches.new(b.tokens_bt.shape[0], b.max_len)
+    return dec.prefill(dec.target.state, b.tokens_bt, b.lengths_b, cache, SamplingParams.make(),
+                       jax.random.key(0), greedy=True)
+
+
+_ONE_CALL = {}
+
+
+def one_call_ar(fixture, request):
+    """`(target, padded batch, one-call prefill, greedy output)` of plain `ar` on `fixture`'s
+    target, computed once per target for every chunk size (and the speculative tests' `ar`)."""
+    if fixture not in _ONE_CALL:
+        target = load_target(request.getfixturevalue(fixture))
+        b = pad_prompts(PROMPTS, 8, target.cfg.vocab_size)
+        one = make_decoder("ar", target, prefill_chunk=ONE_SHOT)
+        _ONE_CALL[fixture] = (target, b, ar_prefill(one, b),
+                              one.generate(PROMPTS, NEW_TOKENS, stop_ids=[]).output_ids)
+    return _ONE_CALL[fixture]
+
+
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_dir", "tiny_qwen3_5_dir"])
 @pytest.mark.parametrize("chunk", [CHUNK, ODD_CHUNK])
 def test_ar_chunked_prefill_equals_one_call(fixture, chunk, request):
-    target = load_target(request.getfixturevalue(fixture))
-    b = pad_prompts(PROMPTS, 8, target.cfg.vocab_size)
-    one, chunked = (make_decoder("ar", target, prefill_chunk=c) for c in (ONE_SHOT, chunk))
-    results = []
-    for dec in (one, chunked):
-        cache = dec.caches.new(b.tokens_bt.shape[0], b.max_len)
-        results.append(dec.prefill(target.state, b.tokens_bt, b.lengths_b, cache, SamplingParams.make(),
-                                   jax.random.key(0), greedy=True))
-    (first_one, cache_one), (first_chunked, cache_chunked) = results
+    target, b, (first_one, cache_one), want = one_call_ar(fixture, request)
+    chunked = make_decoder("ar", target, prefill_chunk=chunk)
+    first_chunked, cache_chunked = ar_prefill(chunked, b)
     assert np.array_equal(np.asarray(first_one), np.asarray(first_chunked))
     assert_same_target_cache(cache_chunked, cache_one, b.lengths_b, TOL[fixture, chunk])
-    want = one.generate(PROMPTS, 12, stop_ids=[]).output_ids
-    assert chunked.generate(PROMPTS, 12, stop_ids=[]).output_ids == want
+    assert chunked.generate(PROMPTS, NEW_TOKENS, stop_ids=[]).output_ids == want
     assert chunked.compile_counts() == {"prefill": 1, "decode_step": 1}
 
 
@@ -98,7 +116,7 @@ def hybrid_dmtp(tiny_qwen3_5_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["dmtp", "dmtp-ctx-mtp"])
-def test_spec_chunked_prefill_equals_one_call(method, hybrid_dmtp):
+def test_spec_chunked_prefill_equals_one_call(method, hybrid_dmtp, request):
     """Target, MTP (cache rows 1..length, the hidden that predicts T1) and drafter context state
     after a chunked prefill equal one call's; greedy output equals `ar`'s."""
     from test_mtp_dmtp import randomized
@@ -119,6 +137,6 @@ def test_spec_chunked_prefill_equals_one_call(method, hybrid_dmtp):
         keep = (slice(None),) + tuple(np.nonzero(slots(b.lengths_b, ref.max_len, first)))
         for g, w in ((cache.k_lbskd, ref.k_lbskd), (cache.v_lbskd, ref.v_lbskd)):
             close(np.asarray(g)[keep], np.asarray(w)[keep], TOL["tiny_qwen3_5_dir", CHUNK])
-    ar = make_decoder("ar", target).generate(PROMPTS, 16, stop_ids=[]).output_ids
-    assert chunked.generate(PROMPTS, 16, stop_ids=[]).output_ids == ar
+    ar = one_call_ar("tiny_qwen3_5_dir", request)[3]
+    assert chunked.generate(PROMPTS, NEW_TOKENS, stop_ids=[]).output_ids == ar
     assert chunked.compile_counts() == {"prefill": 1, "round": 1}

@@ -41,7 +41,15 @@ def pair(request, peaked_target_dir, tmp_path_factory):
     return make_pair(request.param, peaked_target_dir, tmp_path_factory)
 
 
-def test_greedy_equals_ar_and_dflash_reference(pair, monkeypatch):
+@pytest.fixture(scope="module")
+def decoders(pair):
+    """`(speculative, plain)` decoders on `pair`'s target, shared by the tests of that drafter: their
+    requests fall in one bucket, so each compiles prefill and round (decode step) once."""
+    target, drafter, _, _ = pair
+    return SpecDecoder(target, drafter), ARDecoder(target)
+
+
+def test_greedy_equals_ar_and_dflash_reference(pair, decoders, monkeypatch):
     import time
 
     import dflash.model
@@ -49,9 +57,9 @@ def test_greedy_equals_ar_and_dflash_reference(pair, monkeypatch):
     from transformers import AutoModelForCausalLM
     monkeypatch.setattr(dflash.model, "_cuda_time", time.perf_counter)   # its timer syncs CUDA
     target, drafter, ref, target_dir = pair
-    engine = SpecDecoder(target, drafter)
+    engine, plain = decoders
     spec = engine.generate(PROMPTS, max_new_tokens=24, stop_ids=[])
-    ar = ARDecoder(target).generate(PROMPTS, max_new_tokens=24, stop_ids=[])
+    ar = plain.generate(PROMPTS, max_new_tokens=24, stop_ids=[])
     assert spec.output_ids == ar.output_ids
     hist = spec.stats["histogram"]
     assert hist[0] > 0 and sum(hist[1:]) > 0, f"acceptance should be partial, got {hist}"
@@ -65,15 +73,15 @@ def test_greedy_equals_ar_and_dflash_reference(pair, monkeypatch):
         assert ours[:-1] == out.acceptance_lengths[:-1] and ours[-1] >= out.acceptance_lengths[-1]
 
     spec2 = engine.generate([p[::-1] for p in PROMPTS], max_new_tokens=24, stop_ids=[])
-    assert spec2.output_ids == ARDecoder(target).generate([p[::-1] for p in PROMPTS], 24, stop_ids=[]).output_ids
+    assert spec2.output_ids == plain.generate([p[::-1] for p in PROMPTS], 24, stop_ids=[]).output_ids
     assert engine.compile_counts() == {"prefill": 1, "round": 1}
 
 
-def test_finished_rows_do_no_harm(pair):
-    target, drafter, _, _ = pair
-    free = ARDecoder(target).generate(PROMPTS, 20, stop_ids=[]).output_ids
+def test_finished_rows_do_no_harm(decoders):
+    engine, plain = decoders
+    free = plain.generate(PROMPTS, 20, stop_ids=[]).output_ids
     stop = free[2][4]
-    spec = SpecDecoder(target, drafter).generate(PROMPTS, 20, stop_ids=[stop]).output_ids
+    spec = engine.generate(PROMPTS, 20, stop_ids=[stop]).output_ids
     for row in range(len(PROMPTS)):
         cut = free[row].index(stop) + 1 if stop in free[row] else 20
         assert spec[row] == free[row][:cut]

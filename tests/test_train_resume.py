@@ -1,6 +1,8 @@
 """Resume equality: 2k steps straight == k steps, checkpoint (orbax: params, optimizer, step, data
 iterator), restore, k more -- the same loss sequence bit for bit. The fast test drives one
-`Trainer` (one compile); the slow one runs `run_training` three times (`--stop-at` then `--resume`)."""
+`Trainer` (one compile); the slow one runs `run_training` three times (`--stop-at` then `--resume`).
+A SIGKILL mid-run (resume from the last complete checkpoint, the same losses) is
+`test_train_resilience.py::test_sigkill_during_checkpoint_saves_resumes_from_a_complete_one`."""
 
 import json
 
@@ -59,43 +61,3 @@ def test_run_training_stop_and_resume(tiny_qwen3_dir, tmp_path):
         assert [json.loads(x)["loss"] for x in fa] == [json.loads(x)["loss"] for x in fb]
     with pytest.raises(ValueError, match="--resume"):      # an existing run is never overwritten
         run_training(tiny_train_config(tiny_qwen3_dir, data, str(tmp_path / "a"), **common))
-
-
-@pytest.mark.slow
-def test_sigkill_loses_only_steps_after_the_last_checkpoint(tiny_qwen3_dir, tmp_path):
-    """A run killed with SIGKILL mid-training resumes from its last checkpoint; the final loss
-    sequence equals an uninterrupted run's."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from dmtp_jax.train.loop import checkpoint_manager, run_training
-    data = write_random_data(str(tmp_path / "d.jsonl"), n=12, length=48)
-    common = dict(steps=30, batch_size=4, seq_len=48, checkpoint_every=2)
-    straight = run_training(tiny_train_config(tiny_qwen3_dir, data, str(tmp_path / "a"), **common))
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = ("import sys; from train_fixtures import tiny_train_config; "
-              "from dmtp_jax.train.loop import run_training; "
-              f"run_training(tiny_train_config({tiny_qwen3_dir!r}, {data!r}, {str(tmp_path / 'b')!r}, "
-              f"**{common!r}))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env)
-    ckpt_dir = tmp_path / "b" / "checkpoints"
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        steps = [int(p) for p in os.listdir(ckpt_dir) if p.isdigit()] if ckpt_dir.is_dir() else []
-        if steps and max(steps) >= 4:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    last = checkpoint_manager(str(tmp_path / "b"), 3).latest_step()
-    assert last is not None and 4 <= last < 30
-    resumed = run_training(tiny_train_config(tiny_qwen3_dir, data, str(tmp_path / "b"), resume=True, **common))
-    assert resumed["start_step"] == last
-    with open(tmp_path / "a" / "metrics.jsonl") as fa, open(tmp_path / "b" / "metrics.jsonl") as fb:
-        assert [json.loads(x)["loss"] for x in fa] == [json.loads(x)["loss"] for x in fb]
-    assert straight["losses"][last:] == resumed["losses"]

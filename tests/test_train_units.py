@@ -153,9 +153,10 @@ def test_trainer_evaluate_pools_the_loss_without_updating(tiny_qwen3_dir, tmp_pa
     evals = [batches.next(), batches.next()]
     before = jax.tree.map(np.array, state.params)
     got = trainer.evaluate(state.params, evals)
-    sums = [jax.device_get(loss_sums(state.params, trainer.graphdefs, target.graphdef, target.state, None, None,
-                                     b["tokens_bt"], b["loss_mask_bt"], jax.random.key(cfg.seed), trainer.scfg,
-                                     jnp.float32)[1]) for b in evals]
+    reference = jax.jit(lambda params, t_state, tokens_bt, loss_mask_bt: loss_sums(   # one compile, not op by op
+        params, trainer.graphdefs, target.graphdef, t_state, None, None, tokens_bt, loss_mask_bt,
+        jax.random.key(cfg.seed), trainer.scfg, jnp.float32)[1])
+    sums = [jax.device_get(reference(state.params, target.state, b["tokens_bt"], b["loss_mask_bt"])) for b in evals]
     want = sum(float(s["loss_sum"]) for s in sums) / sum(float(s["weight_sum"]) for s in sums)
     assert got["loss"] == pytest.approx(want, rel=1e-5) and 0 <= got["acc"] <= 1 and got["accept_len_proxy"] >= 1
     assert trainer.evaluate(state.params, evals) == got
