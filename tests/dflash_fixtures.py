@@ -109,3 +109,28 @@ def reference_draft_calls(model, target, prompt_ids, steps):
             _crop_to(cache, start)
             results.append((start, block, hidden))
     return results
+
+
+def randomized(fusion, seed):
+    """The fusion with every weight replaced by noise (so the fusion really acts)."""
+    import jax
+    leaves, treedef = jax.tree.flatten(fusion.state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    fusion.state = jax.tree.unflatten(treedef, [0.3 * jax.random.normal(k, x.shape, x.dtype) + (x.ndim == 1)
+                                                for k, x in zip(keys, leaves)])
+    return fusion
+
+
+def saved_dmtp_drafter(out_dir: str, target_cfg, method: str = "dmtp", *, fusion_seed: int = 0,
+                       dflash_dir: str | None = None) -> str:
+    """A saved `method` DMTP drafter in `out_dir` with noise fusion weights (`randomized`), from the
+    DFlash drafter in `dflash_dir` (default: a fresh reference drafter, seed 3, a sliding-window
+    layer then a full one, built next to `out_dir`); returns `out_dir`."""
+    from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter, save_dmtp_drafter
+    if dflash_dir is None:
+        dflash_dir = out_dir + "-dflash"
+        build_reference_drafter(dflash_dir, seed=3, layer_types=("sliding_attention", "full_attention"),
+                                sliding_window=6)
+    drafter, fusion = load_dmtp_drafter(dflash_dir, target_cfg, method)
+    save_dmtp_drafter(drafter, randomized(fusion, fusion_seed), out_dir)
+    return out_dir

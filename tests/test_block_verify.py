@@ -181,17 +181,10 @@ def mtp_models(mtp_target_dir):
 @pytest.fixture(scope="module")
 def dmtp_dir(mtp_models, tmp_path_factory):
     """A saved `dmtp` drafter with non-zero fusion weights (as test_mtp_dmtp's `dmtp_dirs`)."""
-    from dflash_fixtures import build_reference_drafter
-    from test_mtp_dmtp import randomized
-
-    from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter, save_dmtp_drafter
+    from dflash_fixtures import saved_dmtp_drafter
     from dmtp_jax.models.fusion import DMTP_METHODS
-    base = str(tmp_path_factory.mktemp("dflash") / "d")
-    build_reference_drafter(base, seed=3, layer_types=("sliding_attention", "full_attention"), sliding_window=6)
-    drafter, fusion = load_dmtp_drafter(base, mtp_models[0].cfg, "dmtp")
-    d = str(tmp_path_factory.mktemp("dmtp") / "dmtp")
-    save_dmtp_drafter(drafter, randomized(fusion, list(DMTP_METHODS).index("dmtp")), d)
-    return d
+    return saved_dmtp_drafter(str(tmp_path_factory.mktemp("dmtp") / "dmtp"), mtp_models[0].cfg,
+                              fusion_seed=list(DMTP_METHODS).index("dmtp"))
 
 
 def _mtp_engine(method, request, **options):

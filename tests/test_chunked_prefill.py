@@ -119,7 +119,7 @@ def hybrid_dmtp(tiny_qwen3_5_dir, tmp_path_factory):
 def test_spec_chunked_prefill_equals_one_call(method, hybrid_dmtp, request):
     """Target, MTP (cache rows 1..length, the hidden that predicts T1) and drafter context state
     after a chunked prefill equal one call's; greedy output equals `ar`'s."""
-    from test_mtp_dmtp import randomized
+    from dflash_fixtures import randomized
     target, mtp, draft_dir = hybrid_dmtp
     drafter, fusion = load_dmtp_drafter(draft_dir, target.cfg, method)
     fusion = randomized(fusion, 1)

@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 
 from stat_checks import assert_matches_target_joint
-from test_mtp_dmtp import PROMPTS, randomized
-from dflash_fixtures import build_reference_drafter
+from test_mtp_dmtp import PROMPTS
+from dflash_fixtures import saved_dmtp_drafter
 from dmtp_jax.bench.head_agreement import t1_agreement
-from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter, save_dmtp_drafter
+from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
 from dmtp_jax.checkpoint.hf import load_target
 from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
 from dmtp_jax.decode import make_decoder
@@ -56,12 +56,7 @@ def models(mtp_target_dir):
 
 @pytest.fixture(scope="module")
 def dmtp_dir(models, tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("dflash") / "d")
-    build_reference_drafter(d, seed=3, layer_types=("sliding_attention", "full_attention"), sliding_window=6)
-    drafter, fusion = load_dmtp_drafter(d, models[0].cfg, "dmtp")
-    out = str(tmp_path_factory.mktemp("dmtp") / "dmtp")
-    save_dmtp_drafter(drafter, randomized(fusion, 0), out)
-    return out
+    return saved_dmtp_drafter(str(tmp_path_factory.mktemp("dmtp") / "dmtp"), models[0].cfg)
 
 
 def engine(method, models, dmtp_dir, head=True, **options):

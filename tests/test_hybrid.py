@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from dflash_fixtures import build_reference_drafter
+from dflash_fixtures import build_reference_drafter, randomized
 from stat_checks import assert_matches_target_joint
-from test_mtp_dmtp import PROMPTS, randomized
+from test_mtp_dmtp import PROMPTS
 from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter, save_dmtp_drafter
 from dmtp_jax.checkpoint.hf import load_target
 from dmtp_jax.checkpoint.mtp_ckpt import load_mtp

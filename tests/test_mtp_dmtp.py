@@ -9,9 +9,9 @@ import pytest
 import torch
 from flax import nnx
 
-from dflash_fixtures import build_reference_drafter
+from dflash_fixtures import build_reference_drafter, saved_dmtp_drafter
 from stat_checks import assert_matches_target_joint
-from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter, save_dmtp_drafter
+from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
 from dmtp_jax.checkpoint.hf import load_target
 from dmtp_jax.checkpoint.mtp_ckpt import MissingMtpError, load_mtp
 from dmtp_jax.decode import make_decoder
@@ -37,26 +37,13 @@ def dflash_dir(tmp_path_factory):
     return d
 
 
-def randomized(fusion, seed):
-    """The fusion with every weight replaced by noise (so the fusion really acts)."""
-    leaves, treedef = jax.tree.flatten(fusion.state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    fusion.state = jax.tree.unflatten(treedef, [0.3 * jax.random.normal(k, x.shape, x.dtype) + (x.ndim == 1)
-                                                for k, x in zip(keys, leaves)])
-    return fusion
-
-
 @pytest.fixture(scope="module")
 def dmtp_dirs(models, dflash_dir, tmp_path_factory):
     """A saved DMTP drafter directory per method, with non-zero fusion weights."""
     target, _ = models
-    out = {}
-    for i, method in enumerate(DMTP_METHODS):
-        drafter, fusion = load_dmtp_drafter(dflash_dir, target.cfg, method)
-        d = str(tmp_path_factory.mktemp("dmtp") / method)
-        save_dmtp_drafter(drafter, randomized(fusion, i), d)
-        out[method] = d
-    return out
+    return {method: saved_dmtp_drafter(str(tmp_path_factory.mktemp("dmtp") / method), target.cfg, method,
+                                       fusion_seed=i, dflash_dir=dflash_dir)
+            for i, method in enumerate(DMTP_METHODS)}
 
 
 def engine_for(method, models, dmtp_dirs, **options):

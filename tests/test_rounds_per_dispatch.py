@@ -11,8 +11,8 @@ in the greedy one a row stops early on a stop token, the others at max_new_token
 import numpy as np
 import pytest
 
-from dflash_fixtures import build_reference_drafter
-from test_mtp_dmtp import PROMPTS, randomized
+from dflash_fixtures import build_reference_drafter, randomized
+from test_mtp_dmtp import PROMPTS
 from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter, save_dmtp_drafter
 from dmtp_jax.checkpoint.hf import load_target
 from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
