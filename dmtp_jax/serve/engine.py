@@ -4,10 +4,12 @@ An `Engine` owns one decoder and one running state of `max_batch_size` rows x `m
 the round compiles once per greedy flag (and per shared top-k). Each `step()`:
 
     cancel     rows whose request was cancelled (client gone, stop string) are freed at once
-    admit      the oldest waiting request that fits a free row is prefilled ALONE (a 1-row state
-               of the same `max_len`, chunk by chunk with the decoder's `prefill_chunk`: one chunk
-               per step, so running rows wait at most one chunk), then `insert_row` scatters that
-               row into the running state (one jitted, generic pytree scatter)
+    admit      waiting requests that fit free rows, oldest first, are prefilled each ALONE (a 1-row
+               state of the same `max_len`, chunk by chunk with the decoder's `prefill_chunk`), as
+               many chunks per step as fit one chunk's worth of tokens (`prefill_chunk`): short
+               prompts arriving together are admitted in one step, and the running rows wait at
+               most one chunk; a finished row goes into the running state by `insert_row` (one
+               jitted, generic pytree scatter)
     round      one speculative round (`SpecDecoder.round`) or one plain step (`ARDecoder.decode_step`)
                over every row, the active ones committing; each request's own `StopTracker`
                cuts at its stop tokens / `max_tokens`, and a finished row is free for the next step
@@ -42,7 +44,7 @@ import numpy as np
 from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts, round_up
-from dmtp_jax.decode.prefill import prefill_chunks
+from dmtp_jax.decode.prefill import chunk_length, prefill_chunks
 from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.decode.spec import to_host
 
@@ -142,12 +144,14 @@ class SpecRows:
         return self.decoder.new_state(rows, max_len)
 
     def prefill(self, tokens_1t, lengths_1, max_len: int, sp, key, greedy: bool):
-        """A generator: yields after each prefill chunk; returns `(1-row state, first token)`."""
+        """A generator running one prefill chunk per `next`; the call that runs the last chunk
+        returns `(1-row state, first token)` (StopIteration's value)."""
         dec = self.decoder
         states, state = dec.model_states(), dec.new_state(1, max_len)
-        for start, chunk_bt, next_b in prefill_chunks(tokens_1t, dec.prefill_chunk):
+        for i, (start, chunk_bt, next_b) in enumerate(prefill_chunks(tokens_1t, dec.prefill_chunk)):
+            if i:
+                yield       # one chunk per `next`: the call that runs the last chunk returns
             state = dec.prefill_step(states, chunk_bt, next_b, start, lengths_1, state, sp, key, greedy=greedy)
-            yield
         return state, int(to_host(state.pending_b)[0])
 
     def step(self, state, active_b, limits_b, pending_b, lengths_b, sp, index: int, greedy: bool):
@@ -174,10 +178,11 @@ class PlainRows:
     def prefill(self, tokens_1t, lengths_1, max_len: int, sp, key, greedy: bool):
         dec = self.decoder
         first, cache = jnp.zeros(1, jnp.int32), dec.caches.new(1, max_len)
-        for start, chunk_bt, _ in prefill_chunks(tokens_1t, dec.prefill_chunk):
+        for i, (start, chunk_bt, _) in enumerate(prefill_chunks(tokens_1t, dec.prefill_chunk)):
+            if i:
+                yield       # as `SpecRows.prefill`
             first, cache = dec.prefill_step(dec.target.state, chunk_bt, start, lengths_1, cache, first, sp, key,
                                             greedy=greedy)
-            yield
         return cache, int(to_host(first)[0])
 
     def step(self, state, active_b, limits_b, pending_b, lengths_b, sp, index: int, greedy: bool):
@@ -234,7 +239,8 @@ class Engine:
         self._insert = counted_jit(insert_row, donate_argnums=0, out_shardings=shardings)
         self.running: list[Request | None] = [None] * self.max_batch_size
         self.waiting: collections.deque[Request] = collections.deque()
-        self._prefill = None                    # (request, row, generator) being prefilled
+        self._prefill = None                    # (request, row, generator, chunk width) being prefilled
+        self.prefill_budget = int(self.rows.decoder.prefill_chunk)   # prefill tokens per step
         self._index = 0                          # rounds run (the round key's index)
         self.counters = collections.Counter()    # requests, prompt / generated tokens, rounds, accepted
 
@@ -290,8 +296,9 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        """Frees cancelled rows, advances an admission by one prefill chunk, runs one round over
-        the running rows; returns what each request committed.
+        """Frees cancelled rows, runs at most one prefill chunk's worth of admissions (several short
+        prompts, or one chunk of a long one), runs one round over the running rows; returns what
+        each request committed.
 
         Example:
             >>> [(ev.request.id, ev.tokens, ev.finished) for ev in engine.step()]  # doctest: +SKIP
@@ -339,31 +346,43 @@ class Engine:
         ks = {r.top_k for r in self.running if r is not None and not r.greedy}
         return ks.pop() if ks else None
 
+    def _next_prefill(self):
+        """Starts the prefill of the oldest waiting request that fits a free row (None if none)."""
+        free = [i for i, r in enumerate(self.running) if r is None]
+        running_k = self._shared_top_k()
+        req = next((r for r in self.waiting if r.greedy or running_k in (None, r.top_k)), None)
+        if not free or req is None:
+            return None
+        self.waiting.remove(req)
+        batch = pad_prompts([req.prompt_ids], req.max_tokens, self.cfg.vocab_size, self.max_model_len,
+                            batch_bucket=1)
+        sp = SamplingParams.make(req.temperature, req.top_p, req.top_k)
+        gen = self.rows.prefill(batch.tokens_bt, batch.lengths_b, self.max_len, sp,
+                                jax.random.fold_in(jax.random.key(req.seed), 0), req.greedy)
+        width = chunk_length(batch.tokens_bt.shape[1], self.prefill_budget)
+        return req, free[0], gen, width
+
     def _admit(self, events):
-        if self._prefill is None:
-            free = [i for i, r in enumerate(self.running) if r is None]
-            running_k = self._shared_top_k()
-            req = next((r for r in self.waiting if r.greedy or running_k in (None, r.top_k)), None)
-            if not free or req is None:
-                return
-            self.waiting.remove(req)
-            batch = pad_prompts([req.prompt_ids], req.max_tokens, self.cfg.vocab_size, self.max_model_len,
-                                batch_bucket=1)
-            sp = SamplingParams.make(req.temperature, req.top_p, req.top_k)
-            gen = self.rows.prefill(batch.tokens_bt, batch.lengths_b, self.max_len, sp,
-                                    jax.random.fold_in(jax.random.key(req.seed), 0), req.greedy)
-            self._prefill = (req, free[0], gen)
-        req, row, gen = self._prefill
-        try:
-            next(gen)
-            return                      # one chunk per step: the running rows wait no longer
-        except StopIteration as done:
-            row_state, first = done.value
-        self._prefill = None
-        self.state = self._insert(self.state, row_state, np.int32(row))
-        self.running[row] = req
-        req.first_token_s = time.perf_counter()
-        self._commit(row, req, [first], events)
+        spent = 0                       # prefill tokens run this step: at most one chunk's worth
+        while True:
+            if self._prefill is None:
+                self._prefill = self._next_prefill()
+                if self._prefill is None:
+                    return
+            req, row, gen, width = self._prefill
+            if spent and spent + width > self.prefill_budget:
+                return                  # the running rows wait no longer than one chunk
+            spent += width
+            try:
+                next(gen)
+                continue
+            except StopIteration as done:
+                row_state, first = done.value
+            self._prefill = None
+            self.state = self._insert(self.state, row_state, np.int32(row))
+            self.running[row] = req
+            req.first_token_s = time.perf_counter()
+            self._commit(row, req, [first], events)
 
     def _commit(self, row: int, req: Request, tokens, events):
         kept = req.tracker.add(0, tokens)
