@@ -253,3 +253,66 @@ def test_chat_completions_use_the_chat_template(server, decoder, tmp_path):
     chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and lines[-2] == "data: [DONE]"
+
+
+# ---- SIGTERM on a real `infer.py serve` process (slow) ------------------------------------------
+@pytest.mark.slow
+def test_sigterm_finishes_the_running_request_and_exits_0(tiny_qwen3_dir):
+    """`infer.py serve` as users run it: SIGTERM while a request runs lets that request finish
+    (all its tokens, finish_reason "length"), refuses what comes after, and the process exits 0."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "infer.py", "serve", "--target", tiny_qwen3_dir, "--method", "ar",
+                             "--port", str(port), "--max-batch-size", "2", "--max-model-len", "120"],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline, "the server did not become healthy"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        result = {}
+
+        def complete():
+            result["r"] = httpx.post(url + "/v1/completions", timeout=120,
+                                     json={"prompt": [5, 9, 31], "max_tokens": 110, "temperature": 0})
+        thread = threading.Thread(target=complete)
+        thread.start()
+        while "dmtp_running_rows 1" not in httpx.get(url + "/metrics", timeout=5).text:
+            assert thread.is_alive(), result
+            time.sleep(0.01)
+        assert thread.is_alive()         # the request is running when the signal arrives
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        try:                             # nothing new is admitted (uvicorn closed its socket, or 503)
+            late = httpx.post(url + "/v1/completions", timeout=30, json={"prompt": [1], "max_tokens": 2})
+            assert late.status_code == 503, late.text
+        except httpx.TransportError:
+            pass
+        thread.join(timeout=120)
+        body = result["r"].json()
+        assert result["r"].status_code == 200, body
+        assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 110
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
