@@ -208,6 +208,7 @@ def cmd_generate(args) -> int:
                                    args.adaptive_threshold, args.prefill_chunk)
     preflight.check_method_models([method], target_dir, args.draft, args.mtp, demo_drafters=uses_demo(args))
     preflight.check_drafter_block([method], args.draft, args.block_size)
+    preflight.check_draft_head(args)
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
     tokenizer = load_tokenizer(target_dir, plain=True)     # no transformers / torch import when exact
@@ -285,6 +286,7 @@ def cmd_serve(args) -> int:
                                    args.adaptive_threshold, args.prefill_chunk)
     preflight.check_method_models([method], target_dir, args.draft, args.mtp, demo_drafters=uses_demo(args))
     preflight.check_drafter_block([method], args.draft, args.block_size)
+    preflight.check_draft_head(args)
     if args.max_model_len is not None and not 2 <= args.max_model_len <= cfg.max_position_embeddings:
         raise InputError(f"--max-model-len must be in [2, {cfg.max_position_embeddings}] (the model's "
                          f"max_position_embeddings), got {args.max_model_len}")
@@ -394,6 +396,7 @@ def run_bench(args) -> dict:
                                    args.adaptive_threshold, args.prefill_chunk)
     preflight.check_method_models(methods, target_dir, args.draft, args.mtp, demo_drafters=demo)
     preflight.check_drafter_block(methods, args.draft, args.block_size)
+    preflight.check_draft_head(args)
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
     workload = load_workload(args.workload, args.data_dir, args.num_prompts)

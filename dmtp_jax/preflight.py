@@ -98,6 +98,22 @@ def check_drafter_block(methods, draft: str | None, block_size: int | None) -> N
             options.verify_slots(method, mtp_steps=0, block_size=block_size, drafter_block_size=drafter_block)
 
 
+def check_draft_head(args) -> None:
+    """`--draft-head efficient`'s rank and shortlist are >= 1 (`models/draft_head.head_shape`), before
+    the target is loaded.
+
+    Example:
+        >>> import argparse
+        >>> check_draft_head(argparse.Namespace(draft_head="efficient", draft_head_rank=0, draft_head_shortlist=None))
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.InputError: --draft-head-rank must be >= 1, got 0
+    """
+    if getattr(args, "draft_head", "full") == "efficient":
+        from dmtp_jax.models.draft_head import head_shape
+        head_shape(1, 1, args.draft_head_rank, args.draft_head_shortlist)
+
+
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, cfg) -> None:
     """Empty prompts, ids outside the vocabulary, prompt + budget past `max_position_embeddings`.
 
@@ -128,6 +144,7 @@ def check_plan_options(args) -> None:
         raise RequestError(f"--prompt-len must be >= 1, got {args.prompt_len}")
     check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
                          prefill_chunk=getattr(args, "prefill_chunk", None))
+    check_draft_head(args)
     cfg = target_config(args.target)
     if args.draft:
         from dmtp_jax.config import read_config_json

@@ -67,10 +67,11 @@ def head_shape(hidden: int, vocab: int, rank: int | None = None, shortlist: int 
         >>> head_shape(256, 4096), head_shape(5120, 248320), head_shape(256, 4096, 512, 8192)
         ((64, 256), (256, 1024), (256, 4096))
     """
+    for flag, value in (("--draft-head-rank", rank), ("--draft-head-shortlist", shortlist)):
+        if value is not None and value < 1:
+            raise InputError(f"{flag} must be >= 1, got {value}")
     rank = min(DEFAULT_RANK, max(1, hidden // 4)) if rank is None else rank
     shortlist = min(DEFAULT_SHORTLIST, max(1, vocab // 16)) if shortlist is None else shortlist
-    if rank < 1 or shortlist < 1:
-        raise InputError(f"--draft-head-rank and --draft-head-shortlist must be >= 1, got {rank} and {shortlist}")
     return min(rank, hidden), min(shortlist, vocab)
 
 
