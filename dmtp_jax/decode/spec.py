@@ -360,7 +360,7 @@ class SpecDecoder:
             **acceptance_stats(acceptance, self.slots),
         }
         if self.proposer.ADAPTIVE:
-            stats["adaptive_threshold"] = float(knobs.adaptive_threshold)
+            stats["adaptive_threshold"] = check_adaptive_threshold(self.adaptive_threshold)
             stats["t1_from_mtp"] = first_source
             stats.update(first_candidate_by_source(acceptance, first_source))
         return GenerationResult([list(map(int, p)) for p in prompts], tracker.outputs, stats)
