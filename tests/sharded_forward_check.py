@@ -8,7 +8,8 @@ Run in a fresh process so that fake CPU devices can be requested before jax is i
 Output: `{ckpt_dir: {mesh_spec: {"logits": [B][T][V] floats (fp32), "greedy": [[int]],
 "spec_greedy": [[int]] (greedy `mtp` speculative decoding, for checkpoints with `mtp.*`; else None),
 "specs": {param path: PartitionSpec str}, "devices": {param path: number of devices holding it},
-"cache_specs": {target cache leaf path: PartitionSpec str}, "num_devices": int}}}`. Tokens are sharded over the batch mesh axes like a real batch.
+"cache_specs": {target cache leaf path: PartitionSpec str}, "num_devices": int}}}`. Tokens are sharded
+over the batch mesh axes like a real batch.
 """
 
 from __future__ import annotations

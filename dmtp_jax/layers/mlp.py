@@ -389,9 +389,8 @@ def _expert_parallel_mlp(mesh, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, d
             y_nh = jax.lax.psum_scatter(y_nh, scattered, scatter_dimension=0, tiled=True)
         return y_nh
 
-    in_tok = P(*in_spec)
-    return jax.shard_map(shard, mesh=mesh, in_specs=(in_tok, in_tok, in_tok, gate_spec, gate_spec, down_spec),
-                         out_specs=P(*out_spec))(x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(in_spec, in_spec, in_spec, gate_spec, gate_spec, down_spec),
+                         out_specs=out_spec)(x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih)
 
 
 def moe_mlp(x_nh: jax.Array, router_he: jax.Array, gate_ehi: jax.Array, up_ehi: jax.Array,
