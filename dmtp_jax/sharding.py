@@ -1,7 +1,9 @@
 """One mesh `("data", "fsdp", "expert", "tensor")`, logical-axis rules, placement of params and caches.
 
-Axes: `data`/`fsdp` split the batch (`fsdp` also the params' embed dim), `expert` splits MoE expert
-weights (expert parallelism, see `dmtp_jax.layers.mlp.moe_mlp`), `tensor` heads/MLP/vocab. Every
+Axes: `data`/`fsdp`/`expert` split the batch, hence activations and every cache (`fsdp` also the
+params' embed dim), `expert` also splits MoE expert weights (data-parallel attention + expert-parallel
+MoE: the MoE layer gathers the tokens over `expert`, see `dmtp_jax.layers.mlp.moe_mlp`), `tensor`
+heads/MLP/vocab. Every
 axis defaults to size 1, so `"tensor=4,data=2"` or `"fsdp=8"` mean what they always did.
 
 Params carry logical axis names (`logical_axes` metadata); `MeshRules` maps each name to mesh axes.
@@ -51,7 +53,7 @@ class MeshRules:
 
 
 DEFAULT_RULES = MeshRules((
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),   # "expert" last: moe_mlp gathers / reduce-scatters over it
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
@@ -150,7 +152,7 @@ def batch_sharding(mesh: Mesh, shape, batch_axis: int = 0, rules: MeshRules = DE
 
 
 def recurrent_state_sharding(mesh: Mesh, shape, rules: MeshRules = DEFAULT_RULES) -> NamedSharding:
-    """DeltaNet state `[layers, batch, ...]`: batch over the data axes; a 5-D recurrent state
+    """DeltaNet state `[layers, batch, ...]`: batch over the batch axes (data, fsdp, expert); a 5-D recurrent state
     `[L, B, nv, dk, dv]` also splits its value heads over tensor (a conv window stays whole)."""
     axes = ((None, "batch", "cache_heads", None, None) if len(shape) == 5
             else (None, "batch") + (None,) * (len(shape) - 2))
@@ -178,5 +180,6 @@ def cache_kv_heads(num_kv_heads: int, num_heads: int, mesh: Mesh | None, rules: 
 
 
 def kv_cache_sharding(mesh: Mesh, shape, rules: MeshRules = DEFAULT_RULES) -> NamedSharding:
-    """`[layers, batch, max_len, kv_heads, head_dim]`: batch over data axes, heads over tensor."""
+    """`[layers, batch, max_len, kv_heads, head_dim]`: batch over the batch axes (data, fsdp, expert),
+    heads over tensor."""
     return named_sharding((None, "batch", None, "cache_heads", None), shape, mesh, rules)

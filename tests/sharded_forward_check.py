@@ -8,7 +8,8 @@ Run in a fresh process so that fake CPU devices can be requested before jax is i
 Output: `{ckpt_dir: {mesh_spec: {"logits": [B][T][V] floats (fp32), "greedy": [[int]],
 "spec_greedy": [[int]] (greedy `mtp` speculative decoding, for checkpoints with `mtp.*`; else None),
 "specs": {param path: PartitionSpec str}, "devices": {param path: number of devices holding it},
-"num_devices": int}}}`. Tokens are sharded over the batch mesh axes like a real batch.
+"cache_specs": {target cache leaf path: PartitionSpec str}, "num_devices": int}}}`. Tokens are sharded
+over the batch mesh axes like a real batch.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ def run(ckpt: str, spec: str) -> dict:
         return model.logits(model(tokens_bt, positions).hidden_bth)
 
     logits = np.asarray(forward(target.state, tokens))
-    greedy = ARDecoder(target).generate(batch, NEW_TOKENS, stop_ids=[]).output_ids
+    decoder = ARDecoder(target)
+    greedy = decoder.generate(batch, NEW_TOKENS, stop_ids=[]).output_ids
+    cache_specs = {".".join(str(getattr(k, "name", getattr(k, "idx", k))) for k in path): str(leaf.sharding.spec)
+                   for path, leaf in jax.tree_util.tree_leaves_with_path(decoder.caches.new(BATCH, MAX_LEN))}
     spec_greedy = None
     if has_mtp(ckpt):
         engine = make_decoder("mtp", target, mtp=load_mtp(ckpt, target.cfg, "float32", mesh), mtp_steps=3)
@@ -67,7 +71,7 @@ def run(ckpt: str, spec: str) -> dict:
         specs[name] = str(var.get_value().sharding.spec)
         devices[name] = len(var.get_value().sharding.device_set)
     return {"logits": logits.tolist(), "greedy": greedy, "spec_greedy": spec_greedy, "specs": specs, "devices": devices,
-            "num_devices": int(mesh.devices.size)}
+            "cache_specs": cache_specs, "num_devices": int(mesh.devices.size)}
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -187,7 +188,9 @@ def sharded_main() -> None:
             "out": float(jnp.max(jnp.abs(compiled(*placed) - ref_out))),
             "grads": [float(jnp.max(jnp.abs(g - r))) for g, r in zip(grads(*placed), ref_grads)],
             "gate_spec": str(placed[2].sharding.spec),
-            "all_gathers": sum(" all-gather(" in line for line in compiled.as_text().splitlines()),
+            "gathered_shapes": [[int(d) for d in m.group(1).split(",") if d] for m in re.finditer(
+                r"= \w+\[([\d,]*)\]\S* all-gather\(", compiled.as_text())],
+            "reduce_scatters": compiled.as_text().count(" reduce-scatter("),
         }
         dense = jax.jit(lambda *a: moe_mlp(*a, c["k"], True, impl="dense"))     # the GPU decode kernel
         report[spec]["dense_out"] = float(jnp.max(jnp.abs(dense(*placed) - ref_out)))
@@ -215,8 +218,14 @@ def test_expert_sharded_8_devices_equal_one_device():
         assert max(r["grads"]) <= 1e-5, (spec, r)
         assert r["dense_out"] <= 1e-5, (spec, r)
     assert report["expert=4,data=2"]["ragged_chunked_out"] <= 1e-5, report["expert=4,data=2"]
-    # experts stay where they are: the expert-parallel forward gathers no weights (only an all-reduce)
-    assert report["expert=8"]["all_gathers"] == 0, report["expert=8"]
+    # experts stay where they are: no [E, ...] expert weight is ever gathered whole (fsdp=2 gathers
+    # the embed dim of the local experts); at expert=8 only the tokens ([N, ...], split over `expert`
+    # like the batch) are gathered, and the outputs reduce-scattered back
+    for spec, r in report.items():
+        assert not any(len(s) == 3 and s[0] == SHARDED_CASE["e"] for s in r["gathered_shapes"]), (spec, r)
+    assert report["expert=8"]["gathered_shapes"], report["expert=8"]
+    assert all(s[0] == SHARDED_CASE["n"] and len(s) == 2 for s in report["expert=8"]["gathered_shapes"])
+    assert report["expert=8"]["reduce_scatters"] >= 1, report["expert=8"]
 
 
 if __name__ == "__main__" and "--sharded" in sys.argv:

@@ -16,9 +16,14 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 HELPER = os.path.join(HERE, "sharded_forward_check.py")
 REFERENCE = "tensor=1"
-# mesh -> the axis q_proj must be split on; expert=4 also splits the MoE experts (expert parallelism)
-MESHES = {"tensor=4,data=2": "tensor", "fsdp=8": "fsdp", "expert=4,tensor=2": "tensor"}
+# mesh -> the axis q_proj must be split on (None: replicated); `expert` also splits the MoE experts
+# (expert parallelism) and, like data/fsdp, the batch, hence every cache (data-parallel attention)
+MESHES = {"tensor=4,data=2": "tensor", "fsdp=8": "fsdp", "expert=4,tensor=2": "tensor",
+          "expert=4": None, "expert=2,tensor=2": "tensor"}
+# run for the MoE families only (each mesh is a few compiles; expert=2,tensor=2 covers a 2-way split)
+MOE_ONLY_MESHES = {"expert=4", "expert=2,tensor=2"}
 FAMILIES = ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_qwen3_5_moe_dir"]   # the last: hybrid + MTP
+CASES = [(f, m) for f in FAMILIES for m in MESHES if f != "tiny_qwen3_dir" or m not in MOE_ONLY_MESHES]
 # 8 fake devices; LLVM optimisation level 0 cuts CPU compile time by ~40% (the HLO / SPMD partitioning
 # passes still all run, and the 1-device reference is compiled with the same flags).
 FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
@@ -30,8 +35,9 @@ def sharded_runs(request) -> dict:
     flags = (os.environ.get("XLA_FLAGS", "") + " " + FLAGS).strip()
     path = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
-    mesh_args = [a for m in [REFERENCE, *MESHES] for a in ("--mesh", m)]
-    procs = {name: subprocess.Popen([sys.executable, HELPER, request.getfixturevalue(name), *mesh_args],
+    mesh_args = lambda name: [a for m in [REFERENCE, *(m for f, m in CASES if f == name)]  # noqa: E731
+                              for a in ("--mesh", m)]
+    procs = {name: subprocess.Popen([sys.executable, HELPER, request.getfixturevalue(name), *mesh_args(name)],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for name in FAMILIES}
     runs = {}
@@ -42,11 +48,14 @@ def sharded_runs(request) -> dict:
     return runs
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("family", FAMILIES)
+def mesh_devices(mesh: str) -> int:
+    return int(np.prod([int(part.split("=")[1]) for part in mesh.split(",")]))
+
+
+@pytest.mark.parametrize("family, mesh", CASES)
 def test_sharded_matches_single_device(sharded_runs, family, mesh):
     ref, run = sharded_runs[family][REFERENCE], sharded_runs[family][mesh]
-    assert ref["num_devices"] == 1 and run["num_devices"] == 8
+    assert ref["num_devices"] == 1 and run["num_devices"] == mesh_devices(mesh)
     ref_logits, logits = np.asarray(ref["logits"]), np.asarray(run["logits"])
     assert logits.shape == ref_logits.shape == (8, 40, 128)
     diff = float(np.max(np.abs(logits - ref_logits)))
@@ -59,19 +68,26 @@ def test_sharded_matches_single_device(sharded_runs, family, mesh):
     assert run["spec_greedy"] == (ref["greedy"] if family == "tiny_qwen3_5_moe_dir" else None)
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, mesh", CASES)
 def test_params_are_sharded(sharded_runs, family, mesh):
     run, axis = sharded_runs[family][mesh], MESHES[mesh]
     hybrid = family == "tiny_qwen3_5_moe_dir"
     # scanned layer stacks (`models/layer_stack.py`): the hybrid's 4 layers are 3 DeltaNet layers
     # scanned (stack 0) and one attention layer (stack 1); a Qwen3's layers are one stack
     q_proj = "stacks.1.0.self_attn.q_proj" if hybrid else "stacks.0.0.self_attn.q_proj"
-    assert axis in run["specs"][q_proj], run["specs"][q_proj]
-    assert run["devices"][q_proj] == 8
+    assert (axis or "P()") in run["specs"][q_proj], run["specs"][q_proj]
+    assert run["devices"][q_proj] == mesh_devices(mesh)
     assert all(spec == "P()" for spec in sharded_runs[family][REFERENCE]["specs"].values())
     if hybrid:
-        assert axis in run["specs"]["stacks.0.0.linear_attn.in_proj_qkv"]
+        assert (axis or "P()") in run["specs"]["stacks.0.0.linear_attn.in_proj_qkv"]
     if family != "tiny_qwen3_dir":
-        assert axis in run["specs"]["stacks.0.0.mlp.gate_proj"]   # stacked experts [G, E, H, I]
+        if axis:
+            assert axis in run["specs"]["stacks.0.0.mlp.gate_proj"]   # stacked experts [G, E, H, I]
         assert ("expert" in run["specs"]["stacks.0.0.mlp.gate_proj"]) == ("expert" in mesh)
+    # every cache array (K/V, DeltaNet conv and recurrent states) splits its batch (8 rows) over the
+    # batch axes, `expert` included; nothing is replicated over a batch axis of the mesh
+    batch_axes = [a.split("=")[0] for a in mesh.split(",") if a.split("=")[0] in ("data", "fsdp", "expert")]
+    assert run["cache_specs"], run
+    for path, spec in run["cache_specs"].items():
+        assert all(a in spec for a in batch_axes), (path, spec)
+    assert len(run["cache_specs"]) == (4 if hybrid else 2), run["cache_specs"]   # K, V (+ conv, state)

@@ -65,9 +65,12 @@ real GPU grouped GEMM (forward only; not wired in).
 Expert parallelism. When the weights live on a mesh with more than one device, the routed part runs
 under `jax.shard_map` over that mesh: expert weights are split over the mesh axes of the logical
 `"experts"` axis (`"expert"`, see `dmtp_jax.sharding`) and their intermediate dim over those of
-`"mlp"` (`"tensor"`); tokens are split over the batch axes (`"data"`, `"fsdp"`) and replicated over
-`expert`/`tensor`. Each shard computes the assignments routed to its local experts on its local
-tokens and the partial outputs are summed (`psum`) over the expert and tensor axes. Axes that do not
+`"mlp"` (`"tensor"`); tokens are split over the batch axes (`"data"`, `"fsdp"`, `"expert"`, as the
+attention, DeltaNet and caches are: data-parallel attention) and gathered over `expert` on the way in
+(GSPMD inserts the all-gather from the `shard_map` in_specs). Each shard computes the assignments
+routed to its local experts on the tokens of its data/fsdp group and the partial outputs are summed
+over `tensor` (`psum`) and reduce-scattered back over `expert` (`psum_scatter`), so the layer returns
+the batch split as it came in. Axes that do not
 divide a dimension are left out, like `dmtp_jax.sharding.spec_for` does when placing params.
 Not meant to be called inside another `shard_map` (manual mesh axes).
 
@@ -101,7 +104,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dmtp_jax.platform import compile_platform
-from dmtp_jax.sharding import DEFAULT_RULES, spec_for
+from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, spec_for
 
 MAX_BLOCK_ROWS = 128
 MAX_ROUTED_ROWS = 32768      # ragged / blocked: at most this many (token, expert) rows per call
@@ -354,28 +357,40 @@ def _axes(entry) -> tuple[str, ...]:
 
 def _expert_parallel_mlp(mesh, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih, impl):
     """`routed_expert_mlp` under `jax.shard_map` over `mesh`: experts over the "experts" mesh axes,
-    the expert intermediate dim over the "mlp" ones, tokens over the "batch" ones; psum at the end."""
+    the expert intermediate dim over the "mlp" ones; tokens come in over the "batch" axes minus those
+    (gathered over `expert`), and the partial outputs are reduce-scattered back over the batch axes
+    (`psum_scatter` over `expert`, `psum` over `tensor`)."""
     (n, h), (e, _, i) = x_nh.shape, gate_ehi.shape
-    tok_spec = spec_for(("batch",), (n,), mesh, DEFAULT_RULES)        # [N, ...] over the batch axes
     w_spec = spec_for(("experts", None, "mlp"), (e, h, i), mesh, DEFAULT_RULES)
     w_spec = tuple(w_spec) + (None,) * (3 - len(w_spec))
     expert_axes, mlp_axes = _axes(w_spec[0]), _axes(w_spec[2])
+    summed = expert_axes + mlp_axes
     local_experts = e // math.prod(mesh.shape[a] for a in expert_axes)
+    gather_rules = MeshRules((("tokens", tuple(a for a in DEFAULT_RULES.lookup("batch") if a not in summed)),))
+    in_spec = spec_for(("tokens",), (n,), mesh, gather_rules)           # [N, ...], whole over `summed`
+    out_spec = spec_for(("batch",), (n,), mesh, DEFAULT_RULES)          # [N, ...] as the batch rule splits it
+    in_axes, out_axes = _axes(in_spec[0] if in_spec else None), _axes(out_spec[0] if out_spec else None)
+    if out_axes[:len(in_axes)] != in_axes or not set(out_axes[len(in_axes):]) <= set(summed):
+        out_spec, out_axes = in_spec, in_axes          # not a reduce-scatter of the input's split: psum
+    scattered = out_axes[len(in_axes):]
     gate_spec = P(w_spec[0], None, w_spec[2])
     down_spec = P(w_spec[0], w_spec[2], None)
 
     def shard(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih):
-        summed = expert_axes + mlp_axes
         if summed:   # tokens are replicated over these axes: cast them to varying explicitly, so that
             # their cotangents get psum-ed (jax 0.10's implicit cast gave a wrong d/dx here)
             x_nh, weights_nk = (jax.lax.pcast(a, summed, to="varying") for a in (x_nh, weights_nk))
         first = jax.lax.axis_index(expert_axes) * local_experts if expert_axes else 0
         y_nh = routed_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, first, impl)
-        return jax.lax.psum(y_nh, summed) if summed else y_nh
+        rest = tuple(a for a in summed if a not in scattered)
+        if rest:
+            y_nh = jax.lax.psum(y_nh, rest)
+        if scattered:
+            y_nh = jax.lax.psum_scatter(y_nh, scattered, scatter_dimension=0, tiled=True)
+        return y_nh
 
-    return jax.shard_map(shard, mesh=mesh, in_specs=(tok_spec, tok_spec, tok_spec, gate_spec, gate_spec,
-                                                     down_spec), out_specs=tok_spec)(
-        x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(in_spec, in_spec, in_spec, gate_spec, gate_spec, down_spec),
+                         out_specs=out_spec)(x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih)
 
 
 def moe_mlp(x_nh: jax.Array, router_he: jax.Array, gate_ehi: jax.Array, up_ehi: jax.Array,
