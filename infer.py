@@ -197,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args) -> int:
     from dmtp_jax import preflight
     from dmtp_jax.decode.sampling import SamplingParams
+    from dmtp_jax.decode.stats import format_stats
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tokenizer import load_tokenizer
 
@@ -403,7 +404,7 @@ def run_bench(args) -> dict:
     tokenizer = load_tokenizer(target_dir, plain=True)     # no transformers / torch import when exact
     check_tokenizer(workload, tokenizer, target_dir)
     if args.plot:
-        plot_backend()                  # matplotlib missing: say so before the run, not after it
+        rep.plot_backend()              # matplotlib missing: say so before the run, not after it
     target = load_target(target_dir, args.dtype, mesh)
     stops = stop_token_ids(target_dir, target.cfg.eos_token_ids, tokenizer)
     models = method_models(args, target, methods)
@@ -459,54 +460,8 @@ def run_bench(args) -> dict:
         if path:
             print(f"wrote {path}")
     if args.show_sample:
-        print(format_sample(runs, tokenizer))
+        print(rep.format_sample(runs, tokenizer))
     return report
-
-
-def format_sample(runs: dict, tokenizer) -> str:
-    """One request's prompt and each method's answer (ids when there is no tokenizer): the request
-    whose first method's answer has the most distinct tokens.
-
-    Example:
-        >>> print(format_sample(runs, tokenizer))  # doctest: +SKIP
-    """
-    runs = {name: run for name, run in runs.items() if run.generations}
-    if not runs:
-        return "(no generations)"
-    lead = next(iter(runs.values())).generations
-    pick = max(range(len(lead)), key=lambda i: (len(set(lead[i].output_ids)), -i))
-    first = {name: run.generations[pick] for name, run in runs.items() if len(run.generations) > pick}
-    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else str
-    prompt = next(iter(first.values())).prompt_ids
-    lines = ["=" * 30 + " sample: prompt " + "=" * 30, decode(prompt)]
-    seen = {}
-    for name, g in first.items():
-        same = next((other for other, ids in seen.items() if ids == g.output_ids), None)
-        seen[name] = g.output_ids
-        if same is not None:
-            lines.append(f"---- {name}: identical to {same}")
-            continue
-        lines += [f"---- {name} answer " + "-" * 20, decode(g.output_ids)]
-    return "\n".join(lines)
-
-
-def format_stats(stats: dict) -> str:
-    line = ("method={method} new_tokens={new_tokens} target_forwards={target_forwards} "
-            "ttft={ttft_s:.3f}s decode={decode_tokens_per_s:.1f} tok/s compiles={compiles}").format(**stats)
-    if "draft_head" in stats:
-        line += f" draft_head={stats['draft_head']}"
-    if "per_verify_acceptance_length" in stats:
-        line += ("\nacceptance: per-request {per_request_acceptance_length:.3f} per-verify "
-                 "{per_verify_acceptance_length:.3f} first-candidate {first_candidate_acceptance:.3f} "
-                 "histogram {histogram}").format(**stats)
-        line += "\nconditional acceptance by position: " + " ".join(
-            f"{p:.2f}" for p in stats["conditional_acceptance"])
-    probe = stats.get("exactness_probe")
-    if probe:
-        line += (f"\nexactness probe: {'exact' if probe['exact'] else 'NOT exact'} ({probe['width']}-token block, "
-                 f"{probe['positions']} positions, {probe['backend']} {probe['dtype']}) -> {probe['decision']}"
-                 + (f" instead of {stats['declined_method']}" if stats.get("declined_method") else ""))
-    return line
 
 
 def verify_modes(text: str) -> list[str]:
@@ -522,21 +477,6 @@ def verify_modes(text: str) -> list[str]:
     if bad or not modes:
         raise InputError(f"--verify: unknown verifier(s) {bad or text!r}; available: {', '.join(VERIFY_MODES)}")
     return modes
-
-
-def plot_backend():
-    """matplotlib's Agg canvas, or an `InputError` saying how to install it.
-
-    Example:
-        >>> plot_backend().__name__
-        'FigureCanvasAgg'
-    """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-    except ImportError:
-        raise InputError("--plot needs matplotlib, which is not installed",
-                         hint="pip install matplotlib (a dependency of dmtp-jax: pip install -e .)") from None
-    return FigureCanvasAgg
 
 
 class mtp_tensors_expected:

@@ -144,6 +144,25 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def gathered_over(shardings, axis: str):
+    """The same tree of `NamedSharding`s with mesh axis `axis` dropped from every spec: what FSDP
+    gathers a weight to at its use (the transpose of the constraint reduce-scatters its gradient).
+
+    Example:
+        >>> mesh = make_mesh("fsdp=1")
+        >>> gathered_over({"w": NamedSharding(mesh, P(("data", "fsdp"), "tensor"))}, "fsdp")["w"].spec
+        P('data', 'tensor')
+    """
+    def drop(entry):
+        if entry == axis:
+            return None
+        if isinstance(entry, tuple):
+            kept = tuple(a for a in entry if a != axis)
+            return kept[0] if len(kept) == 1 else (kept or None)
+        return entry
+    return jax.tree.map(lambda s: NamedSharding(s.mesh, P(*(drop(e) for e in s.spec))), shardings)
+
+
 def batch_sharding(mesh: Mesh, shape, batch_axis: int = 0, rules: MeshRules = DEFAULT_RULES) -> NamedSharding:
     """Shards dimension `batch_axis` over the batch mesh axes (when they divide it)."""
     axes = [None] * len(shape)

@@ -140,3 +140,24 @@ def test_exact_cost_counts_every_scanned_group(tmp_path):
     exact = {f.name: f for f in plan_inference(str(path), exact_cost=True, **kw).functions}["decode_step"]
     assert 1.5 * scanned.flops < exact.flops < 2.5 * scanned.flops
     assert exact.temp_bytes == scanned.temp_bytes and exact.argument_bytes == scanned.argument_bytes
+
+
+def test_a_compiler_refusal_is_a_plan_that_does_not_fit():
+    """The TPU compiler refuses a program over the chip's memory (RESOURCE_EXHAUSTED) before any
+    memory analysis exists: `plan` reports it as does-not-fit (exit 2), other errors stay errors."""
+    from dmtp_jax.plan.compile import compile_function
+    from dmtp_jax.plan.report import DoesNotFitError
+
+    def refused():
+        raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                           "temporaries (105.47G) exceeds available HBM (95.74G).\nmore detail")
+
+    with pytest.raises(DoesNotFitError, match=r"^does not fit: the compiler refused train_step: Ran out of "
+                                              r"memory on HBM.*\(105\.47G\).*\(95\.74G\)\.$"):
+        compile_function("train_step", refused, min_bytes=1)
+
+    def broken():
+        raise RuntimeError("INVALID_ARGUMENT: bad sharding")
+
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
+        compile_function("round", broken, min_bytes=1)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 
 from dmtp_jax.bench.runner import MethodRun
+from dmtp_jax.errors import InputError
 from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
 
 
@@ -249,3 +250,45 @@ def plot_cumulative(report: dict, path: str, title: str | None = None) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, format="png")
+
+
+def format_sample(runs: dict, tokenizer) -> str:
+    """One request's prompt and each method's answer (ids when there is no tokenizer): the request
+    whose first method's answer has the most distinct tokens.
+
+    Example:
+        >>> print(format_sample(runs, tokenizer))  # doctest: +SKIP
+    """
+    runs = {name: run for name, run in runs.items() if run.generations}
+    if not runs:
+        return "(no generations)"
+    lead = next(iter(runs.values())).generations
+    pick = max(range(len(lead)), key=lambda i: (len(set(lead[i].output_ids)), -i))
+    first = {name: run.generations[pick] for name, run in runs.items() if len(run.generations) > pick}
+    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else str
+    prompt = next(iter(first.values())).prompt_ids
+    lines = ["=" * 30 + " sample: prompt " + "=" * 30, decode(prompt)]
+    seen = {}
+    for name, g in first.items():
+        same = next((other for other, ids in seen.items() if ids == g.output_ids), None)
+        seen[name] = g.output_ids
+        if same is not None:
+            lines.append(f"---- {name}: identical to {same}")
+            continue
+        lines += [f"---- {name} answer " + "-" * 20, decode(g.output_ids)]
+    return "\n".join(lines)
+
+
+def plot_backend():
+    """matplotlib's Agg canvas, or an `InputError` saying how to install it.
+
+    Example:
+        >>> plot_backend().__name__
+        'FigureCanvasAgg'
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        raise InputError("--plot needs matplotlib, which is not installed",
+                         hint="pip install matplotlib (a dependency of dmtp-jax: pip install -e .)") from None
+    return FigureCanvasAgg

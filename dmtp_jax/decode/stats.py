@@ -66,3 +66,30 @@ def first_candidate_by_source(acceptance_lengths: list[list[int]], t1_from_mtp: 
         out[f"first_candidate_acceptance_{name}_t1"] = float(np.mean(got > 1)) if got.size else None
         out[f"per_verify_acceptance_length_{name}_t1"] = float(np.mean(got)) if got.size else None
     return out
+
+
+def format_stats(stats: dict) -> str:
+    """`generate`'s stats (`SpecDecoder.generate(...).stats` / `ARDecoder`'s) as the lines it prints on
+    stderr: tokens, forwards, speed; acceptance; the exactness probe's verdict.
+
+    Example:
+        >>> print(format_stats({"method": "ar", "new_tokens": 8, "target_forwards": 8, "ttft_s": 0.01,
+        ...                     "decode_tokens_per_s": 90.0, "compiles": 2}))
+        method=ar new_tokens=8 target_forwards=8 ttft=0.010s decode=90.0 tok/s compiles=2
+    """
+    line = ("method={method} new_tokens={new_tokens} target_forwards={target_forwards} "
+            "ttft={ttft_s:.3f}s decode={decode_tokens_per_s:.1f} tok/s compiles={compiles}").format(**stats)
+    if "draft_head" in stats:
+        line += f" draft_head={stats['draft_head']}"
+    if "per_verify_acceptance_length" in stats:
+        line += ("\nacceptance: per-request {per_request_acceptance_length:.3f} per-verify "
+                 "{per_verify_acceptance_length:.3f} first-candidate {first_candidate_acceptance:.3f} "
+                 "histogram {histogram}").format(**stats)
+        line += "\nconditional acceptance by position: " + " ".join(
+            f"{p:.2f}" for p in stats["conditional_acceptance"])
+    probe = stats.get("exactness_probe")
+    if probe:
+        line += (f"\nexactness probe: {'exact' if probe['exact'] else 'NOT exact'} ({probe['width']}-token block, "
+                 f"{probe['positions']} positions, {probe['backend']} {probe['dtype']}) -> {probe['decision']}"
+                 + (f" instead of {stats['declined_method']}" if stats.get("declined_method") else ""))
+    return line

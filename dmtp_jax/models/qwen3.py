@@ -38,7 +38,7 @@ from flax import nnx
 
 from dmtp_jax.config import TargetConfig
 from dmtp_jax.layers import params
-from dmtp_jax.layers.attention import MaskRule, grouped_attention
+from dmtp_jax.layers.attention import DENSE_MAX_QUERIES, MaskRule, grouped_attention
 from dmtp_jax.layers.kv_cache import KVCache, PendingBlock, TargetCache, write_layer
 from dmtp_jax.layers.mlp import moe_mlp, swiglu
 from dmtp_jax.layers.norms import rms_norm
@@ -90,6 +90,11 @@ class Attention(nnx.Module):
         (None without one)."""
         b, t, _ = x_bth.shape
         q = x_bth @ self.q_proj[...]
+        if t <= DENSE_MAX_QUERIES:
+            # A few rows (decode, verify and drafter blocks): left free, XLA's TPU layout pass makes
+            # this matmul emit heads-major rows by copying `q_proj` transposed, a full weight read and
+            # write per layer and call (27B verify: +2 GB per round). The barrier keeps q row-major.
+            q = jax.lax.optimization_barrier(q)
         if self.has_bias:
             q = q + self.q_bias[...]
         gate = None

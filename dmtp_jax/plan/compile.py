@@ -59,6 +59,20 @@ def cost_of(compiled) -> dict:
     return dict(ca or {})
 
 
+def compile_or_refuse(name: str, lower: Callable[[], jax.stages.Lowered]):
+    """`lower().compile()`; the TPU compiler refuses a program whose buffers exceed the chip's memory
+    (RESOURCE_EXHAUSTED): that is a plan that does not fit (`DoesNotFitError`, exit status 2, one
+    line with the compiler's own figures), not a crash."""
+    try:
+        return lower().compile()
+    except Exception as e:  # noqa: BLE001 -- jax raises JaxRuntimeError / XlaRuntimeError by version
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        from dmtp_jax.plan.report import DoesNotFitError
+        detail = str(e).split("RESOURCE_EXHAUSTED:", 1)[-1].strip().splitlines()[0]
+        raise DoesNotFitError(f"does not fit: the compiler refused {name}: {detail}") from None
+
+
 def compile_function(name: str, lower: Callable[[], jax.stages.Lowered], *, min_bytes: int, calls: int = 1,
                      tokens_per_call: float | None = None, parts: dict | None = None,
                      exact_cost: bool = False) -> FunctionPlan:
@@ -68,7 +82,7 @@ def compile_function(name: str, lower: Callable[[], jax.stages.Lowered], *, min_
     (`platform.unrolled_layers`) and reads FLOPs, bytes and the estimate from it (memory and the
     compile time stay those of the program a run compiles)."""
     t0 = time.perf_counter()
-    compiled = lower().compile()
+    compiled = compile_or_refuse(name, lower)
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     cost = cost_of(compiled)
@@ -76,7 +90,7 @@ def compile_function(name: str, lower: Callable[[], jax.stages.Lowered], *, min_
         from dmtp_jax.platform import unrolled_layers
         jax.clear_caches()          # the jit's trace cache would hand back the scanned program
         with unrolled_layers():
-            cost = cost_of(lower().compile())
+            cost = cost_of(compile_or_refuse(name, lower))
         jax.clear_caches()
     flops = cost.get("flops")
     accessed = cost.get("bytes accessed")

@@ -37,7 +37,8 @@ from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.errors import InputError
 from dmtp_jax.models.dflash import REMAT_POLICIES, DFlashConfig
 from dmtp_jax.models.fusion import ADAPTIVE, T1Fusion
-from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, at_shardings, batch_sharding, replicated, state_shardings
+from dmtp_jax.sharding import (DEFAULT_RULES, MeshRules, at_shardings, batch_sharding, gathered_over, replicated,
+                               state_shardings)
 from dmtp_jax.train.anchors import sample_anchors
 from dmtp_jax.train.features import mtp_hidden, target_features
 from dmtp_jax.train.loss import (block_inputs, ce_sums, draft_head, drafter_block_hidden, method_layout,
@@ -160,14 +161,18 @@ def apply_gradients(tx: optax.GradientTransformation, ocfg: OptimConfig, state: 
 
 
 def loss_sums(params, graphdefs, target_graphdef, target_state, mtp_graphdef, mtp_state, tokens_bt,
-              loss_mask_bt, key, scfg: StepConfig, compute_dtype) -> tuple[jax.Array, dict]:
+              loss_mask_bt, key, scfg: StepConfig, compute_dtype, compute_shardings=None) -> tuple[jax.Array, dict]:
     """`(loss_sum, sums)` of one micro-batch: features, anchors, blocks, drafter, decayed CE.
+    `compute_shardings` (a tree like `params`, or None): where the compute-dtype copies of the
+    trained params live during the step (`Trainer`: gathered over `fsdp`).
 
     Example:
         >>> num, sums = loss_sums(params, gds, tgd, t_state, None, None, tokens, mask, key, scfg, jnp.float32)  # doctest: +SKIP
     """
     target = nnx.merge(target_graphdef, jax.lax.stop_gradient(target_state))   # frozen: no gradient
     cparams = jax.tree.map(lambda x: x.astype(compute_dtype), params)
+    if compute_shardings is not None:
+        cparams = jax.tree.map(jax.lax.with_sharding_constraint, cparams, compute_shardings)
     drafter = nnx.merge(graphdefs["drafter"], cparams["drafter"])
     fusion = nnx.merge(graphdefs["fusion"], cparams["fusion"]) if "fusion" in graphdefs else None
     dcfg: DFlashConfig = drafter.cfg
@@ -242,6 +247,12 @@ class Trainer:
         self.tx = make_optimizer(ocfg)
         self.graphdefs, abstract = abstract_params(dcfg, scfg)
         self.param_shardings = {k: state_shardings(v, mesh, mesh_rules) for k, v in abstract.items()}
+        # FSDP: the step gathers the drafter's (small) weights over `fsdp` at their use and
+        # reduce-scatters their gradients. Left to itself, XLA gathered the activations instead:
+        # the context features' weight gradient took [global batch, seq, 5 x hidden] per device
+        # (27B, v5p:4x4x4 data=4,fsdp=16, batch 256: 105 GiB of temporaries).
+        self.compute_shardings = (gathered_over(self.param_shardings, "fsdp")
+                                  if mesh.shape.get("fsdp", 1) > 1 else None)
         self.abstract_params = abstract
         opt_abstract = jax.eval_shape(self.tx.init, abstract)
         rep = replicated(mesh)
@@ -289,7 +300,7 @@ class Trainer:
             j, toks, lm = xs
             grads, sums = grad_fn(state.params, self.graphdefs, self.target.graphdef, target_state,
                                   self.mtp.graphdef if self.mtp else None, mtp_state, toks, lm,
-                                  jax.random.fold_in(key, j), scfg, compute_dtype)
+                                  jax.random.fold_in(key, j), scfg, compute_dtype, self.compute_shardings)
             return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
 
         kk = len(method_layout(scfg.method, scfg.block_size or self.dcfg.block_size)[0])
@@ -332,7 +343,7 @@ class Trainer:
         scfg = self.scfg
         return loss_sums(params, self.graphdefs, self.target.graphdef, target_state,
                          self.mtp.graphdef if self.mtp else None, mtp_state, tokens_bt, loss_mask_bt,
-                         jax.random.key(scfg.seed), scfg, jnp.dtype(scfg.compute_dtype))[1]
+                         jax.random.key(scfg.seed), scfg, jnp.dtype(scfg.compute_dtype), self.compute_shardings)[1]
 
     def evaluate(self, params, batches) -> dict:
         """Loss and acceptance proxy of `params` over `batches` (dicts as `step` takes), no update:

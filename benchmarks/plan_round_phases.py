@@ -1,0 +1,109 @@
+"""Where a round's bytes go at real shapes: XLA's bytes accessed and time estimate of each phase of
+one greedy round (`decode/round.py`, `decode/proposers.py`), compiled for a TPU slice without
+weights (the plan's abstract models and compile-only devices, `dmtp_jax/plan/`), the layer scan
+unrolled so the counts cover every layer; next to the fused round and its analytic minimum.
+
+    python benchmarks/plan_round_phases.py --target configs/models/qwen3.6-27b.json \\
+        --topology v5p:2x2x1 --mesh tensor=4 --methods dflash,dmtp
+
+Phases, each jitted alone on the round's own inputs:
+  propose-mtp      `proposer.first` (MTP's T1 from the state's MTP hidden)
+  propose-drafter  `proposer.draft` given T1 (the drafter block and its draft logits)
+  verify           `round.verify_forward` (the target over `[pending, drafts]`, its logits)
+  commit           the fused round minus the phases above (accept, `target.commit`, `mtp_advance`,
+                   `write_context`): XLA fuses across phases, so this is the remainder, not a compile
+
+Prints one JSON line per method: GB per phase, the round's GB, its minimum and their ratio. This is
+how the 27B round's extra bytes were found (issue 19: a transposed copy of every attention layer's
+`q_proj` per verify and drafter block, `models/qwen3.py:q_gate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_tokens) -> dict:
+    import jax
+    import numpy as np
+
+    from dmtp_jax.decode import make_decoder
+    from dmtp_jax.decode.round import merge_models, verify_forward
+    from dmtp_jax.decode.sampling import SamplingParams
+    from dmtp_jax.plan.compile import cost_of
+    from dmtp_jax.plan.inference import inference_calls, request_shapes
+    from dmtp_jax.plan.models import abstract_args, plan_models
+    from dmtp_jax.plan.topology import open_topology
+    from dmtp_jax.platform import compiling_for, unrolled_layers
+    from dmtp_jax.sharding import at_shardings, make_mesh
+
+    topo = open_topology(topology)
+    device_mesh = make_mesh(mesh, devices=topo.devices)
+
+    def cost(lower):
+        jax.clear_caches()
+        with unrolled_layers():
+            c = cost_of(lower().compile())
+        jax.clear_caches()
+        return {"gb": round(c.get("bytes accessed", 0.0) / 1e9, 3),
+                "est_ms": None if not c.get("optimal_seconds") else round(1e3 * c["optimal_seconds"], 3)}
+
+    t0 = time.perf_counter()
+    with compiling_for(topo.platform, device_mesh.size):
+        models = plan_models(target, method, device_mesh, dtype)
+        dec = make_decoder(method, models["target"], models.get("drafter"), mtp=models.get("mtp"),
+                           fusion=models.get("fusion"))
+        call = next(c for c in inference_calls(dec, 1, prompt_len, max_new_tokens, 0.0, None) if c.name == "round")
+        rows, _, max_len = request_shapes(dec.target.cfg, 1, prompt_len, max_new_tokens, dec.slots)
+        shapes = jax.eval_shape(lambda: dec.new_state(rows, max_len))
+        state = at_shardings(shapes, dec.state_shardings(shapes))
+        states, knobs, proposer = dec.model_states(), dec.knobs(), dec.proposer
+        sp, key = SamplingParams.make(), jax.random.key(0)
+        limits = jax.ShapeDtypeStruct((rows,), np.int32)
+        merged = lambda s: merge_models(dec.setup.graphdefs, s)  # noqa: E731
+        phases = {"round": cost(call.lower)}
+        first = None
+        if proposer.needs["mtp"] and proposer.needs["drafter"]:
+            first_fn = jax.jit(lambda s, st: proposer.first(merged(s), st, sp, key, True))
+            phases["propose-mtp"] = cost(lambda: first_fn.lower(states, state))
+            first = jax.eval_shape(first_fn, states, state)
+        if proposer.needs["drafter"]:
+            draft_fn = jax.jit(lambda s, st, fi, lim: proposer.draft(merged(s), st, fi, sp, key, True, lim, knobs))
+            phases["propose-drafter"] = cost(lambda: draft_fn.lower(states, state,
+                                                                    *abstract_args((first, limits), device_mesh)))
+        else:
+            prop_fn = jax.jit(lambda s, st, lim: proposer.propose(merged(s), st, sp, key, True, lim, knobs))
+            phases["propose-mtp"] = cost(lambda: prop_fn.lower(states, state, *abstract_args((limits,), device_mesh)))
+        drafts = jax.ShapeDtypeStruct((rows, dec.slots - 1), np.int32)
+        verify_fn = jax.jit(lambda s, st, d: verify_forward(merged(s).target, st, d,
+                                                            merged(s).capture_layers).logits_bnv)
+        phases["verify"] = cost(lambda: verify_fn.lower(states, state, *abstract_args((drafts,), device_mesh)))
+    parts = sum(v["gb"] for k, v in phases.items() if k != "round")
+    phases["commit (remainder)"] = {"gb": round(phases["round"]["gb"] - parts, 3), "est_ms": None}
+    return {"method": method, "phases": phases, "min_gb": round(call.min_bytes / 1e9, 3),
+            "round_over_min": round(phases["round"]["gb"] * 1e9 / call.min_bytes, 3),
+            "parts_gb": {k: round(v / 1e9, 3) for k, v in call.parts.items()},
+            "compile_s": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="configs/models/qwen3.6-27b.json")
+    p.add_argument("--topology", default="v5p:2x2x1")
+    p.add_argument("--mesh", default="tensor=4")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--methods", default="dflash,dmtp")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    args = p.parse_args(argv)
+    from dmtp_jax.cli import use_host_backend
+    use_host_backend()
+    for method in args.methods.split(","):
+        print(json.dumps(phase_costs(args.target, method, args.topology, args.mesh, args.dtype, args.prompt_len,
+                                     args.max_new_tokens)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
