@@ -4,7 +4,11 @@ weights (the plan's abstract models and compile-only devices, `dmtp_jax/plan/`),
 unrolled so the counts cover every layer; next to the fused round and its analytic minimum.
 
     python benchmarks/plan_round_phases.py --target configs/models/qwen3.6-27b.json \\
-        --topology v5p:2x2x1 --mesh tensor=4 --methods dflash,dmtp
+        --topology v5p:2x2x1 --mesh tensor=4 --methods dflash,dmtp --heads full,efficient
+
+`--heads`: the drafting side's LM head, full or efficient (`models/draft_head.py`: a low-rank
+shortlist, rank / shortlist from `--rank` / `--shortlist` or `head_shape`'s defaults); `--round-only`
+compiles the fused round alone (one compile per method and head instead of three or four).
 
 Phases, each jitted alone on the round's own inputs:
   propose-mtp      `proposer.first` (MTP's T1 from the state's MTP hidden)
@@ -12,8 +16,10 @@ Phases, each jitted alone on the round's own inputs:
   verify           `round.verify_forward` (the target over `[pending, drafts]`, its logits)
   commit           the fused round minus the phases above (accept, `target.commit`, `mtp_advance`,
                    `write_context`): XLA fuses across phases, so this is the remainder, not a compile
+                   (it can be negative: `mtp`'s chain re-reads what the fused round reads once)
 
-Prints one JSON line per method: GB per phase, the round's GB, its minimum and their ratio. This is
+Prints one JSON line per (method, head): GB and XLA's estimate per phase, the round's GB, its minimum
+and their ratio; then each round against the dflash round and against the full head. This is
 how the 27B round's extra bytes were found (issue 19: a transposed copy of every attention layer's
 `q_proj` per verify and drafter block, `models/qwen3.py:q_gate`).
 """
@@ -25,13 +31,16 @@ import json
 import time
 
 
-def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_tokens) -> dict:
+def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_tokens, head="full", rank=None,
+                shortlist=None, round_only=False) -> dict:
     import jax
     import numpy as np
 
+    from dmtp_jax.checkpoint.hf import place_abstract
     from dmtp_jax.decode import make_decoder
     from dmtp_jax.decode.round import merge_models, verify_forward
     from dmtp_jax.decode.sampling import SamplingParams
+    from dmtp_jax.models.draft_head import abstract_efficient_head, head_name
     from dmtp_jax.plan.compile import cost_of
     from dmtp_jax.plan.inference import inference_calls, request_shapes
     from dmtp_jax.plan.models import abstract_args, plan_models
@@ -53,8 +62,11 @@ def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_token
     t0 = time.perf_counter()
     with compiling_for(topo.platform, device_mesh.size):
         models = plan_models(target, method, device_mesh, dtype)
+        if head == "efficient":
+            models["draft_head"] = place_abstract(*abstract_efficient_head(models["target"].cfg, dtype, rank,
+                                                                           shortlist), device_mesh)
         dec = make_decoder(method, models["target"], models.get("drafter"), mtp=models.get("mtp"),
-                           fusion=models.get("fusion"))
+                           fusion=models.get("fusion"), draft_head=models.get("draft_head"))
         call = next(c for c in inference_calls(dec, 1, prompt_len, max_new_tokens, 0.0, None) if c.name == "round")
         rows, _, max_len = request_shapes(dec.target.cfg, 1, prompt_len, max_new_tokens, dec.slots)
         shapes = jax.eval_shape(lambda: dec.new_state(rows, max_len))
@@ -65,24 +77,29 @@ def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_token
         merged = lambda s: merge_models(dec.setup.graphdefs, s)  # noqa: E731
         phases = {"round": cost(call.lower)}
         first = None
-        if proposer.needs["mtp"] and proposer.needs["drafter"]:
-            first_fn = jax.jit(lambda s, st: proposer.first(merged(s), st, sp, key, True))
-            phases["propose-mtp"] = cost(lambda: first_fn.lower(states, state))
-            first = jax.eval_shape(first_fn, states, state)
-        if proposer.needs["drafter"]:
-            draft_fn = jax.jit(lambda s, st, fi, lim: proposer.draft(merged(s), st, fi, sp, key, True, lim, knobs))
-            phases["propose-drafter"] = cost(lambda: draft_fn.lower(states, state,
-                                                                    *abstract_args((first, limits), device_mesh)))
-        else:
-            prop_fn = jax.jit(lambda s, st, lim: proposer.propose(merged(s), st, sp, key, True, lim, knobs))
-            phases["propose-mtp"] = cost(lambda: prop_fn.lower(states, state, *abstract_args((limits,), device_mesh)))
-        drafts = jax.ShapeDtypeStruct((rows, dec.slots - 1), np.int32)
-        verify_fn = jax.jit(lambda s, st, d: verify_forward(merged(s).target, st, d,
-                                                            merged(s).capture_layers).logits_bnv)
-        phases["verify"] = cost(lambda: verify_fn.lower(states, state, *abstract_args((drafts,), device_mesh)))
-    parts = sum(v["gb"] for k, v in phases.items() if k != "round")
-    phases["commit (remainder)"] = {"gb": round(phases["round"]["gb"] - parts, 3), "est_ms": None}
-    return {"method": method, "phases": phases, "min_gb": round(call.min_bytes / 1e9, 3),
+        if not round_only:
+            if proposer.needs["mtp"] and proposer.needs["drafter"]:
+                first_fn = jax.jit(lambda s, st: proposer.first(merged(s), st, sp, key, True))
+                phases["propose-mtp"] = cost(lambda: first_fn.lower(states, state))
+                first = jax.eval_shape(first_fn, states, state)
+            if proposer.needs["drafter"]:
+                draft_fn = jax.jit(lambda s, st, fi, lim: proposer.draft(merged(s), st, fi, sp, key, True, lim,
+                                                                         knobs))
+                phases["propose-drafter"] = cost(lambda: draft_fn.lower(states, state,
+                                                                        *abstract_args((first, limits), device_mesh)))
+            else:
+                prop_fn = jax.jit(lambda s, st, lim: proposer.propose(merged(s), st, sp, key, True, lim, knobs))
+                phases["propose-mtp"] = cost(lambda: prop_fn.lower(states, state,
+                                                                   *abstract_args((limits,), device_mesh)))
+            drafts = jax.ShapeDtypeStruct((rows, dec.slots - 1), np.int32)
+            verify_fn = jax.jit(lambda s, st, d: verify_forward(merged(s).target, st, d,
+                                                                merged(s).capture_layers).logits_bnv)
+            phases["verify"] = cost(lambda: verify_fn.lower(states, state, *abstract_args((drafts,), device_mesh)))
+    if not round_only:
+        parts = sum(v["gb"] for k, v in phases.items() if k != "round")
+        phases["commit (remainder)"] = {"gb": round(phases["round"]["gb"] - parts, 3), "est_ms": None}
+    name = head_name(models["draft_head"].cfg if head == "efficient" else None)
+    return {"method": method, "head": name, "phases": phases, "min_gb": round(call.min_bytes / 1e9, 3),
             "round_over_min": round(phases["round"]["gb"] * 1e9 / call.min_bytes, 3),
             "parts_gb": {k: round(v / 1e9, 3) for k, v in call.parts.items()},
             "compile_s": round(time.perf_counter() - t0, 1)}
@@ -95,15 +112,28 @@ def main(argv=None):
     p.add_argument("--mesh", default="tensor=4")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--methods", default="dflash,dmtp")
+    p.add_argument("--heads", default="full", help="full, efficient or both (full,efficient)")
+    p.add_argument("--rank", type=int, default=None, help="efficient head: rank of the factor")
+    p.add_argument("--shortlist", type=int, default=None, help="efficient head: candidates rescored")
+    p.add_argument("--round-only", action="store_true", help="compile the fused round only, no phases")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=256)
     args = p.parse_args(argv)
     from dmtp_jax.cli import use_host_backend
     use_host_backend()
-    for method in args.methods.split(","):
-        print(json.dumps(phase_costs(args.target, method, args.topology, args.mesh, args.dtype, args.prompt_len,
-                                     args.max_new_tokens)), flush=True)
-
+    rows = {}
+    for head in args.heads.split(","):
+        for method in args.methods.split(","):
+            row = phase_costs(args.target, method, args.topology, args.mesh, args.dtype, args.prompt_len,
+                              args.max_new_tokens, head, args.rank, args.shortlist, args.round_only)
+            print(json.dumps(row), flush=True)
+            rows[(method, head)] = row["phases"]["round"]
+    for (method, head), r in rows.items():
+        for name, other in (("vs dflash", rows.get(("dflash", head))), ("vs full head", rows.get((method, "full")))):
+            if other is not None and other is not r:
+                est = (f", estimated time {r['est_ms'] / other['est_ms']:.3f}x" if r["est_ms"] and other["est_ms"]
+                       else "")
+                print(f"{method}/{head} {name}: bytes {r['gb'] / other['gb']:.3f}x{est}")
 
 if __name__ == "__main__":
     main()
