@@ -2,7 +2,7 @@
 must be those of a real compile-and-run of the same function; the verdict, the exit status and the
 JSON keys are the contract of `infer.py plan`.
 
-The TPU / GPU compilers are optional extras; `benchmarks/plan_real.py` runs the real configs on them.
+The TPU / GPU compilers are optional extras; `benchmarks/plan_sizing.py` runs the real configs on them.
 """
 
 from __future__ import annotations
