@@ -33,8 +33,8 @@ from __future__ import annotations
 import json
 
 from dmtp_jax.bench.runner import MethodRun
-from dmtp_jax.errors import InputError
 from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
+from dmtp_jax.errors import InputError
 
 
 def _ratio(a, b):
