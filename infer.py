@@ -36,7 +36,7 @@ from dmtp_jax.errors import InputError
 DTYPES = ["float32", "bfloat16", "float16"]
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 DEMO_OUT = os.path.join(tempfile.gettempdir(), "dmtp-jax-demo")
-DEMO_METHODS = "ar,mtp,dflash,dmtp,dmtp-adaptive"
+DEMO_METHODS = "ar,mtp,dflash,dmtp,dmtp-adaptive,auto"
 DEMO_WEAK_METHODS = "mtp,dmtp,dmtp-adaptive"     # the second table: the same methods with the corpus-only head
 DEMO_CORPUS_HEAD = os.path.join(DEMO_DIR, "mtp_corpus")
 DEMO_BENCH_ARGV = ["bench", "--methods", DEMO_METHODS, "--num-prompts", "12", "--max-new-tokens", "64",
@@ -94,6 +94,7 @@ def method_args(sp, verify_list: bool = False):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dmtp_jax.decode.auto import AUTO
     from dmtp_jax.options import DECODE_METHODS as METHODS, VERIFY_MODES
     p = ArgumentParser(prog="infer.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -107,9 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text with any method (plain or speculative)")
     common(g)
-    g.add_argument("--method", default=None, choices=METHODS,
+    g.add_argument("--method", default=None, choices=METHODS + (AUTO,),
                    help="ar (plain), mtp (native MTP chained --mtp-steps), dflash, dmtp (main: MTP's T1 + "
-                        "DFlash with two anchors) or a DMTP ablation. Default: dflash with --draft, else ar")
+                        "DFlash with two anchors), a DMTP ablation, or auto (measures the methods the models "
+                        "allow on the first request of each batch size and keeps the fastest; the verdict is "
+                        "cached in $DMTP_JAX_CACHE/auto-verdicts.json). Default: dflash with --draft, else ar")
     method_args(g)
     g.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable: one per row)")
     g.add_argument("--prompt-ids", action="append", default=[], type=int_list,
@@ -127,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching (see README: Serve)")
     common(sv)
     method_args(sv)
-    sv.add_argument("--method", default=None, choices=METHODS,
-                    help="decoding method (default: dmtp on the demo, else dflash with --draft, else ar)")
+    sv.add_argument("--method", default=None, choices=METHODS + (AUTO,),
+                    help="decoding method (default: dmtp on the demo, else dflash with --draft, else ar); auto "
+                         "measures the allowed methods on the first requests at --max-batch-size rows")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--max-batch-size", type=int, default=8, help="rows of the running batch")
@@ -207,8 +211,7 @@ def cmd_generate(args) -> int:
     method = args.method or ("dflash" if args.draft else "ar")
     preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
                                    args.adaptive_threshold, args.prefill_chunk)
-    preflight.check_method_models([method], target_dir, args.draft, args.mtp, demo_drafters=uses_demo(args))
-    preflight.check_drafter_block([method], args.draft, args.block_size)
+    methods = decoder_methods(args, target_dir, method)
     preflight.check_draft_head(args)
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
@@ -228,7 +231,7 @@ def cmd_generate(args) -> int:
         prompts = [prompts[i % len(prompts)] for i in range(args.batch_size)]
     preflight.check_prompts(prompts, args.max_new_tokens, cfg)
 
-    decoder, stops = load_decoder(args, target_dir, method, mesh, tokenizer)
+    decoder, stops = load_decoder(args, target_dir, method, methods, mesh, tokenizer)
 
     stream = len(prompts) == 1 and tokenizer is not None and not args.json_path
     streamed = []
@@ -258,20 +261,34 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def load_decoder(args, target_dir: str, method: str, mesh, tokenizer):
-    """`(decoder, stop token ids)` of `method` on the target, from generate's / serve's model flags."""
+def decoder_methods(args, target_dir: str, method: str) -> list[str]:
+    """The methods whose decoders `method` needs (auto: every method the models allow), their
+    models and block sizes checked before any load."""
+    from dmtp_jax import preflight
+    from dmtp_jax.decode.auto import AUTO
+    demo = uses_demo(args)
+    methods = preflight.auto_candidates(target_dir, args.draft, args.mtp, demo) if method == AUTO else [method]
+    preflight.check_method_models(methods, target_dir, args.draft, args.mtp, demo_drafters=demo)
+    preflight.check_drafter_block(methods, args.draft, args.block_size)
+    return methods
+
+
+def load_decoder(args, target_dir: str, method: str, methods: list[str], mesh, tokenizer):
+    """`(decoder, stop token ids)` of `method` on the target, from generate's / serve's model flags;
+    auto: an `AutoDecoder` over the decoders of `methods`."""
     from dmtp_jax.checkpoint.hf import load_target
+    from dmtp_jax.decode.auto import AUTO, AutoDecoder
     from dmtp_jax.decode.loading import make_decoders
     from dmtp_jax.tokenizer import stop_token_ids
 
     target = load_target(target_dir, args.dtype, mesh)
     stops = stop_token_ids(target_dir, target.cfg.eos_token_ids, tokenizer)
     stops = sorted(set(stops) | set(getattr(args, "stop_token_ids", None) or []))
-    decoder = make_decoders([method], target, method_models(args, target, [method]), block_size=args.block_size,
-                            verify=args.verify, mtp_steps=args.mtp_steps, strict=args.strict,
-                            rounds_per_dispatch=args.rounds_per_dispatch, prefill_chunk=args.prefill_chunk,
-                            adaptive_threshold=args.adaptive_threshold)[method]
-    return decoder, stops
+    decoders = make_decoders(methods, target, method_models(args, target, methods), block_size=args.block_size,
+                             verify=args.verify, mtp_steps=args.mtp_steps, strict=args.strict,
+                             rounds_per_dispatch=args.rounds_per_dispatch, prefill_chunk=args.prefill_chunk,
+                             adaptive_threshold=args.adaptive_threshold)
+    return (AutoDecoder(decoders) if method == AUTO else decoders[method]), stops
 
 
 def cmd_serve(args) -> int:
@@ -285,8 +302,7 @@ def cmd_serve(args) -> int:
     method = args.method or ("dmtp" if uses_demo(args) else "dflash" if args.draft else "ar")
     preflight.check_decode_options(args.mtp_steps, args.block_size, 1, args.rounds_per_dispatch,
                                    args.adaptive_threshold, args.prefill_chunk)
-    preflight.check_method_models([method], target_dir, args.draft, args.mtp, demo_drafters=uses_demo(args))
-    preflight.check_drafter_block([method], args.draft, args.block_size)
+    methods = decoder_methods(args, target_dir, method)
     preflight.check_draft_head(args)
     if args.max_model_len is not None and not 2 <= args.max_model_len <= cfg.max_position_embeddings:
         raise InputError(f"--max-model-len must be in [2, {cfg.max_position_embeddings}] (the model's "
@@ -294,7 +310,7 @@ def cmd_serve(args) -> int:
     if args.max_batch_size < 1:
         raise InputError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     tokenizer = load_tokenizer(target_dir, plain=True)     # transformers' only where it adds something (chat template)
-    decoder, stops = load_decoder(args, target_dir, method, make_mesh(args.mesh), tokenizer)
+    decoder, stops = load_decoder(args, target_dir, method, methods, make_mesh(args.mesh), tokenizer)
     name = args.served_model_name or os.path.basename(os.path.normpath(target_dir))
     return serve(decoder, tokenizer, name, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
                  max_model_len=args.max_model_len, stop_ids=stops)
@@ -302,7 +318,7 @@ def cmd_serve(args) -> int:
 
 def cmd_compare(args) -> int:
     from dmtp_jax import preflight
-    from dmtp_jax.compare import compare_target, format_table
+    from dmtp_jax.compare import compare_target, format_table, mtp_tensors_expected
 
     target_dir = resolve_target(args.target)
     preflight.target_config(target_dir)
@@ -376,7 +392,9 @@ def run_bench(args) -> dict:
     from dmtp_jax.bench.workloads import check_tokenizer, load_workload
     from dmtp_jax.checkpoint.hf import load_target
     from dmtp_jax.decode import METHODS
+    from dmtp_jax.decode.auto import AUTO, AutoDecoder
     from dmtp_jax.decode.sampling import SamplingParams
+    from dmtp_jax.options import verify_modes
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tokenizer import load_tokenizer, stop_token_ids
 
@@ -387,16 +405,17 @@ def run_bench(args) -> dict:
     methods = [m.strip() for m in (args.methods or default_methods).split(",") if m.strip()]
     if args.workload is None:
         args.workload = os.path.join(DEMO_DIR, "prompts.jsonl") if demo else "gsm8k"
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in METHODS and m != AUTO]
     if unknown or not methods:
-        raise InputError(f"unknown method(s) {unknown or methods}; available: {', '.join(METHODS)}")
+        raise InputError(f"unknown method(s) {unknown or methods}; available: {', '.join(METHODS + (AUTO,))}")
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     verifies = verify_modes(args.verify)
+    if AUTO in methods and len(verifies) > 1:
+        raise InputError("--methods auto takes one --verify mode")
     preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
                                    args.adaptive_threshold, args.prefill_chunk)
-    preflight.check_method_models(methods, target_dir, args.draft, args.mtp, demo_drafters=demo)
-    preflight.check_drafter_block(methods, args.draft, args.block_size)
+    built = list(dict.fromkeys(m for n in methods for m in (decoder_methods(args, target_dir, n))))
     preflight.check_draft_head(args)
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
@@ -407,13 +426,16 @@ def run_bench(args) -> dict:
         rep.plot_backend()              # matplotlib missing: say so before the run, not after it
     target = load_target(target_dir, args.dtype, mesh)
     stops = stop_token_ids(target_dir, target.cfg.eos_token_ids, tokenizer)
-    models = method_models(args, target, methods)
+    models = method_models(args, target, built)
     decoders = {}
     for verify in verifies:         # several verifiers: every speculative method once per verifier
-        made = make_decoders(methods if verify == verifies[0] else [m for m in methods if m != "ar"], target,
+        made = make_decoders(built if verify == verifies[0] else [m for m in built if m != "ar"], target,
                              models, block_size=args.block_size, mtp_steps=args.mtp_steps, verify=verify,
                              strict=args.strict, rounds_per_dispatch=args.rounds_per_dispatch,
                              prefill_chunk=args.prefill_chunk, adaptive_threshold=args.adaptive_threshold)
+        if AUTO in methods:         # auto measures its candidates' decoders: the same objects (compiles shared)
+            made[AUTO] = AutoDecoder({m: made[m] for m in decoder_methods(args, target_dir, AUTO)})
+        made = {m: made[m] for m in methods if m in made}
         decoders.update({m if m == "ar" or len(verifies) == 1 else f"{m}/{verify}": d for m, d in made.items()})
     if len(verifies) > 1:           # side by side: method by method, each with every verifier
         order = {m: i for i, m in enumerate(methods)}
@@ -439,13 +461,15 @@ def run_bench(args) -> dict:
         if agreement is not None:
             print(f"{name}: T1 from the efficient draft head equals the full head's at {agreement:.2%} of positions")
     from dmtp_jax.bench.efficiency import format_efficiency, method_efficiency
-    report["efficiency"] = {name: method_efficiency(decoders[name], run) for name, run in runs.items()}
+    report["efficiency"] = {name: method_efficiency(decoders[name], run) for name, run in runs.items() if name != AUTO}
     print(f"workload {workload.name}: {len(workload.requests)} requests, {workload.num_generations} generations, "
           f"batch {args.batch_size}, max_new_tokens {args.max_new_tokens}, temperature {args.temperature}"
           + (f", verify {','.join(verifies)}" if args.temperature > 0 else ""))
     print(rep.format_table(report))
     print(rep.format_footer(report))
     print(format_efficiency(report["efficiency"]))
+    if AUTO in runs:
+        print(rep.format_auto(report))
     if not args.no_phases and sampling.is_greedy:
         from dmtp_jax.bench.phases import bench_phases, format_phases
         report["phases"] = bench_phases(decoders)
@@ -462,44 +486,6 @@ def run_bench(args) -> dict:
     if args.show_sample:
         print(rep.format_sample(runs, tokenizer))
     return report
-
-
-def verify_modes(text: str) -> list[str]:
-    """bench's `--verify`: a comma-separated list of verifiers, each once, or an `InputError`.
-
-    Example:
-        >>> verify_modes("rejection, block")
-        ['rejection', 'block']
-    """
-    from dmtp_jax.options import VERIFY_MODES
-    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
-    bad = [m for m in modes if m not in VERIFY_MODES]
-    if bad or not modes:
-        raise InputError(f"--verify: unknown verifier(s) {bad or text!r}; available: {', '.join(VERIFY_MODES)}")
-    return modes
-
-
-class mtp_tensors_expected:
-    """Context: transformers' targets do not run `mtp.*` tensors and its load report lists them as
-    UNEXPECTED (a coloured table on stderr); they are expected here, so they are left out of it.
-
-    Example:
-        >>> with mtp_tensors_expected():
-        ...     pass
-    """
-
-    PATTERN = r"^mtp\."
-
-    def __enter__(self):
-        from transformers import PreTrainedModel
-        self.saved = PreTrainedModel.__dict__.get("_keys_to_ignore_on_load_unexpected")
-        PreTrainedModel._keys_to_ignore_on_load_unexpected = [*(self.saved or []), self.PATTERN]
-        return self
-
-    def __exit__(self, *exc):
-        from transformers import PreTrainedModel
-        PreTrainedModel._keys_to_ignore_on_load_unexpected = self.saved
-        return False
 
 
 def demo_available() -> bool:

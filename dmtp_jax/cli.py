@@ -82,6 +82,20 @@ def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
         return 130
 
 
+CACHE_ENV = "DMTP_JAX_CACHE"
+
+
+def cache_root() -> str:
+    """dmtp-jax's cache directory: `$DMTP_JAX_CACHE`, else `~/.cache/dmtp-jax` (the compilation
+    cache, auto's verdicts and the built-in tiny checkpoint live under it).
+
+    Example:
+        >>> os.path.basename(cache_root()) != ""
+        True
+    """
+    return os.path.expanduser(os.environ.get(CACHE_ENV, "~/.cache/dmtp-jax"))
+
+
 COMPILE_CACHE_ENV = "DMTP_JAX_COMPILE_CACHE"
 COMPILE_CACHE_OFF = ("0", "off", "none", "false", "no")
 
@@ -97,8 +111,7 @@ def compile_cache_dir(flag: str | None = None) -> str | None:
     """
     value = flag if flag is not None else os.environ.get(COMPILE_CACHE_ENV)
     if value is None or value == "":
-        root = os.environ.get("DMTP_JAX_CACHE", "~/.cache/dmtp-jax")
-        return os.path.join(os.path.expanduser(root), "jax-cache")
+        return os.path.join(cache_root(), "jax-cache")
     if value.strip().lower() in COMPILE_CACHE_OFF:
         return None
     return os.path.expanduser(value)

@@ -274,3 +274,17 @@ def adaptive_threshold_for(method: str, threshold: float | None, calibrated: flo
     if threshold is None:
         threshold = DEFAULT_ADAPTIVE_THRESHOLD if calibrated is None else calibrated
     return check_adaptive_threshold(threshold)
+
+
+def verify_modes(text: str) -> list[str]:
+    """bench's `--verify`: a comma-separated list of verifiers, each once, or an `InputError`.
+
+    Example:
+        >>> verify_modes("rejection, block")
+        ['rejection', 'block']
+    """
+    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    bad = [m for m in modes if m not in VERIFY_MODES]
+    if bad or not modes:
+        raise InputError(f"--verify: unknown verifier(s) {bad or text!r}; available: {', '.join(VERIFY_MODES)}")
+    return modes

@@ -78,6 +78,31 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
                                   "mtp / dmtp need a target that carries one, or --mtp DIR")
 
 
+def auto_candidates(target_dir: str, draft: str | None, mtp: str | None, demo_drafters: bool = False) -> list[str]:
+    """The methods `--method auto` chooses from, by the models given (configs and tensor names
+    read, no weights): `ar`; `mtp` when the target (or `--mtp`) carries an MTP head; with `--draft`,
+    the DMTP method its `dmtp_config` names (when there is an MTP head), else `dflash`; the shipped
+    demo's drafters give dflash, dmtp and dmtp-adaptive.
+
+    Example:
+        >>> auto_candidates("/models/no-mtp", None, None)  # doctest: +SKIP
+        ['ar']
+    """
+    from dmtp_jax.checkpoint.mtp_ckpt import has_mtp
+    check_method_models([], target_dir, draft, mtp)
+    if mtp and not os.path.isdir(mtp):
+        raise InputError(f"MTP directory not found: {mtp}")
+    with_mtp = has_mtp(mtp or target_dir)
+    out = ["ar"] + (["mtp"] if with_mtp else [])
+    if draft:
+        from dmtp_jax.config import read_config_json
+        stored = (read_config_json(draft).get("dmtp_config") or {}).get("method")
+        out += [stored] if stored and with_mtp else [] if stored else ["dflash"]
+    elif demo_drafters:
+        out += ["dflash"] + (["dmtp", "dmtp-adaptive"] if with_mtp else [])
+    return out
+
+
 def check_drafter_block(methods, draft: str | None, block_size: int | None) -> None:
     """The verify slots of every drafter method are ones the decoder takes (`options.verify_slots`):
     `--block-size` when given, else the drafter's own `block_size` (its config is read, no weights).

@@ -46,7 +46,8 @@ def save_byte_tokenizer(out_dir: str) -> int:
 
 def default_tiny_dir() -> str:
     """`$DMTP_JAX_CACHE/tiny-qwen3` (default cache: `~/.cache/dmtp-jax`)."""
-    return os.path.join(os.path.expanduser(os.environ.get("DMTP_JAX_CACHE", "~/.cache/dmtp-jax")), "tiny-qwen3")
+    from dmtp_jax.cli import cache_root
+    return os.path.join(cache_root(), "tiny-qwen3")
 
 
 def ensure_tiny_target(out_dir: str | None = None, seed: int = 0) -> str:

@@ -33,12 +33,15 @@ Example:
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 # The CLIs turn on JAX's persistent compilation cache (default ~/.cache/dmtp-jax/jax-cache); tests
 # never write into the user's home: off for in-process calls and every subprocess (inherited).
 os.environ["DMTP_JAX_COMPILE_CACHE"] = "off"
+# nor auto's verdicts (nor anything else under $DMTP_JAX_CACHE): a fresh directory per run
+os.environ["DMTP_JAX_CACHE"] = tempfile.mkdtemp(prefix="dmtp-jax-test-cache-")
 
 # `--doctest-modules` (pyproject's addopts) is for `dmtp_jax/`: the helper modules here are imported
 # by the tests, never collected (sharded_forward_check.py sets XLA_FLAGS before importing jax).

@@ -5,6 +5,7 @@ import json
 import pytest
 
 import infer
+from dmtp_jax import compare
 from dmtp_jax.checkpoint.hf import load_target
 from dmtp_jax.decode.ar import ARDecoder
 
@@ -119,7 +120,7 @@ def test_compare_keeps_expected_mtp_tensors_out_of_the_load_report(mtp_target_di
     keep, logger = Keep(), logging.getLogger("transformers.modeling_utils")
     logger.addHandler(keep)
     try:
-        with infer.mtp_tensors_expected():
+        with compare.mtp_tensors_expected():
             AutoModelForCausalLM.from_pretrained(mtp_target_dir)
         assert "UNEXPECTED" not in keep.text
         AutoModelForCausalLM.from_pretrained(mtp_target_dir)

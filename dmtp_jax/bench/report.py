@@ -49,10 +49,11 @@ def summarize_run(run: MethodRun) -> dict:
         >>> s["tokens_per_second"], s["conditional_acceptance"], s["first_candidate_acceptance"]
         (4.0, [], 0.0)
     """
-    if run.speculative:
-        rows, block = [g.acceptance_lengths or [] for g in run.generations], run.block_size
-    else:   # plain decoding: one token per round after the prefill's first
-        rows, block = [[1] * max(0, len(g.output_ids) - 1) for g in run.generations], 1
+    # plain decoding: one token per round after the prefill's first (also the plain calls of a
+    # speculative run: `auto` may choose `ar` for one batch bucket and a speculative method for another)
+    rows = [[1] * max(0, len(g.output_ids) - 1) if g.acceptance_lengths is None else g.acceptance_lengths
+            for g in run.generations]
+    block = run.block_size if run.speculative else 1
     st = acceptance_stats(rows, block)
     empty = st["rounds"] == 0
     sources = [g.t1_from_mtp for g in run.generations if g.t1_from_mtp is not None]
@@ -85,6 +86,7 @@ def summarize_run(run: MethodRun) -> dict:
         "compiles": run.compiles,
         "exactness_probe": run.exactness_probe,
         "first_candidate_by_source": by_source,     # dmtp-adaptive: MTP's T1 vs the drafter's
+        "auto": {str(b): v for b, v in sorted(run.auto.items())} or None,   # auto: batch bucket -> verdict
     }
 
 
@@ -156,6 +158,20 @@ def format_footer(report: dict) -> str:
                    + ("; exactness probe failed: ran plain decoding" if (m.get("exactness_probe") or {}).get(
                        "decision") == "plain" else ""))
     return "\n".join(out)
+
+
+def format_auto(report: dict) -> str:
+    """One line per batch bucket of every `auto` run (`decode.auto.describe_verdict`); "" without one.
+
+    Example:
+        >>> rep = {"methods": {"auto": {"auto": {"1": {"method": "ar", "source": "cache", "batch_bucket": 1,
+        ...        "measured": {"ar": {"decode_tokens_per_s": 50.0, "tau_per_verify": 1.0}}}}}}}
+        >>> print(format_auto(rep))
+        auto, batch bucket 1: ar (cached verdict; decode tok/s ar 50.0 (tau 1.00))
+    """
+    from dmtp_jax.decode.auto import describe_verdict
+    return "\n".join(f"{name}, {describe_verdict(v)}" for name, m in report["methods"].items()
+                     for v in (m.get("auto") or {}).values())
 
 
 def format_head_comparison(strong: dict, weak: dict, strong_head: str, weak_head: str) -> str:

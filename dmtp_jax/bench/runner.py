@@ -29,9 +29,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import time
 
 from dmtp_jax.bench.workloads import Request, Workload, check_tokenizer, render_prompt
+from dmtp_jax.decode.auto import timed_generate
 from dmtp_jax.decode.batch import RequestError
 
 
@@ -64,6 +64,7 @@ class MethodRun:
     compiles: dict = dataclasses.field(default_factory=dict)
     exactness_probe: dict | None = None  # the speculative decoder's probe verdict (decode/probe.py)
     shapes: dict = dataclasses.field(default_factory=dict)   # (batch bucket, cache length) -> loop steps
+    auto: dict = dataclasses.field(default_factory=dict)     # `auto`: batch bucket -> its verdict (as_dict)
 
     @property
     def speculative(self) -> bool:
@@ -74,19 +75,6 @@ class MethodRun:
 def _counts(decoder):
     fn = getattr(decoder, "compile_counts", None)
     return fn() if fn else None
-
-
-def timed_generate(decoder, prompts, max_new_tokens, sampling, seed, stop_ids, retime: bool = True):
-    """`(result, wall_s, retimed)`: one generate call timed; re-run (same seed) if it compiled."""
-    before = _counts(decoder)
-    t0 = time.perf_counter()
-    result = decoder.generate(prompts, max_new_tokens, sampling, seed, stop_ids)
-    wall = time.perf_counter() - t0
-    if retime and before is not None and _counts(decoder) != before:
-        t0 = time.perf_counter()
-        result = decoder.generate(prompts, max_new_tokens, sampling, seed, stop_ids)
-        return result, time.perf_counter() - t0, True
-    return result, wall, False
 
 
 def _decode_answer(tokenizer, output_ids, stop_ids) -> str:
@@ -160,6 +148,8 @@ def _run_batch(run: MethodRun, decoder, batch: list[Request], tokenizer, fits, m
             raise RequestError(f"requests {[batch[i].id for i in rows]} turn {turn + 1}: {e}") from None
         stats = result.stats
         run.exactness_probe = stats.get("exactness_probe", run.exactness_probe)
+        if "auto" in stats:
+            run.auto.setdefault(stats["auto"]["batch_bucket"], stats["auto"])
         acceptance = stats.get("acceptance_lengths")
         sources = stats.get("t1_from_mtp")
         if acceptance is not None:

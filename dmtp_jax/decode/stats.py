@@ -87,6 +87,9 @@ def format_stats(stats: dict) -> str:
                  "histogram {histogram}").format(**stats)
         line += "\nconditional acceptance by position: " + " ".join(
             f"{p:.2f}" for p in stats["conditional_acceptance"])
+    if "auto" in stats:
+        from dmtp_jax.decode.auto import describe_verdict
+        line += "\nauto, " + describe_verdict(stats["auto"])
     probe = stats.get("exactness_probe")
     if probe:
         line += (f"\nexactness probe: {'exact' if probe['exact'] else 'NOT exact'} ({probe['width']}-token block, "

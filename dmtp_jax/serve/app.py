@@ -376,6 +376,8 @@ def warm_up(engine: Engine, every_bucket: bool = True) -> None:
     """
     from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, next_pow2
 
+    if engine.rows is None:         # auto without a verdict: its first requests measure (and compile)
+        return
     top = next_pow2(engine.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
     chunk = max(engine.rows.decoder.prefill_chunk, PROMPT_BUCKET_FLOOR)
     bucket, lengths = PROMPT_BUCKET_FLOOR, []
@@ -406,7 +408,9 @@ def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port:
     warm_up(engine)
     scheduler = Scheduler(engine)
     app = build_app(scheduler, tokenizer, model_name)
-    print(f"serving {model_name} ({engine.method}, {max_batch_size} rows, max_model_len {engine.max_model_len}) "
+    method = engine.method + (" (not measured yet: the first requests measure the candidates "
+                              f"{', '.join(engine.auto.candidates)})" if engine.rows is None else "")
+    print(f"serving {model_name} ({method}, {max_batch_size} rows, max_model_len {engine.max_model_len}) "
           f"on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     # uvicorn re-raises the SIGTERM it handled once it has shut down; with this handler that ends
     # the process normally (exit status 0) instead of by the signal

@@ -21,6 +21,11 @@ whose top-k differs from the running sampled rows' waits until those finish. Sam
 `seed` seeds their prefill (first token); later draws come from the engine's round keys (lossless,
 not reproducible per request).
 
+With `--method auto` (an `AutoDecoder`) the engine serves the method of the cached verdict for its
+`max_batch_size` rows; without one, its first step measures the candidates on the waiting requests'
+prompts (`AutoDecoder.choose`) and serves the fastest from then on. The round always runs over
+`max_batch_size` rows, so the batch, and the verdict, never change while it serves.
+
 Speculative decoders pass the exactness probe first (`decode/probe.py:exactness_gate`); on a
 decline the engine serves plain decoding with the same target.
 
@@ -43,6 +48,7 @@ import numpy as np
 
 from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.ar import ARDecoder
+from dmtp_jax.decode.auto import AUTO, AutoDecoder
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts, round_up
 from dmtp_jax.decode.prefill import chunk_length, prefill_chunks
 from dmtp_jax.decode.sampling import SamplingParams
@@ -227,22 +233,44 @@ class Engine:
         if not 2 <= self.max_model_len <= cfg.max_position_embeddings:
             raise RequestError(f"--max-model-len must be in [2, {cfg.max_position_embeddings}] "
                                f"(the model's max_position_embeddings), got {self.max_model_len}")
-        self.decoder, self.cfg = decoder, cfg
-        self.rows, self.gate = engine_rows(decoder, seed)
-        self.method = self.rows.method
+        self.decoder, self.cfg, self.seed = decoder, cfg, seed
         self.stop_ids = tuple(cfg.eos_token_ids if stop_ids is None else stop_ids)
         self.max_batch_size = int(max_batch_size)
+        self.running: list[Request | None] = [None] * self.max_batch_size
+        self.waiting: collections.deque[Request] = collections.deque()
+        self._prefill = None                    # (request, row, generator, chunk width) being prefilled
+        self._index = 0                          # rounds run (the round key's index)
+        self.counters = collections.Counter()    # requests, prompt / generated tokens, rounds, accepted
+        # auto: the method is the cached verdict for this batch, else measured on the first requests
+        self.auto = decoder if isinstance(decoder, AutoDecoder) else None
+        self.verdict = None if self.auto is None else self.auto.cached(self.max_batch_size, greedy=True)
+        self.rows = self.gate = None
+        self.method = AUTO
+        if self.auto is None:
+            self._start(decoder)
+        elif self.verdict is not None:
+            self._start(self.auto.candidates[self.verdict.method])
+
+    def _start(self, decoder) -> None:
+        """Serves with `decoder` from now on: its rows view, running state and row scatter."""
+        self.rows, self.gate = engine_rows(decoder, self.seed)
+        self.method = self.rows.method
         self.max_len = round_up(self.max_model_len + self.rows.slots, 128)
         self.rows.max_len = self.max_len
         self.state = self.rows.new_state(self.max_batch_size, self.max_len)
         shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self._insert = counted_jit(insert_row, donate_argnums=0, out_shardings=shardings)
-        self.running: list[Request | None] = [None] * self.max_batch_size
-        self.waiting: collections.deque[Request] = collections.deque()
-        self._prefill = None                    # (request, row, generator, chunk width) being prefilled
         self.prefill_budget = int(self.rows.decoder.prefill_chunk)   # prefill tokens per step
-        self._index = 0                          # rounds run (the round key's index)
-        self.counters = collections.Counter()    # requests, prompt / generated tokens, rounds, accepted
+
+    def _choose(self) -> None:
+        """auto, first requests: measures the candidates on the waiting prompts (repeated to the
+        running batch's rows, greedy, up to `probe_tokens` new tokens each; outputs dropped), then
+        serves with the fastest."""
+        prompts = [r.prompt_ids for r in list(self.waiting)[:self.max_batch_size]]
+        budget = min(self.max_model_len - len(p) for p in prompts)
+        rows = [prompts[i % len(prompts)] for i in range(self.max_batch_size)]
+        self.verdict = self.auto.choose(rows, budget, SamplingParams.make(), seed=self.seed)
+        self._start(self.auto.candidates[self.verdict.method])
 
     # ---- requests ------------------------------------------------------------------------------
     def check(self, req: Request) -> Request:
@@ -306,6 +334,10 @@ class Engine:
         """
         events: list[Event] = []
         self._drop_cancelled(events)
+        if self.rows is None:           # auto before its verdict
+            if not self.waiting:
+                return events
+            self._choose()
         self._admit(events)
         if any(r is not None for r in self.running):
             self._round(events)
@@ -339,7 +371,8 @@ class Engine:
         self.waiting.clear()
         for req in reqs:
             self._finish(req, reason, events)
-        self.state = self.rows.new_state(self.max_batch_size, self.max_len)
+        if self.rows is not None:
+            self.state = self.rows.new_state(self.max_batch_size, self.max_len)
         return events
 
     def _shared_top_k(self) -> int | None:
@@ -428,6 +461,9 @@ class Engine:
             self._commit(i, req, tokens_bn[i, :n].tolist(), events)
 
     def compile_counts(self) -> dict[str, int]:
-        """The decoder's compile counts plus the row scatter's."""
+        """The decoder's compile counts plus the row scatter's (auto before its verdict: the
+        candidates' counts)."""
+        if self.rows is None:
+            return self.auto.compile_counts()
         dec = self.rows.decoder
         return {**dec.compile_counts(), "insert_row": self._insert.compiles}

@@ -82,6 +82,15 @@ class ServerMetrics:
         for name, kind, help_text, value, labels in gauges:
             out += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} {kind}",
                     f"{prefix}_{name}{{{labels}}} {value}" if labels else f"{prefix}_{name} {value}"]
+        verdict = getattr(engine, "verdict", None)
+        if verdict is not None:         # auto: the choice and what it was chosen from
+            out += [f"# HELP {prefix}_auto_chosen the method auto serves with (1), by where the verdict came from",
+                    f"# TYPE {prefix}_auto_chosen gauge",
+                    f'{prefix}_auto_chosen{{method="{verdict.method}",source="{verdict.source}"}} 1',
+                    f"# HELP {prefix}_auto_measured_decode_tokens_per_second each candidate's measured decode speed",
+                    f"# TYPE {prefix}_auto_measured_decode_tokens_per_second gauge"]
+            out += [f'{prefix}_auto_measured_decode_tokens_per_second{{method="{c}"}} {x["decode_tokens_per_s"]}'
+                    for c, x in verdict.measured.items()]
         out += [f"# HELP {prefix}_requests_finished_total requests finished, by reason",
                 f"# TYPE {prefix}_requests_finished_total counter"]
         out += [f'{prefix}_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]

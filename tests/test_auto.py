@@ -1,0 +1,135 @@
+"""`--method auto`: greedy output equal to `ar` whatever is chosen, the verdict kept per batch bucket
+(in memory and in its JSON file, without prompt text or token ids), sampled output lossless, the
+server measuring on its first requests, and the bench / generate commands."""
+
+import json
+
+import pytest
+
+from dflash_fixtures import saved_dmtp_drafter
+from stat_checks import assert_matches_target_joint
+from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
+from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
+from dmtp_jax.decode import make_decoder
+from dmtp_jax.decode.ar import ARDecoder
+from dmtp_jax.decode.auto import AutoDecoder, VerdictStore
+from dmtp_jax.decode.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 31, 4, 77, 2, 18], [3], [100, 101, 7, 66, 12, 9, 43, 8, 8, 1, 60, 21, 94]]
+
+
+@pytest.fixture(scope="module")
+def dmtp_dir(mtp_target_dir, tmp_path_factory):
+    cfg = load_target(mtp_target_dir).cfg
+    return saved_dmtp_drafter(str(tmp_path_factory.mktemp("auto") / "dmtp"), cfg, "dmtp", fusion_seed=1)
+
+
+@pytest.fixture(scope="module")
+def decoders(mtp_target_dir, dmtp_dir):
+    """ar, mtp and dmtp on the MTP target: one set of decoders (and compiles) for the file."""
+    target = load_target(mtp_target_dir)
+    mtp = load_mtp(mtp_target_dir, target.cfg)
+    drafter, fusion = load_dmtp_drafter(dmtp_dir, target.cfg)
+    return {"ar": ARDecoder(target), "mtp": make_decoder("mtp", target, mtp=mtp, mtp_steps=3),
+            "dmtp": make_decoder("dmtp", target, drafter, mtp=mtp, fusion=fusion)}
+
+
+class Counting:
+    """A decoder that counts its generate calls."""
+
+    def __init__(self, decoder):
+        self.decoder, self.calls = decoder, 0
+
+    def generate(self, *args, **kwargs):
+        self.calls += 1
+        return self.decoder.generate(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
+
+
+def test_greedy_auto_equals_ar_and_keeps_its_verdict_per_bucket(decoders, tmp_path):
+    want = decoders["ar"].generate(PROMPTS, 20, stop_ids=[]).output_ids
+    path = str(tmp_path / "verdicts.json")
+    auto = AutoDecoder(decoders, store=VerdictStore(path), probe_tokens=8, repeats=1)
+    res = auto.generate(PROMPTS, 20, stop_ids=[])
+    assert res.output_ids == want
+    verdict = res.stats["auto"]
+    assert verdict["source"] == "measured" and verdict["batch_bucket"] == 4
+    assert set(verdict["measured"]) == {"ar", "mtp", "dmtp"}
+    assert all(m["decode_tokens_per_s"] > 0 and m["probe_tokens"] == 8 for m in verdict["measured"].values())
+    assert verdict["measured"]["dmtp"]["tau_per_verify"] > 1.0 and verdict["measured"]["ar"]["tau_per_verify"] == 1.0
+    chosen = verdict["method"]
+    assert chosen == max(verdict["measured"], key=lambda m: verdict["measured"][m]["decode_tokens_per_s"])
+    assert res.stats["method"] == f"auto:{chosen}"
+
+    # the file: one verdict, nothing of the prompts
+    stored = json.load(open(path))
+    assert len(stored) == 1
+    record = next(iter(stored.values()))
+    assert record["method"] == chosen and record["batch_bucket"] == 4 and record["greedy"] is True
+    assert set(record) == {"method", "measured", "batch_bucket", "greedy", "target", "device", "dtype", "when"}
+
+    def lists(x):
+        return [x] if isinstance(x, list) else [y for v in (x.values() if isinstance(x, dict) else []) for y in lists(v)]
+    assert lists(stored) == []                  # no token ids anywhere
+
+    # a new decoder over the same models reads the verdict: only the chosen method runs
+    counted = {m: Counting(d) for m, d in decoders.items()}
+    again = AutoDecoder(counted, store=VerdictStore(path), probe_tokens=8, repeats=1)
+    res = again.generate([p[::-1] for p in PROMPTS], 20, stop_ids=[])
+    assert res.stats["auto"]["source"] == "cache" and res.stats["auto"]["method"] == chosen
+    assert {m: c.calls for m, c in counted.items()} == {m: int(m == chosen) for m in counted}
+    assert res.output_ids == decoders["ar"].generate([p[::-1] for p in PROMPTS], 20, stop_ids=[]).output_ids
+    # another batch bucket is measured again, and kept next to the first
+    res = again.generate(PROMPTS[:1], 20, stop_ids=[])
+    assert res.stats["auto"]["source"] == "measured" and res.stats["auto"]["batch_bucket"] == 1
+    assert res.output_ids == want[:1]
+    assert len(json.load(open(path))) == 2
+
+
+def test_sampled_auto_is_lossless(decoders, mtp_target_dir):
+    auto = AutoDecoder({m: decoders[m] for m in ("mtp", "dmtp")}, store=VerdictStore(None), probe_tokens=3)
+    assert_matches_target_joint(auto, decoders["ar"].target, PROMPTS[0], SamplingParams.make(temperature=1.0,
+                                                                                                 top_k=3))
+
+
+def test_server_engine_measures_on_its_first_requests(decoders, tmp_path):
+    from dmtp_jax.serve.engine import Engine, Request
+    from dmtp_jax.serve.metrics import ServerMetrics
+
+    path = str(tmp_path / "verdicts.json")
+    engine = Engine(AutoDecoder(decoders, store=VerdictStore(path), probe_tokens=8, repeats=1), max_batch_size=2,
+                    max_model_len=128)
+    assert engine.rows is None and engine.method == "auto"
+    reqs = [engine.add(Request(p, max_tokens=12, stop_ids=())) for p in PROMPTS]
+    while not all(r.finished for r in reqs):
+        engine.step()
+    want = decoders["ar"].generate(PROMPTS, 12, stop_ids=[]).output_ids
+    assert [r.output_ids for r in reqs] == want
+    assert engine.verdict.source == "measured" and engine.method == engine.verdict.method
+    assert f'dmtp_auto_chosen{{method="{engine.method}",source="measured"}} 1' in ServerMetrics().render(engine)
+    # a second server on the same models starts with the verdict: no measurement
+    second = Engine(AutoDecoder(decoders, store=VerdictStore(path)), max_batch_size=2, max_model_len=128)
+    assert second.verdict.source == "cache" and second.method == engine.method and second.rows is not None
+
+
+def test_bench_and_generate_run_auto(mtp_target_dir, dmtp_dir, tmp_path, capsys):
+    import infer
+    out, outputs = tmp_path / "bench.json", tmp_path / "outputs.jsonl"
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    assert infer.main(["bench", "--target", mtp_target_dir, "--draft", dmtp_dir, "--methods", "ar,auto",
+                       "--workload", str(workload), "--max-new-tokens", "12", "--no-phases", "--json", str(out),
+                       "--outputs", str(outputs)]) == 0
+    rows = [json.loads(line) for line in open(outputs)]
+    by_method = {m: [r["output_ids"] for r in rows if r["method"] == m] for m in ("ar", "auto")}
+    assert by_method["auto"] == by_method["ar"] and len(by_method["ar"]) == 3
+    verdict = json.load(open(out))["methods"]["auto"]["auto"]["1"]
+    assert set(verdict["measured"]) == {"ar", "mtp", "dmtp"}       # what the models allow
+    assert "auto, batch bucket 1: " + verdict["method"] in capsys.readouterr().out
+    # generate finds the bench's verdict in $DMTP_JAX_CACHE
+    assert infer.main(["generate", "--target", mtp_target_dir, "--draft", dmtp_dir, "--method", "auto",
+                       "--prompt-ids", "5,9,31", "--max-new-tokens", "8"]) == 0
+    assert f"auto, batch bucket 1: {verdict['method']} (cached verdict" in capsys.readouterr().err
