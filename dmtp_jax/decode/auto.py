@@ -4,10 +4,10 @@ Speculation does not always pay: a round costs several plain steps, and how many
 hardware, the batch size and the dtype as much as on acceptance. `AutoDecoder` holds one decoder per
 candidate method (`ar` and every speculative method the given models allow). On the first request of
 a batch bucket it runs each candidate on that request's prompts for `probe_tokens` new tokens
-(compiles excluded: a call that compiled is run again), with stop tokens off and a seed of its own,
-and drops those outputs; it then decodes the request with the method of the highest decode tokens/s
-(`stats["decode_tokens_per_s"]`: acceptance x round time, against the plain step time, at this
-batch). Outputs are those of the chosen method: greedy equals `ar` token for token, sampled is
+(compiles excluded: a call that compiled is run again), `repeats` times round robin, with stop
+tokens off and a seed of its own, and drops those outputs; it then decodes the request with the
+method of the highest decode tokens/s at this batch: decode tokens per round (acceptance) over the
+fastest round seen (`probe_measurement`; `ar`'s round is one plain step). Outputs are those of the chosen method: greedy equals `ar` token for token, sampled is
 lossless (the probes draw with another seed, so the choice does not depend on the request's draws).
 
 The verdict is kept per (target, drafters, MTP head, device kind, dtype, batch bucket, greedy or
@@ -180,20 +180,26 @@ def fastest(measured: dict) -> str:
     return max(usable, key=lambda m: usable[m]["decode_tokens_per_s"])
 
 
-def probe_measurement(stats: dict) -> dict:
-    """What one probe run says of a method (from its generate stats): decode tokens/s, tokens per
-    verify, time per round; `declined` when the exactness probe sent it to plain decoding.
+def probe_measurement(runs: list[dict]) -> dict:
+    """What a method's probe runs say of it (their generate stats): tokens per verify, the fastest
+    round (timing noise only ever adds time, so the minimum is the robust estimate), and decode
+    tokens/s as decode tokens per round over that round time; `declined` when the exactness probe
+    sent it to plain decoding.
 
     Example:
-        >>> probe_measurement({"decode_tokens_per_s": 40.0, "decode_s": 0.5, "target_forwards": 11,
-        ...                    "per_verify_acceptance_length": 2.0})
+        >>> probe_measurement([{"decode_tokens_per_s": 40.0, "decode_s": 0.5, "target_forwards": 11,
+        ...                     "per_verify_acceptance_length": 2.0},
+        ...                    {"decode_tokens_per_s": 20.0, "decode_s": 1.0, "target_forwards": 11,
+        ...                     "per_verify_acceptance_length": 2.0}])
         {'decode_tokens_per_s': 40.0, 'tau_per_verify': 2.0, 'round_s': 0.05, 'declined': False}
     """
-    rounds = max(1, int(stats.get("target_forwards", 1)) - 1)
-    return {"decode_tokens_per_s": float(stats["decode_tokens_per_s"]),
-            "tau_per_verify": float(stats.get("per_verify_acceptance_length", 1.0)),
-            "round_s": float(stats["decode_s"]) / rounds,
-            "declined": bool(stats.get("declined_method"))}
+    rounds = [max(1, int(s.get("target_forwards", 1)) - 1) for s in runs]
+    round_s = min(float(s["decode_s"]) / r for s, r in zip(runs, rounds))
+    per_round = sum(s["decode_tokens_per_s"] * s["decode_s"] for s in runs) / sum(rounds)
+    return {"decode_tokens_per_s": per_round / round_s if round_s > 0 else 0.0,
+            "tau_per_verify": sum(float(s.get("per_verify_acceptance_length", 1.0)) for s in runs) / len(runs),
+            "round_s": round_s,
+            "declined": any(bool(s.get("declined_method")) for s in runs)}
 
 
 class AutoDecoder:
@@ -203,8 +209,7 @@ class AutoDecoder:
     and the rest of the stats are the chosen method's.
 
     `store`: where verdicts persist (`VerdictStore.default()` when None). `probe_tokens`: new tokens
-    per probe run (at most the request's budget). `repeats`: timed probe runs per candidate (the
-    fastest counts).
+    per probe run (at most the request's budget). `repeats`: probe runs per candidate, round robin.
 
     Example: see the module docstring.
     """
@@ -212,7 +217,7 @@ class AutoDecoder:
     method = AUTO
 
     def __init__(self, candidates: dict, *, store: VerdictStore | None = None,
-                 probe_tokens: int = DEFAULT_PROBE_TOKENS, repeats: int = 2):
+                 probe_tokens: int = DEFAULT_PROBE_TOKENS, repeats: int = 3):
         if not candidates:
             raise RequestError("auto needs at least one candidate method")
         if probe_tokens < 2:
@@ -270,12 +275,12 @@ class AutoDecoder:
             return Verdict("ar" if "ar" in self.candidates else next(iter(self.candidates)), "single", {},
                            next_pow2(len(prompts)))
         t0 = time.perf_counter()
-        measured = {}
-        for method, dec in self.candidates.items():
-            runs = [timed_generate(dec, prompts, budget, sp, seed + PROBE_SEED_OFFSET + r, [])[0].stats
-                    for r in range(self.repeats)]
-            best = max((probe_measurement(s) for s in runs), key=lambda m: m["decode_tokens_per_s"])
-            measured[method] = {**best, "probe_tokens": budget}
+        runs: dict[str, list] = {m: [] for m in self.candidates}
+        for r in range(self.repeats):   # round robin: a slow spell of the machine hits every method alike
+            for method, dec in self.candidates.items():
+                runs[method].append(timed_generate(dec, prompts, budget, sp, seed + PROBE_SEED_OFFSET + r,
+                                                   [])[0].stats)
+        measured = {m: {**probe_measurement(r), "probe_tokens": budget} for m, r in runs.items()}
         bucket = next_pow2(len(prompts))
         verdict = Verdict(fastest(measured), "measured", measured, bucket, time.perf_counter() - t0)
         self.store.put(self.key(bucket, sp.is_greedy), {
