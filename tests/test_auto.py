@@ -133,3 +133,22 @@ def test_bench_and_generate_run_auto(mtp_target_dir, dmtp_dir, tmp_path, capsys)
     assert infer.main(["generate", "--target", mtp_target_dir, "--draft", dmtp_dir, "--method", "auto",
                        "--prompt-ids", "5,9,31", "--max-new-tokens", "8"]) == 0
     assert f"auto, batch bucket 1: {verdict['method']} (cached verdict" in capsys.readouterr().err
+
+
+def test_bench_report_of_auto_with_different_methods_per_bucket(decoders):
+    """Buckets decided differently (mtp: 4 slots; dmtp: 8): the run's rows are pooled with the
+    widest block, and each bucket's verdict is in the report."""
+    from dmtp_jax.bench.report import build_report, format_auto
+    from dmtp_jax.bench.runner import run_benchmark
+    from dmtp_jax.bench.workloads import Request, Workload
+
+    auto = AutoDecoder(decoders, store=VerdictStore(None))
+    auto.store.put(auto.key(2, True), {"method": "mtp", "measured": {}})
+    auto.store.put(auto.key(1, True), {"method": "dmtp", "measured": {}})
+    workload = Workload("ids", "test", tuple(Request(str(i), prompt_ids=tuple(p)) for i, p in enumerate(PROMPTS)))
+    runs = run_benchmark({"ar": decoders["ar"], "auto": auto}, workload, None, max_new_tokens=12, batch_size=2)
+    assert [g.output_ids for g in runs["auto"].generations] == [g.output_ids for g in runs["ar"].generations]
+    report = build_report(runs, {})
+    assert report["methods"]["auto"]["block_size"] == 8
+    assert {b: v["method"] for b, v in report["methods"]["auto"]["auto"].items()} == {"1": "dmtp", "2": "mtp"}
+    assert "auto, batch bucket 2: mtp (cached verdict)" in format_auto(report)

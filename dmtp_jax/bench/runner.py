@@ -153,7 +153,8 @@ def _run_batch(run: MethodRun, decoder, batch: list[Request], tokenizer, fits, m
         acceptance = stats.get("acceptance_lengths")
         sources = stats.get("t1_from_mtp")
         if acceptance is not None:
-            run.block_size = int(stats.get("block_size") or len(stats["histogram"]))
+            # the widest block of the run (auto may choose methods of different blocks per batch bucket)
+            run.block_size = max(run.block_size or 0, int(stats.get("block_size") or len(stats["histogram"])))
         run.calls += 1
         run.retimed_calls += int(retimed)
         run.wall_s += wall

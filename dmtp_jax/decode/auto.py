@@ -4,8 +4,8 @@ Speculation does not always pay: a round costs several plain steps, and how many
 hardware, the batch size and the dtype as much as on acceptance. `AutoDecoder` holds one decoder per
 candidate method (`ar` and every speculative method the given models allow). On the first request of
 a batch bucket it runs each candidate on that request's prompts for `probe_tokens` new tokens
-(compiles excluded: a call that compiled is run again), `repeats` times round robin, with stop
-tokens off and a seed of its own, and drops those outputs; it then decodes the request with the
+(compiles excluded: a call that compiled is run again), `repeats` times round robin, with the
+request's stop tokens and a seed of its own, and drops those outputs; it then decodes the request with the
 method of the highest decode tokens/s at this batch: decode tokens per round (acceptance) over the
 fastest round seen (`probe_measurement`; `ar`'s round is one plain step). Outputs are those of the chosen method: greedy equals `ar` token for token, sampled is
 lossless (the probes draw with another seed, so the choice does not depend on the request's draws).
@@ -38,7 +38,7 @@ import jax
 from dmtp_jax.decode.batch import RequestError, next_pow2
 
 AUTO = "auto"
-DEFAULT_PROBE_TOKENS = 32       # new tokens per candidate and probe run (a few rounds of a 8-slot method)
+DEFAULT_PROBE_TOKENS = 64       # new tokens per candidate and probe run (about a dozen rounds of a 8-slot method)
 PROBE_SEED_OFFSET = 0x5EED      # the probes' seed: seed + offset, never the request's own
 
 
@@ -263,8 +263,11 @@ class AutoDecoder:
             return None
         return Verdict(record["method"], "cache", record.get("measured", {}), bucket)
 
-    def choose(self, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0) -> Verdict:
-        """The verdict for this request's batch bucket: cached, else measured on `prompts` now."""
+    def choose(self, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0,
+               stop_ids=None) -> Verdict:
+        """The verdict for this request's batch bucket: cached, else measured on `prompts` now
+        (with the request's stop tokens: text past a stop token is easy to draft and would favour
+        long blocks)."""
         from dmtp_jax.decode.sampling import SamplingParams
         sp = sampling or SamplingParams.make()
         verdict = self.cached(len(prompts), sp.is_greedy)
@@ -279,7 +282,7 @@ class AutoDecoder:
         for r in range(self.repeats):   # round robin: a slow spell of the machine hits every method alike
             for method, dec in self.candidates.items():
                 runs[method].append(timed_generate(dec, prompts, budget, sp, seed + PROBE_SEED_OFFSET + r,
-                                                   [])[0].stats)
+                                                   stop_ids)[0].stats)
         measured = {m: {**probe_measurement(r), "probe_tokens": budget} for m, r in runs.items()}
         bucket = next_pow2(len(prompts))
         verdict = Verdict(fastest(measured), "measured", measured, bucket, time.perf_counter() - t0)
@@ -296,7 +299,7 @@ class AutoDecoder:
 
         Example: see the module docstring.
         """
-        verdict = self.choose(prompts, max_new_tokens, sampling, seed)
+        verdict = self.choose(prompts, max_new_tokens, sampling, seed, stop_ids)
         result = self.candidates[verdict.method].generate(prompts, max_new_tokens, sampling, seed, stop_ids,
                                                           on_tokens)
         result.stats["auto"] = verdict.as_dict()
