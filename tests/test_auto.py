@@ -72,7 +72,8 @@ def test_greedy_auto_equals_ar_and_keeps_its_verdict_per_bucket(decoders, tmp_pa
     assert set(record) == {"method", "measured", "batch_bucket", "greedy", "target", "device", "dtype", "when"}
 
     def lists(x):
-        return [x] if isinstance(x, list) else [y for v in (x.values() if isinstance(x, dict) else []) for y in lists(v)]
+        inside = x.values() if isinstance(x, dict) else []
+        return [x] if isinstance(x, list) else [y for v in inside for y in lists(v)]
     assert lists(stored) == []                  # no token ids anywhere
 
     # a new decoder over the same models reads the verdict: only the chosen method runs

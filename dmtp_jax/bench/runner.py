@@ -149,7 +149,7 @@ def _run_batch(run: MethodRun, decoder, batch: list[Request], tokenizer, fits, m
         stats = result.stats
         run.exactness_probe = stats.get("exactness_probe", run.exactness_probe)
         if "auto" in stats:
-            run.auto.setdefault(stats["auto"]["batch_bucket"], stats["auto"])
+            run.auto[stats["auto"]["batch_bucket"]] = stats["auto"]      # the latest verdict of each bucket
         acceptance = stats.get("acceptance_lengths")
         sources = stats.get("t1_from_mtp")
         if acceptance is not None:

@@ -2,13 +2,19 @@
 
 Speculation does not always pay: a round costs several plain steps, and how many depends on the
 hardware, the batch size and the dtype as much as on acceptance. `AutoDecoder` holds one decoder per
-candidate method (`ar` and every speculative method the given models allow). On the first request of
-a batch bucket it runs each candidate on that request's prompts for `probe_tokens` new tokens
-(compiles excluded: a call that compiled is run again), `repeats` times round robin, with the
-request's stop tokens and a seed of its own, and drops those outputs; it then decodes the request with the
-method of the highest decode tokens/s at this batch: decode tokens per round (acceptance) over the
-fastest round seen (`probe_measurement`; `ar`'s round is one plain step). Outputs are those of the chosen method: greedy equals `ar` token for token, sampled is
-lossless (the probes draw with another seed, so the choice does not depend on the request's draws).
+candidate method (`ar` and every speculative method the given models allow). On the first request
+of a batch bucket it runs each candidate on that request's prompts for up to `probe_tokens` new
+tokens (compiles excluded: a call that compiled is run again), `repeats` times round robin, with a
+seed of its own, and drops those outputs; it then decodes the request with the method of the
+highest decode tokens/s at this batch: decode tokens per round (acceptance) over the fastest round
+seen (`probe_measurement`; `ar`'s round is one plain step). Outputs are those of the chosen method:
+greedy equals `ar` token for token, sampled is lossless (the probes draw with another seed, so the
+choice does not depend on the request's draws).
+
+Probes use the request's stop tokens, so a request that stops early gives little evidence: its
+probes are pooled with the next requests' of the bucket (the verdict meanwhile "provisional") until
+a full probe's worth of tokens per row was decoded. The probes' time is counted in the request's
+`decode_s` (it waited for them).
 
 The verdict is kept per (target, drafters, MTP head, device kind, dtype, batch bucket, greedy or
 sampled, method options) in memory and in `VerdictStore`'s JSON file (default
@@ -40,6 +46,7 @@ from dmtp_jax.decode.batch import RequestError, next_pow2
 AUTO = "auto"
 DEFAULT_PROBE_TOKENS = 64       # new tokens per candidate and probe run (about a dozen rounds of a 8-slot method)
 PROBE_SEED_OFFSET = 0x5EED      # the probes' seed: seed + offset, never the request's own
+MAX_PROBE_REQUESTS = 8          # a bucket's verdict is final after this many probed requests at most
 
 
 def timed_generate(decoder, prompts, max_new_tokens, sampling, seed, stop_ids, retime: bool = True):
@@ -139,7 +146,8 @@ class VerdictStore:
 class Verdict:
     """The method auto decodes a batch bucket with, and what it was chosen from."""
     method: str
-    source: str                     # "measured" (this call), "cache" (memory / file) or "single" (one candidate)
+    source: str                     # "measured" (final, this call), "provisional" (measured, not final yet),
+                                    # "cache" (memory / file) or "single" (one candidate)
     measured: dict                  # method -> {"decode_tokens_per_s", "tau_per_verify", "round_s", ...}
     batch_bucket: int
     measure_s: float = 0.0          # wall time the measurement took (0 when not measured now)
@@ -161,6 +169,7 @@ def describe_verdict(verdict: dict) -> str:
     seen = ", ".join(f"{c} {x['decode_tokens_per_s']:.1f} (tau {x['tau_per_verify']:.2f})"
                      + (" declined" if x.get("declined") else "") for c, x in verdict["measured"].items())
     how = {"measured": f"measured in {verdict.get('measure_s', 0.0):.1f} s", "cache": "cached verdict",
+           "provisional": f"provisional, measured in {verdict.get('measure_s', 0.0):.1f} s",
            "single": "the only candidate"}.get(verdict["source"], verdict["source"])
     return (f"batch bucket {verdict['batch_bucket']}: {verdict['method']} ({how}"
             + (f"; decode tok/s {seen}" if seen else "") + ")")
@@ -228,6 +237,7 @@ class AutoDecoder:
         self.store = VerdictStore.default() if store is None else store
         self.probe_tokens, self.repeats = int(probe_tokens), int(repeats)
         self._identity = self._models_identity()
+        self._pools: dict[str, dict] = {}      # verdict key -> probes pooled until the verdict is final
 
     def _models_identity(self) -> dict:
         """What a verdict depends on besides the batch: the models' fingerprints, the device, the
@@ -264,33 +274,47 @@ class AutoDecoder:
         return Verdict(record["method"], "cache", record.get("measured", {}), bucket)
 
     def choose(self, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0,
-               stop_ids=None) -> Verdict:
-        """The verdict for this request's batch bucket: cached, else measured on `prompts` now
-        (with the request's stop tokens: text past a stop token is easy to draft and would favour
-        long blocks)."""
+               stop_ids=None, decide: bool = False) -> Verdict:
+        """The verdict for this request's batch bucket: cached, else measured on `prompts` now.
+
+        Probes run with the request's stop tokens (text past a stop token is easy to draft and
+        would favour long blocks), so a request that stops early says little: its probes are pooled
+        with the next requests' of the bucket until a full probe's tokens per row were decoded
+        (`min(max_new_tokens, probe_tokens) - 1`), or `MAX_PROBE_REQUESTS` requests were probed,
+        or now with `decide=True`; until then the verdict is "provisional" (the fastest so far, not
+        stored)."""
         from dmtp_jax.decode.sampling import SamplingParams
         sp = sampling or SamplingParams.make()
         verdict = self.cached(len(prompts), sp.is_greedy)
         if verdict is not None:
             return verdict
+        bucket = next_pow2(len(prompts))
         budget = min(int(max_new_tokens), self.probe_tokens)
         if budget < 2:      # nothing is decoded after the first token: every method is the prefill
-            return Verdict("ar" if "ar" in self.candidates else next(iter(self.candidates)), "single", {},
-                           next_pow2(len(prompts)))
+            return Verdict("ar" if "ar" in self.candidates else next(iter(self.candidates)), "single", {}, bucket)
         t0 = time.perf_counter()
-        runs: dict[str, list] = {m: [] for m in self.candidates}
+        key = self.key(bucket, sp.is_greedy)
+        pool = self._pools.setdefault(key, {"requests": 0, "tokens_per_row": 0.0,
+                                            "runs": {m: [] for m in self.candidates}})
         for r in range(self.repeats):   # round robin: a slow spell of the machine hits every method alike
             for method, dec in self.candidates.items():
-                runs[method].append(timed_generate(dec, prompts, budget, sp, seed + PROBE_SEED_OFFSET + r,
-                                                   stop_ids)[0].stats)
-        measured = {m: {**probe_measurement(r), "probe_tokens": budget} for m, r in runs.items()}
-        bucket = next_pow2(len(prompts))
-        verdict = Verdict(fastest(measured), "measured", measured, bucket, time.perf_counter() - t0)
-        self.store.put(self.key(bucket, sp.is_greedy), {
-            "method": verdict.method, "measured": measured, "batch_bucket": bucket, "greedy": sp.is_greedy,
-            "target": os.path.basename(os.path.normpath(self.target.model_dir or "in-memory")),
-            "device": self._identity["device"], "dtype": self._identity["dtype"],
-            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+                stats = timed_generate(dec, prompts, budget, sp, seed + PROBE_SEED_OFFSET + r, stop_ids)[0].stats
+                pool["runs"][method].append(stats)
+                if r == 0 and method == next(iter(self.candidates)):    # the evidence: tokens decoded per row
+                    pool["tokens_per_row"] += stats["decode_tokens_per_s"] * stats["decode_s"] / len(prompts)
+        pool["requests"] += 1
+        measured = {m: {**probe_measurement(r), "probe_tokens": budget, "probe_requests": pool["requests"]}
+                    for m, r in pool["runs"].items()}
+        final = decide or pool["tokens_per_row"] >= budget - 1 or pool["requests"] >= MAX_PROBE_REQUESTS
+        verdict = Verdict(fastest(measured), "measured" if final else "provisional", measured, bucket,
+                          time.perf_counter() - t0)
+        if final:
+            del self._pools[key]
+            self.store.put(key, {
+                "method": verdict.method, "measured": measured, "batch_bucket": bucket, "greedy": sp.is_greedy,
+                "target": os.path.basename(os.path.normpath(self.target.model_dir or "in-memory")),
+                "device": self._identity["device"], "dtype": self._identity["dtype"],
+                "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
         return verdict
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0, stop_ids=None,
@@ -302,8 +326,13 @@ class AutoDecoder:
         verdict = self.choose(prompts, max_new_tokens, sampling, seed, stop_ids)
         result = self.candidates[verdict.method].generate(prompts, max_new_tokens, sampling, seed, stop_ids,
                                                           on_tokens)
-        result.stats["auto"] = verdict.as_dict()
-        result.stats["method"] = f"auto:{result.stats.get('method', verdict.method)}"
+        st = result.stats
+        st["auto"] = verdict.as_dict()
+        st["method"] = f"auto:{st.get('method', verdict.method)}"
+        if verdict.measure_s:       # the probes are part of what this request waited for
+            decode_tokens = st["decode_tokens_per_s"] * st["decode_s"]
+            st["decode_s"] += verdict.measure_s
+            st["decode_tokens_per_s"] = decode_tokens / st["decode_s"]
         return result
 
     def compile_counts(self) -> dict[str, int]:

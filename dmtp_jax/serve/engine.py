@@ -269,7 +269,8 @@ class Engine:
         prompts = [r.prompt_ids for r in list(self.waiting)[:self.max_batch_size]]
         budget = min(self.max_model_len - len(p) for p in prompts)
         rows = [prompts[i % len(prompts)] for i in range(self.max_batch_size)]
-        self.verdict = self.auto.choose(rows, budget, SamplingParams.make(), seed=self.seed, stop_ids=self.stop_ids)
+        self.verdict = self.auto.choose(rows, budget, SamplingParams.make(), seed=self.seed, stop_ids=self.stop_ids,
+                                        decide=True)
         self._start(self.auto.candidates[self.verdict.method])
 
     # ---- requests ------------------------------------------------------------------------------
