@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, help="global batch (sequences per optimizer step)")
     t.add_argument("--seq-len", type=int)
     t.add_argument("--init-from", help="start from this DFlash drafter directory (DMTP methods: a DFlash "
-                                       "directory starts with a zero fusion, a DMTP one with its own)")
+                                       "directory starts with a zero fusion, a DMTP one with its own; "
+                                       "dmtp-adaptive may start from a dmtp drafter)")
     t.add_argument("--resume", action="store_true", default=None, help="continue from the run's last checkpoint")
     t.add_argument("--draft-layers", type=int)
     t.add_argument("--block-size", type=int)

@@ -50,15 +50,22 @@ class Counting:
 
 
 def test_greedy_auto_equals_ar_and_keeps_its_verdict_per_bucket(decoders, tmp_path):
+    reversed_prompts = [p[::-1] for p in PROMPTS]
     want = decoders["ar"].generate(PROMPTS, 20, stop_ids=[]).output_ids
+    want_reversed = decoders["ar"].generate(reversed_prompts, 20, stop_ids=[]).output_ids
     path = str(tmp_path / "verdicts.json")
     auto = AutoDecoder(decoders, store=VerdictStore(path), probe_tokens=8, repeats=1)
+    # 3 rows are fewer than MIN_PROBE_ROWS: provisional, nothing stored; the next request completes it
     res = auto.generate(PROMPTS, 20, stop_ids=[])
-    assert res.output_ids == want
+    assert res.output_ids == want and res.stats["auto"]["source"] == "provisional"
+    assert auto.generate(PROMPTS, 20, stop_ids=[]).stats["auto"]["measure_s"] == 0.0     # same prompts: no probe
+    res = auto.generate(reversed_prompts, 20, stop_ids=[])
+    assert res.output_ids == want_reversed
     verdict = res.stats["auto"]
     assert verdict["source"] == "measured" and verdict["batch_bucket"] == 4
     assert set(verdict["measured"]) == {"ar", "mtp", "dmtp"}
-    assert all(m["decode_tokens_per_s"] > 0 and m["probe_tokens"] == 8 for m in verdict["measured"].values())
+    assert all(m["decode_tokens_per_s"] > 0 and m["probe_tokens"] == 8 and m["probe_requests"] == 2
+               for m in verdict["measured"].values())
     assert verdict["measured"]["dmtp"]["tau_per_verify"] > 1.0 and verdict["measured"]["ar"]["tau_per_verify"] == 1.0
     chosen = verdict["method"]
     assert chosen == max(verdict["measured"], key=lambda m: verdict["measured"][m]["decode_tokens_per_s"])
@@ -79,19 +86,23 @@ def test_greedy_auto_equals_ar_and_keeps_its_verdict_per_bucket(decoders, tmp_pa
     # a new decoder over the same models reads the verdict: only the chosen method runs
     counted = {m: Counting(d) for m, d in decoders.items()}
     again = AutoDecoder(counted, store=VerdictStore(path), probe_tokens=8, repeats=1)
-    res = again.generate([p[::-1] for p in PROMPTS], 20, stop_ids=[])
+    res = again.generate(PROMPTS, 20, stop_ids=[])
     assert res.stats["auto"]["source"] == "cache" and res.stats["auto"]["method"] == chosen
     assert {m: c.calls for m, c in counted.items()} == {m: int(m == chosen) for m in counted}
-    assert res.output_ids == decoders["ar"].generate([p[::-1] for p in PROMPTS], 20, stop_ids=[]).output_ids
-    # another batch bucket is measured again, and kept next to the first
-    res = again.generate(PROMPTS[:1], 20, stop_ids=[])
-    assert res.stats["auto"]["source"] == "measured" and res.stats["auto"]["batch_bucket"] == 1
-    assert res.output_ids == want[:1]
+    assert res.output_ids == want
+    # another batch bucket is measured again (batch 1: over four requests), and kept next to the first
+    sources = []
+    for i, prompt in enumerate(PROMPTS + [[42, 17]]):
+        res = again.generate([prompt], 20, stop_ids=[])
+        sources.append(res.stats["auto"]["source"])
+        assert res.output_ids == decoders["ar"].generate([prompt], 20, stop_ids=[]).output_ids
+    assert sources == ["provisional"] * 3 + ["measured"] and res.stats["auto"]["batch_bucket"] == 1
     assert len(json.load(open(path))) == 2
 
 
 def test_sampled_auto_is_lossless(decoders, mtp_target_dir):
-    auto = AutoDecoder({m: decoders[m] for m in ("mtp", "dmtp")}, store=VerdictStore(None), probe_tokens=3)
+    auto = AutoDecoder({m: decoders[m] for m in ("mtp", "dmtp")}, store=VerdictStore(None), probe_tokens=3,
+                       repeats=1)
     assert_matches_target_joint(auto, decoders["ar"].target, PROMPTS[0], SamplingParams.make(temperature=1.0,
                                                                                                  top_k=3))
 
@@ -120,13 +131,13 @@ def test_bench_and_generate_run_auto(mtp_target_dir, dmtp_dir, tmp_path, capsys)
     import infer
     out, outputs = tmp_path / "bench.json", tmp_path / "outputs.jsonl"
     workload = tmp_path / "w.jsonl"
-    workload.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    workload.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS + [[42, 17]]))
     assert infer.main(["bench", "--target", mtp_target_dir, "--draft", dmtp_dir, "--methods", "ar,auto",
                        "--workload", str(workload), "--max-new-tokens", "12", "--no-phases", "--json", str(out),
                        "--outputs", str(outputs)]) == 0
     rows = [json.loads(line) for line in open(outputs)]
     by_method = {m: [r["output_ids"] for r in rows if r["method"] == m] for m in ("ar", "auto")}
-    assert by_method["auto"] == by_method["ar"] and len(by_method["ar"]) == 3
+    assert by_method["auto"] == by_method["ar"] and len(by_method["ar"]) == 4
     verdict = json.load(open(out))["methods"]["auto"]["auto"]["1"]
     assert set(verdict["measured"]) == {"ar", "mtp", "dmtp"}       # what the models allow
     assert "auto, batch bucket 1: " + verdict["method"] in capsys.readouterr().out

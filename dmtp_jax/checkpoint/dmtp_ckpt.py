@@ -50,14 +50,18 @@ def init_fusion(method: str, hidden: int, eps: float, dtype="float32", mesh: Mes
 
 
 def load_dmtp_drafter(draft_dir: str, target_cfg, method: str | None = None, dtype="float32",
-                      mesh: Mesh | None = None) -> tuple[LoadedModel, LoadedModel]:
+                      mesh: Mesh | None = None, *, same_layout: bool = False) -> tuple[LoadedModel, LoadedModel]:
     """(DFlash drafter, fusion) of a DMTP directory, or of a plain DFlash directory with a fresh
-    fusion for `method` (default `dmtp`)."""
+    fusion for `method` (default `dmtp`). `same_layout` (training's `--init-from`): a drafter of
+    another DMTP method with the same block layout and fusion (`dmtp` for `dmtp-adaptive`) loads as
+    `method`, its fusion's weights kept."""
     mesh = mesh or make_mesh()
     drafter = load_drafter(draft_dir, target_cfg, dtype, mesh)
     stored = read_config_json(draft_dir).get("dmtp_config")
     if stored and method and stored.get("method") != method:
-        raise ConfigError(f"{draft_dir} holds a '{stored.get('method')}' drafter, not '{method}'")
+        if not (same_layout and DMTP_METHODS.get(stored.get("method")) == DMTP_METHODS.get(method)):
+            raise ConfigError(f"{draft_dir} holds a '{stored.get('method')}' drafter, not '{method}'")
+        stored = {k: v for k, v in stored.items() if k != "threshold"} | {"method": method}
     method = (stored or {}).get("method") or method or "dmtp"
     if method not in DMTP_METHODS:
         raise ConfigError(f"{draft_dir}: unknown dmtp_config method '{method}'")

@@ -11,10 +11,10 @@ seen (`probe_measurement`; `ar`'s round is one plain step). Outputs are those of
 greedy equals `ar` token for token, sampled is lossless (the probes draw with another seed, so the
 choice does not depend on the request's draws).
 
-Probes use the request's stop tokens, so a request that stops early gives little evidence: its
-probes are pooled with the next requests' of the bucket (the verdict meanwhile "provisional") until
-a full probe's worth of tokens per row was decoded. The probes' time is counted in the request's
-`decode_s` (it waited for them).
+Probes use the request's stop tokens, and one short request is little evidence: its probes are
+pooled with the next requests' of the bucket (the verdict meanwhile "provisional") until a full
+probe's worth of tokens was decoded for `MIN_PROBE_ROWS` rows (at batch 1: four requests). The
+probes' time is counted in the request's `decode_s` (it waited for them).
 
 The verdict is kept per (target, drafters, MTP head, device kind, dtype, batch bucket, greedy or
 sampled, method options) in memory and in `VerdictStore`'s JSON file (default
@@ -46,6 +46,7 @@ from dmtp_jax.decode.batch import RequestError, next_pow2
 AUTO = "auto"
 DEFAULT_PROBE_TOKENS = 64       # new tokens per candidate and probe run (about a dozen rounds of a 8-slot method)
 PROBE_SEED_OFFSET = 0x5EED      # the probes' seed: seed + offset, never the request's own
+MIN_PROBE_ROWS = 4              # a verdict rests on at least this many rows' probes (batch 1: 4 requests)
 MAX_PROBE_REQUESTS = 8          # a bucket's verdict is final after this many probed requests at most
 
 
@@ -238,6 +239,7 @@ class AutoDecoder:
         self.probe_tokens, self.repeats = int(probe_tokens), int(repeats)
         self._identity = self._models_identity()
         self._pools: dict[str, dict] = {}      # verdict key -> probes pooled until the verdict is final
+        self.measurements = 0                   # requests whose probes ran
 
     def _models_identity(self) -> dict:
         """What a verdict depends on besides the batch: the models' fingerprints, the device, the
@@ -279,8 +281,9 @@ class AutoDecoder:
 
         Probes run with the request's stop tokens (text past a stop token is easy to draft and
         would favour long blocks), so a request that stops early says little: its probes are pooled
-        with the next requests' of the bucket until a full probe's tokens per row were decoded
-        (`min(max_new_tokens, probe_tokens) - 1`), or `MAX_PROBE_REQUESTS` requests were probed,
+        with the next requests' of the bucket until a full probe's tokens were decoded for
+        `MIN_PROBE_ROWS` rows (`min(max_new_tokens, probe_tokens) - 1` each; a repeated request adds
+        nothing), or `MAX_PROBE_REQUESTS` requests were probed,
         or now with `decide=True`; until then the verdict is "provisional" (the fastest so far, not
         stored)."""
         from dmtp_jax.decode.sampling import SamplingParams
@@ -294,18 +297,24 @@ class AutoDecoder:
             return Verdict("ar" if "ar" in self.candidates else next(iter(self.candidates)), "single", {}, bucket)
         t0 = time.perf_counter()
         key = self.key(bucket, sp.is_greedy)
-        pool = self._pools.setdefault(key, {"requests": 0, "tokens_per_row": 0.0,
+        pool = self._pools.setdefault(key, {"requests": 0, "tokens": 0.0, "seen": set(),
                                             "runs": {m: [] for m in self.candidates}})
+        digest = hashlib.sha1(json.dumps(prompts).encode()).hexdigest()     # in memory only
+        if digest in pool["seen"]:      # the same prompts again: no new evidence, the verdict so far
+            measured = self._pooled(pool, budget)
+            return Verdict(fastest(measured), "provisional", measured, bucket)
+        pool["seen"].add(digest)
         for r in range(self.repeats):   # round robin: a slow spell of the machine hits every method alike
             for method, dec in self.candidates.items():
                 stats = timed_generate(dec, prompts, budget, sp, seed + PROBE_SEED_OFFSET + r, stop_ids)[0].stats
                 pool["runs"][method].append(stats)
-                if r == 0 and method == next(iter(self.candidates)):    # the evidence: tokens decoded per row
-                    pool["tokens_per_row"] += stats["decode_tokens_per_s"] * stats["decode_s"] / len(prompts)
+                if r == 0 and method == next(iter(self.candidates)):    # the evidence: tokens decoded
+                    pool["tokens"] += stats["decode_tokens_per_s"] * stats["decode_s"]
         pool["requests"] += 1
-        measured = {m: {**probe_measurement(r), "probe_tokens": budget, "probe_requests": pool["requests"]}
-                    for m, r in pool["runs"].items()}
-        final = decide or pool["tokens_per_row"] >= budget - 1 or pool["requests"] >= MAX_PROBE_REQUESTS
+        self.measurements += 1
+        measured = self._pooled(pool, budget)
+        enough = pool["tokens"] >= (budget - 1) * max(MIN_PROBE_ROWS, len(prompts))
+        final = decide or enough or pool["requests"] >= MAX_PROBE_REQUESTS
         verdict = Verdict(fastest(measured), "measured" if final else "provisional", measured, bucket,
                           time.perf_counter() - t0)
         if final:
@@ -316,6 +325,11 @@ class AutoDecoder:
                 "device": self._identity["device"], "dtype": self._identity["dtype"],
                 "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
         return verdict
+
+    @staticmethod
+    def _pooled(pool: dict, budget: int) -> dict:
+        return {m: {**probe_measurement(r), "probe_tokens": budget, "probe_requests": pool["requests"]}
+                for m, r in pool["runs"].items()}
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0, stop_ids=None,
                  on_tokens=None):
@@ -336,5 +350,9 @@ class AutoDecoder:
         return result
 
     def compile_counts(self) -> dict[str, int]:
-        """Every candidate's compile counts, as `method/entry point`."""
-        return {f"{m}/{k}": v for m, dec in self.candidates.items() for k, v in dec.compile_counts().items()}
+        """Every candidate's compile counts, as `method/entry point`, and `measurements`: probe rounds
+        run. Measuring is a one-time cost like compiling (the verdict is kept), so the bench re-runs
+        a call that measured and times the re-run, as it does for a call that compiled; the report
+        gives each verdict's `measure_s`."""
+        counts = {f"{m}/{k}": v for m, dec in self.candidates.items() for k, v in dec.compile_counts().items()}
+        return {**counts, "measurements": self.measurements}

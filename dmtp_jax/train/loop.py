@@ -248,7 +248,8 @@ def setup(cfg: TrainConfig):
     if cfg.init_from and uses_mtp(cfg.method):
         # a DMTP directory continues with its fusion; a plain DFlash directory starts at zero fusion
         from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
-        drafter, fusion = load_dmtp_drafter(cfg.init_from, target.cfg, cfg.method, "float32", mesh)
+        drafter, fusion = load_dmtp_drafter(cfg.init_from, target.cfg, cfg.method, "float32", mesh,
+                                            same_layout=True)     # e.g. dmtp-adaptive from a dmtp drafter
     elif cfg.init_from:
         drafter = load_drafter(cfg.init_from, target.cfg, "float32", mesh)
     else:
