@@ -313,7 +313,7 @@ class AutoDecoder:
         pool["requests"] += 1
         self.measurements += 1
         measured = self._pooled(pool, budget)
-        enough = pool["tokens"] >= (budget - 1) * max(MIN_PROBE_ROWS, len(prompts))
+        enough = pool["tokens"] >= (budget - 1) * MIN_PROBE_ROWS
         final = decide or enough or pool["requests"] >= MAX_PROBE_REQUESTS
         verdict = Verdict(fastest(measured), "measured" if final else "provisional", measured, bucket,
                           time.perf_counter() - t0)
