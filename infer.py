@@ -150,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(b)
     method_args(b, verify_list=True)
     b.add_argument("--methods", default=None,
-                   help="comma-separated methods (default: ar,dflash with --draft; the demo: ar,mtp,dflash,dmtp; "
-                        "else ar)")
+                   help="comma-separated methods, `auto` among them (default: ar,dflash with --draft; the demo: "
+                        "ar,mtp,dflash,dmtp,dmtp-adaptive,auto; else ar)")
     b.add_argument("--workload", default=None,
                    help="default: the demo's held-out prompts (demo/prompts.jsonl) on the demo, else gsm8k. "
                         "gsm8k|math500|humaneval|mt_bench|alpaca_eval|spec_bench|bfcl, or a .jsonl of "

@@ -31,12 +31,13 @@ train() {  # run-name, config, extra flags...: train (resumable) and export to d
 { done_ demo_out/mtp_run/summary.json || $PY train.py distil-mtp --config configs/demo_mtp.py --resume; } &
 train dflash configs/demo_dflash.py &
 wait
-# 4. the DMTP drafters: with the target's (distilled) head and with the corpus-only head, same data and steps
+# 4. the DMTP drafters: with the target's (distilled) head and with the corpus-only head, same data and steps;
+#    then the dmtp-adaptive drafters, each starting from its head's trained dmtp drafter
 train dmtp configs/demo_dmtp.py &
-train dmtp_adaptive configs/demo_dmtp_adaptive.py &
-wait
 train dmtp_corpus configs/demo_dmtp.py --mtp demo/mtp_corpus &
-train dmtp_adaptive_corpus configs/demo_dmtp_adaptive.py --mtp demo/mtp_corpus &
+wait
+train dmtp_adaptive configs/demo_dmtp_adaptive.py &
+train dmtp_adaptive_corpus configs/demo_dmtp_adaptive.py --mtp demo/mtp_corpus --init-from demo/dmtp_corpus &
 wait
 # 5. dmtp-adaptive's thresholds, on the calibration text (training modules)
 $PY train.py calibrate --target demo/target --draft demo/dmtp_adaptive --data demo_out/calibration.jsonl

@@ -111,6 +111,9 @@ def drafter_card(name: str, run_dir: str, method_text: str, calibration: str | N
         f"{cfg['seq_len']} tokens, {cfg['num_anchors']} anchors, lr {cfg['lr']}, {seconds / 60:.1f} min on 2 CPU "
         f"cores. Final loss {_fmt(last.get('loss'))} (mean of the last 20 steps {_fmt(mean('loss'))}).",
     ]
+    if cfg.get("init_from"):
+        lines += ["", f"Initialised from `{cfg['init_from']}` (drafter and fusion, after its own "
+                  f"{cfg['steps']} steps): these steps come on top of that drafter's."]
     if cfg["method"] == "dmtp-adaptive":
         lines += ["", "Both blocks at every anchor: DMTP mode (MTP's T1 fused, T1 unsupervised) and DFlash mode "
                   "(T1 slot MASK, T1 supervised), so a step runs the drafter over twice the blocks."]
