@@ -170,7 +170,8 @@ def describe_verdict(verdict: dict) -> str:
     seen = ", ".join(f"{c} {x['decode_tokens_per_s']:.1f} (tau {x['tau_per_verify']:.2f})"
                      + (" declined" if x.get("declined") else "") for c, x in verdict["measured"].items())
     how = {"measured": f"measured in {verdict.get('measure_s', 0.0):.1f} s", "cache": "cached verdict",
-           "provisional": f"provisional, measured in {verdict.get('measure_s', 0.0):.1f} s",
+           "provisional": "provisional: probed on {} request(s) so far".format(
+               max([x.get("probe_requests", 0) for x in verdict["measured"].values()] + [0])),
            "single": "the only candidate"}.get(verdict["source"], verdict["source"])
     return (f"batch bucket {verdict['batch_bucket']}: {verdict['method']} ({how}"
             + (f"; decode tok/s {seen}" if seen else "") + ")")
