@@ -376,3 +376,18 @@ def test_mtp_advance_is_the_full_layer_at_the_last_row(models):
         assert np.array_equal(np.asarray(got), np.asarray(want))
     want = np.asarray(jnp.take_along_axis(h_full, last[:, None, None], axis=1)[:, 0])
     assert np.abs(np.asarray(h_last) - want).max() < 1e-5
+
+
+def test_adaptive_training_may_start_from_a_dmtp_drafter(models, dmtp_dirs):
+    """`train.py --init-from DMTP_DIR` for dmtp-adaptive: the same block layout and fusion, so the
+    dmtp drafter loads as dmtp-adaptive with its weights; decoding still refuses the mix-up."""
+    from dmtp_jax.config import ConfigError
+    target, _ = models
+    _, fusion = load_dmtp_drafter(dmtp_dirs["dmtp"], target.cfg, "dmtp")
+    _, as_adaptive = load_dmtp_drafter(dmtp_dirs["dmtp"], target.cfg, "dmtp-adaptive", same_layout=True)
+    assert as_adaptive.cfg["method"] == "dmtp-adaptive" and "threshold" not in as_adaptive.cfg
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(fusion.state), jax.tree.leaves(as_adaptive.state)))
+    with pytest.raises(ConfigError, match="holds a 'dmtp' drafter, not 'dmtp-adaptive'"):
+        load_dmtp_drafter(dmtp_dirs["dmtp"], target.cfg, "dmtp-adaptive")
+    with pytest.raises(ConfigError, match="holds a 'dmtp' drafter, not 'dmtp-single'"):   # another layout
+        load_dmtp_drafter(dmtp_dirs["dmtp"], target.cfg, "dmtp-single", same_layout=True)
