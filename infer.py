@@ -211,7 +211,7 @@ def cmd_generate(args) -> int:
     method = args.method or ("dflash" if args.draft else "ar")
     preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
                                    args.adaptive_threshold, args.prefill_chunk)
-    methods = decoder_methods(args, target_dir, method)
+    methods, _ = decoder_methods(args, target_dir, [method])
     preflight.check_draft_head(args)
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
@@ -261,16 +261,18 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def decoder_methods(args, target_dir: str, method: str) -> list[str]:
-    """The methods whose decoders `method` needs (auto: every method the models allow), their
-    models and block sizes checked before any load."""
+def decoder_methods(args, target_dir: str, methods: list[str]) -> tuple[list[str], list[str]]:
+    """`(every method a decoder is built for, auto's candidates)` for the requested `methods`: auto
+    stands for every method the models allow; the models and block sizes of all of them checked
+    once, before any load."""
     from dmtp_jax import preflight
     from dmtp_jax.decode.auto import AUTO
     demo = uses_demo(args)
-    methods = preflight.auto_candidates(target_dir, args.draft, args.mtp, demo) if method == AUTO else [method]
-    preflight.check_method_models(methods, target_dir, args.draft, args.mtp, demo_drafters=demo)
-    preflight.check_drafter_block(methods, args.draft, args.block_size)
-    return methods
+    candidates = preflight.auto_candidates(target_dir, args.draft, args.mtp, demo) if AUTO in methods else []
+    built = list(dict.fromkeys([*(m for m in methods if m != AUTO), *candidates]))
+    preflight.check_method_models(built, target_dir, args.draft, args.mtp, demo_drafters=demo)
+    preflight.check_drafter_block(built, args.draft, args.block_size)
+    return built, candidates
 
 
 def load_decoder(args, target_dir: str, method: str, methods: list[str], mesh, tokenizer):
@@ -302,7 +304,7 @@ def cmd_serve(args) -> int:
     method = args.method or ("dmtp" if uses_demo(args) else "dflash" if args.draft else "ar")
     preflight.check_decode_options(args.mtp_steps, args.block_size, 1, args.rounds_per_dispatch,
                                    args.adaptive_threshold, args.prefill_chunk)
-    methods = decoder_methods(args, target_dir, method)
+    methods, _ = decoder_methods(args, target_dir, [method])
     preflight.check_draft_head(args)
     if args.max_model_len is not None and not 2 <= args.max_model_len <= cfg.max_position_embeddings:
         raise InputError(f"--max-model-len must be in [2, {cfg.max_position_embeddings}] (the model's "
@@ -415,7 +417,7 @@ def run_bench(args) -> dict:
         raise InputError("--methods auto takes one --verify mode")
     preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
                                    args.adaptive_threshold, args.prefill_chunk)
-    built = list(dict.fromkeys(m for n in methods for m in (decoder_methods(args, target_dir, n))))
+    built, candidates = decoder_methods(args, target_dir, methods)
     preflight.check_draft_head(args)
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
@@ -434,7 +436,7 @@ def run_bench(args) -> dict:
                              strict=args.strict, rounds_per_dispatch=args.rounds_per_dispatch,
                              prefill_chunk=args.prefill_chunk, adaptive_threshold=args.adaptive_threshold)
         if AUTO in methods:         # auto measures its candidates' decoders: the same objects (compiles shared)
-            made[AUTO] = AutoDecoder({m: made[m] for m in decoder_methods(args, target_dir, AUTO)})
+            made[AUTO] = AutoDecoder({m: made[m] for m in candidates})
         made = {m: made[m] for m in methods if m in made}
         decoders.update({m if m == "ar" or len(verifies) == 1 else f"{m}/{verify}": d for m, d in made.items()})
     if len(verifies) > 1:           # side by side: method by method, each with every verifier

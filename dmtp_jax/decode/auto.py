@@ -157,6 +157,16 @@ class Verdict:
         return dataclasses.asdict(self)
 
 
+def decode_tokens(stats: dict) -> float:
+    """Tokens a generate call decoded after each row's first (its decode rate x its decode time).
+
+    Example:
+        >>> decode_tokens({"decode_tokens_per_s": 40.0, "decode_s": 0.5})
+        20.0
+    """
+    return stats["decode_tokens_per_s"] * stats["decode_s"]
+
+
 def describe_verdict(verdict: dict) -> str:
     """A verdict (`Verdict.as_dict()`) in one line: the method, where it came from, and each
     candidate's measured decode tokens/s and tokens per verify.
@@ -206,7 +216,7 @@ def probe_measurement(runs: list[dict]) -> dict:
     """
     rounds = [max(1, int(s.get("target_forwards", 1)) - 1) for s in runs]
     round_s = min(float(s["decode_s"]) / r for s, r in zip(runs, rounds))
-    per_round = sum(s["decode_tokens_per_s"] * s["decode_s"] for s in runs) / sum(rounds)
+    per_round = sum(decode_tokens(s) for s in runs) / sum(rounds)
     return {"decode_tokens_per_s": per_round / round_s if round_s > 0 else 0.0,
             "tau_per_verify": sum(float(s.get("per_verify_acceptance_length", 1.0)) for s in runs) / len(runs),
             "round_s": round_s,
@@ -310,7 +320,7 @@ class AutoDecoder:
                 stats = timed_generate(dec, prompts, budget, sp, seed + PROBE_SEED_OFFSET + r, stop_ids)[0].stats
                 pool["runs"][method].append(stats)
                 if r == 0 and method == next(iter(self.candidates)):    # the evidence: tokens decoded
-                    pool["tokens"] += stats["decode_tokens_per_s"] * stats["decode_s"]
+                    pool["tokens"] += decode_tokens(stats)
         pool["requests"] += 1
         self.measurements += 1
         measured = self._pooled(pool, budget)
@@ -345,9 +355,9 @@ class AutoDecoder:
         st["auto"] = verdict.as_dict()
         st["method"] = f"auto:{st.get('method', verdict.method)}"
         if verdict.measure_s:       # the probes are part of what this request waited for
-            decode_tokens = st["decode_tokens_per_s"] * st["decode_s"]
+            decoded = decode_tokens(st)
             st["decode_s"] += verdict.measure_s
-            st["decode_tokens_per_s"] = decode_tokens / st["decode_s"]
+            st["decode_tokens_per_s"] = decoded / st["decode_s"]
         return result
 
     def compile_counts(self) -> dict[str, int]:
