@@ -27,12 +27,56 @@ how the 27B round's extra bytes were found (issue 19: a transposed copy of every
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
 import time
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+               "s64": 8, "u64": 8, "f64": 8}
+SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in SHAPE.findall(text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def biggest_ops(hlo_text: str, top: int) -> list[tuple[int, str]]:
+    """The compiled program's top-level instructions (fusions, copies, collectives, custom calls),
+    largest first, grouped by JAX op name and result shape: `(bytes, "op_name -> shape, from operands")`,
+    bytes = operands + result of each instruction: an upper bound on what XLA charges for it (a
+    gather or dynamic slice reads less than its whole operand). A map of where the bytes go, not a
+    second cost model."""
+    entry = hlo_text[hlo_text.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    shapes, groups = {}, collections.Counter()
+    for line in entry.splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = (.*?) ([\w\-]+)\((.*?)\)(?:, |$)", line)
+        if not m:
+            continue
+        name, shape, opcode, operands = m.groups()
+        shapes[name] = shape
+        if opcode in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast"):
+            continue
+        ins = [o for o in re.findall(r"%[\w.\-]+", operands)]
+        meta = re.search(r'op_name="([^"]*)"', line)
+        op = re.sub(r"(jit\([^)]*\)/)+", "", meta.group(1)) if meta else opcode
+        big_in = max(ins, key=lambda o: _shape_bytes(shapes.get(o, "")), default=None)
+        key = f"{op} [{opcode}] -> {shape.split('{')[0]}" + (f" <- {shapes.get(big_in, '?').split('{')[0]}"
+                                                            if big_in else "")
+        groups[key] += _shape_bytes(shape.split("{")[0]) + sum(_shape_bytes(shapes.get(o, "").split("{")[0])
+                                                                for o in ins)
+    return [(b, w) for w, b in groups.most_common(top)]
 
 
 def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_tokens, head="full", rank=None,
-                shortlist=None, round_only=False) -> dict:
+                shortlist=None, round_only=False, top=0) -> dict:
     import jax
     import numpy as np
 
@@ -51,10 +95,15 @@ def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_token
     topo = open_topology(topology)
     device_mesh = make_mesh(mesh, devices=topo.devices)
 
+    biggest = []
+
     def cost(lower):
         jax.clear_caches()
         with unrolled_layers():
-            c = cost_of(lower().compile())
+            compiled = lower().compile()
+        c = cost_of(compiled)
+        if top and not biggest:           # the first compile is the fused round
+            biggest.extend(biggest_ops(compiled.as_text(), top))
         jax.clear_caches()
         return {"gb": round(c.get("bytes accessed", 0.0) / 1e9, 3),
                 "est_ms": None if not c.get("optimal_seconds") else round(1e3 * c["optimal_seconds"], 3)}
@@ -102,7 +151,8 @@ def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_token
     return {"method": method, "head": name, "phases": phases, "min_gb": round(call.min_bytes / 1e9, 3),
             "round_over_min": round(phases["round"]["gb"] * 1e9 / call.min_bytes, 3),
             "parts_gb": {k: round(v / 1e9, 3) for k, v in call.parts.items()},
-            "compile_s": round(time.perf_counter() - t0, 1)}
+            "compile_s": round(time.perf_counter() - t0, 1),
+            **({"biggest_ops_gb": [[round(b / 1e9, 4), w] for b, w in biggest]} if top else {})}
 
 
 def main(argv=None):
@@ -116,6 +166,8 @@ def main(argv=None):
     p.add_argument("--rank", type=int, default=None, help="efficient head: rank of the factor")
     p.add_argument("--shortlist", type=int, default=None, help="efficient head: candidates rescored")
     p.add_argument("--round-only", action="store_true", help="compile the fused round only, no phases")
+    p.add_argument("--top", type=int, default=0, help="also list the fused round's N largest source lines "
+                   "(operand + result bytes of the instructions each made)")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=256)
     args = p.parse_args(argv)
@@ -125,7 +177,7 @@ def main(argv=None):
     for head in args.heads.split(","):
         for method in args.methods.split(","):
             row = phase_costs(args.target, method, args.topology, args.mesh, args.dtype, args.prompt_len,
-                              args.max_new_tokens, head, args.rank, args.shortlist, args.round_only)
+                              args.max_new_tokens, head, args.rank, args.shortlist, args.round_only, args.top)
             print(json.dumps(row), flush=True)
             rows[(method, head)] = row["phases"]["round"]
     for (method, head), r in rows.items():

@@ -6,7 +6,9 @@ Run in a fresh process so that fake CPU devices can be requested before jax is i
         python tests/sharded_forward_check.py CKPT_DIR [CKPT_DIR ...] --mesh tensor=1 --mesh fsdp=8
 
 Output: `{ckpt_dir: {mesh_spec: {"logits": [B][T][V] floats (fp32), "greedy": [[int]],
-"spec_greedy": [[int]] (greedy `mtp` speculative decoding, for checkpoints with `mtp.*`; else None),
+"spec_greedy": [[int]] (greedy `mtp` speculative decoding, for checkpoints with `mtp.*`, drafting with a
+small efficient head: each vocabulary shard shortlists and rescores its own rows; else None),
+"shortlist": that head's ids kept per position, its max |logit diff| on them, its rows' spec (or None),
 "specs": {param path: PartitionSpec str}, "devices": {param path: number of devices holding it},
 "cache_specs": {target cache leaf path: PartitionSpec str}, "num_devices": int}}}`. Tokens are sharded
 over the batch mesh axes like a real batch.
@@ -31,6 +33,7 @@ from dmtp_jax.checkpoint.hf import load_target  # noqa: E402
 from dmtp_jax.checkpoint.mtp_ckpt import has_mtp, load_mtp  # noqa: E402
 from dmtp_jax.decode import make_decoder  # noqa: E402
 from dmtp_jax.decode.ar import ARDecoder  # noqa: E402
+from dmtp_jax.models.draft_head import make_efficient_head  # noqa: E402
 from dmtp_jax.sharding import batch_sharding, make_mesh  # noqa: E402
 
 BATCH, MAX_LEN, NEW_TOKENS = 8, 40, 5
@@ -61,16 +64,32 @@ def run(ckpt: str, spec: str) -> dict:
     greedy = decoder.generate(batch, NEW_TOKENS, stop_ids=[]).output_ids
     cache_specs = {".".join(str(getattr(k, "name", getattr(k, "idx", k))) for k in path): str(leaf.sharding.spec)
                    for path, leaf in jax.tree_util.tree_leaves_with_path(decoder.caches.new(BATCH, MAX_LEN))}
-    spec_greedy = None
+    spec_greedy = shortlist = None
     if has_mtp(ckpt):
-        engine = make_decoder("mtp", target, mtp=load_mtp(ckpt, target.cfg, "float32", mesh), mtp_steps=3)
+        head = make_efficient_head(target, rank=2, shortlist=8)
+
+        @jax.jit
+        def head_check(state, head_state, tokens_bt):   # (ids kept per position, max |diff| on them)
+            model = nnx.merge(target.graphdef, state)
+            positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+            hidden = model(tokens_bt, positions).hidden_bth
+            got = nnx.merge(head.graphdef, head_state).scores(hidden).logits
+            kept = jnp.isfinite(got)
+            return kept.sum(-1), jnp.max(jnp.where(kept, jnp.abs(got - model.logits(hidden)), 0.0))
+
+        kept, diff = head_check(target.state, head.state, tokens)
+        shortlist = {"kept": sorted(set(np.asarray(kept).ravel().tolist())), "max_diff": float(diff),
+                     "rows_spec": str(head.state["rows"].get_value().sharding.spec)}
+        engine = make_decoder("mtp", target, mtp=load_mtp(ckpt, target.cfg, "float32", mesh), mtp_steps=3,
+                              draft_head=head)
         spec_greedy = engine.generate(batch, NEW_TOKENS, stop_ids=[]).output_ids
     specs, devices = {}, {}
     for path, var in nnx.to_flat_state(target.state):
         name = ".".join(str(p) for p in path)
         specs[name] = str(var.get_value().sharding.spec)
         devices[name] = len(var.get_value().sharding.device_set)
-    return {"logits": logits.tolist(), "greedy": greedy, "spec_greedy": spec_greedy, "specs": specs, "devices": devices,
+    return {"logits": logits.tolist(), "greedy": greedy, "spec_greedy": spec_greedy, "shortlist": shortlist,
+            "specs": specs, "devices": devices,
             "cache_specs": cache_specs, "num_devices": int(mesh.devices.size)}
 
 

@@ -7,6 +7,9 @@ candidates with a low-rank factor of the LM head and rescores the shortlist exac
                 the exact top-K. Any shortlist keeps decoding exact / lossless, see below.)
                 logits[v] = h W[:, v] for v in the shortlist, -inf elsewhere
 
+On a mesh that splits the vocabulary over S shards, each shard shortlists its own top K / S ids and
+rescores them from the rows it holds (`shortlist_logits`): the rows never cross devices.
+
 The factor is the rank-r truncated SVD of the LM head, made once at load time
 (`make_efficient_head`): with `W W^T = U S^2 U^T`, `A = U_r` and `B = U_r^T W`, the best rank-r
 approximation of `W`. It is model state (`down`, `up`; `up` sharded like the head's vocabulary
@@ -75,9 +78,22 @@ def head_shape(hidden: int, vocab: int, rank: int | None = None, shortlist: int 
     return min(rank, hidden), min(shortlist, vocab)
 
 
+def row_layout(hidden: int) -> tuple[int, int]:
+    """How an untied head's rows store one row of `hidden` values: `(H / 128, 128)`, so that a
+    gathered row is whole 128-lane tiles on TPU (XLA's TPU cost model charges a gather of `[V, H]`
+    rows at about ten times the rows it reads, of `[V, H / 128, 128]` rows at three times), or
+    `(1, H)` when H is not a multiple of 128.
+
+    Example:
+        >>> row_layout(5120), row_layout(48)
+        ((40, 128), (1, 48))
+    """
+    return (hidden // 128, 128) if hidden % 128 == 0 else (1, hidden)
+
+
 class EfficientHead(nnx.Module):
     """Low-rank shortlist + exact rescoring. Params: `down` A `[H, r]`, `up` B `[r, V]` (vocab axis
-    sharded like the LM head's) and, for an untied LM head, `rows`: the head transposed `[V, H]`,
+    sharded like the LM head's) and, for an untied LM head, `rows`: the head transposed, `[V, *row_layout(H)]`,
     so that the shortlist's exact rescoring reads K contiguous rows (a tied head's rows are the
     target's `embed_tokens`, not copied). `shortlist` K and `tied` are static."""
 
@@ -86,57 +102,73 @@ class EfficientHead(nnx.Module):
         self.down = params.zeros((hidden, rank), ("embed", None), dtype)
         self.up = params.zeros((rank, vocab), (None, "vocab"), dtype)
         if not tied:
-            self.rows = params.zeros((vocab, hidden), ("vocab", "embed"), dtype)
+            self.rows = params.zeros((vocab, *row_layout(hidden)), ("vocab", "embed", None), dtype)
 
     def scores(self, hidden: jax.Array, embed_vh: jax.Array | None = None) -> DraftScores:
         """`hidden [..., H]`: exact fp32 logits on the top-`shortlist` of the low-rank scores, -inf
         elsewhere, and the low-rank scores' logsumexp outside the shortlist. `embed_vh`: the
         target's `embed_tokens` when the head is tied (the rows rescored), else unused."""
         lead, h = hidden.shape[:-1], hidden.shape[-1]
-        x = hidden.reshape(-1, h)
-        z = jnp.dot(x, self.down[...], preferred_element_type=jnp.float32).astype(x.dtype)
-        approx = jnp.dot(z, self.up[...], preferred_element_type=jnp.float32)          # [N, V]
-        _, idx = jax.lax.approx_max_k(approx, self.shortlist)       # [N, K]; exact top-K off TPU
-        exact = shortlist_scores(x, embed_vh if self.tied else self.rows[...], idx)
-        n = jnp.arange(x.shape[0])[:, None]
-        logits = jnp.full(approx.shape, -jnp.inf, jnp.float32).at[n, idx].set(exact)
-        rest = jax.nn.logsumexp(approx.at[n, idx].set(-jnp.inf), axis=-1)
-        vocab = approx.shape[-1]
-        return DraftScores(logits.reshape(*lead, vocab), rest.reshape(lead))
+        rows = embed_vh if self.tied else self.rows[...]
+        logits, rest = shortlist_logits(hidden.reshape(-1, h), self.down[...], self.up[...], rows, self.shortlist)
+        return DraftScores(logits.reshape(*lead, logits.shape[-1]), rest.reshape(lead))
 
 
-def shortlist_scores(x_nh: jax.Array, rows_vh: jax.Array, idx_nk: jax.Array) -> jax.Array:
-    """`[N, K]` fp32: `x_n . rows[idx_nk]`. On a mesh where `rows` is split over the vocabulary,
-    each shard scores the ids it holds (a local gather of contiguous rows) and the `[N, K]` scores
-    are summed over the shards, so no shard gathers (or moves) another's rows.
+def shortlist_logits(x_nh: jax.Array, down_hr: jax.Array, up_rv: jax.Array, rows: jax.Array,
+                     shortlist: int) -> tuple[jax.Array, jax.Array]:
+    """`(logits [N, V] fp32, rest_lse [N])`: `x_n . rows[v]` on the shortlist (the top of the low-rank
+    scores `(x A) B`), -inf elsewhere; and the low-rank scores' logsumexp outside the shortlist.
+    `rows`: `[V, H]` or `[V, *row_layout(H)]`.
+
+    On a mesh that splits the vocabulary over S shards, each shard shortlists its own top
+    `shortlist // S` ids and rescores them from the rows it holds: no row, and no `[N, V]` array,
+    crosses devices; only the `[N, r]` low-rank projection and the partial scores are summed over
+    the shards that split H, and the `[N]` logsumexp over the vocabulary shards. The shortlist then
+    depends on the mesh; any shortlist keeps decoding exact (see the module docstring).
 
     Example:
         >>> rows = jnp.arange(12.0).reshape(4, 3)
-        >>> shortlist_scores(jnp.ones((1, 3)), rows, jnp.array([[3, 0]])).tolist()
-        [[30.0, 3.0]]
+        >>> logits, rest = shortlist_logits(jnp.ones((1, 3)), jnp.eye(3), rows.T, rows, 2)
+        >>> logits.tolist(), round(float(rest[0]), 3)
+        ([[-inf, -inf, 21.0, 30.0]], 12.0)
     """
     from dmtp_jax.layers.mlp import _axes, weights_mesh
     from dmtp_jax.sharding import DEFAULT_RULES, spec_for
 
-    def local(x, rows, idx, first):
-        inside = (idx >= first) & (idx < first + rows.shape[0])
-        picked = jnp.take(rows, jnp.clip(idx - first, 0, rows.shape[0] - 1), axis=0)
-        return jnp.where(inside, jnp.einsum("nh,nkh->nk", x, picked, preferred_element_type=jnp.float32), 0.0)
+    def local(x, down, up, rows, k, embed_axes=(), vocab_axes=()):
+        z = jnp.dot(x, down, preferred_element_type=jnp.float32)
+        z = (jax.lax.psum(z, embed_axes) if embed_axes else z).astype(x.dtype)
+        approx = jnp.dot(z, up, preferred_element_type=jnp.float32)                   # [N, V_local]
+        _, idx = jax.lax.approx_max_k(approx, k)                   # [N, k]; exact top-k off TPU
+        picked = jnp.take(rows, idx, axis=0)                        # [N, k, *row]
+        exact = jnp.einsum("n...,nk...->nk", x.reshape(x.shape[0], *rows.shape[1:]), picked,
+                           preferred_element_type=jnp.float32)
+        exact = jax.lax.psum(exact, embed_axes) if embed_axes else exact
+        n = jnp.arange(x.shape[0])[:, None]
+        logits = jnp.full(approx.shape, -jnp.inf, jnp.float32).at[n, idx].set(exact)
+        rest = jax.nn.logsumexp(approx.at[n, idx].set(-jnp.inf), axis=-1)
+        if vocab_axes:                                              # logsumexp over the shards
+            top = jax.lax.pmax(rest, vocab_axes)
+            top = jnp.where(jnp.isfinite(top), top, 0.0)
+            rest = top + jnp.log(jax.lax.psum(jnp.exp(rest - top), vocab_axes))
+        return logits, rest
 
-    mesh = weights_mesh(rows_vh)
+    vocab = rows.shape[0]
+    mesh = weights_mesh(rows)
     if mesh is None:
-        return local(x_nh, rows_vh, idx_nk, 0)
-    spec = tuple(spec_for(("vocab", "embed"), rows_vh.shape, mesh, DEFAULT_RULES)) + (None, None)
+        return local(x_nh, down_hr, up_rv, rows, min(shortlist, vocab))
+    # the rows' own split (vocab, embed) and, for the N axis, the batch axes they leave free
+    spec = tuple(spec_for(("vocab", "embed", "batch") if rows.ndim == 2 else ("vocab", "embed", None, "batch"),
+                          (*rows.shape, x_nh.shape[0]), mesh, DEFAULT_RULES))
+    spec += (None,) * (rows.ndim + 1 - len(spec))
     vocab_axes, embed_axes = _axes(spec[0]), _axes(spec[1])
-    local_v = rows_vh.shape[0] // int(np.prod([mesh.shape[a] for a in vocab_axes]))
-
-    def shard(x, rows, idx):
-        first = jax.lax.axis_index(vocab_axes) * local_v if vocab_axes else 0
-        summed = vocab_axes + embed_axes
-        return jax.lax.psum(local(x, rows, idx, first), summed) if summed else local(x, rows, idx, first)
-
-    return jax.shard_map(shard, mesh=mesh, in_specs=(P(None, spec[1]), P(spec[0], spec[1]), P()),
-                         out_specs=P())(x_nh, rows_vh, idx_nk)
+    shards = int(np.prod([mesh.shape[a] for a in vocab_axes]))
+    k = max(1, min(shortlist // shards, vocab // shards))
+    v_ax, e_ax, n_ax = (None if not a else a for a in (spec[0], spec[1], spec[-1]))
+    fn = jax.shard_map(lambda x, d, u, r: local(x, d, u, r, k, embed_axes, vocab_axes), mesh=mesh,
+                       in_specs=(P(n_ax, e_ax), P(e_ax, None), P(None, v_ax), P(*spec[:-1])),
+                       out_specs=(P(n_ax, v_ax), P(n_ax)))
+    return fn(x_nh, down_hr, up_rv, rows)
 
 
 def factor_head(head: EfficientHead, weight) -> EfficientHead:
@@ -156,7 +188,7 @@ def factor_head(head: EfficientHead, weight) -> EfficientHead:
     head.down[...] = u.astype(head.down.dtype)
     head.up[...] = b.astype(head.up.dtype)
     if not head.tied:
-        head.rows[...] = w_hv.T.astype(head.rows.dtype)
+        head.rows[...] = w_hv.T.reshape(head.rows.shape).astype(head.rows.dtype)
     return head
 
 
