@@ -2,7 +2,7 @@
 iterator), restore, k more -- the same loss sequence bit for bit. The fast test drives one
 `Trainer` (one compile); the slow one runs `run_training` three times (`--stop-at` then `--resume`).
 A SIGKILL mid-run (resume from the last complete checkpoint, the same losses) is
-`test_train_resilience.py::test_sigkill_during_checkpoint_saves_resumes_from_a_complete_one`."""
+`test_train_resilience.py::test_signals_stop_cleanly_and_a_sigkill_mid_save_resumes_from_a_complete_checkpoint`."""
 
 import json
 
