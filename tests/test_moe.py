@@ -131,13 +131,14 @@ def test_scan_temporaries_scale_with_routed_rows():
 
 
 def test_auto_impl_follows_compile_platform():
-    """auto: ragged on TPU, scan on CPU; on GPU dense up to 256 tokens per shard, scan beyond."""
+    """auto: scan on CPU; dense up to 256 tokens per shard on GPU (160 on TPU), scan (ragged) beyond."""
     from dmtp_jax.platform import compiling_for
-    for platform, impl in [("tpu", "ragged"), ("gpu", "scan"), ("cpu", "scan")]:
+    for platform, impl, dense_max in [("tpu", "ragged", 160), ("gpu", "scan", 256), ("cpu", "scan", 0)]:
         with compiling_for(platform):
             assert mlp.resolve_impl("auto") == impl == mlp.AUTO_IMPL[platform]
-            assert mlp.resolve_impl("auto", 257) == impl
-            assert mlp.resolve_impl("auto", 256) == ("dense" if platform == "gpu" else impl)
+            assert mlp.resolve_impl("auto", max(dense_max, 256) + 1) == impl
+            assert mlp.resolve_impl("auto", 160) == ("dense" if dense_max else impl)
+            assert mlp.resolve_impl("auto", 256) == ("dense" if dense_max >= 256 else impl)
             assert mlp.resolve_impl("ragged", 1) == "ragged"
     # the GPU choice on a real (CPU) trace: a dense einsum for decode-sized calls, the scan loop beyond
     args = random_moe(8, 16, 8, 8)

@@ -26,11 +26,12 @@ the three expert matmuls run as a grouped matmul over the per-expert group sizes
   laid out, no copies), the unrouted pairs masked out before the down projection. No sort, no loop,
   one read of the local weights; `E/k` times the routed flops and `[N, G, I]` temporaries, so meant
   for decode-sized calls, where reading the weights costs more than those flops.
-- `"auto"` (default): by `dmtp_jax.platform.compile_platform()`, per shard: `"ragged"` on TPU
-  (native); on GPU `"dense"` up to 256 tokens per shard (`AUTO_DENSE_MAX_TOKENS`: H100 bf16 peak /
-  HBM bandwidth ~ 295 tokens, below which the dense flops cost less than reading the local weights)
-  and `"scan"` beyond (bounded temporaries, flops near the routed ones); `"scan"` on CPU (fastest
-  there: `benchmarks/bench_moe.py`). `AUTO_IMPL` holds the per-platform kernel.
+- `"auto"` (default): by `dmtp_jax.platform.compile_platform()`, per shard, from its token count:
+  `"dense"` up to `AUTO_DENSE_MAX_TOKENS` (GPU 256, TPU 160: peak bf16 flops / HBM bandwidth, ~295
+  on H100 and ~166 on v5p, below which the dense flops cost less than reading the local weights);
+  beyond, `"ragged"` on TPU (native) and `"scan"` on GPU (bounded temporaries, flops near the
+  routed ones); `"scan"` on CPU at any size (fastest there: `benchmarks/bench_moe.py`). `AUTO_IMPL`
+  holds the per-platform kernel beyond the dense range.
 
 ragged, blocked and dense hold `[N*k, H]` / `[N, G, I]` rows, so they run one call per at most
 `MAX_ROUTED_ROWS` rows (`MAX_ROUTED_ROWS // k` tokens, 4096 at top-8; dense: `// G`) in a `lax.map`
@@ -53,6 +54,13 @@ being routed to its experts). On TPU, XLA's cost analysis gives ragged 4.1x the 
 device at expert=4 (static worst case; the kernel's tile count is dynamic) and 1.7x the touched
 experts' weight bytes at 32-256 decode tokens (dense: 32x and 1.6x); at prefill ragged's bytes are
 the routed rows' gathers into and out of expert order.
+
+Inside the target's layer scan, ragged costs more than in that one-layer table: its custom call
+cannot take a layer's slice of the stacked `[L, E, H, I]` expert weights in place, so every call
+first copies its experts out of the stack (XLA's TPU cost model: 3x the weight bytes, seen in
+isolation on a 4-layer stack). The Qwen3.6-35B-A3B dflash round (v5p:2x2x1 expert=4, batch 1,
+bf16; `benchmarks/plan_round_phases.py`) reads 56.3 GB per device with ragged, 23.8 GB with dense
+and 40.2 GB with scan, against a minimum of 21.7 GB: hence dense on TPU for decode-sized calls.
 
 Not measured: GPU run times. scan runs one loop iteration per block (`N*k/B + G` per shard), each
 about 4-11 kernels and a conditional, and XLA GPU's conditional thunk copies its predicate to the
@@ -276,10 +284,12 @@ def _scan_expert_mlp(x_nh, token_m, weight_m, group_sizes_g, gate_ghi, up_ghi, d
 GROUPED_EXPERT_MLPS = {"ragged": _ragged_expert_mlp, "blocked": _blocked_expert_mlp, "scan": _scan_expert_mlp,
                        "dense": _dense_expert_mlp}
 AUTO_IMPL = {"tpu": "ragged", "gpu": "scan", "cpu": "scan"}
-# platforms where calls of at most this many (per-shard) tokens use "dense" under "auto": H100 peak
-# bf16 flops / HBM bandwidth ~ 989e12 / 3.35e12 ~ 295 tokens, below which its G/k extra flops cost
-# less than its single read of the local weights
-AUTO_DENSE_MAX_TOKENS = {"gpu": 256}
+# platforms where calls of at most this many (per-shard) tokens use "dense" under "auto": peak bf16
+# flops / HBM bandwidth (H100 989e12 / 3.35e12 ~ 295 tokens, TPU v5p 459e12 / 2.76e12 ~ 166), below
+# which its G/k extra flops cost less than its single read of the local weights. On TPU this also
+# avoids ragged's weight copy: inside the layer scan the custom call cannot take its slice of the
+# stacked expert weights in place, so each call first copies them out (3x the weight bytes).
+AUTO_DENSE_MAX_TOKENS = {"gpu": 256, "tpu": 160}
 CHUNKED_IMPLS = ("ragged", "blocked", "dense")
 
 
