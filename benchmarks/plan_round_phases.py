@@ -64,7 +64,7 @@ def biggest_ops(hlo_text: str, top: int) -> list[tuple[int, str]]:
         shapes[name] = shape
         if opcode in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast"):
             continue
-        ins = [o for o in re.findall(r"%[\w.\-]+", operands)]
+        ins = re.findall(r"%[\w.\-]+", operands)
         meta = re.search(r'op_name="([^"]*)"', line)
         op = re.sub(r"(jit\([^)]*\)/)+", "", meta.group(1)) if meta else opcode
         big_in = max(ins, key=lambda o: _shape_bytes(shapes.get(o, "")), default=None)

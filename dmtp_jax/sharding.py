@@ -59,6 +59,7 @@ DEFAULT_RULES = MeshRules((
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    ("features", "tensor"),    # the input dim of the feature projections (MTP / DFlash `fc`, DMTP fusion)
     ("experts", "expert"),
     ("cache_heads", "tensor"),
     ("layers", None),          # the leading axis of scanned layer stacks (`models/layer_stack.py`)

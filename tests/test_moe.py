@@ -56,9 +56,9 @@ def loss_fn(moe, top_k: int, norm: bool):
 # ------------------------------------------------------------------------------------------ one device
 
 CASES = [  # (n, e, k, norm, hot_experts, impls)
-    (1, 8, 2, True, None, ("scan", "blocked", "dense")),     # decode, one token
+    (1, 8, 2, True, None, ("scan", "blocked", "dense", "sliced")),     # decode, one token
     (7, 8, 3, False, None, ("scan", "blocked", "dense")),    # N*k = 21 not divisible by E
-    (5, 256, 8, True, None, ("scan", "dense")),              # E >> N*k: most experts get no row
+    (2, 256, 8, True, None, ("scan", "dense", "sliced")),    # E >> N*k: most experts get no row
     (50, 16, 4, True, 2, ("scan", "blocked", "ragged", "dense")),  # all tokens on the same 2 (+2) experts
 ]
 
@@ -140,6 +140,11 @@ def test_auto_impl_follows_compile_platform():
             assert mlp.resolve_impl("auto", 160) == ("dense" if dense_max else impl)
             assert mlp.resolve_impl("auto", 256) == ("dense" if dense_max >= 256 else impl)
             assert mlp.resolve_impl("ragged", 1) == "ragged"
+            # whole (unstacked) weights: single experts sliced while pairs < local experts and <= 16
+            assert mlp.resolve_impl("auto", 2, top_k=8, local_experts=64, stacked=False) == "sliced"
+            assert mlp.resolve_impl("auto", 2, top_k=8, local_experts=64) == ("dense" if dense_max else impl)
+            assert mlp.resolve_impl("auto", 1, top_k=8, local_experts=8, stacked=False) != "sliced"
+            assert mlp.resolve_impl("auto", 3, top_k=8, local_experts=256, stacked=False) != "sliced"
     # the GPU choice on a real (CPU) trace: a dense einsum for decode-sized calls, the scan loop beyond
     args = random_moe(8, 16, 8, 8)
     with compiling_for("gpu"):
@@ -195,6 +200,10 @@ def sharded_main() -> None:
         }
         dense = jax.jit(lambda *a: moe_mlp(*a, c["k"], True, impl="dense"))     # the GPU decode kernel
         report[spec]["dense_out"] = float(jnp.max(jnp.abs(dense(*placed) - ref_out)))
+        # the MTP's kernel: 3 tokens x top-4, each pair's expert sliced in place on whichever shard
+        sliced = jax.jit(lambda *a: moe_mlp(*a, c["k"], True, impl="sliced"))
+        few = [jax.device_put(args[0][:3], named_sharding(("batch", None), (3, c["h"]), mesh))] + placed[1:]
+        report[spec]["sliced_out"] = float(jnp.max(jnp.abs(sliced(*few) - ref_out[:3])))
     # ragged in token chunks inside each shard: 12 local tokens, 5 per chunk (last one padded)
     mlp.MAX_ROUTED_ROWS = 5 * c["k"]
     spec = "expert=4,data=2"
@@ -218,6 +227,7 @@ def test_expert_sharded_8_devices_equal_one_device():
         assert r["out"] <= 1e-5, (spec, r)
         assert max(r["grads"]) <= 1e-5, (spec, r)
         assert r["dense_out"] <= 1e-5, (spec, r)
+        assert r["sliced_out"] <= 1e-5, (spec, r)
     assert report["expert=4,data=2"]["ragged_chunked_out"] <= 1e-5, report["expert=4,data=2"]
     # experts stay where they are: no [E, ...] expert weight is ever gathered whole (fsdp=2 gathers
     # the embed dim of the local experts); at expert=8 only the tokens ([N, ...], split over `expert`

@@ -26,12 +26,20 @@ the three expert matmuls run as a grouped matmul over the per-expert group sizes
   laid out, no copies), the unrouted pairs masked out before the down projection. No sort, no loop,
   one read of the local weights; `E/k` times the routed flops and `[N, G, I]` temporaries, so meant
   for decode-sized calls, where reading the weights costs more than those flops.
+- `"sliced"`: each routed (token, expert) pair on its own, its expert's matrices sliced in place: a
+  call reads the N*k routed experts' weights, not all G local ones. Unrolled over the pairs, so for
+  calls with fewer pairs than local experts (at most `SLICED_MAX_PAIRS`), on weights that are whole
+  arrays: the MTP's MoE layer at small batch. (Inside the target's layer scan XLA copies the layer's
+  slice of the stacked weights before slicing an expert out of it: 17x the routed bytes on TPU.)
 - `"auto"` (default): by `dmtp_jax.platform.compile_platform()`, per shard, from its token count:
   `"dense"` up to `AUTO_DENSE_MAX_TOKENS` (GPU 256, TPU 160: peak bf16 flops / HBM bandwidth, ~295
   on H100 and ~166 on v5p, below which the dense flops cost less than reading the local weights);
   beyond, `"ragged"` on TPU (native) and `"scan"` on GPU (bounded temporaries, flops near the
   routed ones); `"scan"` on CPU at any size (fastest there: `benchmarks/bench_moe.py`). `AUTO_IMPL`
-  holds the per-platform kernel beyond the dense range.
+  holds the per-platform kernel beyond the dense range. Before all of these, on any platform,
+  `"sliced"` where it applies (`stacked=False` and fewer pairs than local experts): the 35B-A3B's MTP
+  step at batch 1 and expert=4 reads 8 experts' weights instead of 64 (TPU cost model, one layer:
+  50.6 against 403 MB).
 
 ragged, blocked and dense hold `[N*k, H]` / `[N, G, I]` rows, so they run one call per at most
 `MAX_ROUTED_ROWS` rows (`MAX_ROUTED_ROWS // k` tokens, 4096 at top-8; dense: `// G`) in a `lax.map`
@@ -225,6 +233,28 @@ def _dense_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, 
     return jnp.einsum("gni,gih->nh", h_gni, down_gih, preferred_element_type=jnp.float32)
 
 
+def _sliced_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, first_expert=0):
+    """Each routed (token, expert) pair on its own: the expert's three matrices sliced in place
+    (`dynamic_index`, clamped to the local range; a pair whose expert is not local adds 0), so a call
+    reads N*k experts' weights instead of all G local ones. fp32 `[N, H]`. Unrolled over the pairs:
+    for calls with fewer pairs than local experts (an MTP step at small batch), on weights that are
+    whole arrays (inside the target's layer scan a slice of the stacked weights is copied first)."""
+    g = gate_ghi.shape[0]
+    local_nk = experts_nk - first_expert
+    rows = []
+    for n in range(x_nh.shape[0]):
+        x_1h, y_1h = x_nh[n:n + 1], jnp.zeros((1, x_nh.shape[1]), jnp.float32)
+        for k in range(experts_nk.shape[1]):
+            e = local_nk[n, k]
+            gate_hi, up_hi, down_ih = (jax.lax.dynamic_index_in_dim(w, jnp.clip(e, 0, g - 1), keepdims=False)
+                                       for w in (gate_ghi, up_ghi, down_gih))
+            h_1i = jax.nn.silu(x_1h @ gate_hi) * (x_1h @ up_hi)
+            h_1i = jnp.where((e >= 0) & (e < g), h_1i * weights_nk[n, k], 0)
+            y_1h = y_1h + jnp.dot(h_1i, down_ih, preferred_element_type=jnp.float32)
+        rows.append(y_1h)
+    return jnp.concatenate(rows, axis=0)
+
+
 def _scan_expert_mlp(x_nh, token_m, weight_m, group_sizes_g, gate_ghi, up_ghi, down_gih):
     """`sum` over the sorted local assignments `m` of `weight_m * expert(x_nh[token_m])`, as fp32 `[N, H]`.
 
@@ -282,7 +312,7 @@ def _scan_expert_mlp(x_nh, token_m, weight_m, group_sizes_g, gate_ghi, up_ghi, d
 # ragged / blocked map sorted rows to sorted rows; scan and dense (called by routed_expert_mlp with
 # other arguments) return the combined fp32 [N, H]
 GROUPED_EXPERT_MLPS = {"ragged": _ragged_expert_mlp, "blocked": _blocked_expert_mlp, "scan": _scan_expert_mlp,
-                       "dense": _dense_expert_mlp}
+                       "dense": _dense_expert_mlp, "sliced": _sliced_expert_mlp}
 AUTO_IMPL = {"tpu": "ragged", "gpu": "scan", "cpu": "scan"}
 # platforms where calls of at most this many (per-shard) tokens use "dense" under "auto": peak bf16
 # flops / HBM bandwidth (H100 989e12 / 3.35e12 ~ 295 tokens, TPU v5p 459e12 / 2.76e12 ~ 166), below
@@ -291,13 +321,25 @@ AUTO_IMPL = {"tpu": "ragged", "gpu": "scan", "cpu": "scan"}
 # stacked expert weights in place, so each call first copies them out (3x the weight bytes).
 AUTO_DENSE_MAX_TOKENS = {"gpu": 256, "tpu": 160}
 CHUNKED_IMPLS = ("ragged", "blocked", "dense")
+SLICED_MAX_PAIRS = 16        # "sliced" is unrolled over the (token, expert) pairs: at most this many
 
 
-def resolve_impl(impl: str, num_tokens: int | None = None) -> str:
+def resolve_impl(impl: str, num_tokens: int | None = None, *, top_k: int = 0, local_experts: int = 0,
+                 stacked: bool = True) -> str:
     """`"auto"` -> the kernel for the platform compiled for (`dmtp_jax.platform`, `AUTO_IMPL`; `"dense"`
-    for at most `AUTO_DENSE_MAX_TOKENS` tokens where set, when `num_tokens` is given); checks the name."""
+    for at most `AUTO_DENSE_MAX_TOKENS` tokens where set, when `num_tokens` is given); on any platform
+    `"sliced"` for weights that are whole arrays (`stacked=False`: not a slice of the layer stack) when
+    the call has fewer routed pairs than local experts (and at most `SLICED_MAX_PAIRS`). Checks the name.
+
+    Example:
+        >>> resolve_impl("auto", 1, top_k=8, local_experts=64, stacked=False)
+        'sliced'
+    """
     if impl == "auto":
         platform = compile_platform()
+        pairs = (num_tokens or 0) * top_k
+        if not stacked and num_tokens is not None and pairs <= SLICED_MAX_PAIRS and pairs < local_experts:
+            return "sliced"
         if num_tokens is not None and num_tokens <= AUTO_DENSE_MAX_TOKENS.get(platform, 0):
             return "dense"
         return AUTO_IMPL.get(platform, "scan")
@@ -321,21 +363,24 @@ def _chunked(routed, chunk: int, x_nh, weights_nk, experts_nk):
 
 def routed_expert_mlp(x_nh: jax.Array, weights_nk: jax.Array, experts_nk: jax.Array,
                       gate_ghi: jax.Array, up_ghi: jax.Array, down_gih: jax.Array,
-                      first_expert=0, impl: str = "auto") -> jax.Array:
+                      first_expert=0, impl: str = "auto", stacked: bool = True) -> jax.Array:
     """`sum_k weights_nk * expert_{experts_nk}(x_nh)` over the assignments whose expert is one of the
     G local experts `first_expert .. first_expert+G-1` (weights `[G, ...]`); others contribute 0.
     A token's k experts are distinct (as `moe_top_k` gives them). Returns fp32 `[N, H]` (the caller
-    casts, after any cross-shard sum)."""
+    casts, after any cross-shard sum). `stacked=False`: the weights are whole arrays (`resolve_impl`)."""
     n, top_k = experts_nk.shape
     g = gate_ghi.shape[0]
-    impl = resolve_impl(impl, n)
+    impl = resolve_impl(impl, n, top_k=top_k, local_experts=g, stacked=stacked)
+    if impl == "sliced" and n * top_k > SLICED_MAX_PAIRS:
+        raise ValueError(f"MoE impl 'sliced' is unrolled over at most {SLICED_MAX_PAIRS} (token, expert) pairs, "
+                         f"got {n} tokens x top-{top_k}")
     chunk = max(1, MAX_ROUTED_ROWS // (g if impl == "dense" else top_k))
     if impl in CHUNKED_IMPLS and n > chunk:     # these hold [N*k or N*G, ...]: <= chunk tokens per call
         return _chunked(functools.partial(routed_expert_mlp, gate_ghi=gate_ghi, up_ghi=up_ghi,
                                           down_gih=down_gih, first_expert=first_expert, impl=impl),
                         chunk, x_nh, weights_nk, experts_nk)
-    if impl == "dense":
-        return _dense_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, first_expert)
+    if impl in ("dense", "sliced"):
+        return GROUPED_EXPERT_MLPS[impl](x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, first_expert)
     local_m = experts_nk.reshape(-1) - first_expert
     group_m = jnp.where((local_m >= 0) & (local_m < g), local_m, g)            # g = not local
     order_m = jnp.argsort(group_m, stable=True)
@@ -365,7 +410,7 @@ def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
-def _expert_parallel_mlp(mesh, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih, impl):
+def _expert_parallel_mlp(mesh, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih, impl, stacked):
     """`routed_expert_mlp` under `jax.shard_map` over `mesh`: experts over the "experts" mesh axes,
     the expert intermediate dim over the "mlp" ones; tokens come in over the "batch" axes minus those
     (gathered over `expert`), and the partial outputs are reduce-scattered back over the batch axes
@@ -391,7 +436,7 @@ def _expert_parallel_mlp(mesh, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, d
             # their cotangents get psum-ed (jax 0.10's implicit cast gave a wrong d/dx here)
             x_nh, weights_nk = (jax.lax.pcast(a, summed, to="varying") for a in (x_nh, weights_nk))
         first = jax.lax.axis_index(expert_axes) * local_experts if expert_axes else 0
-        y_nh = routed_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, first, impl)
+        y_nh = routed_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, first, impl, stacked)
         rest = tuple(a for a in summed if a not in scattered)
         if rest:
             y_nh = jax.lax.psum(y_nh, rest)
@@ -404,14 +449,17 @@ def _expert_parallel_mlp(mesh, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, d
 
 
 def moe_mlp(x_nh: jax.Array, router_he: jax.Array, gate_ehi: jax.Array, up_ehi: jax.Array,
-            down_eih: jax.Array, top_k: int, norm_topk_prob: bool, *, impl: str = "auto") -> jax.Array:
+            down_eih: jax.Array, top_k: int, norm_topk_prob: bool, *, impl: str = "auto",
+            stacked: bool = True) -> jax.Array:
     """Sparse MoE MLP `[N, H] -> [N, H]` computing the routed (token, expert) pairs (`impl`: module
-    docstring); equal to `moe_mlp_dense`. Expert-parallel over the weights' mesh when there is one (module docstring)."""
+    docstring); equal to `moe_mlp_dense`. Expert-parallel over the weights' mesh when there is one (module docstring).
+    `stacked=False` says the expert weights are whole arrays, not a layer's slice of a scanned stack
+    (the MTP's layer): then `auto` may slice single experts in place (`"sliced"`)."""
     resolve_impl(impl)          # checks the name; "auto" is resolved per shard, by its token count
     weights_nk, experts_nk = moe_top_k(x_nh, router_he, top_k, norm_topk_prob)
     mesh = weights_mesh(gate_ehi)
     if mesh is None:
-        y_nh = routed_expert_mlp(x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih, 0, impl)
+        y_nh = routed_expert_mlp(x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih, 0, impl, stacked)
     else:
-        y_nh = _expert_parallel_mlp(mesh, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih, impl)
+        y_nh = _expert_parallel_mlp(mesh, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih, impl, stacked)
     return y_nh.astype(x_nh.dtype)

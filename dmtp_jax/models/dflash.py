@@ -406,7 +406,7 @@ class DFlashDrafter(nnx.Module):
     def __init__(self, dcfg: DFlashConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = dcfg
         h = dcfg.hidden_size
-        self.fc = params.weight(rngs, (dcfg.num_context_features, h), (None, "embed"), dtype)
+        self.fc = params.weight(rngs, (dcfg.num_context_features, h), ("features", "embed"), dtype)
         self.hidden_norm = params.ones((h,), (None,), dtype)
         self.layers = nnx.List([DFlashLayer(dcfg, i, dtype, rngs) for i in range(dcfg.num_hidden_layers)])
         self.norm = params.ones((h,), (None,), dtype)

@@ -164,7 +164,7 @@ def shortlist_logits(x_nh: jax.Array, down_hr: jax.Array, up_rv: jax.Array, rows
     vocab_axes, embed_axes = _axes(spec[0]), _axes(spec[1])
     shards = int(np.prod([mesh.shape[a] for a in vocab_axes]))
     k = max(1, min(shortlist // shards, vocab // shards))
-    v_ax, e_ax, n_ax = (None if not a else a for a in (spec[0], spec[1], spec[-1]))
+    v_ax, e_ax, n_ax = spec[0], spec[1], spec[-1]       # spec_for gives None for an unsplit dim
     fn = jax.shard_map(lambda x, d, u, r: local(x, d, u, r, k, embed_axes, vocab_axes), mesh=mesh,
                        in_specs=(P(n_ax, e_ax), P(e_ax, None), P(None, v_ax), P(*spec[:-1])),
                        out_specs=(P(n_ax, v_ax), P(n_ax)))

@@ -75,14 +75,14 @@ class T1Fusion(nnx.Module):
             proj = jnp.zeros((2 * hidden, hidden), dtype)
             if self.variant == "t1-replace":
                 proj = proj.at[:hidden].set(jnp.eye(hidden, dtype=dtype))
-            self.proj = nnx.Param(proj, logical_axes=(None, "embed"))
+            self.proj = nnx.Param(proj, logical_axes=("features", "embed"))
         elif self.variant == "t1-lowrank":
             self.down = params.weight(rngs, (hidden, rank or DEFAULT_LOWRANK), ("embed", None), dtype)
             self.up = params.zeros((rank or DEFAULT_LOWRANK, hidden), (None, "embed"), dtype)
         elif self.variant == "ctx-mtp":
-            self.proj = nnx.Param(jnp.eye(hidden, dtype=dtype), logical_axes=(None, "embed"))
+            self.proj = nnx.Param(jnp.eye(hidden, dtype=dtype), logical_axes=("features", "embed"))
         else:
-            self.proj = params.zeros((hidden, hidden), (None, "embed"), dtype)
+            self.proj = params.zeros((hidden, hidden), ("features", "embed"), dtype)
 
     @property
     def uses_mtp_context(self) -> bool:

@@ -71,8 +71,8 @@ class MtpHead(nnx.Module):
         norm_init = params.zeros if mcfg.zero_centred else params.ones
         self.pre_fc_norm_embedding = norm_init((h,), (None,), dtype)
         self.pre_fc_norm_hidden = norm_init((h,), (None,), dtype)
-        self.fc = params.weight(rngs, (2 * h, h), (None, "embed"), dtype)
-        self.layers = nnx.List([DecoderLayer(mcfg.layer_cfg, 0, dtype, rngs, first_key_slot=1)])
+        self.fc = params.weight(rngs, (2 * h, h), ("features", "embed"), dtype)
+        self.layers = nnx.List([DecoderLayer(mcfg.layer_cfg, 0, dtype, rngs, first_key_slot=1, stacked=False)])
         self.norm = norm_init((h,), (None,), dtype)
 
     def _norm(self, x, w):
@@ -110,7 +110,9 @@ class MtpHead(nnx.Module):
         """
         layer = self.layers[0]
         attn = layer.self_attn
-        x = self._fuse(embeds_bth, hidden_bth)
+        # one materialised `x`: else XLA folds `pick(x)` below into a second `fc` matmul on the picked
+        # row, reading `fc` twice (the 27B: 26 MB per device on tensor=4)
+        x = jax.lax.optimization_barrier(self._fuse(embeds_bth, hidden_bth))
         x_norm = layer.norm(x, layer.input_layernorm)
         cos, sin = self._rope(positions_bt, x.dtype)
         cache = attn.write(cache, *attn.kv(x_norm, cos, sin), positions_bt)

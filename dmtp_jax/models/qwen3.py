@@ -164,9 +164,11 @@ class DenseMLP(nnx.Module):
 
 class SparseMoE(nnx.Module):
     """Top-k routed experts; Qwen3.5-MoE / Qwen3-Next add a shared expert scaled by
-    `sigmoid(x @ shared_expert_gate)`."""
+    `sigmoid(x @ shared_expert_gate)`. `stacked`: the layer is one of a scanned stack (the target's);
+    False for a layer of its own (the MTP's), whose experts `moe_mlp` may slice in place."""
 
-    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs, stacked: bool = True):
+        self.stacked = stacked
         h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.router = params.weight(rngs, (h, e), ("embed", None), dtype)
@@ -182,7 +184,7 @@ class SparseMoE(nnx.Module):
         b, t, h = x_bth.shape
         x = x_bth.reshape(b * t, h)
         y = moe_mlp(x, self.router[...], self.gate_proj[...], self.up_proj[...], self.down_proj[...],
-                    self.top_k, self.norm_topk_prob)
+                    self.top_k, self.norm_topk_prob, stacked=self.stacked)
         if self.has_shared:
             y = y + jax.nn.sigmoid(x @ self.shared_expert_gate[...]) * self.shared_expert(x)
         return y.reshape(b, t, h)
@@ -193,7 +195,7 @@ class DecoderLayer(nnx.Module):
     or, for `linear_attention` layers, Gated DeltaNet (`linear_attn`)."""
 
     def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs: nnx.Rngs, *, kv_index: int | None = None,
-                 first_key_slot: int = 0):
+                 first_key_slot: int = 0, stacked: bool = True):
         self.eps = cfg.rms_norm_eps
         self.zero_centred = cfg.zero_centred_norms
         self.is_linear = cfg.layer_types[layer] == "linear_attention"
@@ -204,7 +206,7 @@ class DecoderLayer(nnx.Module):
             self.linear_attn = GatedDeltaNet(cfg, dtype, rngs)
         else:
             self.self_attn = Attention(cfg, layer, dtype, rngs, kv_index=kv_index, first_key_slot=first_key_slot)
-        self.mlp = (SparseMoE(cfg, dtype, rngs) if cfg.is_moe_layer(layer)
+        self.mlp = (SparseMoE(cfg, dtype, rngs, stacked) if cfg.is_moe_layer(layer)
                     else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs))
 
     def norm(self, x, weight):
