@@ -49,8 +49,9 @@ def draft_head_args(sp):
     from dmtp_jax.models.draft_head import DRAFT_HEADS
     sp.add_argument("--draft-head", default="full", choices=DRAFT_HEADS,
                     help="the drafting side's LM head (MTP's T1 and chain, the drafter's positions; verification "
-                         "always uses the full head): full, or efficient (a low-rank factor of the head, from its "
-                         "truncated SVD at load time, shortlists candidates that are rescored exactly)")
+                         "always uses the full head): full; efficient (a low-rank factor of the head, from its "
+                         "truncated SVD at load time, shortlists candidates that are rescored exactly); or int8 "
+                         "(the head quantized to int8 per vocabulary entry at load time)")
     sp.add_argument("--draft-head-rank", type=int, default=None, metavar="R",
                     help="efficient head: rank of the factor (default min(256, hidden/4))")
     sp.add_argument("--draft-head-shortlist", type=int, default=None, metavar="K",
@@ -461,7 +462,7 @@ def run_bench(args) -> dict:
         agreement = t1_agreement(decoders[name], [g.prompt_ids + g.output_ids for g in run.generations])
         report["methods"][name]["t1_agreement"] = agreement
         if agreement is not None:
-            print(f"{name}: T1 from the efficient draft head equals the full head's at {agreement:.2%} of positions")
+            print(f"{name}: T1 from the drafting head equals the full head's at {agreement:.2%} of positions")
     from dmtp_jax.bench.efficiency import format_efficiency, method_efficiency
     report["efficiency"] = {name: method_efficiency(decoders[name], run) for name, run in runs.items() if name != AUTO}
     print(f"workload {workload.name}: {len(workload.requests)} requests, {workload.num_generations} generations, "

@@ -6,8 +6,9 @@ unrolled so the counts cover every layer; next to the fused round and its analyt
     python benchmarks/plan_round_phases.py --target configs/models/qwen3.6-27b.json \\
         --topology v5p:2x2x1 --mesh tensor=4 --methods dflash,dmtp --heads full,efficient
 
-`--heads`: the drafting side's LM head, full or efficient (`models/draft_head.py`: a low-rank
-shortlist, rank / shortlist from `--rank` / `--shortlist` or `head_shape`'s defaults); `--round-only`
+`--heads`: the drafting side's LM heads, of full, efficient and int8 (`models/draft_head.py`: a
+low-rank shortlist, rank / shortlist from `--rank` / `--shortlist` or `head_shape`'s defaults; the
+head in int8); `--round-only`
 compiles the fused round alone (one compile per method and head instead of three or four).
 
 Phases, each jitted alone on the round's own inputs:
@@ -84,7 +85,7 @@ def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_token
     from dmtp_jax.decode import make_decoder
     from dmtp_jax.decode.round import merge_models, verify_forward
     from dmtp_jax.decode.sampling import SamplingParams
-    from dmtp_jax.models.draft_head import abstract_efficient_head, head_name
+    from dmtp_jax.models.draft_head import abstract_draft_head, head_name
     from dmtp_jax.plan.compile import cost_of
     from dmtp_jax.plan.inference import inference_calls, request_shapes
     from dmtp_jax.plan.models import abstract_args, plan_models
@@ -111,9 +112,9 @@ def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_token
     t0 = time.perf_counter()
     with compiling_for(topo.platform, device_mesh.size):
         models = plan_models(target, method, device_mesh, dtype)
-        if head == "efficient":
-            models["draft_head"] = place_abstract(*abstract_efficient_head(models["target"].cfg, dtype, rank,
-                                                                           shortlist), device_mesh)
+        if head != "full":
+            models["draft_head"] = place_abstract(*abstract_draft_head(head, models["target"].cfg, dtype, rank,
+                                                                       shortlist), device_mesh)
         dec = make_decoder(method, models["target"], models.get("drafter"), mtp=models.get("mtp"),
                            fusion=models.get("fusion"), draft_head=models.get("draft_head"))
         call = next(c for c in inference_calls(dec, 1, prompt_len, max_new_tokens, 0.0, None) if c.name == "round")
@@ -147,7 +148,7 @@ def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_token
     if not round_only:
         parts = sum(v["gb"] for k, v in phases.items() if k != "round")
         phases["commit (remainder)"] = {"gb": round(phases["round"]["gb"] - parts, 3), "est_ms": None}
-    name = head_name(models["draft_head"].cfg if head == "efficient" else None)
+    name = head_name(models["draft_head"].cfg if head != "full" else None)
     return {"method": method, "head": name, "phases": phases, "min_gb": round(call.min_bytes / 1e9, 3),
             "round_over_min": round(phases["round"]["gb"] * 1e9 / call.min_bytes, 3),
             "parts_gb": {k: round(v / 1e9, 3) for k, v in call.parts.items()},
@@ -162,7 +163,7 @@ def main(argv=None):
     p.add_argument("--mesh", default="tensor=4")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--methods", default="dflash,dmtp")
-    p.add_argument("--heads", default="full", help="full, efficient or both (full,efficient)")
+    p.add_argument("--heads", default="full", help="comma-separated, of full, efficient, int8")
     p.add_argument("--rank", type=int, default=None, help="efficient head: rank of the factor")
     p.add_argument("--shortlist", type=int, default=None, help="efficient head: candidates rescored")
     p.add_argument("--round-only", action="store_true", help="compile the fused round only, no phases")

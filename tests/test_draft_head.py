@@ -1,7 +1,8 @@
 """The drafting side's efficient LM head (`models/draft_head.py`): exact scores on the shortlist,
 a full-rank factor's shortlist holds the argmax, greedy speculative decoding with a small
 (draft-changing) head equals plain greedy for mtp, dflash and dmtp, and sampled decoding with it
-is lossless (chi-square)."""
+is lossless (chi-square). The int8 head: within its quantization step of the full head, and the
+same exactness and losslessness."""
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,8 @@ from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
 from dmtp_jax.decode import make_decoder
 from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.sampling import SamplingParams
-from dmtp_jax.models.draft_head import EfficientHead, draft_scores, factor_head, make_efficient_head
+from dmtp_jax.models.draft_head import (EfficientHead, Int8Head, draft_scores, factor_head, make_draft_head,
+                                        make_efficient_head, quantize_head)
 from dmtp_jax.models.fusion import mtp_confidence
 
 SMALL = dict(rank=2, shortlist=4)       # of H = 32, V = 128: the shortlist changes drafts
@@ -48,6 +50,22 @@ def test_exact_on_the_shortlist_and_full_rank_holds_the_argmax(tied):
     assert (np.asarray(mtp_confidence(small.logits, small.rest_lse)) < np.asarray(shortlist_only)).all()
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_head_is_within_its_quantization_step(tied):
+    h_dim, vocab = 16, 64
+    w = jax.random.normal(jax.random.key(2), (vocab, h_dim) if tied else (h_dim, vocab))
+    w_hv = w.T if tied else w
+    x = jax.random.normal(jax.random.key(3), (3, 5, h_dim))
+    head = quantize_head(Int8Head(hidden=h_dim, vocab=vocab), w, tied=tied)
+    assert head.weight[...].dtype == jnp.int8 and int(jnp.max(jnp.abs(head.weight[...].astype(jnp.int32)))) == 127
+    scores = head.scores(x)
+    # each weight is off by at most half a step (scale / 2): |error| <= sum_h |x_h| * scale_v / 2
+    bound = np.asarray(jnp.sum(jnp.abs(x), -1, keepdims=True) * head.scale[...] / 2) + 1e-5
+    error = np.abs(np.asarray(scores.logits) - np.asarray(x @ w_hv))
+    assert (error <= bound).all() and error.max() > 0
+    assert np.isneginf(np.asarray(scores.rest_lse)).all()
+
+
 @pytest.fixture(scope="module")
 def models(mtp_target_dir):
     target = load_target(mtp_target_dir)
@@ -59,13 +77,20 @@ def dmtp_dir(models, tmp_path_factory):
     return saved_dmtp_drafter(str(tmp_path_factory.mktemp("dmtp") / "dmtp"), models[0].cfg)
 
 
+@pytest.fixture(scope="module")
+def int8_head(models):
+    return make_draft_head(models[0], "int8")
+
+
 def engine(method, models, dmtp_dir, head=True, **options):
+    """`head`: True for the small efficient head, None / False for the full head, or a head."""
     target, mtp, efficient = models
     drafter = fusion = None
     if method != "mtp":
         drafter, fusion = load_dmtp_drafter(dmtp_dir, target.cfg)
+    head = efficient if head is True else (head or None)
     return make_decoder(method, target, drafter, mtp=mtp, fusion=fusion if method == "dmtp" else None,
-                        draft_head=efficient if head else None, **options)
+                        draft_head=head, **options)
 
 
 def test_greedy_with_the_efficient_head_equals_plain_greedy(models, dmtp_dir):
@@ -90,4 +115,17 @@ def test_greedy_with_the_efficient_head_equals_plain_greedy(models, dmtp_dir):
 @pytest.mark.parametrize("method", ["dmtp"])       # T1 from MTP and the drafter's rows
 def test_sampled_with_the_efficient_head_is_lossless(method, models, dmtp_dir):
     dec = engine(method, models, dmtp_dir, mtp_steps=3)
+    assert_matches_target_joint(dec, models[0], PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
+
+
+def test_int8_head_greedy_equals_plain_greedy_and_sampled_is_lossless(models, dmtp_dir, int8_head):
+    want = ARDecoder(models[0]).generate(PROMPTS, 12, stop_ids=[]).output_ids
+    for method in ("mtp", "dflash", "dmtp"):
+        dec = engine(method, models, dmtp_dir, head=int8_head)
+        res = dec.generate(PROMPTS, 12, stop_ids=[])
+        assert res.output_ids == want, method
+        assert res.stats["draft_head"] == "int8"
+    agreement = t1_agreement(dec, [p + o for p, o in zip(PROMPTS, want)])
+    assert agreement is not None and 0.5 < agreement <= 1.0
+    dec = engine("dmtp", models, dmtp_dir, head=int8_head, mtp_steps=3)
     assert_matches_target_joint(dec, models[0], PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))

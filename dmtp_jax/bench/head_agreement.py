@@ -1,8 +1,8 @@
-"""How often the drafting side's efficient head (`models/draft_head.py`) picks the full head's T1.
+"""How often the drafting side's efficient or int8 head (`models/draft_head.py`) picks the full head's T1.
 
 At every position of the bench's generated sequences (prompt + answer), the MTP's first candidate
 is scored twice from the same MTP hidden, once with the full LM head and once with the decoder's
-efficient head, and the two argmaxes are compared: the fraction of equal ones is `t1_agreement`.
+drafting head, and the two argmaxes are compared: the fraction of equal ones is `t1_agreement`.
 The MTP hidden comes from one causal target pass and one causal MTP pass over the whole sequence
 (`train/features.py:mtp_hidden`, as calibration builds it), so it is the hidden a round would
 start from at that position. Greedy rounds draft T1 as exactly this argmax.
@@ -43,7 +43,7 @@ def agreement_counts(target, mtp, head, tokens_bt: jax.Array, valid_bt: jax.Arra
 
 
 def t1_agreement(decoder, sequences: list[list[int]]) -> float | None:
-    """The fraction of positions of `sequences` where T1 from `decoder`'s efficient head equals T1
+    """The fraction of positions of `sequences` where T1 from `decoder`'s drafting head equals T1
     from the full head; None when the decoder drafts with the full head or has no MTP.
 
     Example: see the module docstring.

@@ -43,8 +43,8 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
     `dmtp_jax.decode.method_needs`), loaded once and shared between methods.
 
     `args` carries the paths (`draft`, ...) and `dtype`; the target carries its mesh. `args.draft_head`
-    "efficient": one efficient drafting head (`models/draft_head.py:make_efficient_head`, of
-    `draft_head_rank` / `draft_head_shortlist`) shared by every speculative method. A model kind
+    "efficient" or "int8": one drafting head (`models/draft_head.py:make_draft_head`; the efficient
+    one of `draft_head_rank` / `draft_head_shortlist`) shared by every speculative method. A model kind
     with no path given is left out, so the factory raises its own one-line error for the method
     that needs it. Add a model kind with one line in `MODEL_LOADERS`.
 
@@ -56,10 +56,11 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
     loaded: dict = {}
     out = {}
     head = None
-    if getattr(args, "draft_head", "full") == "efficient" and any(m != "ar" for m in methods):
-        from dmtp_jax.models.draft_head import make_efficient_head
-        head = make_efficient_head(target, getattr(args, "draft_head_rank", None),
-                                   getattr(args, "draft_head_shortlist", None))
+    kind = getattr(args, "draft_head", "full")
+    if kind != "full" and any(m != "ar" for m in methods):
+        from dmtp_jax.models.draft_head import make_draft_head
+        head = make_draft_head(target, kind, getattr(args, "draft_head_rank", None),
+                               getattr(args, "draft_head_shortlist", None))
     for method in methods:
         needs = method_needs(method)
         out[method] = {} if head is None or method == "ar" else {"draft_head": head}

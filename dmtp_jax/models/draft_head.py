@@ -10,6 +10,10 @@ candidates with a low-rank factor of the LM head and rescores the shortlist exac
 On a mesh that splits the vocabulary over S shards, each shard shortlists its own top K / S ids and
 rescores them from the rows it holds (`shortlist_logits`): the rows never cross devices.
 
+    int8        logits = (h Q) * s                           Q int8 [H, V], s [V]: W ~= Q diag(s)
+                (per vocabulary entry, symmetric: s_v = max_h |W[h, v]| / 127; half the bytes of a
+                bf16 head, every column scored)
+
 The factor is the rank-r truncated SVD of the LM head, made once at load time
 (`make_efficient_head`): with `W W^T = U S^2 U^T`, `A = U_r` and `B = U_r^T W`, the best rank-r
 approximation of `W`. It is model state (`down`, `up`; `up` sharded like the head's vocabulary
@@ -49,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 from dmtp_jax.errors import InputError
 from dmtp_jax.layers import params
 
-DRAFT_HEADS = ("full", "efficient")
+DRAFT_HEADS = ("full", "efficient", "int8")
 DEFAULT_RANK = 256          # at most; H // 4 for narrow models (`head_shape`)
 DEFAULT_SHORTLIST = 1024    # at most; V // 16 for small vocabularies
 
@@ -192,9 +196,52 @@ def factor_head(head: EfficientHead, weight) -> EfficientHead:
     return head
 
 
-def draft_scores(target, head: EfficientHead | None, hidden: jax.Array) -> DraftScores:
+class Int8Head(nnx.Module):
+    """The LM head quantized to int8 per vocabulary entry. Params: `weight` int8 `[H, V]` (sharded
+    like an untied LM head, whether or not the target ties it) and `scale` `[V]`. Its logits are a
+    proper distribution over the whole vocabulary, so nothing else changes downstream.
+
+    Example:
+        >>> w = jax.random.normal(jax.random.key(0), (8, 32))
+        >>> head = quantize_head(Int8Head(hidden=8, vocab=32), w)
+        >>> h = jax.random.normal(jax.random.key(1), (2, 8))
+        >>> float(jnp.max(jnp.abs(head.scores(h).logits - h @ w))) < 0.1
+        True
+    """
+
+    tied = False            # its own copy of the head: never reads the target's embedding
+
+    def __init__(self, *, hidden: int, vocab: int):
+        self.weight = params.zeros((hidden, vocab), ("embed", "vocab"), jnp.int8)
+        self.scale = params.zeros((vocab,), ("vocab",), jnp.float32)
+
+    def scores(self, hidden: jax.Array, embed_vh: jax.Array | None = None) -> DraftScores:
+        """`hidden [..., H]`: fp32 logits `(h Q) * s` over the whole vocabulary (`embed_vh` unused)."""
+        logits = jnp.dot(hidden, self.weight[...].astype(hidden.dtype), preferred_element_type=jnp.float32)
+        logits = logits * self.scale[...]
+        return DraftScores(logits, jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32))
+
+
+def quantize_head(head: Int8Head, weight, tied: bool = False) -> Int8Head:
+    """`head` holding the LM head `weight` (`[H, V]`, or `[V, H]` when `tied`) in int8 with one scale per
+    vocabulary entry (symmetric, round to nearest). Runs once, at load time.
+
+    Example: see `Int8Head`.
+    """
+    @jax.jit
+    def quantize(w):            # fused: no fp32 copy of the head
+        w_hv = (w.T if tied else w).astype(jnp.float32)
+        scale = jnp.maximum(jnp.max(jnp.abs(w_hv), axis=0), 1e-30) / 127.0
+        return jnp.clip(jnp.round(w_hv / scale), -127, 127).astype(jnp.int8), scale
+
+    head.weight[...], head.scale[...] = quantize(jnp.asarray(weight))
+    return head
+
+
+def draft_scores(target, head: EfficientHead | Int8Head | None, hidden: jax.Array) -> DraftScores:
     """The drafting side's scores of post-norm hidden states: the target's full LM head when `head`
-    is None, else the efficient head's shortlist (the one place the choice is read).
+    is None, else the efficient head's shortlist or the int8 head's scores (the one place the choice
+    is read).
 
     Example:
         >>> draft_scores(target, None, y).logits.shape  # doctest: +SKIP
@@ -210,11 +257,13 @@ def head_name(head_cfg) -> str:
     """The draft head as the stats report it.
 
     Example:
-        >>> head_name(None), head_name({"rank": 64, "shortlist": 256})
-        ('full', 'efficient(rank=64,shortlist=256)')
+        >>> head_name(None), head_name({"rank": 64, "shortlist": 256}), head_name({"kind": "int8"})
+        ('full', 'efficient(rank=64,shortlist=256)', 'int8')
     """
     if head_cfg is None:
         return "full"
+    if head_cfg.get("kind") == "int8":
+        return "int8"
     return f"efficient(rank={head_cfg['rank']},shortlist={head_cfg['shortlist']})"
 
 
@@ -249,3 +298,38 @@ def make_efficient_head(target, rank: int | None = None, shortlist: int | None =
     graphdef, state = nnx.split(head)
     state = jax.device_put(state, state_shardings(state, target.mesh))
     return LoadedModel({"rank": rank, "shortlist": shortlist}, graphdef, state, target.mesh, None)
+
+
+def abstract_draft_head(kind: str, target_cfg, dtype, rank: int | None = None, shortlist: int | None = None):
+    """`(cfg, graphdef, abstract state)` of a drafting head of `kind` ("efficient" or "int8") for a
+    target config, nothing allocated (`plan`)."""
+    if kind == "efficient":
+        return abstract_efficient_head(target_cfg, dtype, rank, shortlist)
+    if kind != "int8":
+        raise InputError(f"unknown draft head '{kind}'; use {', '.join(DRAFT_HEADS)}")
+    head = nnx.eval_shape(lambda: Int8Head(hidden=target_cfg.hidden_size, vocab=target_cfg.vocab_size))
+    return {"kind": "int8"}, *nnx.split(head)
+
+
+def make_draft_head(target, kind: str, rank: int | None = None, shortlist: int | None = None):
+    """A `LoadedModel` holding the drafting head of `kind` ("efficient": `make_efficient_head`; "int8":
+    `quantize_head` of the target's LM head), its params at their mesh shardings.
+
+    Example:
+        >>> make_draft_head(target, "int8").cfg  # doctest: +SKIP
+        {'kind': 'int8'}
+    """
+    if kind == "efficient":
+        return make_efficient_head(target, rank, shortlist)
+    if kind != "int8":
+        raise InputError(f"unknown draft head '{kind}'; use {', '.join(DRAFT_HEADS)}")
+    from dmtp_jax.checkpoint.hf import LoadedModel
+    from dmtp_jax.sharding import state_shardings
+
+    cfg = target.cfg
+    model = nnx.merge(target.graphdef, target.state)
+    head = quantize_head(Int8Head(hidden=cfg.hidden_size, vocab=cfg.vocab_size), model.head_weight(),
+                         tied=cfg.tie_word_embeddings)
+    graphdef, state = nnx.split(head)
+    state = jax.device_put(state, state_shardings(state, target.mesh))
+    return LoadedModel({"kind": "int8"}, graphdef, state, target.mesh, None)

@@ -44,7 +44,8 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     `exact_cost` compiles an unrolled copy of each function for its FLOPs, bytes and time estimate
     (XLA counts a loop body once: without it they cover one layer group). `draft_head` "efficient":
     the drafting side's low-rank shortlist head (`models/draft_head.py`, rank / shortlist defaults
-    from `head_shape`). `progress(name)` is called before each compile.
+    from `head_shape`); "int8": the LM head quantized to int8 for drafting. `progress(name)` is
+    called before each compile.
 
     Example:
         >>> plan = plan_inference("configs/models/qwen3.6-27b.json", topology="v5p:2x2x1",
@@ -63,11 +64,11 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     notes = []
     with compiling_for(topo.platform, device_mesh.size):
         models = plan_models(target, method, device_mesh, dtype, draft, block_size)
-        if draft_head == "efficient" and method != "ar":
+        if draft_head != "full" and method != "ar":
             from dmtp_jax.checkpoint.hf import place_abstract
-            from dmtp_jax.models.draft_head import abstract_efficient_head
-            models["draft_head"] = place_abstract(*abstract_efficient_head(
-                models["target"].cfg, dtype, draft_head_rank, draft_head_shortlist), device_mesh)
+            from dmtp_jax.models.draft_head import abstract_draft_head
+            models["draft_head"] = place_abstract(*abstract_draft_head(
+                draft_head, models["target"].cfg, dtype, draft_head_rank, draft_head_shortlist), device_mesh)
         if "mtp" in models and models["mtp"].model_dir is None:
             notes.append("the target's config declares no MTP layer (mtp_num_hidden_layers); planned with one "
                          "native MTP head of the target's layer shape")
