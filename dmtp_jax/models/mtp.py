@@ -110,9 +110,7 @@ class MtpHead(nnx.Module):
         """
         layer = self.layers[0]
         attn = layer.self_attn
-        # one materialised `x`: else XLA folds `pick(x)` below into a second `fc` matmul on the picked
-        # row, reading `fc` twice (the 27B: 26 MB per device on tensor=4)
-        x = jax.lax.optimization_barrier(self._fuse(embeds_bth, hidden_bth))
+        x = self._fuse(embeds_bth, hidden_bth)
         x_norm = layer.norm(x, layer.input_layernorm)
         cos, sin = self._rope(positions_bt, x.dtype)
         cache = attn.write(cache, *attn.kv(x_norm, cos, sin), positions_bt)
