@@ -285,19 +285,23 @@ def make_efficient_head(target, rank: int | None = None, shortlist: int | None =
         >>> head.cfg  # doctest: +SKIP
         {'rank': 64, 'shortlist': 256}
     """
-    from dmtp_jax.checkpoint.hf import LoadedModel
-    from dmtp_jax.sharding import state_shardings
-
     cfg = target.cfg
     dtype = target.state_dtype
     rank, shortlist = head_shape(cfg.hidden_size, cfg.vocab_size, rank, shortlist)
     model = nnx.merge(target.graphdef, target.state)
     head = EfficientHead(hidden=cfg.hidden_size, vocab=cfg.vocab_size, rank=rank, shortlist=shortlist, dtype=dtype,
                          tied=cfg.tie_word_embeddings)
-    head = factor_head(head, model.head_weight())
+    return _loaded(target, {"rank": rank, "shortlist": shortlist}, factor_head(head, model.head_weight()))
+
+
+def _loaded(target, head_cfg: dict, head):
+    """A made head as a `LoadedModel`, its params at their shardings on the target's mesh."""
+    from dmtp_jax.checkpoint.hf import LoadedModel
+    from dmtp_jax.sharding import state_shardings
+
     graphdef, state = nnx.split(head)
     state = jax.device_put(state, state_shardings(state, target.mesh))
-    return LoadedModel({"rank": rank, "shortlist": shortlist}, graphdef, state, target.mesh, None)
+    return LoadedModel(head_cfg, graphdef, state, target.mesh, None)
 
 
 def abstract_draft_head(kind: str, target_cfg, dtype, rank: int | None = None, shortlist: int | None = None):
@@ -323,13 +327,7 @@ def make_draft_head(target, kind: str, rank: int | None = None, shortlist: int |
         return make_efficient_head(target, rank, shortlist)
     if kind != "int8":
         raise InputError(f"unknown draft head '{kind}'; use {', '.join(DRAFT_HEADS)}")
-    from dmtp_jax.checkpoint.hf import LoadedModel
-    from dmtp_jax.sharding import state_shardings
-
     cfg = target.cfg
     model = nnx.merge(target.graphdef, target.state)
-    head = quantize_head(Int8Head(hidden=cfg.hidden_size, vocab=cfg.vocab_size), model.head_weight(),
-                         tied=cfg.tie_word_embeddings)
-    graphdef, state = nnx.split(head)
-    state = jax.device_put(state, state_shardings(state, target.mesh))
-    return LoadedModel({"kind": "int8"}, graphdef, state, target.mesh, None)
+    return _loaded(target, {"kind": "int8"}, quantize_head(Int8Head(hidden=cfg.hidden_size, vocab=cfg.vocab_size),
+                                                           model.head_weight(), tied=cfg.tie_word_embeddings))
