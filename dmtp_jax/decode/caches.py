@@ -77,7 +77,7 @@ def state_bytes_per_row(cfg, max_len: int, dtype_bytes: int = 2, verify_slots: i
     """Bytes one row holds across rounds -- `kv` (K/V of the attention layers at `max_len` slots),
     `conv` and `ssm` (fp32) of the DeltaNet layers -- and `verify_transient`: the per-token DeltaNet
     inputs a verify round of `verify_slots` keeps for its commit (released after the round).
-    DeltaNet states are committed by replaying the accepted prefix, so no per-slot snapshots exist.
+    DeltaNet states are committed from the kept block inputs, so no per-slot snapshots exist.
 
     Example:
         >>> state_bytes_per_row(cfg, 32768)["ssm"]  # doctest: +SKIP

@@ -96,10 +96,12 @@ class Proposal:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class VerifyForward:
-    """The target's verify forward: its inputs `[A, drafts]` at their positions, its output
-    (`TargetOutput`: hidden, captured features, cache, DeltaNet block inputs) and logits."""
+    """The target's verify forward: its inputs `[A, drafts]` at their positions and their
+    embeddings, its output (`TargetOutput`: hidden, captured features, cache, DeltaNet block inputs)
+    and logits."""
     tokens_bn: jax.Array
     positions_bn: jax.Array
+    embeds_bnh: jax.Array
     out: object
     logits_bnv: jax.Array
 
@@ -177,8 +179,10 @@ def verify_forward(target, state: SpecState, drafts_bn: jax.Array,
     n = drafts_bn.shape[1] + 1
     positions = state.lengths_b[:, None] + jnp.arange(n)
     tokens = jnp.concatenate([state.pending_b[:, None], drafts_bn], axis=1)
-    out = target(tokens, positions, state.target_cache, capture_layers=capture_layers, speculative=True)
-    return VerifyForward(tokens, positions, out, target.logits(out.hidden_bth))
+    embeds = target.embed(tokens)
+    out = target(tokens, positions, state.target_cache, capture_layers=capture_layers, embeds_bth=embeds,
+                 speculative=True)
+    return VerifyForward(tokens, positions, embeds, out, target.logits(out.hidden_bth))
 
 
 def accept(logits_bnv: jax.Array, drafts_bn: jax.Array, q_bnv: jax.Array | None, sp, key: jax.Array, greedy: bool,
@@ -214,19 +218,20 @@ def mtp_advance(models: RoundModels, state: SpecState, mtp_cache: KVCache, fwd: 
         ...                                         active_b)  # doctest: +SKIP
     """
     target, mtp, fusion = models.target, models.mtp, models.fusion
-    verify_tokens = fwd.tokens_bn
-    n = verify_tokens.shape[1]
+    n = fwd.tokens_bn.shape[1]
     j = jnp.arange(n)[None]
-    shifted = jnp.concatenate([verify_tokens[:, 1:], verify_tokens[:, :1]], axis=1)
-    nxt = jnp.where(j < acc_b[:, None], shifted, bonus_b[:, None])
+    # the next committed token's embedding: row j < accepted takes verify row j + 1's (already looked
+    # up by the verify forward), the accepted row the bonus's: one new row per round, not n
+    shifted = jnp.concatenate([fwd.embeds_bnh[:, 1:], fwd.embeds_bnh[:, :1]], axis=1)
+    nxt_bnh = jnp.where((j < acc_b[:, None])[:, :, None], shifted, target.embed(bonus_b[:, None]))
     valid = (j <= acc_b[:, None]) & active_b[:, None]
     pos = jnp.where(valid, state.lengths_b[:, None] + j + 1, mtp_cache.max_len)
     hidden_bnh = fwd.out.hidden_bth
     if fusion is not None and fusion.uses_mtp_context:
-        rows, mtp_cache = mtp(target.embed(nxt), hidden_bnh, pos, mtp_cache)
+        rows, mtp_cache = mtp(nxt_bnh, hidden_bnh, pos, mtp_cache)
         last = gather_rows(rows, acc_b)
     else:
-        (last, mtp_cache), rows = mtp.advance(target.embed(nxt), hidden_bnh, pos, mtp_cache, acc_b), None
+        (last, mtp_cache), rows = mtp.advance(nxt_bnh, hidden_bnh, pos, mtp_cache, acc_b), None
     return mtp_cache, jnp.where(active_b[:, None], last, state.mtp_h_bh), rows
 
 

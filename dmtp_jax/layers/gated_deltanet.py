@@ -9,7 +9,8 @@ Per value head the recurrent state `S [dk, dv]` (fp32) follows the gated delta r
 `q`, `k` arrive L2-normalised, repeated to the value heads and (for `q`) scaled by `dk^-0.5`
 (`prepare_qk`). Two equivalent forms compute it: `gated_delta_recurrent` (a `lax.scan` over tokens:
 single-token decode and verify blocks, the same per-token op order as transformers' recurrent rule)
-and `gated_delta_chunked` (the UT-transform form over chunks of 64: prefill and training).
+and `gated_delta_chunked` (the UT-transform form over chunks of 64: prefill and training; one chunk
+over a verify block commits its accepted prefix, `gated_delta_state_after`).
 `gated_delta_rule` picks one by the static sequence length.
 
 A token with `g = 0, beta = 0` leaves the state unchanged: that is how padding is kept out of the
@@ -115,17 +116,18 @@ def gated_delta_recurrent(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_bhkv):
 
 
 def gated_delta_state_after(k_bthk, v_bthv, g_bth, beta_bth, state_bhkv, keep_b: jax.Array):
-    """The state after the first `keep_b` tokens of a block per row (the rest are skipped), with the
-    same per-token update as `gated_delta_recurrent`: how a verify block commits its accepted prefix."""
+    """The state after the first `keep_b` tokens of a block per row (the rest are skipped): how a
+    verify block commits its accepted prefix.
+
+    One chunk of the chunked form over the whole block, the skipped tokens' gates zeroed (they leave
+    the state unchanged, exactly: `keep_b = 0` returns `state` bit for bit). It reads the state
+    twice and writes it once, where replaying the token scan would read and write it once per token;
+    it equals the token scan up to fp32 rounding. Its outputs (zero queries) are not computed:
+    unused, XLA drops them."""
     keep_bt = jnp.arange(k_bthk.shape[1])[None] < keep_b[:, None]
-
-    def step(state, xs):
-        k, v, g_t, beta_t, keep_t = xs
-        return jnp.where(keep_t[:, None, None, None], _delta_update(state, k, v, g_t, beta_t), state), None
-
-    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (k_bthk.astype(jnp.float32), v_bthv.astype(jnp.float32),
-                                               g_bth, beta_bth, keep_bt))
-    state, _ = jax.lax.scan(step, state_bhkv.astype(jnp.float32), xs)
+    g_bth, beta_bth = mask_gates(g_bth, beta_bth, keep_bt)
+    _, state = gated_delta_chunked(jnp.zeros_like(k_bthk), k_bthk, v_bthv, g_bth, beta_bth, state_bhkv,
+                                   chunk_size=k_bthk.shape[1])
     return state
 
 
@@ -219,7 +221,12 @@ def gated_delta_chunked(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_bhkv, chu
                  + jnp.einsum("bhck,bhcv->bhkv", k_c, v_new, precision=_HIGHEST))
         return state, o
 
-    state, o = jax.lax.scan(step, state_bhkv.astype(f32), (u, w, attn, q_dec, k_dec, chunk_decay))
+    xs = (u, w, attn, q_dec, k_dec, chunk_decay)
+    if n == 1:   # one chunk (a verify commit, a short prompt): no loop, so no loop-carried state copies
+        state, o = step(state_bhkv.astype(f32), tuple(x[0] for x in xs))
+        o = o[None]
+    else:
+        state, o = jax.lax.scan(step, state_bhkv.astype(f32), xs)
     o = jnp.moveaxis(o, (0, 3), (1, 2)).reshape(b, n * cs, h, dv)      # [N,B,H,C,dv] -> [B,T',H,dv]
     return o[:, :t], state
 

@@ -103,8 +103,8 @@ class GatedDeltaNet(nnx.Module):
 
 def commit_states(conv_lbwc: jax.Array, ssm_lbhkv: jax.Array, pending: PendingBlock, keep_b: jax.Array):
     """Every DeltaNet layer's conv window and recurrent state advanced over the first `keep_b`
-    tokens of the pending block per row (`keep_b = 0`: unchanged), replaying the same per-token
-    update the block ran. Returns `(conv, ssm)`."""
+    tokens of the pending block per row (`keep_b = 0`: unchanged), the state by one chunk of the
+    chunked form over the block's kept inputs (`gated_delta_state_after`). Returns `(conv, ssm)`."""
     conv = jax.vmap(conv_window_after, in_axes=(0, 0, None))(conv_lbwc, pending.conv_in_lbtc, keep_b)
     ssm = jax.vmap(gated_delta_state_after, in_axes=(0, 0, 0, 0, 0, None))(
         pending.k_lbthk, pending.v_lbthv, pending.g_lbth, pending.beta_lbth, ssm_lbhkv, keep_b)

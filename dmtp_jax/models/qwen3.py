@@ -14,7 +14,7 @@ The cache protocol, the same for every family (the decode round never asks which
     cache = target.commit(out.cache, out.pending, keep_b)        # keep the first keep_b tokens
 
 Attention K/V live at slot == position, so rejected rows are simply never read; DeltaNet layers
-replay their recurrent update over the kept prefix (`models/deltanet.py`). A pure-attention target's
+advance their state over the kept prefix (`models/deltanet.py:commit_states`). A pure-attention target's
 `pending` is None and `commit` returns the cache as it is.
 
 Example:
