@@ -24,8 +24,9 @@ ODD_CHUNK = 48      # does not divide the bucket (a padded last chunk), nor the 
 ONE_SHOT = 4096
 # Relative tolerances. Dense: 1e-6; 2e-6 for ODD_CHUNK, whose K/V differed by 1.13e-6 on one
 # machine where the same code had passed 1e-6 on another (fp32 rounding of other shapes).
-# Hybrid: the DeltaNet layers amplify 1-ulp differences of matmuls over other shapes -- a one-call prefill of the first 64 tokens differs from one of 256
-# tokens, over those 64, by 3e-6 relative -- and ODD_CHUNK moves the DeltaNet's chunk boundaries.
+# Hybrid: the DeltaNet layers amplify 1-ulp differences of matmuls over other shapes -- a one-call
+# prefill of the first 64 tokens differs from one of 256 tokens, over those 64, by 3e-6 relative --
+# and ODD_CHUNK moves the DeltaNet's chunk boundaries.
 TOL = {("tiny_qwen3_dir", CHUNK): 1e-6, ("tiny_qwen3_dir", ODD_CHUNK): 2e-6,
        ("tiny_qwen3_5_dir", CHUNK): 1e-5, ("tiny_qwen3_5_dir", ODD_CHUNK): 2e-5}
 
