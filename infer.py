@@ -56,6 +56,12 @@ def draft_head_args(sp):
                     help="efficient head: rank of the factor (default min(256, hidden/4))")
     sp.add_argument("--draft-head-shortlist", type=int, default=None, metavar="K",
                     help="efficient head: candidates rescored exactly (default min(1024, vocab/16))")
+    sp.add_argument("--draft-head-vocab", type=int, default=None, metavar="N",
+                    help="efficient head: score only the N most frequent tokens of the drafter's training data "
+                         "(their counts: --draft-head-counts; default: the whole vocabulary)")
+    sp.add_argument("--draft-head-counts", default=None, metavar="PATH",
+                    help="token counts for --draft-head-vocab: a .npy file or a directory holding token_counts.npy "
+                         "(`train.py token-counts` writes it; default: the --draft directory)")
 
 
 def method_args(sp, verify_list: bool = False):
@@ -351,6 +357,7 @@ def cmd_plan(args) -> int:
                           accept_len=args.accept_len, prefill_chunk=args.prefill_chunk,
                           exact_cost=args.exact_cost, draft_head=args.draft_head,
                           draft_head_rank=args.draft_head_rank, draft_head_shortlist=args.draft_head_shortlist,
+                          draft_head_vocab=args.draft_head_vocab,
                           progress=plan_progress)
     return finish_plan(plan, args.json_path)
 
@@ -455,11 +462,12 @@ def run_bench(args) -> dict:
               "dtype": args.dtype, "mesh": args.mesh, "stop_ids": stops, "strict": args.strict,
               "rounds_per_dispatch": args.rounds_per_dispatch or 1, "prefill_chunk": args.prefill_chunk,
               "draft_head": args.draft_head, "draft_head_rank": args.draft_head_rank,
-              "draft_head_shortlist": args.draft_head_shortlist}
+              "draft_head_shortlist": args.draft_head_shortlist, "draft_head_vocab": args.draft_head_vocab}
     report = rep.build_report(runs, config)
     from dmtp_jax.bench.head_agreement import t1_agreement
     for name, run in runs.items():      # efficient head: how often its T1 is the full head's
-        agreement = t1_agreement(decoders[name], [g.prompt_ids + g.output_ids for g in run.generations])
+        agreement = t1_agreement(decoders[name], [g.prompt_ids + g.output_ids for g in run.generations],
+                                 [len(g.prompt_ids) for g in run.generations])
         report["methods"][name]["t1_agreement"] = agreement
         if agreement is not None:
             print(f"{name}: T1 from the drafting head equals the full head's at {agreement:.2%} of positions")

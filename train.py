@@ -1,4 +1,4 @@
-"""dmtp-jax training CLI: train | export | regen | calibrate | pretrain | distil-mtp.
+"""dmtp-jax training CLI: train | export | regen | calibrate | pretrain | distil-mtp | token-counts.
 
     python train.py train --target DIR --method dflash --data FILE --steps N --batch-size B \\
         --seq-len L --out RUN [--init-from DRAFTER] [--resume] [--config configs/xxx.py]
@@ -7,6 +7,7 @@
     python train.py calibrate --target DIR --draft DMTP_ADAPTIVE_DIR --data REGEN_FILE [--mtp DIR]
     python train.py pretrain --config configs/demo_target.py [--steps N] [--resume] [--data-only]
     python train.py distil-mtp --config configs/demo_mtp.py [--steps N] [--resume]
+    python train.py token-counts --target DIR --data FILE --out DRAFTER_DIR   # for --draft-head-vocab
     python train.py --config configs/demo_dmtp.py      # the subcommand named by the config's COMMAND
     python train.py plan --target configs/models/qwen3.6-27b.json --topology v5p:2x2x2 --mesh data=2,fsdp=4
 
@@ -21,7 +22,6 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import os
 import sys
 
 from dmtp_jax.cli import (ArgumentParser, add_compile_cache_arg, add_plan_args, enable_compile_cache, int_list,
@@ -139,7 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--steps", type=int)
     dm.add_argument("--resume", action="store_true", default=None)
     dm.add_argument("--no-progress", dest="progress", action="store_false", default=None)
-    for sp in (t, e, r, c, pt, dm):
+    tc = sub.add_parser("token-counts", help="count the supervised tokens of training data (the efficient "
+                        "drafting head's frequency subset, infer.py --draft-head-vocab)")
+    tc.add_argument("--target", required=True, help="target directory (its tokenizer and vocabulary)")
+    tc.add_argument("--data", required=True, help="the drafter's training data (.jsonl or .parquet)")
+    tc.add_argument("--out", required=True, help="drafter directory (writes token_counts.npy) or a .npy file")
+    tc.add_argument("--seq-len", type=int, default=4096, help="rows truncated as in training (default 4096)")
+    tc.add_argument("--no-progress", dest="progress", action="store_false")
+    for sp in (t, e, r, c, pt, dm, tc):
         add_compile_cache_arg(sp)
 
     pl = sub.add_parser("plan", help="dry run: compile the train step for a TPU slice / GPU host / CPU without "
@@ -262,6 +269,12 @@ def cmd_distil(args) -> int:
     return report_run(run_distil(DistilConfig.from_dict(merged)))
 
 
+def cmd_token_counts(args) -> int:
+    from dmtp_jax.train.token_counts import write_token_counts
+    print(json.dumps(write_token_counts(args.target, args.data, args.out, args.seq_len, args.progress)))
+    return 0
+
+
 def _config_command(argv: list[str]) -> list[str]:
     """`--config FILE ...` without a subcommand -> the config's `COMMAND` (default `train`)."""
     if not argv or argv[0] not in ("--config",) or len(argv) < 2:
@@ -286,7 +299,8 @@ def main(argv=None) -> int:
     else:
         enable_compile_cache(args.compile_cache)
     return run_command({"train": cmd_train, "export": cmd_export, "regen": cmd_regen, "calibrate": cmd_calibrate,
-                        "pretrain": cmd_pretrain, "distil-mtp": cmd_distil, "plan": cmd_plan}[args.command], args)
+                        "pretrain": cmd_pretrain, "distil-mtp": cmd_distil, "plan": cmd_plan,
+                        "token-counts": cmd_token_counts}[args.command], args)
 
 
 if __name__ == "__main__":

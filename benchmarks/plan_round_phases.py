@@ -7,8 +7,8 @@ unrolled so the counts cover every layer; next to the fused round and its analyt
         --topology v5p:2x2x1 --mesh tensor=4 --methods dflash,dmtp --heads full,efficient
 
 `--heads`: the drafting side's LM heads, of full, efficient and int8 (`models/draft_head.py`: a
-low-rank shortlist, rank / shortlist from `--rank` / `--shortlist` or `head_shape`'s defaults; the
-head in int8); `--round-only`
+low-rank shortlist, rank / shortlist from `--rank` / `--shortlist` or `head_shape`'s defaults, over
+`--vocab` N ids only when given; the head in int8); `--round-only`
 compiles the fused round alone (one compile per method and head instead of three or four).
 
 Phases, each jitted alone on the round's own inputs:
@@ -77,7 +77,7 @@ def biggest_ops(hlo_text: str, top: int) -> list[tuple[int, str]]:
 
 
 def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_tokens, head="full", rank=None,
-                shortlist=None, round_only=False, top=0) -> dict:
+                shortlist=None, round_only=False, top=0, vocab=None) -> dict:
     import jax
     import numpy as np
 
@@ -114,7 +114,7 @@ def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_token
         models = plan_models(target, method, device_mesh, dtype)
         if head != "full":
             models["draft_head"] = place_abstract(*abstract_draft_head(head, models["target"].cfg, dtype, rank,
-                                                                       shortlist), device_mesh)
+                                                                       shortlist, vocab), device_mesh)
         dec = make_decoder(method, models["target"], models.get("drafter"), mtp=models.get("mtp"),
                            fusion=models.get("fusion"), draft_head=models.get("draft_head"))
         call = next(c for c in inference_calls(dec, 1, prompt_len, max_new_tokens, 0.0, None) if c.name == "round")
@@ -166,6 +166,8 @@ def main(argv=None):
     p.add_argument("--heads", default="full", help="comma-separated, of full, efficient, int8")
     p.add_argument("--rank", type=int, default=None, help="efficient head: rank of the factor")
     p.add_argument("--shortlist", type=int, default=None, help="efficient head: candidates rescored")
+    p.add_argument("--vocab", type=int, default=None, help="efficient head: score only N vocabulary ids "
+                   "(the frequency subset; default: all)")
     p.add_argument("--round-only", action="store_true", help="compile the fused round only, no phases")
     p.add_argument("--top", type=int, default=0, help="also list the fused round's N largest source lines "
                    "(operand + result bytes of the instructions each made)")
@@ -178,7 +180,8 @@ def main(argv=None):
     for head in args.heads.split(","):
         for method in args.methods.split(","):
             row = phase_costs(args.target, method, args.topology, args.mesh, args.dtype, args.prompt_len,
-                              args.max_new_tokens, head, args.rank, args.shortlist, args.round_only, args.top)
+                              args.max_new_tokens, head, args.rank, args.shortlist, args.round_only, args.top,
+                              args.vocab)
             print(json.dumps(row), flush=True)
             rows[(method, head)] = row["phases"]["round"]
     for (method, head), r in rows.items():

@@ -26,7 +26,10 @@ train() {  # run-name, config, extra flags...: train (resumable) and export to d
   done_ "demo_out/runs/$name/exported" && return 0
   $PY train.py --config "$config" --out "demo_out/runs/$name" --resume "$@"
   rm -rf "demo/$name"
-  $PY train.py export --run "demo_out/runs/$name" --out "demo/$name" --dtype bfloat16 && touch "demo_out/runs/$name/exported"
+  $PY train.py export --run "demo_out/runs/$name" --out "demo/$name" --dtype bfloat16
+  # the supervised tokens' counts: --draft-head efficient --draft-head-vocab N's frequency subset
+  $PY train.py token-counts --target demo/target --data demo/regen.jsonl --out "demo/$name" --seq-len 256 \
+      --no-progress && touch "demo_out/runs/$name/exported"
 }
 { done_ demo_out/mtp_run/summary.json || $PY train.py distil-mtp --config configs/demo_mtp.py --resume; } &
 train dflash configs/demo_dflash.py &

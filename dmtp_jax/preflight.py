@@ -124,8 +124,8 @@ def check_drafter_block(methods, draft: str | None, block_size: int | None) -> N
 
 
 def check_draft_head(args) -> None:
-    """`--draft-head efficient`'s rank and shortlist are >= 1 (`models/draft_head.head_shape`), before
-    the target is loaded.
+    """`--draft-head efficient`'s rank, shortlist and vocabulary subset are >= 1
+    (`models/draft_head.head_shape`), before the target is loaded.
 
     Example:
         >>> import argparse
@@ -137,6 +137,16 @@ def check_draft_head(args) -> None:
     if getattr(args, "draft_head", "full") == "efficient":
         from dmtp_jax.models.draft_head import head_shape
         head_shape(1, 1, args.draft_head_rank, args.draft_head_shortlist)
+    vocab = getattr(args, "draft_head_vocab", None)
+    if vocab is not None:
+        if getattr(args, "draft_head", "full") != "efficient":
+            raise InputError("--draft-head-vocab is an option of --draft-head efficient")
+        if vocab < 1:
+            raise InputError(f"--draft-head-vocab must be >= 1, got {vocab}")
+        counts = getattr(args, "draft_head_counts", None) or getattr(args, "draft", None)
+        if counts:          # else the demo's drafter directories, each read when its models load
+            from dmtp_jax.models.draft_head import token_counts_file
+            token_counts_file(counts)
 
 
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, cfg) -> None:

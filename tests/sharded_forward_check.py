@@ -7,8 +7,10 @@ Run in a fresh process so that fake CPU devices can be requested before jax is i
 
 Output: `{ckpt_dir: {mesh_spec: {"logits": [B][T][V] floats (fp32), "greedy": [[int]],
 "spec_greedy": [[int]] (greedy `mtp` speculative decoding, for checkpoints with `mtp.*`, drafting with a
-small efficient head: each vocabulary shard shortlists and rescores its own rows; else None),
-"shortlist": that head's ids kept per position, its max |logit diff| on them, its rows' spec (or None),
+small efficient head over a 40-id vocabulary subset: each vocabulary shard shortlists and rescores its
+own rows; else None), "shortlist": {"all" / "subset": a small efficient head over the whole vocabulary /
+that subset: ids kept per position, its max |logit diff| on them, ids kept outside the subset, its rows'
+spec} (or None),
 "specs": {param path: PartitionSpec str}, "devices": {param path: number of devices holding it},
 "cache_specs": {target cache leaf path: PartitionSpec str}, "num_devices": int}}}`. Tokens are sharded
 over the batch mesh axes like a real batch.
@@ -66,7 +68,10 @@ def run(ckpt: str, spec: str) -> dict:
                    for path, leaf in jax.tree_util.tree_leaves_with_path(decoder.caches.new(BATCH, MAX_LEN))}
     spec_greedy = shortlist = None
     if has_mtp(ckpt):
-        head = make_efficient_head(target, rank=2, shortlist=8)
+        # the whole vocabulary, and a subset of 40 ids (spread over every vocabulary shard)
+        counts = (np.arange(target.cfg.vocab_size) * 37) % 101
+        heads = {"all": make_efficient_head(target, rank=2, shortlist=8),
+                 "subset": make_efficient_head(target, rank=2, shortlist=8, counts=counts, subset=40)}
 
         @jax.jit
         def head_check(state, head_state, tokens_bt):   # (ids kept per position, max |diff| on them)
@@ -75,13 +80,19 @@ def run(ckpt: str, spec: str) -> dict:
             hidden = model(tokens_bt, positions).hidden_bth
             got = nnx.merge(head.graphdef, head_state).scores(hidden).logits
             kept = jnp.isfinite(got)
-            return kept.sum(-1), jnp.max(jnp.where(kept, jnp.abs(got - model.logits(hidden)), 0.0))
+            return kept.sum(-1), jnp.max(jnp.where(kept, jnp.abs(got - model.logits(hidden)), 0.0)), kept
 
-        kept, diff = head_check(target.state, head.state, tokens)
-        shortlist = {"kept": sorted(set(np.asarray(kept).ravel().tolist())), "max_diff": float(diff),
-                     "rows_spec": str(head.state["rows"].get_value().sharding.spec)}
+        shortlist = {}
+        for name, head in heads.items():
+            kept, diff, where = head_check(target.state, head.state, tokens)
+            outside = int(np.asarray(where)[..., np.setdiff1d(np.arange(target.cfg.vocab_size),
+                                                               np.asarray(head.state["ids"].get_value()))].sum()
+                          ) if name == "subset" else 0
+            shortlist[name] = {"kept": sorted(set(np.asarray(kept).ravel().tolist())), "max_diff": float(diff),
+                               "outside_subset": outside,
+                               "rows_spec": str(head.state["rows"].get_value().sharding.spec)}
         engine = make_decoder("mtp", target, mtp=load_mtp(ckpt, target.cfg, "float32", mesh), mtp_steps=3,
-                              draft_head=head)
+                              draft_head=heads["subset"])
         spec_greedy = engine.generate(batch, NEW_TOKENS, stop_ids=[]).output_ids
     specs, devices = {}, {}
     for path, var in nnx.to_flat_state(target.state):

@@ -1,7 +1,9 @@
 """infer.py end to end, in process: JSON output, defaults, and one-line errors for bad input."""
 
 import json
+import os
 
+import numpy as np
 import pytest
 
 import infer
@@ -100,6 +102,20 @@ def test_generate_dmtp_from_a_plain_dflash_drafter(mtp_target_dir, tmp_path):
         outs[method] = json.loads(path.read_text())
     assert outs["mtp"]["output_ids"] == outs["ar"]["output_ids"] == outs["dmtp"]["output_ids"]
     assert len(outs["dmtp"]["acceptance_lengths"]) == 2
+    # the efficient head over the 6 most frequent supervised ids of some training data, whose counts
+    # `train.py token-counts` writes into the drafter directory
+    import train
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [1, 2, 3, 3, 5, 9, 9, 9, 40, 41, 42, 7],
+                                        "loss_mask": [0] * 4 + [1] * 8}) + "\n" for _ in range(3)))
+    assert train.main(["token-counts", "--target", mtp_target_dir, "--data", str(data), "--out", draft,
+                       "--no-progress"]) == 0
+    counts = np.load(os.path.join(draft, "token_counts.npy"))
+    assert counts[9] == 9 and counts[3] == 0 and counts.sum() == 24 and (counts > 0).sum() == 6
+    assert infer.main(argv + ["--draft", draft, "--draft-head", "efficient", "--draft-head-vocab", "6"]) == 0
+    subset = json.loads(path.read_text())       # argv: the dmtp run's, its --json path
+    assert subset["output_ids"] == outs["ar"]["output_ids"]
+    assert subset["stats"]["draft_head"] == "efficient(rank=8,shortlist=1,vocab=6)"
 
 
 def test_compare_keeps_expected_mtp_tensors_out_of_the_load_report(mtp_target_dir):

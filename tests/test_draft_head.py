@@ -20,8 +20,8 @@ from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
 from dmtp_jax.decode import make_decoder
 from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.sampling import SamplingParams
-from dmtp_jax.models.draft_head import (EfficientHead, Int8Head, draft_scores, factor_head, make_draft_head,
-                                        make_efficient_head, quantize_head)
+from dmtp_jax.models.draft_head import (EfficientHead, Int8Head, draft_scores, factor_head, frequent_ids,
+                                        make_draft_head, make_efficient_head, quantize_head, subset_size)
 from dmtp_jax.models.fusion import mtp_confidence
 
 SMALL = dict(rank=2, shortlist=4)       # of H = 32, V = 128: the shortlist changes drafts
@@ -48,6 +48,29 @@ def test_exact_on_the_shortlist_and_full_rank_holds_the_argmax(tied):
                         w).scores(x, w if tied else None)
     shortlist_only = mtp_confidence(small.logits)
     assert (np.asarray(mtp_confidence(small.logits, small.rest_lse)) < np.asarray(shortlist_only)).all()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_subset_head_scores_only_its_ids_exactly(tied):
+    h_dim, vocab, n = 16, 64, 13
+    w = jax.random.normal(jax.random.key(4), (vocab, h_dim) if tied else (h_dim, vocab))
+    x = jax.random.normal(jax.random.key(5), (3, 5, h_dim))
+    full = np.asarray(jnp.einsum("...h,vh->...v" if tied else "...h,hv->...v", x, w))
+    ids = frequent_ids(np.random.default_rng(0).integers(0, 50, vocab), n)
+    assert len(ids) == n and subset_size(n) == 16          # three padding entries
+    for rank, shortlist in ((2, 4), (h_dim, 4), (h_dim, 20)):
+        head = EfficientHead(hidden=h_dim, vocab=vocab, rank=rank, shortlist=shortlist, dtype=jnp.float32,
+                             tied=tied, subset=subset_size(n))
+        scores = factor_head(head, w, ids, tied=tied).scores(x)
+        logits = np.asarray(scores.logits)
+        kept = np.isfinite(logits)
+        assert logits.shape == full.shape and (kept.sum(-1) == min(shortlist, n)).all()   # padding never kept
+        assert set(np.nonzero(kept)[-1].tolist()) <= set(ids.tolist())
+        np.testing.assert_allclose(logits[kept], full[kept], rtol=1e-5, atol=1e-5)
+        if rank == h_dim:      # full rank: the subset's own argmax
+            assert (np.argmax(logits, -1) == ids[np.argmax(full[..., ids], -1)]).all()
+        rest = np.asarray(scores.rest_lse)
+        assert np.isneginf(rest).all() if shortlist >= n else np.isfinite(rest).all()
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -116,6 +139,20 @@ def test_greedy_with_the_efficient_head_equals_plain_greedy(models, dmtp_dir):
 def test_sampled_with_the_efficient_head_is_lossless(method, models, dmtp_dir):
     dec = engine(method, models, dmtp_dir, mtp_steps=3)
     assert_matches_target_joint(dec, models[0], PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
+
+
+def test_subset_head_greedy_equals_plain_greedy_and_sampled_is_lossless(models, dmtp_dir):
+    target = models[0]
+    counts = np.zeros(target.cfg.vocab_size, np.int64)
+    counts[np.random.default_rng(1).permutation(target.cfg.vocab_size)[:40]] = 1   # 40 of the 128 ids
+    head = make_efficient_head(target, **SMALL, counts=counts, subset=40)
+    want = ARDecoder(target).generate(PROMPTS, 12, stop_ids=[]).output_ids
+    for method in ("mtp", "dflash", "dmtp"):
+        res = engine(method, models, dmtp_dir, head=head).generate(PROMPTS, 12, stop_ids=[])
+        assert res.output_ids == want, method
+        assert res.stats["draft_head"] == "efficient(rank=2,shortlist=4,vocab=40)"
+    dec = engine("dmtp", models, dmtp_dir, head=head, mtp_steps=3)
+    assert_matches_target_joint(dec, target, PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
 
 
 def test_int8_head_greedy_equals_plain_greedy_and_sampled_is_lossless(models, dmtp_dir, int8_head):

@@ -1,6 +1,7 @@
 """How often the drafting side's efficient or int8 head (`models/draft_head.py`) picks the full head's T1.
 
-At every position of the bench's generated sequences (prompt + answer), the MTP's first candidate
+At every position of the bench's generated sequences that a decoding round drafts from (the last
+prompt token onwards; every position when no prompt lengths are given), the MTP's first candidate
 is scored twice from the same MTP hidden, once with the full LM head and once with the decoder's
 drafting head, and the two argmaxes are compared: the fraction of equal ones is `t1_agreement`.
 The MTP hidden comes from one causal target pass and one causal MTP pass over the whole sequence
@@ -22,12 +23,13 @@ from flax import nnx
 from dmtp_jax.decode.batch import next_pow2
 
 
-def agreement_counts(target, mtp, head, tokens_bt: jax.Array, valid_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+def agreement_counts(target, mtp, head, tokens_bt: jax.Array, valid_bt: jax.Array,
+                     counted_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(positions where the efficient head's T1 equals the full head's, positions compared)` over
-    the valid positions of `tokens_bt` (merged modules; pure).
+    the `counted_bt` positions of `tokens_bt` (`valid_bt`: its real tokens; merged modules; pure).
 
     Example:
-        >>> same, total = agreement_counts(target, mtp, head, tokens_bt, valid_bt)  # doctest: +SKIP
+        >>> same, total = agreement_counts(target, mtp, head, tokens_bt, valid_bt, valid_bt)  # doctest: +SKIP
     """
     from dmtp_jax.models.fusion import mtp_first_candidate
     from dmtp_jax.train.features import mtp_hidden
@@ -37,14 +39,15 @@ def agreement_counts(target, mtp, head, tokens_bt: jax.Array, valid_bt: jax.Arra
     h = mtp_hidden(mtp, target, tokens_bt, hidden)[:, 1:]           # position 0 has no MTP row
     _, full, _ = mtp_first_candidate(target, mtp, h)
     _, efficient, _ = mtp_first_candidate(target, mtp, h, head)
-    valid = valid_bt[:, 1:]
+    valid = counted_bt[:, 1:] & valid_bt[:, 1:]
     same = (jnp.argmax(full, -1) == jnp.argmax(efficient, -1)) & valid
     return same.sum(), valid.sum()
 
 
-def t1_agreement(decoder, sequences: list[list[int]]) -> float | None:
+def t1_agreement(decoder, sequences: list[list[int]], prompt_lens: list[int] | None = None) -> float | None:
     """The fraction of positions of `sequences` where T1 from `decoder`'s drafting head equals T1
     from the full head; None when the decoder drafts with the full head or has no MTP.
+    `prompt_lens`: count only the positions from each sequence's last prompt token on.
 
     Example: see the module docstring.
     """
@@ -54,20 +57,21 @@ def t1_agreement(decoder, sequences: list[list[int]]) -> float | None:
     length = next_pow2(max(2, max(len(s) for s in sequences)))
     tokens = np.zeros((len(sequences), length), np.int32)
     valid = np.zeros(tokens.shape, bool)
+    counted = np.zeros(tokens.shape, bool)
     for i, s in enumerate(sequences):
         tokens[i, :len(s)], valid[i, :len(s)] = s, True
+        counted[i, max(0, (prompt_lens[i] if prompt_lens else 1) - 1):len(s)] = True
     graphdefs = (decoder.target.graphdef, decoder.mtp.graphdef, head.graphdef)
 
     @jax.jit
-    def counts(states, tokens_bt, valid_bt):
-        return agreement_counts(*(nnx.merge(g, s) for g, s in zip(graphdefs, states)), tokens_bt, valid_bt)
+    def counts(states, tokens_bt, valid_bt, counted_bt):
+        return agreement_counts(*(nnx.merge(g, s) for g, s in zip(graphdefs, states)), tokens_bt, valid_bt,
+                                counted_bt)
 
     same = total = 0
     for start in range(0, len(sequences), 8):           # 8 rows per call: one compile, bounded memory
         rows = slice(start, start + 8)
-        t, v = tokens[rows], valid[rows]
-        if t.shape[0] < 8:
-            t, v = np.pad(t, ((0, 8 - t.shape[0]), (0, 0))), np.pad(v, ((0, 8 - v.shape[0]), (0, 0)))
-        s, n = jax.device_get(counts((decoder.target.state, decoder.mtp.state, head.state), t, v))
+        t, v, c = (np.pad(a[rows], ((0, 8 - a[rows].shape[0]), (0, 0))) for a in (tokens, valid, counted))
+        s, n = jax.device_get(counts((decoder.target.state, decoder.mtp.state, head.state), t, v, c))
         same, total = same + int(s), total + int(n)
     return same / total if total else None

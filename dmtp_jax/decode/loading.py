@@ -8,6 +8,7 @@ Example:
 from __future__ import annotations
 
 from dmtp_jax.decode import method_needs
+from dmtp_jax.errors import InputError
 
 
 def _load_drafter(args, target, method):
@@ -44,7 +45,8 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
 
     `args` carries the paths (`draft`, ...) and `dtype`; the target carries its mesh. `args.draft_head`
     "efficient" or "int8": one drafting head (`models/draft_head.py:make_draft_head`; the efficient
-    one of `draft_head_rank` / `draft_head_shortlist`) shared by every speculative method. A model kind
+    one of `draft_head_rank` / `draft_head_shortlist` / `draft_head_vocab`, the last with the token
+    counts of `token_counts_path`) shared by every speculative method. A model kind
     with no path given is left out, so the factory raises its own one-line error for the method
     that needs it. Add a model kind with one line in `MODEL_LOADERS`.
 
@@ -59,8 +61,13 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
     kind = getattr(args, "draft_head", "full")
     if kind != "full" and any(m != "ar" for m in methods):
         from dmtp_jax.models.draft_head import make_draft_head
+        subset = getattr(args, "draft_head_vocab", None)
+        counts = None
+        if subset and kind == "efficient":
+            from dmtp_jax.models.draft_head import read_token_counts
+            counts = read_token_counts(token_counts_path(args), target.cfg.vocab_size)
         head = make_draft_head(target, kind, getattr(args, "draft_head_rank", None),
-                               getattr(args, "draft_head_shortlist", None))
+                               getattr(args, "draft_head_shortlist", None), counts, subset)
     for method in methods:
         needs = method_needs(method)
         out[method] = {} if head is None or method == "ar" else {"draft_head": head}
@@ -73,6 +80,23 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
             if loaded[key] is not None:
                 out[method][kind] = loaded[key]
     return out
+
+
+def token_counts_path(args) -> str:
+    """Where `--draft-head-vocab` reads its token counts: `--draft-head-counts`, else the drafter
+    directory (`--draft`, its `token_counts.npy`).
+
+    Example:
+        >>> import argparse
+        >>> token_counts_path(argparse.Namespace(draft_head_counts=None, draft="runs/drafter"))
+        'runs/drafter'
+    """
+    path = getattr(args, "draft_head_counts", None) or getattr(args, "draft", None)
+    if not path:
+        raise InputError("--draft-head-vocab needs token counts: pass --draft-head-counts FILE or a --draft "
+                         "directory holding token_counts.npy",
+                         hint="write them with: python train.py token-counts --target T --data D --out DIR")
+    return path
 
 
 def make_decoders(methods, target, models: dict[str, dict], **options) -> dict:

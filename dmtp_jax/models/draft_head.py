@@ -10,6 +10,14 @@ candidates with a low-rank factor of the LM head and rescores the shortlist exac
 On a mesh that splits the vocabulary over S shards, each shard shortlists its own top K / S ids and
 rescores them from the rows it holds (`shortlist_logits`): the rows never cross devices.
 
+    efficient over a vocabulary subset (`--draft-head-vocab N`, EAGLE-3's draft vocabulary)
+                the same, over the N most frequent supervised tokens of the drafter's training data
+                only (`frequent_ids` of the counts `train.py token-counts` writes): B is `[r, N]`, the
+                rows `[N, H]` are the head's columns of those ids and `ids [N]` maps them back to the
+                vocabulary; the other ids are never proposed (-inf). Split over the shards evenly,
+                whatever the ids: each shard rescores its own K / S, and the shards exchange those
+                `[rows, K]` ids and scores, so each fills its own part of the `[..., V]` logits.
+
     int8        logits = (h Q) * s                           Q int8 [H, V], s [V]: W ~= Q diag(s)
                 (per vocabulary entry, symmetric: s_v = max_h |W[h, v]| / 127; half the bytes of a
                 bf16 head, every column scored)
@@ -28,7 +36,8 @@ drafter's positions); the target's verify logits always come from the full head.
 
 dmtp-adaptive's confidence (the MTP's top-1 probability) over the shortlist alone would overstate
 it (the mass outside the shortlist is missing), so the partition adds the low-rank scores' mass
-outside the shortlist (`DraftScores.rest_lse`, see `fusion.mtp_confidence`).
+outside the shortlist (`DraftScores.rest_lse`, see `fusion.mtp_confidence`). A subset head counts
+the subset's mass only: the ids outside it can never be drafted.
 
 Example:
     >>> head = EfficientHead(hidden=8, vocab=32, rank=8, shortlist=4, dtype=jnp.float32)
@@ -99,14 +108,25 @@ class EfficientHead(nnx.Module):
     """Low-rank shortlist + exact rescoring. Params: `down` A `[H, r]`, `up` B `[r, V]` (vocab axis
     sharded like the LM head's) and, for an untied LM head, `rows`: the head transposed, `[V, *row_layout(H)]`,
     so that the shortlist's exact rescoring reads K contiguous rows (a tied head's rows are the
-    target's `embed_tokens`, not copied). `shortlist` K and `tied` are static."""
+    target's `embed_tokens`, not copied). `shortlist` K and `tied` are static.
 
-    def __init__(self, *, hidden: int, vocab: int, rank: int, shortlist: int, dtype, tied: bool = False):
-        self.rank, self.shortlist, self.tied = int(rank), int(shortlist), bool(tied)
+    `subset` N > 0: the head scores only N vocabulary entries (the most frequent tokens of the
+    drafter's training data, `frequent_ids`): `up` is `[r, N]`, `rows` `[N, *row_layout(H)]` (its own
+    copy, tied or not) and `ids` `[N]` the entries' vocabulary ids, -1 for padding (N is padded by
+    `subset_size`). The other entries are never proposed (-inf)."""
+
+    def __init__(self, *, hidden: int, vocab: int, rank: int, shortlist: int, dtype, tied: bool = False,
+                 subset: int = 0):
+        self.rank, self.shortlist, self.subset = int(rank), int(shortlist), int(subset)
+        self.vocab = int(vocab)
+        self.tied = bool(tied) and not subset           # rows are the target's embed_tokens
+        cols = subset or vocab
         self.down = params.zeros((hidden, rank), ("embed", None), dtype)
-        self.up = params.zeros((rank, vocab), (None, "vocab"), dtype)
-        if not tied:
-            self.rows = params.zeros((vocab, *row_layout(hidden)), ("vocab", "embed", None), dtype)
+        self.up = params.zeros((rank, cols), (None, "vocab"), dtype)
+        if not self.tied:
+            self.rows = params.zeros((cols, *row_layout(hidden)), ("vocab", "embed", None), dtype)
+        if subset:
+            self.ids = nnx.Param(jnp.full((subset,), -1, jnp.int32), logical_axes=("vocab",))
 
     def scores(self, hidden: jax.Array, embed_vh: jax.Array | None = None) -> DraftScores:
         """`hidden [..., H]`: exact fp32 logits on the top-`shortlist` of the low-rank scores, -inf
@@ -114,77 +134,117 @@ class EfficientHead(nnx.Module):
         target's `embed_tokens` when the head is tied (the rows rescored), else unused."""
         lead, h = hidden.shape[:-1], hidden.shape[-1]
         rows = embed_vh if self.tied else self.rows[...]
-        logits, rest = shortlist_logits(hidden.reshape(-1, h), self.down[...], self.up[...], rows, self.shortlist)
+        ids = self.ids[...] if self.subset else None
+        logits, rest = shortlist_logits(hidden.reshape(-1, h), self.down[...], self.up[...], rows, self.shortlist,
+                                        ids, self.vocab)
         return DraftScores(logits.reshape(*lead, logits.shape[-1]), rest.reshape(lead))
 
 
 def shortlist_logits(x_nh: jax.Array, down_hr: jax.Array, up_rv: jax.Array, rows: jax.Array,
-                     shortlist: int) -> tuple[jax.Array, jax.Array]:
+                     shortlist: int, ids: jax.Array | None = None, vocab: int | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
     """`(logits [N, V] fp32, rest_lse [N])`: `x_n . rows[v]` on the shortlist (the top of the low-rank
     scores `(x A) B`), -inf elsewhere; and the low-rank scores' logsumexp outside the shortlist.
-    `rows`: `[V, H]` or `[V, *row_layout(H)]`.
+    `rows`: `[V, H]` or `[V, *row_layout(H)]`. With `ids` (`[C]`, -1 for padding): `up_rv`'s and
+    `rows`' C entries are those vocabulary ids of a `vocab`-entry vocabulary, the rest is never
+    scored.
 
     On a mesh that splits the vocabulary over S shards, each shard shortlists its own top
     `shortlist // S` ids and rescores them from the rows it holds: no row, and no `[N, V]` array,
     crosses devices; only the `[N, r]` low-rank projection and the partial scores are summed over
-    the shards that split H, and the `[N]` logsumexp over the vocabulary shards. The shortlist then
-    depends on the mesh; any shortlist keeps decoding exact (see the module docstring).
+    the shards that split H, and the `[N]` logsumexp over the vocabulary shards. With `ids`, the
+    shards also gather each other's `[N, K / S]` rescored ids and keep those in their own part of
+    the vocabulary. The shortlist then depends on the mesh; any shortlist keeps decoding exact (see
+    the module docstring).
 
     Example:
         >>> rows = jnp.arange(12.0).reshape(4, 3)
         >>> logits, rest = shortlist_logits(jnp.ones((1, 3)), jnp.eye(3), rows.T, rows, 2)
         >>> logits.tolist(), round(float(rest[0]), 3)
         ([[-inf, -inf, 21.0, 30.0]], 12.0)
+        >>> logits, _ = shortlist_logits(jnp.ones((1, 3)), jnp.eye(3), rows[:2].T, rows[:2], 1, jnp.array([3, 0]), 6)
+        >>> logits.tolist()     # the subset's entries 0, 1 (scores 3, 12) are vocabulary ids 3, 0
+        [[12.0, -inf, -inf, -inf, -inf, -inf]]
     """
     from dmtp_jax.layers.mlp import _axes, weights_mesh
     from dmtp_jax.sharding import DEFAULT_RULES, spec_for
 
-    def local(x, down, up, rows, k, embed_axes=(), vocab_axes=()):
+    def local(x, down, up, rows, ids, k, embed_axes=(), vocab_axes=()):
         z = jnp.dot(x, down, preferred_element_type=jnp.float32)
         z = (jax.lax.psum(z, embed_axes) if embed_axes else z).astype(x.dtype)
-        approx = jnp.dot(z, up, preferred_element_type=jnp.float32)                   # [N, V_local]
+        approx = jnp.dot(z, up, preferred_element_type=jnp.float32)                   # [N, C_local]
+        if ids is not None:
+            approx = jnp.where(ids >= 0, approx, -jnp.inf)                           # padding
         _, idx = jax.lax.approx_max_k(approx, k)                   # [N, k]; exact top-k off TPU
         picked = jnp.take(rows, idx, axis=0)                        # [N, k, *row]
         exact = jnp.einsum("n...,nk...->nk", x.reshape(x.shape[0], *rows.shape[1:]), picked,
                            preferred_element_type=jnp.float32)
         exact = jax.lax.psum(exact, embed_axes) if embed_axes else exact
         n = jnp.arange(x.shape[0])[:, None]
-        logits = jnp.full(approx.shape, -jnp.inf, jnp.float32).at[n, idx].set(exact)
         rest = jax.nn.logsumexp(approx.at[n, idx].set(-jnp.inf), axis=-1)
         if vocab_axes:                                              # logsumexp over the shards
             top = jax.lax.pmax(rest, vocab_axes)
             top = jnp.where(jnp.isfinite(top), top, 0.0)
             rest = top + jnp.log(jax.lax.psum(jnp.exp(rest - top), vocab_axes))
+        if ids is None:
+            logits = jnp.full(approx.shape, -jnp.inf, jnp.float32).at[n, idx].set(exact)
+            return logits, rest
+        gid = ids[idx]                                              # [N, k] vocabulary ids, -1: padding
+        width, first = vocab, 0
+        if vocab_axes:                  # every shard's rescored ids; keep those in this shard's part
+            gid = jax.lax.all_gather(gid, vocab_axes, axis=1, tiled=True)
+            exact = jax.lax.all_gather(exact, vocab_axes, axis=1, tiled=True)
+            width = vocab // shards
+            first = jax.lax.axis_index(vocab_axes) * width
+        slot = gid - first
+        slot = jnp.where((gid >= 0) & (slot >= 0) & (slot < width), slot, width)   # width: dropped
+        logits = jnp.full((x.shape[0], width), -jnp.inf, jnp.float32).at[n, slot].set(exact, mode="drop")
         return logits, rest
 
-    vocab = rows.shape[0]
+    columns = rows.shape[0]
+    vocab = columns if ids is None else int(vocab)
     mesh = weights_mesh(rows)
     if mesh is None:
-        return local(x_nh, down_hr, up_rv, rows, min(shortlist, vocab))
+        return local(x_nh, down_hr, up_rv, rows, ids, min(shortlist, columns))
     # the rows' own split (vocab, embed) and, for the N axis, the batch axes they leave free
     spec = tuple(spec_for(("vocab", "embed", "batch") if rows.ndim == 2 else ("vocab", "embed", None, "batch"),
                           (*rows.shape, x_nh.shape[0]), mesh, DEFAULT_RULES))
     spec += (None,) * (rows.ndim + 1 - len(spec))
     vocab_axes, embed_axes = _axes(spec[0]), _axes(spec[1])
     shards = int(np.prod([mesh.shape[a] for a in vocab_axes]))
-    k = max(1, min(shortlist // shards, vocab // shards))
+    if vocab % shards:
+        raise InputError(f"the efficient head's vocabulary subset splits over {shards} shards, the vocabulary "
+                         f"of {vocab} does not")
+    k = max(1, min(shortlist // shards, columns // shards))
     v_ax, e_ax, n_ax = spec[0], spec[1], spec[-1]       # spec_for gives None for an unsplit dim
-    fn = jax.shard_map(lambda x, d, u, r: local(x, d, u, r, k, embed_axes, vocab_axes), mesh=mesh,
-                       in_specs=(P(n_ax, e_ax), P(e_ax, None), P(None, v_ax), P(*spec[:-1])),
-                       out_specs=(P(n_ax, v_ax), P(n_ax)))
-    return fn(x_nh, down_hr, up_rv, rows)
+    in_specs = (P(n_ax, e_ax), P(e_ax, None), P(None, v_ax), P(*spec[:-1]))
+    if ids is None:
+        fn = lambda x, d, u, r: local(x, d, u, r, None, k, embed_axes, vocab_axes)  # noqa: E731
+        args = (x_nh, down_hr, up_rv, rows)
+    else:
+        fn = lambda x, d, u, r, i: local(x, d, u, r, i, k, embed_axes, vocab_axes)  # noqa: E731
+        args, in_specs = (x_nh, down_hr, up_rv, rows, ids), in_specs + (P(v_ax),)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(P(n_ax, v_ax), P(n_ax)))(*args)
 
 
-def factor_head(head: EfficientHead, weight) -> EfficientHead:
+def factor_head(head: EfficientHead, weight, ids=None, tied: bool | None = None) -> EfficientHead:
     """`head` with its factor set to the rank-r truncated SVD of the LM head `weight` (`[H, V]`, or
-    `[V, H]` when `head.tied`): `A = U_r`, `B = U_r^T W` from the eigenvectors of `W W^T` (an `[H, H]`
-    product, so the `[H, V]` matrix is never decomposed), and an untied head's rows `W^T`. Runs
+    `[V, H]` when `tied`, default `head.tied`): `A = U_r`,
+    `B = U_r^T W` from the eigenvectors of `W W^T` (an `[H, H]` product, so the `[H, V]` matrix is
+    never decomposed), and an untied head's rows `W^T`. A subset head (`ids`: vocabulary ids, at
+    most `head.subset`, from `frequent_ids`) factors and copies only those columns of `W`. Runs
     once, at load time.
 
     Example: see the module docstring.
     """
     w = jnp.asarray(weight)
-    w_hv = w.T if head.tied else w
+    w_hv = w.T if (head.tied if tied is None else tied) else w
+    if ids is not None:
+        ids = np.asarray(ids, np.int64)
+        if not head.subset or len(ids) > head.subset:
+            raise InputError(f"{len(ids)} vocabulary ids for an efficient head of subset {head.subset}")
+        w_hv = jnp.pad(w_hv[:, ids], ((0, 0), (0, head.subset - len(ids))))
+        head.ids[...] = jnp.asarray(np.pad(ids, (0, head.subset - len(ids)), constant_values=-1), jnp.int32)
     gram = np.asarray(jax.jit(lambda m: jnp.dot(m, m.T, preferred_element_type=jnp.float32))(w_hv), np.float64)
     _, vectors = np.linalg.eigh(gram)                       # ascending eigenvalues
     u = jnp.asarray(vectors[:, ::-1][:, :head.rank], jnp.float32)
@@ -194,6 +254,68 @@ def factor_head(head: EfficientHead, weight) -> EfficientHead:
     if not head.tied:
         head.rows[...] = w_hv.T.reshape(head.rows.shape).astype(head.rows.dtype)
     return head
+
+
+SUBSET_ALIGN = 1024     # a subset of more ids is padded to a multiple of this (8 shards of 128 lanes)
+
+
+def subset_size(n: int) -> int:
+    """The padded size of an efficient head's vocabulary subset of `n` ids: a multiple of 1024 (of 8
+    under 1024 ids), so that it splits evenly over up to 8 vocabulary shards.
+
+    Example:
+        >>> subset_size(32768), subset_size(30000), subset_size(100)
+        (32768, 30720, 104)
+    """
+    align = SUBSET_ALIGN if n > SUBSET_ALIGN else 8
+    return -(-int(n) // align) * align
+
+
+def frequent_ids(counts, n: int) -> np.ndarray:
+    """The `n` vocabulary ids with the highest `counts` (ties: the lower id), in ascending order.
+
+    Example:
+        >>> frequent_ids([5, 0, 9, 9, 1], 3).tolist()
+        [0, 2, 3]
+    """
+    counts = np.asarray(counts)
+    return np.sort(np.argsort(-counts, kind="stable")[:n])
+
+
+TOKEN_COUNTS = "token_counts.npy"
+
+
+def token_counts_file(path: str) -> str:
+    """The token counts file `path` names (a `.npy` file, or a directory's `token_counts.npy`); an
+    `InputError` when there is none.
+
+    Example:
+        >>> token_counts_file("/nope")
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.InputError: no token counts at /nope
+    """
+    import os
+    file = os.path.join(path, TOKEN_COUNTS) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise InputError(f"no token counts at {file}",
+                         hint="write them with: python train.py token-counts --target T --data D --out DIR")
+    return file
+
+
+def read_token_counts(path: str, vocab: int) -> np.ndarray:
+    """Token counts `[vocab]` from `path` (`token_counts_file`; `train.py token-counts` writes them
+    into a drafter directory).
+
+    Example:
+        >>> read_token_counts("drafter_dir", 248320).shape  # doctest: +SKIP
+        (248320,)
+    """
+    file = token_counts_file(path)
+    counts = np.load(file, allow_pickle=False)
+    if counts.shape != (vocab,):
+        raise InputError(f"{file} holds counts of shape {counts.shape}, the target's vocabulary is {vocab}")
+    return counts
 
 
 class Int8Head(nnx.Module):
@@ -259,39 +381,57 @@ def head_name(head_cfg) -> str:
     Example:
         >>> head_name(None), head_name({"rank": 64, "shortlist": 256}), head_name({"kind": "int8"})
         ('full', 'efficient(rank=64,shortlist=256)', 'int8')
+        >>> head_name({"rank": 64, "shortlist": 256, "subset": 32768})
+        'efficient(rank=64,shortlist=256,vocab=32768)'
     """
     if head_cfg is None:
         return "full"
     if head_cfg.get("kind") == "int8":
         return "int8"
-    return f"efficient(rank={head_cfg['rank']},shortlist={head_cfg['shortlist']})"
+    subset = f",vocab={head_cfg['subset']}" if head_cfg.get("subset") else ""
+    return f"efficient(rank={head_cfg['rank']},shortlist={head_cfg['shortlist']}{subset})"
 
 
-def abstract_efficient_head(target_cfg, dtype, rank: int | None = None, shortlist: int | None = None):
+def _efficient_shape(target_cfg, rank, shortlist, subset) -> tuple[dict, dict]:
+    """`(head cfg, EfficientHead keywords)` for a target config; `subset`: ids in the vocabulary
+    subset (None / 0: the whole vocabulary)."""
+    vocab = target_cfg.vocab_size
+    if subset is not None and not 1 <= subset <= vocab:
+        raise InputError(f"--draft-head-vocab must be in [1, {vocab}] (the vocabulary), got {subset}")
+    rank, shortlist = head_shape(target_cfg.hidden_size, subset or vocab, rank, shortlist)
+    cfg = {"rank": rank, "shortlist": shortlist, **({"subset": subset} if subset else {})}
+    return cfg, dict(hidden=target_cfg.hidden_size, vocab=vocab, rank=rank, shortlist=shortlist,
+                     tied=target_cfg.tie_word_embeddings, subset=subset_size(subset) if subset else 0)
+
+
+def abstract_efficient_head(target_cfg, dtype, rank: int | None = None, shortlist: int | None = None,
+                            subset: int | None = None):
     """`(cfg, graphdef, abstract state)` of an efficient head for a target config (nothing allocated)."""
-    rank, shortlist = head_shape(target_cfg.hidden_size, target_cfg.vocab_size, rank, shortlist)
-    head = nnx.eval_shape(lambda: EfficientHead(hidden=target_cfg.hidden_size, vocab=target_cfg.vocab_size,
-                                                rank=rank, shortlist=shortlist, dtype=jnp.dtype(dtype),
-                                                tied=target_cfg.tie_word_embeddings))
-    return {"rank": rank, "shortlist": shortlist}, *nnx.split(head)
+    cfg, shape = _efficient_shape(target_cfg, rank, shortlist, subset)
+    head = nnx.eval_shape(lambda: EfficientHead(**shape, dtype=jnp.dtype(dtype)))
+    return cfg, *nnx.split(head)
 
 
-def make_efficient_head(target, rank: int | None = None, shortlist: int | None = None):
+def make_efficient_head(target, rank: int | None = None, shortlist: int | None = None, counts=None,
+                        subset: int | None = None):
     """A `LoadedModel` holding the efficient head of a loaded target (`factor_head` of its LM head),
-    its params at their mesh shardings.
+    its params at their mesh shardings. `subset` N with `counts` (`[V]`, `read_token_counts`): the
+    head scores only the N most frequent ids.
 
     Example:
         >>> head = make_efficient_head(target, rank=64, shortlist=256)  # doctest: +SKIP
         >>> head.cfg  # doctest: +SKIP
         {'rank': 64, 'shortlist': 256}
     """
-    cfg = target.cfg
-    dtype = target.state_dtype
-    rank, shortlist = head_shape(cfg.hidden_size, cfg.vocab_size, rank, shortlist)
+    cfg, shape = _efficient_shape(target.cfg, rank, shortlist, subset)
+    ids = None
+    if subset:
+        if counts is None:
+            raise InputError("--draft-head-vocab needs token counts", hint="pass --draft-head-counts")
+        ids = frequent_ids(counts, subset)
     model = nnx.merge(target.graphdef, target.state)
-    head = EfficientHead(hidden=cfg.hidden_size, vocab=cfg.vocab_size, rank=rank, shortlist=shortlist, dtype=dtype,
-                         tied=cfg.tie_word_embeddings)
-    return _loaded(target, {"rank": rank, "shortlist": shortlist}, factor_head(head, model.head_weight()))
+    head = EfficientHead(**shape, dtype=target.state_dtype)
+    return _loaded(target, cfg, factor_head(head, model.head_weight(), ids, tied=target.cfg.tie_word_embeddings))
 
 
 def _loaded(target, head_cfg: dict, head):
@@ -304,18 +444,20 @@ def _loaded(target, head_cfg: dict, head):
     return LoadedModel(head_cfg, graphdef, state, target.mesh, None)
 
 
-def abstract_draft_head(kind: str, target_cfg, dtype, rank: int | None = None, shortlist: int | None = None):
+def abstract_draft_head(kind: str, target_cfg, dtype, rank: int | None = None, shortlist: int | None = None,
+                        subset: int | None = None):
     """`(cfg, graphdef, abstract state)` of a drafting head of `kind` ("efficient" or "int8") for a
     target config, nothing allocated (`plan`)."""
     if kind == "efficient":
-        return abstract_efficient_head(target_cfg, dtype, rank, shortlist)
+        return abstract_efficient_head(target_cfg, dtype, rank, shortlist, subset)
     if kind != "int8":
         raise InputError(f"unknown draft head '{kind}'; use {', '.join(DRAFT_HEADS)}")
     head = nnx.eval_shape(lambda: Int8Head(hidden=target_cfg.hidden_size, vocab=target_cfg.vocab_size))
     return {"kind": "int8"}, *nnx.split(head)
 
 
-def make_draft_head(target, kind: str, rank: int | None = None, shortlist: int | None = None):
+def make_draft_head(target, kind: str, rank: int | None = None, shortlist: int | None = None, counts=None,
+                    subset: int | None = None):
     """A `LoadedModel` holding the drafting head of `kind` ("efficient": `make_efficient_head`; "int8":
     `quantize_head` of the target's LM head), its params at their mesh shardings.
 
@@ -324,7 +466,7 @@ def make_draft_head(target, kind: str, rank: int | None = None, shortlist: int |
         {'kind': 'int8'}
     """
     if kind == "efficient":
-        return make_efficient_head(target, rank, shortlist)
+        return make_efficient_head(target, rank, shortlist, counts, subset)
     if kind != "int8":
         raise InputError(f"unknown draft head '{kind}'; use {', '.join(DRAFT_HEADS)}")
     cfg = target.cfg

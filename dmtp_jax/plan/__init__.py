@@ -33,7 +33,8 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
                    hbm_gb: float | None = None, temperature: float = 0.0, mtp_steps: int = 4,
                    verify: str = "rejection", accept_len: float | None = None, prefill_chunk: int | None = None,
                    exact_cost: bool = False, draft_head: str = "full", draft_head_rank: int | None = None,
-                   draft_head_shortlist: int | None = None, progress=None) -> PlanResult:
+                   draft_head_shortlist: int | None = None, draft_head_vocab: int | None = None,
+                   progress=None) -> PlanResult:
     """Compiles the prefill and the decode step / round / K-round dispatch of `method` for one
     request of `batch_size` prompts of `prompt_len` tokens and `max_new_tokens` new ones.
 
@@ -44,7 +45,8 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     `exact_cost` compiles an unrolled copy of each function for its FLOPs, bytes and time estimate
     (XLA counts a loop body once: without it they cover one layer group). `draft_head` "efficient":
     the drafting side's low-rank shortlist head (`models/draft_head.py`, rank / shortlist defaults
-    from `head_shape`); "int8": the LM head quantized to int8 for drafting. `progress(name)` is
+    from `head_shape`; `draft_head_vocab` N: scoring only N vocabulary ids, no counts needed to
+    plan); "int8": the LM head quantized to int8 for drafting. `progress(name)` is
     called before each compile.
 
     Example:
@@ -68,7 +70,8 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
             from dmtp_jax.checkpoint.hf import place_abstract
             from dmtp_jax.models.draft_head import abstract_draft_head
             models["draft_head"] = place_abstract(*abstract_draft_head(
-                draft_head, models["target"].cfg, dtype, draft_head_rank, draft_head_shortlist), device_mesh)
+                draft_head, models["target"].cfg, dtype, draft_head_rank, draft_head_shortlist, draft_head_vocab),
+                device_mesh)
         if "mtp" in models and models["mtp"].model_dir is None:
             notes.append("the target's config declares no MTP layer (mtp_num_hidden_layers); planned with one "
                          "native MTP head of the target's layer shape")
