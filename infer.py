@@ -61,7 +61,7 @@ def draft_head_args(sp):
                          "(their counts: --draft-head-counts; default: the whole vocabulary)")
     sp.add_argument("--draft-head-counts", default=None, metavar="PATH",
                     help="token counts for --draft-head-vocab: a .npy file or a directory holding token_counts.npy "
-                         "(`train.py token-counts` writes it; default: the --draft directory)")
+                         "(`train.py token-counts` writes it; default: the --draft directory, the demo's demo/dmtp)")
 
 
 def method_args(sp, verify_list: bool = False):
@@ -470,7 +470,8 @@ def run_bench(args) -> dict:
                                  [len(g.prompt_ids) for g in run.generations])
         report["methods"][name]["t1_agreement"] = agreement
         if agreement is not None:
-            print(f"{name}: T1 from the drafting head equals the full head's at {agreement:.2%} of positions")
+            print(f"{name}: T1 from the drafting head equals the full head's at {agreement:.2%} of the positions "
+                  "rounds drafted from")
     from dmtp_jax.bench.efficiency import format_efficiency, method_efficiency
     report["efficiency"] = {name: method_efficiency(decoders[name], run) for name, run in runs.items() if name != AUTO}
     print(f"workload {workload.name}: {len(workload.requests)} requests, {workload.num_generations} generations, "
@@ -546,16 +547,20 @@ def demo_drafter(method: str, mtp_dir: str | None = None) -> str | None:
 
 def method_models(args, target, methods) -> dict:
     """`load_method_models`, with each method's demo drafter when the demo is in use and no
-    `--draft` is given (so dflash and dmtp run their own drafters in one bench)."""
+    `--draft` is given (so dflash and dmtp run their own drafters in one bench), and the demo's
+    token counts (`demo/dmtp/token_counts.npy`) unless `--draft-head-counts` is given."""
     from dmtp_jax.decode.loading import load_method_models
     if args.draft or not uses_demo(args):
         return load_method_models(args, target, methods)
     groups: dict = {}
     for m in methods:
         groups.setdefault(demo_drafter(m, args.mtp), []).append(m)
+    # the demo drafters' token counts are one file's (same training data); mtp has no drafter directory
+    counts = getattr(args, "draft_head_counts", None) or os.path.join(DEMO_DIR, "dmtp")
     out = {}
     for draft, group in groups.items():
-        out.update(load_method_models(argparse.Namespace(**{**vars(args), "draft": draft}), target, group))
+        out.update(load_method_models(argparse.Namespace(**{**vars(args), "draft": draft,
+                                                            "draft_head_counts": counts}), target, group))
     return {m: out[m] for m in methods}
 
 

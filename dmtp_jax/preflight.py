@@ -143,7 +143,8 @@ def check_draft_head(args) -> None:
             raise InputError("--draft-head-vocab is an option of --draft-head efficient")
         if vocab < 1:
             raise InputError(f"--draft-head-vocab must be >= 1, got {vocab}")
-        counts = getattr(args, "draft_head_counts", None) or getattr(args, "draft", None)
+        from dmtp_jax.decode.loading import token_counts_path
+        counts = token_counts_path(args)
         if counts:          # else the demo's drafter directories, each read when its models load
             from dmtp_jax.models.draft_head import token_counts_file
             token_counts_file(counts)

@@ -65,7 +65,12 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
         counts = None
         if subset and kind == "efficient":
             from dmtp_jax.models.draft_head import read_token_counts
-            counts = read_token_counts(token_counts_path(args), target.cfg.vocab_size)
+            path = token_counts_path(args)
+            if path is None:
+                raise InputError("--draft-head-vocab needs token counts: pass --draft-head-counts FILE or a "
+                                 "--draft directory holding token_counts.npy",
+                                 hint="write them with: python train.py token-counts --target T --data D --out DIR")
+            counts = read_token_counts(path, target.cfg.vocab_size)
         head = make_draft_head(target, kind, getattr(args, "draft_head_rank", None),
                                getattr(args, "draft_head_shortlist", None), counts, subset)
     for method in methods:
@@ -82,21 +87,16 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
     return out
 
 
-def token_counts_path(args) -> str:
+def token_counts_path(args) -> str | None:
     """Where `--draft-head-vocab` reads its token counts: `--draft-head-counts`, else the drafter
-    directory (`--draft`, its `token_counts.npy`).
+    directory (`--draft`, its `token_counts.npy`); None when neither is given.
 
     Example:
         >>> import argparse
         >>> token_counts_path(argparse.Namespace(draft_head_counts=None, draft="runs/drafter"))
         'runs/drafter'
     """
-    path = getattr(args, "draft_head_counts", None) or getattr(args, "draft", None)
-    if not path:
-        raise InputError("--draft-head-vocab needs token counts: pass --draft-head-counts FILE or a --draft "
-                         "directory holding token_counts.npy",
-                         hint="write them with: python train.py token-counts --target T --data D --out DIR")
-    return path
+    return getattr(args, "draft_head_counts", None) or getattr(args, "draft", None)
 
 
 def make_decoders(methods, target, models: dict[str, dict], **options) -> dict:
