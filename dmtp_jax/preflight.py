@@ -123,9 +123,10 @@ def check_drafter_block(methods, draft: str | None, block_size: int | None) -> N
             options.verify_slots(method, mtp_steps=0, block_size=block_size, drafter_block_size=drafter_block)
 
 
-def check_draft_head(args) -> None:
+def check_draft_head(args, counts: bool = True) -> None:
     """`--draft-head efficient`'s rank, shortlist and vocabulary subset are >= 1
-    (`models/draft_head.head_shape`), before the target is loaded.
+    (`models/draft_head.head_shape`) and, when `counts` (plan needs none), the subset's token counts
+    are there, before the target is loaded.
 
     Example:
         >>> import argparse
@@ -144,10 +145,10 @@ def check_draft_head(args) -> None:
         if vocab < 1:
             raise InputError(f"--draft-head-vocab must be >= 1, got {vocab}")
         from dmtp_jax.decode.loading import token_counts_path
-        counts = token_counts_path(args)
-        if counts:          # else the demo's drafter directories, each read when its models load
+        path = token_counts_path(args) if counts else None
+        if path:            # else the demo's drafter directories, each read when its models load
             from dmtp_jax.models.draft_head import token_counts_file
-            token_counts_file(counts)
+            token_counts_file(path)
 
 
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, cfg) -> None:
@@ -180,7 +181,7 @@ def check_plan_options(args) -> None:
         raise RequestError(f"--prompt-len must be >= 1, got {args.prompt_len}")
     check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
                          prefill_chunk=getattr(args, "prefill_chunk", None))
-    check_draft_head(args)
+    check_draft_head(args, counts=False)
     cfg = target_config(args.target)
     if args.draft:
         from dmtp_jax.config import read_config_json

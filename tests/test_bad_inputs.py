@@ -64,8 +64,10 @@ BAD_INPUTS = [
      "error: --draft-head-vocab must be >= 1, got 0", False),
     ("draft head vocab, full head", "infer bench --target {tiny} --draft-head-vocab 8",
      "error: --draft-head-vocab is an option of --draft-head efficient", False),
-    ("plan: missing token counts", "infer plan --target {tiny} --method ar --draft-head efficient --draft-head-vocab 8 "
-     "--draft-head-counts {tmp}/none.npy", "error: no token counts at ", True),
+    ("missing token counts", "infer generate --target {tiny} --prompt-ids 1 --draft-head efficient "
+     "--draft-head-vocab 8 --draft-head-counts {tmp}/none.npy", "error: no token counts at ", True),
+    ("plan: draft head vocab 0", "infer plan --target {tiny} --draft-head efficient --draft-head-vocab 0",
+     "error: --draft-head-vocab must be >= 1, got 0", False),
     ("serve: no token counts in the directory", "infer serve --target {tiny} --draft-head efficient "
      "--draft-head-vocab 8 --draft-head-counts {tmp}", "/token_counts.npy", True),
     ("token counts: missing data", "train token-counts --target {tiny} --data {tmp}/none.jsonl --out {tmp}/c",

@@ -161,3 +161,16 @@ def test_a_compiler_refusal_is_a_plan_that_does_not_fit():
 
     with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
         compile_function("round", broken, min_bytes=1)
+
+
+def test_plan_with_a_subset_draft_head_needs_no_counts(tiny_qwen3_5_dir):
+    """`--draft-head efficient --draft-head-vocab N` plans without token counts: the head holds N
+    (padded) columns of the factor, N rows and N ids."""
+    from dmtp_jax.config import load_target_config
+    from dmtp_jax.plan import plan_inference
+    cfg = load_target_config(tiny_qwen3_5_dir)
+    plan = plan_inference(tiny_qwen3_5_dir, method="mtp", topology="cpu:1", prompt_len=8, max_new_tokens=8,
+                          dtype="float32", draft_head="efficient", draft_head_rank=4, draft_head_vocab=13)
+    n, h = 16, cfg.hidden_size          # subset_size(13): 16
+    assert plan.weight_bytes["draft_head"] == 4 * (h * 4 + 4 * n + n * h + n)
+    assert plan.settings["draft head"] == "efficient(rank=4,shortlist=1,vocab=13)"
