@@ -59,6 +59,10 @@ def draft_head_args(sp):
     sp.add_argument("--draft-head-vocab", type=int, default=None, metavar="N",
                     help="efficient head: score only the N most frequent tokens of the drafter's training data "
                          "(their counts: --draft-head-counts; default: the whole vocabulary)")
+    sp.add_argument("--draft-head-factor", default=None, metavar="PATH",
+                    help="efficient head (generate, bench, serve): a trained factor (`train.py head-factor`; a "
+                         "drafter directory holding head_factor.safetensors, or the file) instead of the SVD; it "
+                         "sets the rank and the subset (plan: give them as --draft-head-rank / --draft-head-vocab)")
     sp.add_argument("--draft-head-counts", default=None, metavar="PATH",
                     help="token counts for --draft-head-vocab: a .npy file or a directory holding token_counts.npy "
                          "(`train.py token-counts` writes it; default: the --draft directory, the demo's demo/dmtp)")
@@ -462,7 +466,8 @@ def run_bench(args) -> dict:
               "dtype": args.dtype, "mesh": args.mesh, "stop_ids": stops, "strict": args.strict,
               "rounds_per_dispatch": args.rounds_per_dispatch or 1, "prefill_chunk": args.prefill_chunk,
               "draft_head": args.draft_head, "draft_head_rank": args.draft_head_rank,
-              "draft_head_shortlist": args.draft_head_shortlist, "draft_head_vocab": args.draft_head_vocab}
+              "draft_head_shortlist": args.draft_head_shortlist, "draft_head_vocab": args.draft_head_vocab,
+              "draft_head_factor": args.draft_head_factor}
     report = rep.build_report(runs, config)
     from dmtp_jax.bench.head_agreement import t1_agreement
     for name, run in runs.items():      # efficient head: how often its T1 is the full head's

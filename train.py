@@ -1,4 +1,5 @@
-"""dmtp-jax training CLI: train | export | regen | calibrate | pretrain | distil-mtp | token-counts.
+"""dmtp-jax training CLI: train | export | regen | calibrate | pretrain | distil-mtp | token-counts |
+head-factor.
 
     python train.py train --target DIR --method dflash --data FILE --steps N --batch-size B \\
         --seq-len L --out RUN [--init-from DRAFTER] [--resume] [--config configs/xxx.py]
@@ -8,6 +9,7 @@
     python train.py pretrain --config configs/demo_target.py [--steps N] [--resume] [--data-only]
     python train.py distil-mtp --config configs/demo_mtp.py [--steps N] [--resume]
     python train.py token-counts --target DIR --data FILE --out DRAFTER_DIR   # for --draft-head-vocab
+    python train.py head-factor --target DIR --data FILE --out DRAFTER_DIR --rank R   # for --draft-head-factor
     python train.py --config configs/demo_dmtp.py      # the subcommand named by the config's COMMAND
     python train.py plan --target configs/models/qwen3.6-27b.json --topology v5p:2x2x2 --mesh data=2,fsdp=4
 
@@ -146,7 +148,26 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--out", required=True, help="drafter directory (writes token_counts.npy) or a .npy file")
     tc.add_argument("--seq-len", type=int, default=4096, help="rows truncated as in training (default 4096)")
     tc.add_argument("--no-progress", dest="progress", action="store_false")
-    for sp in (t, e, r, c, pt, dm, tc):
+    hf = sub.add_parser("head-factor", help="train the efficient drafting head's low-rank factor toward the full "
+                        "head on the drafter's data (dmtp_jax.train.head_factor; infer.py --draft-head-factor)")
+    hf.add_argument("--target", required=True, help="target directory (frozen)")
+    hf.add_argument("--data", required=True, help="the drafter's training data (.jsonl or .parquet)")
+    hf.add_argument("--out", required=True, help="drafter directory: writes head_factor.safetensors "
+                    "(the run: OUT/head_factor_run)")
+    hf.add_argument("--mtp", help="MTP head directory (default: the target's, when it has one)")
+    hf.add_argument("--rank", type=int, help="rank of the factor (default min(256, hidden/4))")
+    hf.add_argument("--shortlist", type=int, help="K of the recall metric (default min(1024, vocab/16))")
+    hf.add_argument("--vocab", type=int, help="a frequency subset of N ids (token counts: --counts, default "
+                    "OUT/token_counts.npy)")
+    hf.add_argument("--counts", help="token counts (.npy or a directory holding token_counts.npy)")
+    hf.add_argument("--steps", type=int)
+    hf.add_argument("--batch-size", type=int)
+    hf.add_argument("--seq-len", type=int)
+    hf.add_argument("--lr", type=float)
+    hf.add_argument("--seed", type=int)
+    hf.add_argument("--resume", action="store_true", default=None)
+    hf.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    for sp in (t, e, r, c, pt, dm, tc, hf):
         add_compile_cache_arg(sp)
 
     pl = sub.add_parser("plan", help="dry run: compile the train step for a TPU slice / GPU host / CPU without "
@@ -275,6 +296,15 @@ def cmd_token_counts(args) -> int:
     return 0
 
 
+def cmd_head_factor(args) -> int:
+    from dmtp_jax.train.head_factor import FactorConfig, train_head_factor
+    training_logs()
+    fields = {f.name for f in dataclasses.fields(FactorConfig)}
+    summary = train_head_factor(FactorConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None}))
+    print(json.dumps(summary))
+    return summary.get("exit_status", 0)
+
+
 def _config_command(argv: list[str]) -> list[str]:
     """`--config FILE ...` without a subcommand -> the config's `COMMAND` (default `train`)."""
     if not argv or argv[0] not in ("--config",) or len(argv) < 2:
@@ -300,7 +330,7 @@ def main(argv=None) -> int:
         enable_compile_cache(args.compile_cache)
     return run_command({"train": cmd_train, "export": cmd_export, "regen": cmd_regen, "calibrate": cmd_calibrate,
                         "pretrain": cmd_pretrain, "distil-mtp": cmd_distil, "plan": cmd_plan,
-                        "token-counts": cmd_token_counts}[args.command], args)
+                        "token-counts": cmd_token_counts, "head-factor": cmd_head_factor}[args.command], args)
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def check_drafter_block(methods, draft: str | None, block_size: int | None) -> N
 def check_draft_head(args, counts: bool = True) -> None:
     """`--draft-head efficient`'s rank, shortlist and vocabulary subset are >= 1
     (`models/draft_head.head_shape`) and, when `counts` (plan needs none), the subset's token counts
-    are there, before the target is loaded.
+    or the trained factor are there, before the target is loaded.
 
     Example:
         >>> import argparse
@@ -138,8 +138,15 @@ def check_draft_head(args, counts: bool = True) -> None:
     if getattr(args, "draft_head", "full") == "efficient":
         from dmtp_jax.models.draft_head import head_shape
         head_shape(1, 1, args.draft_head_rank, args.draft_head_shortlist)
+    factor = getattr(args, "draft_head_factor", None)
+    if factor is not None:
+        if getattr(args, "draft_head", "full") != "efficient":
+            raise InputError("--draft-head-factor is an option of --draft-head efficient")
+        if counts:          # plan reads no factor
+            from dmtp_jax.models.draft_head import head_factor_file
+            head_factor_file(factor)
     vocab = getattr(args, "draft_head_vocab", None)
-    if vocab is not None:
+    if vocab is not None and factor is None:
         if getattr(args, "draft_head", "full") != "efficient":
             raise InputError("--draft-head-vocab is an option of --draft-head efficient")
         if vocab < 1:

@@ -70,6 +70,12 @@ BAD_INPUTS = [
      "error: --draft-head-vocab must be >= 1, got 0", False),
     ("serve: no token counts in the directory", "infer serve --target {tiny} --draft-head efficient "
      "--draft-head-vocab 8 --draft-head-counts {tmp}", "/token_counts.npy", True),
+    ("draft head factor, full head", "infer generate --target {tiny} --prompt-ids 1 --draft-head-factor {tmp}",
+     "error: --draft-head-factor is an option of --draft-head efficient", False),
+    ("missing head factor", "infer generate --target {tiny} --prompt-ids 1 --draft-head efficient "
+     "--draft-head-factor {tmp}", "error: no trained head factor at ", True),
+    ("head factor: missing data", "train head-factor --target {tiny} --data {tmp}/none.jsonl --out {tmp}/hf",
+     "error: data file not found: ", False),
     ("token counts: missing data", "train token-counts --target {tiny} --data {tmp}/none.jsonl --out {tmp}/c",
      "error: data file not found: ", False),
     ("truncated weights", "infer generate --target {broken} --prompt-ids 1", "error: ", False, LOADS_A_MODEL),

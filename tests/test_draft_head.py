@@ -163,3 +163,49 @@ def test_int8_head_greedy_equals_plain_greedy_and_sampled_is_lossless(models, dm
     assert agreement is not None and 0.5 < agreement <= 1.0
     dec = engine("dmtp", models, dmtp_dir, head=int8_head, mtp_steps=3)
     assert_matches_target_joint(dec, models[0], PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
+
+
+def test_trained_factor_beats_its_svd_start_and_decodes_exactly(mtp_target_dir, tmp_path):
+    """`train.py head-factor` lowers the KL to the full head on other windows of its data than its
+    start (the SVD) had, writes the factor into the drafter directory, and `--draft-head-factor`
+    decodes with it token for token as plain greedy does."""
+    import json
+    import infer
+    import train
+    rng = np.random.default_rng(0)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": rng.integers(0, 128, 40).tolist()}) + "\n" for _ in range(16)))
+    out = tmp_path / "drafter"
+    out.mkdir()
+    assert train.main(["head-factor", "--target", mtp_target_dir, "--data", str(data), "--out", str(out),
+                       "--rank", "2", "--steps", "100", "--batch-size", "4", "--seq-len", "16", "--lr", "0.03",
+                       "--no-progress"]) == 0
+    evaluation = json.loads((out / "head_factor_run" / "summary.json").read_text())["eval"]
+    assert evaluation["trained"]["kl"] < 0.9 * evaluation["svd"]["kl"], evaluation
+    outs = {}
+    for name, flags in (("ar", ["--method", "ar"]),
+                        ("trained", ["--method", "mtp", "--draft-head", "efficient", "--draft-head-factor", str(out)])):
+        path = tmp_path / f"{name}.json"
+        assert infer.main(["generate", "--target", mtp_target_dir, "--prompt-ids", "1,2,3", "--prompt-ids", "7",
+                           "--max-new-tokens", "10", "--json", str(path), *flags]) == 0
+        outs[name] = json.loads(path.read_text())
+    assert outs["trained"]["output_ids"] == outs["ar"]["output_ids"]
+    assert outs["trained"]["stats"]["draft_head"] == "efficient(rank=2,shortlist=8,trained)"
+
+
+def test_a_subset_factor_loads_with_its_ids(models):
+    """A factor file of a subset head (`down`, `up`, `ids`) sets the head's rank, subset and ids; a
+    rank that differs from the file's is an error."""
+    from dmtp_jax.errors import InputError
+    target = models[0]
+    counts = np.arange(target.cfg.vocab_size)[::-1]             # the 20 lowest ids are the most frequent
+    svd = make_efficient_head(target, rank=3, shortlist=4, counts=counts, subset=20)
+    factor = {k: np.asarray(svd.state[k].get_value()) for k in ("down", "up", "ids")}
+    factor["up"] = factor["up"] * 2.0                            # not the SVD: the file's values are used
+    head = make_efficient_head(target, shortlist=4, factor=factor)
+    assert head.cfg == {"rank": 3, "shortlist": 4, "subset": 20, "trained": True}
+    np.testing.assert_array_equal(np.asarray(head.state["ids"].get_value()), factor["ids"])
+    np.testing.assert_allclose(np.asarray(head.state["up"].get_value()), factor["up"])
+    assert sorted(factor["ids"][factor["ids"] >= 0].tolist()) == list(range(20))
+    with pytest.raises(InputError, match="--draft-head-rank 2 differs from the trained head factor's 3"):
+        make_efficient_head(target, rank=2, factor=factor)

@@ -46,7 +46,8 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
     `args` carries the paths (`draft`, ...) and `dtype`; the target carries its mesh. `args.draft_head`
     "efficient" or "int8": one drafting head (`models/draft_head.py:make_draft_head`; the efficient
     one of `draft_head_rank` / `draft_head_shortlist` / `draft_head_vocab`, the last with the token
-    counts of `token_counts_path`) shared by every speculative method. A model kind
+    counts of `token_counts_path`, or the trained factor at `draft_head_factor`) shared by every
+    speculative method. A model kind
     with no path given is left out, so the factory raises its own one-line error for the method
     that needs it. Add a model kind with one line in `MODEL_LOADERS`.
 
@@ -62,8 +63,11 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
     if kind != "full" and any(m != "ar" for m in methods):
         from dmtp_jax.models.draft_head import make_draft_head
         subset = getattr(args, "draft_head_vocab", None)
-        counts = None
-        if subset and kind == "efficient":
+        counts = factor = None
+        if getattr(args, "draft_head_factor", None) and kind == "efficient":
+            from dmtp_jax.models.draft_head import read_head_factor
+            factor = read_head_factor(args.draft_head_factor)
+        elif subset and kind == "efficient":
             from dmtp_jax.models.draft_head import read_token_counts
             path = token_counts_path(args)
             if path is None:
@@ -72,7 +76,7 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
                                  hint="write them with: python train.py token-counts --target T --data D --out DIR")
             counts = read_token_counts(path, target.cfg.vocab_size)
         head = make_draft_head(target, kind, getattr(args, "draft_head_rank", None),
-                               getattr(args, "draft_head_shortlist", None), counts, subset)
+                               getattr(args, "draft_head_shortlist", None), counts, subset, factor)
     for method in methods:
         needs = method_needs(method)
         out[method] = {} if head is None or method == "ar" else {"draft_head": head}

@@ -227,30 +227,46 @@ def shortlist_logits(x_nh: jax.Array, down_hr: jax.Array, up_rv: jax.Array, rows
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(P(n_ax, v_ax), P(n_ax)))(*args)
 
 
-def factor_head(head: EfficientHead, weight, ids=None, tied: bool | None = None) -> EfficientHead:
+def subset_columns(weight, ids, tied: bool) -> jax.Array:
+    """`[H, C]`: the LM head `weight` (`[H, V]`, or `[V, H]` when `tied`) as `[H, V]`, or only its
+    columns at `ids` (`[C]`, -1: a zero column of padding).
+
+    Example:
+        >>> subset_columns(jnp.arange(6.0).reshape(2, 3), jnp.array([2, -1]), tied=False).tolist()
+        [[2.0, 0.0], [5.0, 0.0]]
+    """
+    w_hv = weight.T if tied else weight
+    if ids is None:
+        return w_hv
+    return jnp.where(ids >= 0, jnp.take(w_hv, jnp.maximum(ids, 0), axis=1), 0)
+
+
+def factor_head(head: EfficientHead, weight, ids=None, tied: bool | None = None, factor=None) -> EfficientHead:
     """`head` with its factor set to the rank-r truncated SVD of the LM head `weight` (`[H, V]`, or
     `[V, H]` when `tied`, default `head.tied`): `A = U_r`,
     `B = U_r^T W` from the eigenvectors of `W W^T` (an `[H, H]` product, so the `[H, V]` matrix is
     never decomposed), and an untied head's rows `W^T`. A subset head (`ids`: vocabulary ids, at
-    most `head.subset`, from `frequent_ids`) factors and copies only those columns of `W`. Runs
+    most `head.subset`, from `frequent_ids`) factors and copies only those columns of `W`.
+    `factor`: `(A, B)` to use instead of the SVD (a trained factor, `train/head_factor.py`). Runs
     once, at load time.
 
     Example: see the module docstring.
     """
     w = jnp.asarray(weight)
-    w_hv = w.T if (head.tied if tied is None else tied) else w
     if ids is not None:
         ids = np.asarray(ids, np.int64)
         if not head.subset or len(ids) > head.subset:
             raise InputError(f"{len(ids)} vocabulary ids for an efficient head of subset {head.subset}")
-        w_hv = jnp.pad(w_hv[:, ids], ((0, 0), (0, head.subset - len(ids))))
-        head.ids[...] = jnp.asarray(np.pad(ids, (0, head.subset - len(ids)), constant_values=-1), jnp.int32)
-    gram = np.asarray(jax.jit(lambda m: jnp.dot(m, m.T, preferred_element_type=jnp.float32))(w_hv), np.float64)
-    _, vectors = np.linalg.eigh(gram)                       # ascending eigenvalues
-    u = jnp.asarray(vectors[:, ::-1][:, :head.rank], jnp.float32)
-    b = jax.jit(lambda m, u: jnp.dot(u.T, m.astype(jnp.float32)))(w_hv, u)
-    head.down[...] = u.astype(head.down.dtype)
-    head.up[...] = b.astype(head.up.dtype)
+        ids = np.pad(ids, (0, head.subset - len(ids)), constant_values=-1)
+        head.ids[...] = jnp.asarray(ids, jnp.int32)
+    w_hv = subset_columns(w, None if ids is None else jnp.asarray(ids), head.tied if tied is None else tied)
+    if factor is None:
+        gram = np.asarray(jax.jit(lambda m: jnp.dot(m, m.T, preferred_element_type=jnp.float32))(w_hv), np.float64)
+        _, vectors = np.linalg.eigh(gram)                       # ascending eigenvalues
+        u = jnp.asarray(vectors[:, ::-1][:, :head.rank], jnp.float32)
+        factor = (u, jax.jit(lambda m, u: jnp.dot(u.T, m.astype(jnp.float32)))(w_hv, u))
+    head.down[...] = jnp.asarray(factor[0]).astype(head.down.dtype)
+    head.up[...] = jnp.asarray(factor[1]).astype(head.up.dtype)
     if not head.tied:
         head.rows[...] = w_hv.T.reshape(head.rows.shape).astype(head.rows.dtype)
     return head
@@ -316,6 +332,40 @@ def read_token_counts(path: str, vocab: int) -> np.ndarray:
     if counts.shape != (vocab,):
         raise InputError(f"{file} holds counts of shape {counts.shape}, the target's vocabulary is {vocab}")
     return counts
+
+
+HEAD_FACTOR = "head_factor.safetensors"
+
+
+def head_factor_file(path: str) -> str:
+    """The trained factor file `path` names (the file, or a directory's `head_factor.safetensors`);
+    an `InputError` when there is none.
+
+    Example:
+        >>> head_factor_file("/nope")
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.InputError: no trained head factor at /nope
+    """
+    import os
+    file = os.path.join(path, HEAD_FACTOR) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise InputError(f"no trained head factor at {file}",
+                         hint="train one with: python train.py head-factor --target T --data D --out DIR")
+    return file
+
+
+def read_head_factor(path: str) -> dict:
+    """`{"down" [H, r], "up" [r, C][, "ids" [C]]}` numpy arrays of a trained factor
+    (`train.py head-factor`) at `path` (`head_factor_file`).
+
+    Example:
+        >>> read_head_factor("drafter_dir")["down"].shape  # doctest: +SKIP
+        (256, 64)
+    """
+    from dmtp_jax.checkpoint.safetensors_io import SafetensorsFile
+    f = SafetensorsFile(head_factor_file(path))
+    return {k: np.array(f.array(k)) for k in f.keys()}
 
 
 class Int8Head(nnx.Module):
@@ -389,7 +439,8 @@ def head_name(head_cfg) -> str:
     if head_cfg.get("kind") == "int8":
         return "int8"
     subset = f",vocab={head_cfg['subset']}" if head_cfg.get("subset") else ""
-    return f"efficient(rank={head_cfg['rank']},shortlist={head_cfg['shortlist']}{subset})"
+    trained = ",trained" if head_cfg.get("trained") else ""
+    return f"efficient(rank={head_cfg['rank']},shortlist={head_cfg['shortlist']}{subset}{trained})"
 
 
 def _efficient_shape(target_cfg, rank, shortlist, subset) -> tuple[dict, dict]:
@@ -413,25 +464,42 @@ def abstract_efficient_head(target_cfg, dtype, rank: int | None = None, shortlis
 
 
 def make_efficient_head(target, rank: int | None = None, shortlist: int | None = None, counts=None,
-                        subset: int | None = None):
+                        subset: int | None = None, factor: dict | None = None):
     """A `LoadedModel` holding the efficient head of a loaded target (`factor_head` of its LM head),
     its params at their mesh shardings. `subset` N with `counts` (`[V]`, `read_token_counts`): the
-    head scores only the N most frequent ids.
+    head scores only the N most frequent ids. `factor` (`read_head_factor`): a trained factor, used
+    instead of the SVD; its shape sets the rank and the subset.
 
     Example:
         >>> head = make_efficient_head(target, rank=64, shortlist=256)  # doctest: +SKIP
         >>> head.cfg  # doctest: +SKIP
         {'rank': 64, 'shortlist': 256}
     """
-    cfg, shape = _efficient_shape(target.cfg, rank, shortlist, subset)
     ids = None
-    if subset:
+    if factor is not None:
+        trained_rank = factor["down"].shape[1]
+        ids = factor["ids"][factor["ids"] >= 0] if "ids" in factor else None
+        for flag, given, own in (("--draft-head-rank", rank, trained_rank),
+                                 ("--draft-head-vocab", subset, None if ids is None else len(ids))):
+            if given is not None and given != own:
+                raise InputError(f"{flag} {given} differs from the trained head factor's {own}")
+        rank, subset = trained_rank, None if ids is None else len(ids)
+    cfg, shape = _efficient_shape(target.cfg, rank, shortlist, subset)
+    if factor is not None:
+        want = {"down": (target.cfg.hidden_size, rank), "up": (rank, shape["subset"] or target.cfg.vocab_size)}
+        if any(factor[k].shape != v for k, v in want.items()):
+            raise InputError(f"the trained head factor's shapes {[factor[k].shape for k in want]} do not fit this "
+                             f"target (want {list(want.values())})")
+        cfg["trained"] = True
+    elif subset:
         if counts is None:
             raise InputError("--draft-head-vocab needs token counts", hint="pass --draft-head-counts")
         ids = frequent_ids(counts, subset)
     model = nnx.merge(target.graphdef, target.state)
     head = EfficientHead(**shape, dtype=target.state_dtype)
-    return _loaded(target, cfg, factor_head(head, model.head_weight(), ids, tied=target.cfg.tie_word_embeddings))
+    pair = None if factor is None else (factor["down"], factor["up"])
+    return _loaded(target, cfg, factor_head(head, model.head_weight(), ids, tied=target.cfg.tie_word_embeddings,
+                                            factor=pair))
 
 
 def _loaded(target, head_cfg: dict, head):
@@ -457,7 +525,7 @@ def abstract_draft_head(kind: str, target_cfg, dtype, rank: int | None = None, s
 
 
 def make_draft_head(target, kind: str, rank: int | None = None, shortlist: int | None = None, counts=None,
-                    subset: int | None = None):
+                    subset: int | None = None, factor: dict | None = None):
     """A `LoadedModel` holding the drafting head of `kind` ("efficient": `make_efficient_head`; "int8":
     `quantize_head` of the target's LM head), its params at their mesh shardings.
 
@@ -466,7 +534,7 @@ def make_draft_head(target, kind: str, rank: int | None = None, shortlist: int |
         {'kind': 'int8'}
     """
     if kind == "efficient":
-        return make_efficient_head(target, rank, shortlist, counts, subset)
+        return make_efficient_head(target, rank, shortlist, counts, subset, factor)
     if kind != "int8":
         raise InputError(f"unknown draft head '{kind}'; use {', '.join(DRAFT_HEADS)}")
     cfg = target.cfg
