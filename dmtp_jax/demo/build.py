@@ -267,15 +267,14 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     from dmtp_jax.config import TargetConfig
     from dmtp_jax.demo.pretrain import Pretrainer, PretrainStep, WindowBatches, window_run_options
     from dmtp_jax.train.loop import run_loop
-    from dmtp_jax.train.step import OptimConfig
+    from dmtp_jax.train.step import optim_config
 
     p = _paths(cfg)
     manifest = prepare_data(cfg)
     if cfg.data_only:
         return {"data": manifest}
     target_cfg = TargetConfig.from_hf_dict(cfg.target_hf_config(manifest["eos_id"]))
-    ocfg = OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
-                       min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+    ocfg = optim_config(cfg)
     pt = Pretrainer(target_cfg, PretrainStep(cfg.mtp_lambda, cfg.mtp_stop_gradient, cfg.compute_dtype), ocfg)
     length = cfg.seq_len + 1
     state, run = run_loop(

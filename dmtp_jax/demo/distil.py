@@ -28,6 +28,7 @@ import os
 
 import numpy as np
 
+from dmtp_jax.demo.pretrain import WindowRunConfig
 from dmtp_jax.errors import InputError
 
 CORPUS_HEAD_CARD = """# {name}: the demo target's corpus-only MTP head
@@ -44,31 +45,17 @@ Same format as the target's `mtp.*` tensors (bf16); loads with `--mtp {name}`.
 
 
 @dataclasses.dataclass
-class DistilConfig:
-    """The MTP-only phase (`configs/demo_mtp.py` fills it; flags override)."""
+class DistilConfig(WindowRunConfig):
+    """The MTP-only phase (`configs/demo_mtp.py` fills it; flags override); the optimisation and
+    run fields are `WindowRunConfig`'s."""
     target: str = "demo/target"                 # frozen target; its mtp.* tensors are replaced
     data: str | tuple[str, ...] = "demo/regen.jsonl"    # text the target wrote (one file or several)
     corpus_head_dir: str = "demo/mtp_corpus"    # the pretrained (corpus-only) head, kept
     val_tokens: str = "demo_out/data/val_tokens.npy"
     run_dir: str = "demo_out/mtp_run"
-    seq_len: int = 256
-    batch_size: int = 16
-    steps: int = 300
-    lr: float = 1e-3
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
     compute_dtype: str = "float32"
-    seed: int = 0
-    eval_batches: int = 8
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
-    max_nonfinite: int = 10                     # stop after this many non-finite steps in a row
     save_dtype: str = "bfloat16"
     mtp_lambda: float = 0.3                     # for the corpus head's card only
-    resume: bool = False
-    progress: bool = True
 
     @classmethod
     def from_dict(cls, d: dict) -> "DistilConfig":
@@ -152,15 +139,14 @@ def run_distil(cfg: DistilConfig) -> dict:
     from dmtp_jax.checkpoint.mtp_ckpt import load_mtp, mtp_tensors
     from dmtp_jax.demo.pretrain import MtpDistiller, WindowBatches, window_run_options
     from dmtp_jax.train.loop import run_loop
-    from dmtp_jax.train.step import OptimConfig
+    from dmtp_jax.train.step import optim_config
 
     name = os.path.basename(os.path.normpath(cfg.corpus_head_dir))
     keep_corpus_head(cfg.target, cfg.corpus_head_dir, CORPUS_HEAD_CARD.format(name=name, mtp_lambda=cfg.mtp_lambda))
     target = load_target(cfg.target, "float32")
     corpus_head = load_mtp(cfg.corpus_head_dir, target.cfg, "float32", target.mesh)
     stream = regen_stream(cfg.data, target.cfg.eos_token_ids[0])
-    ocfg = OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
-                       min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+    ocfg = optim_config(cfg)
     distiller = MtpDistiller(target.cfg, target.state, corpus_head.state, ocfg, cfg.compute_dtype)
     length = cfg.seq_len + 1
     state, run = run_loop(

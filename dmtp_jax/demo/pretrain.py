@@ -155,6 +155,28 @@ class WindowBatches:
         self.index = int(state["step"])
 
 
+@dataclasses.dataclass
+class WindowRunConfig:
+    """The optimisation and run fields of a `WindowTrainer` job (`demo.distil.DistilConfig`,
+    `train.head_factor.FactorConfig` add their own): `train.step.optim_config` and
+    `window_run_options` read them."""
+    seq_len: int = 256
+    batch_size: int = 16
+    steps: int = 300
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    max_nonfinite: int = 10                     # stop after this many non-finite steps in a row
+    resume: bool = False
+    progress: bool = True
+
+
 def window_run_options(cfg, out: str):
     """`train.loop.RunOptions` of a demo run (`demo.build.PretrainConfig` or `demo.distil.DistilConfig`:
     same field names) writing to `out`.

@@ -35,14 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dmtp_jax.demo.pretrain import WindowTrainer
+from dmtp_jax.demo.pretrain import WindowRunConfig, WindowTrainer
 from dmtp_jax.errors import InputError
 from dmtp_jax.models.draft_head import HEAD_FACTOR
 
 
 @dataclasses.dataclass
-class FactorConfig:
-    """`train.py head-factor`'s settings (flags fill it)."""
+class FactorConfig(WindowRunConfig):
+    """`train.py head-factor`'s settings (flags fill it); the optimisation and run fields are
+    `WindowRunConfig`'s."""
     target: str = ""
     data: str = ""                      # the drafter's training data (any layout `train/data.py` reads)
     out: str = ""                       # the drafter directory: writes head_factor.safetensors
@@ -51,21 +52,6 @@ class FactorConfig:
     shortlist: int | None = None        # K of the recall metric (default: `head_shape`'s)
     vocab: int | None = None            # a frequency subset of N ids (token counts needed)
     counts: str | None = None           # default: `out`'s token_counts.npy
-    seq_len: int = 256
-    batch_size: int = 8
-    steps: int = 200
-    lr: float = 1e-3
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    eval_batches: int = 4
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
-    max_nonfinite: int = 10
-    resume: bool = False
-    progress: bool = True
 
 
 def factor_loss(params: dict, frozen: dict, target_graphdef, mtp_graphdef, tokens_bt: jax.Array, tied: bool,
@@ -171,7 +157,7 @@ def train_head_factor(cfg: FactorConfig) -> dict:
     from dmtp_jax.tokenizer import load_tokenizer
     from dmtp_jax.train.data import TokenDataset
     from dmtp_jax.train.loop import run_loop
-    from dmtp_jax.train.step import OptimConfig
+    from dmtp_jax.train.step import optim_config
 
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.seq_len < 2:
         raise InputError(f"--steps and --batch-size must be >= 1 and --seq-len >= 2, got {cfg.steps}, "
@@ -186,8 +172,7 @@ def train_head_factor(cfg: FactorConfig) -> dict:
     stream = token_stream(dataset, target.cfg.eos_token_ids[0] if target.cfg.eos_token_ids else 0)
     if len(stream) < cfg.seq_len + 1:
         raise InputError(f"{cfg.data}: {len(stream)} tokens, fewer than one window of --seq-len {cfg.seq_len} + 1")
-    ocfg = OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
-                       min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+    ocfg = optim_config(cfg)
     distiller = FactorDistiller(target, mtp, head, ocfg)
     run_dir = os.path.join(cfg.out, "head_factor_run")
     state, run = run_loop(window_run_options(cfg, run_dir), distiller, cfg.seed,

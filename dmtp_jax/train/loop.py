@@ -229,7 +229,7 @@ def setup(cfg: TrainConfig):
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tokenizer import load_tokenizer
     from dmtp_jax.train.data import BatchIterator, TokenDataset, process_rows
-    from dmtp_jax.train.step import OptimConfig, StepConfig, Trainer
+    from dmtp_jax.train.step import StepConfig, Trainer, optim_config
 
     cfg.validate()
     from dmtp_jax.config import load_target_config
@@ -267,9 +267,7 @@ def setup(cfg: TrainConfig):
                       gamma=cfg.resolved_gamma(), grad_accum=cfg.grad_accum,
                       compute_dtype=cfg.compute_dtype, seed=cfg.seed, fusion_rank=cfg.fusion_rank,
                       ce_chunk=cfg.ce_chunk, remat=cfg.remat)
-    ocfg = OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
-                       min_lr_ratio=cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
-                       max_grad_norm=cfg.max_grad_norm)
+    ocfg = optim_config(cfg)
     trainer = Trainer(target, dcfg, scfg, ocfg, mesh, mtp=mtp)
     shape = (cfg.batch_size, cfg.seq_len)
     batches = DrafterBatches(BatchIterator(dataset, cfg.batch_size, process_rows(trainer.batch_sharding(shape), shape),

@@ -94,6 +94,20 @@ class OptimConfig:
     max_grad_norm: float = 1.0
 
 
+def optim_config(cfg) -> OptimConfig:
+    """The `OptimConfig` of a run's config (`TrainConfig`, the demo's `PretrainConfig`, any
+    `demo.pretrain.WindowRunConfig`): its `lr`, `steps`, `warmup_steps`, `min_lr_ratio`,
+    `weight_decay`, `max_grad_norm`.
+
+    Example:
+        >>> from dmtp_jax.demo.distil import DistilConfig
+        >>> optim_config(DistilConfig(steps=5, lr=0.1)).total_steps
+        5
+    """
+    return OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio,
+                       weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+
+
 def lr_schedule(ocfg: OptimConfig) -> optax.Schedule:
     """Warmup (at most the run length) then cosine.
 
