@@ -25,11 +25,12 @@ import time
 
 import numpy as np
 
+from dmtp_jax.demo.pretrain import WindowRunConfig
 from dmtp_jax.errors import InputError
 
 
 @dataclasses.dataclass
-class PretrainConfig:
+class PretrainConfig(WindowRunConfig):
     """The demo target's recipe (`configs/demo_target.py` fills it; flags override)."""
     work_dir: str = "demo_out"              # data, tokenizer, run (checkpoints, metrics)
     export_dir: str = "demo/target"         # the HF directory written at the end
@@ -62,27 +63,16 @@ class PretrainConfig:
     linear_key_head_dim: int = 64
     linear_value_head_dim: int = 64
     linear_conv_kernel_dim: int = 4
-    # objective and optimisation
+    # objective and optimisation (the rest: `WindowRunConfig`'s, these defaults differ)
     mtp_lambda: float = 0.3
     mtp_stop_gradient: bool = False
-    seq_len: int = 256
-    batch_size: int = 16
     steps: int = 200
     lr: float = 3e-3
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
     compute_dtype: str = "float32"
-    seed: int = 0
-    eval_batches: int = 8
     # run
     checkpoint_every: int = 50
-    keep_checkpoints: int = 2
     save_dtype: str = "bfloat16"
-    max_nonfinite: int = 10                 # stop after this many non-finite steps in a row
-    resume: bool = False
-    progress: bool = True
     data_only: bool = False
 
     @classmethod
