@@ -72,19 +72,24 @@ def run(ckpt: str, spec: str) -> dict:
         counts = (np.arange(target.cfg.vocab_size) * 37) % 101
         heads = {"all": make_efficient_head(target, rank=2, shortlist=8),
                  "subset": make_efficient_head(target, rank=2, shortlist=8, counts=counts, subset=40)}
+        names = list(heads)
 
         @jax.jit
-        def head_check(state, head_state, tokens_bt):   # (ids kept per position, max |diff| on them)
+        def head_check(state, head_states, tokens_bt):  # per head: (ids kept per position, max |diff|, kept)
             model = nnx.merge(target.graphdef, state)
             positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
             hidden = model(tokens_bt, positions).hidden_bth
-            got = nnx.merge(head.graphdef, head_state).scores(hidden).logits
-            kept = jnp.isfinite(got)
-            return kept.sum(-1), jnp.max(jnp.where(kept, jnp.abs(got - model.logits(hidden)), 0.0)), kept
+            full, out = model.logits(hidden), []
+            for name, head_state in zip(names, head_states):
+                got = nnx.merge(heads[name].graphdef, head_state).scores(hidden).logits
+                kept = jnp.isfinite(got)
+                out.append((kept.sum(-1), jnp.max(jnp.where(kept, jnp.abs(got - full), 0.0)), kept))
+            return out
 
         shortlist = {}
-        for name, head in heads.items():
-            kept, diff, where = head_check(target.state, head.state, tokens)
+        checks = head_check(target.state, [heads[n].state for n in names], tokens)
+        for name, (kept, diff, where) in zip(names, checks):
+            head = heads[name]
             outside = int(np.asarray(where)[..., np.setdiff1d(np.arange(target.cfg.vocab_size),
                                                                np.asarray(head.state["ids"].get_value()))].sum()
                           ) if name == "subset" else 0
