@@ -132,8 +132,12 @@ def test_greedy_with_the_efficient_head_equals_plain_greedy(models, dmtp_dir):
         assert res.output_ids == want, method
         assert res.stats["draft_head"] == "efficient(rank=2,shortlist=4)"
     # the bench's figure: T1 from this head is the full head's at some positions of the text, not all
-    agreement = t1_agreement(dec, [p + o for p, o in zip(PROMPTS, want)])
+    sequences = [p + o for p, o in zip(PROMPTS, want)]
+    agreement = t1_agreement(dec, sequences)
     assert 0.0 < agreement < 1.0
+    # with prompt lengths it counts from each prompt's last token on: here one position per sequence
+    last_only = t1_agreement(dec, sequences, [len(s) for s in sequences]) * len(sequences)
+    assert abs(last_only - round(last_only)) < 1e-9
 
 
 def test_subset_head_greedy_equals_plain_greedy_and_sampled_is_lossless(models, dmtp_dir):
