@@ -138,24 +138,19 @@ def check_draft_head(args, counts: bool = True) -> None:
     if getattr(args, "draft_head", "full") == "efficient":
         from dmtp_jax.models.draft_head import head_shape
         head_shape(1, 1, args.draft_head_rank, args.draft_head_shortlist)
-    factor = getattr(args, "draft_head_factor", None)
-    if factor is not None:
-        if getattr(args, "draft_head", "full") != "efficient":
-            raise InputError("--draft-head-factor is an option of --draft-head efficient")
-        if counts:          # plan reads no factor
-            from dmtp_jax.models.draft_head import head_factor_file
-            head_factor_file(factor)
-    vocab = getattr(args, "draft_head_vocab", None)
-    if vocab is not None and factor is None:
-        if getattr(args, "draft_head", "full") != "efficient":
-            raise InputError("--draft-head-vocab is an option of --draft-head efficient")
-        if vocab < 1:
-            raise InputError(f"--draft-head-vocab must be >= 1, got {vocab}")
+    factor, vocab = getattr(args, "draft_head_factor", None), getattr(args, "draft_head_vocab", None)
+    for flag, value in (("--draft-head-factor", factor), ("--draft-head-vocab", vocab)):
+        if value is not None and getattr(args, "draft_head", "full") != "efficient":
+            raise InputError(f"{flag} is an option of --draft-head efficient")
+    if factor is None and vocab is not None and vocab < 1:
+        raise InputError(f"--draft-head-vocab must be >= 1, got {vocab}")
+    if counts and (factor is not None or vocab is not None):    # plan reads neither file
         from dmtp_jax.decode.loading import token_counts_path
-        path = token_counts_path(args) if counts else None
-        if path:            # else the demo's drafter directories, each read when its models load
-            from dmtp_jax.models.draft_head import token_counts_file
-            token_counts_file(path)
+        from dmtp_jax.models.draft_head import HEAD_FACTOR, TOKEN_COUNTS, drafter_file
+        if factor is not None:
+            drafter_file(factor, HEAD_FACTOR)
+        elif token_counts_path(args):   # else the demo's drafter directories, each read when its models load
+            drafter_file(token_counts_path(args), TOKEN_COUNTS)
 
 
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, cfg) -> None:

@@ -8,7 +8,6 @@ Example:
 from __future__ import annotations
 
 from dmtp_jax.decode import method_needs
-from dmtp_jax.errors import InputError
 
 
 def _load_drafter(args, target, method):
@@ -69,12 +68,8 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
             factor = read_head_factor(args.draft_head_factor)
         elif subset and kind == "efficient":
             from dmtp_jax.models.draft_head import read_token_counts
-            path = token_counts_path(args)
-            if path is None:
-                raise InputError("--draft-head-vocab needs token counts: pass --draft-head-counts FILE or a "
-                                 "--draft directory holding token_counts.npy",
-                                 hint="write them with: python train.py token-counts --target T --data D --out DIR")
-            counts = read_token_counts(path, target.cfg.vocab_size)
+            path = token_counts_path(args)          # None: `make_draft_head` says what is missing
+            counts = None if path is None else read_token_counts(path, target.cfg.vocab_size)
         head = make_draft_head(target, kind, getattr(args, "draft_head_rank", None),
                                getattr(args, "draft_head_shortlist", None), counts, subset, factor)
     for method in methods:

@@ -169,7 +169,7 @@ def shortlist_logits(x_nh: jax.Array, down_hr: jax.Array, up_rv: jax.Array, rows
     from dmtp_jax.layers.mlp import _axes, weights_mesh
     from dmtp_jax.sharding import DEFAULT_RULES, spec_for
 
-    def local(x, down, up, rows, ids, k, embed_axes=(), vocab_axes=()):
+    def local(x, down, up, rows, ids, k, embed_axes=(), vocab_axes=(), shards=1):
         z = jnp.dot(x, down, preferred_element_type=jnp.float32)
         z = (jax.lax.psum(z, embed_axes) if embed_axes else z).astype(x.dtype)
         approx = jnp.dot(z, up, preferred_element_type=jnp.float32)                   # [N, C_local]
@@ -219,10 +219,10 @@ def shortlist_logits(x_nh: jax.Array, down_hr: jax.Array, up_rv: jax.Array, rows
     v_ax, e_ax, n_ax = spec[0], spec[1], spec[-1]       # spec_for gives None for an unsplit dim
     in_specs = (P(n_ax, e_ax), P(e_ax, None), P(None, v_ax), P(*spec[:-1]))
     if ids is None:
-        fn = lambda x, d, u, r: local(x, d, u, r, None, k, embed_axes, vocab_axes)  # noqa: E731
+        fn = lambda x, d, u, r: local(x, d, u, r, None, k, embed_axes, vocab_axes, shards)  # noqa: E731
         args = (x_nh, down_hr, up_rv, rows)
     else:
-        fn = lambda x, d, u, r, i: local(x, d, u, r, i, k, embed_axes, vocab_axes)  # noqa: E731
+        fn = lambda x, d, u, r, i: local(x, d, u, r, i, k, embed_axes, vocab_axes, shards)  # noqa: E731
         args, in_specs = (x_nh, down_hr, up_rv, rows, ids), in_specs + (P(v_ax),)
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(P(n_ax, v_ax), P(n_ax)))(*args)
 
@@ -299,72 +299,57 @@ def frequent_ids(counts, n: int) -> np.ndarray:
 
 
 TOKEN_COUNTS = "token_counts.npy"
+HEAD_FACTOR = "head_factor.safetensors"
+_MISSING = {TOKEN_COUNTS: ("token counts",
+                           "write them with: python train.py token-counts --target T --data D --out DIR"),
+            HEAD_FACTOR: ("trained head factor",
+                          "train one with: python train.py head-factor --target T --data D --out DIR")}
 
 
-def token_counts_file(path: str) -> str:
-    """The token counts file `path` names (a `.npy` file, or a directory's `token_counts.npy`); an
+def drafter_file(path: str, name: str) -> str:
+    """The file `path` names for a drafter directory's `name` (`token_counts.npy`,
+    `head_factor.safetensors`): `path` itself, or `path/name` when `path` is a directory; an
     `InputError` when there is none.
 
     Example:
-        >>> token_counts_file("/nope")
+        >>> drafter_file("/nope", TOKEN_COUNTS)
         Traceback (most recent call last):
         ...
         dmtp_jax.errors.InputError: no token counts at /nope
     """
     import os
-    file = os.path.join(path, TOKEN_COUNTS) if os.path.isdir(path) else path
+    file = os.path.join(path, name) if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise InputError(f"no token counts at {file}",
-                         hint="write them with: python train.py token-counts --target T --data D --out DIR")
+        what, hint = _MISSING[name]
+        raise InputError(f"no {what} at {file}", hint=hint)
     return file
 
 
 def read_token_counts(path: str, vocab: int) -> np.ndarray:
-    """Token counts `[vocab]` from `path` (`token_counts_file`; `train.py token-counts` writes them
+    """Token counts `[vocab]` from `path` (`drafter_file`; `train.py token-counts` writes them
     into a drafter directory).
 
     Example:
         >>> read_token_counts("drafter_dir", 248320).shape  # doctest: +SKIP
         (248320,)
     """
-    file = token_counts_file(path)
+    file = drafter_file(path, TOKEN_COUNTS)
     counts = np.load(file, allow_pickle=False)
     if counts.shape != (vocab,):
         raise InputError(f"{file} holds counts of shape {counts.shape}, the target's vocabulary is {vocab}")
     return counts
 
 
-HEAD_FACTOR = "head_factor.safetensors"
-
-
-def head_factor_file(path: str) -> str:
-    """The trained factor file `path` names (the file, or a directory's `head_factor.safetensors`);
-    an `InputError` when there is none.
-
-    Example:
-        >>> head_factor_file("/nope")
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.InputError: no trained head factor at /nope
-    """
-    import os
-    file = os.path.join(path, HEAD_FACTOR) if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        raise InputError(f"no trained head factor at {file}",
-                         hint="train one with: python train.py head-factor --target T --data D --out DIR")
-    return file
-
-
 def read_head_factor(path: str) -> dict:
     """`{"down" [H, r], "up" [r, C][, "ids" [C]]}` numpy arrays of a trained factor
-    (`train.py head-factor`) at `path` (`head_factor_file`).
+    (`train.py head-factor`) at `path` (`drafter_file`).
 
     Example:
         >>> read_head_factor("drafter_dir")["down"].shape  # doctest: +SKIP
         (256, 64)
     """
     from dmtp_jax.checkpoint.safetensors_io import SafetensorsFile
-    f = SafetensorsFile(head_factor_file(path))
+    f = SafetensorsFile(drafter_file(path, HEAD_FACTOR))
     return {k: np.array(f.array(k)) for k in f.keys()}
 
 
@@ -493,7 +478,8 @@ def make_efficient_head(target, rank: int | None = None, shortlist: int | None =
         cfg["trained"] = True
     elif subset:
         if counts is None:
-            raise InputError("--draft-head-vocab needs token counts", hint="pass --draft-head-counts")
+            raise InputError("--draft-head-vocab needs token counts: pass --draft-head-counts FILE or a --draft "
+                             "directory holding token_counts.npy", hint=_MISSING[TOKEN_COUNTS][1])
         ids = frequent_ids(counts, subset)
     model = nnx.merge(target.graphdef, target.state)
     head = EfficientHead(**shape, dtype=target.state_dtype)
