@@ -71,27 +71,19 @@ class DistilConfig(WindowRunConfig):
 
 
 def regen_stream(paths: str | tuple[str, ...], eos_id: int) -> np.ndarray:
-    """The `input_ids` of every regen record of `paths` (one file or several, in order), each
-    followed by `eos_id`, as one int32 stream.
+    """The tokens of every regen record of `paths` (one file or several, in order), each followed
+    by `eos_id`, as one int32 stream (`train.data.token_stream`, no tokenizer: `input_ids` records).
 
     Example:
         >>> regen_stream("demo/regen.jsonl", 0)[:4]  # doctest: +SKIP
     """
-    from dmtp_jax.train.data import MalformedRecord, parse_record, read_records
+    from dmtp_jax.train.data import read_records, token_stream
 
     paths = (paths,) if isinstance(paths, str) else tuple(paths)
-    ids: list[int] = []
-    for raw in (raw for path in paths for raw in read_records(path)):
-        try:
-            rec = parse_record(raw)
-        except MalformedRecord:
-            continue
-        if isinstance(rec.get("input_ids"), list):
-            ids.extend(int(t) for t in rec["input_ids"])
-            ids.append(eos_id)
-    if not ids:
+    ids = np.concatenate([token_stream(read_records(path), eos_id) for path in paths])
+    if not len(ids):
         raise InputError(f"{', '.join(paths)}: no records with 'input_ids' (run `train.py regen` first)")
-    return np.asarray(ids, np.int32)
+    return ids
 
 
 def keep_corpus_head(target_dir: str, out_dir: str, card: str) -> None:

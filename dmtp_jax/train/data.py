@@ -192,6 +192,27 @@ def encode_record(record: dict, tokenizer=None, vocab_size: int | None = None) -
     return out
 
 
+def token_stream(records, eos_id: int, tokenizer=None, vocab_size: int | None = None,
+                 seq_len: int | None = None) -> np.ndarray:
+    """Every valid record of `records` (raw, as `read_records` gives them) encoded as training encodes
+    it (`encode_record`; malformed ones skipped), cut to `seq_len` tokens when given and followed by
+    `eos_id`, as one int32 stream: the source of random-window batches (the demo's MTP distillation,
+    `train.py head-factor`).
+
+    Example:
+        >>> token_stream([{"input_ids": [5, 6, 8]}, "bad", {"input_ids": [7]}], 0, seq_len=2).tolist()
+        [5, 6, 0, 7, 0]
+    """
+    ids: list[int] = []
+    for raw in records:
+        try:
+            tokens, _ = encode_record(parse_record(raw), tokenizer, vocab_size)
+        except MalformedRecord:
+            continue
+        ids.extend([*tokens[:seq_len], eos_id])
+    return np.asarray(ids, np.int32)
+
+
 def pad_row(ids: Sequence[int], mask: Sequence[int], seq_len: int, pad_id: int = 0):
     """Truncates / right-pads to `seq_len`: `(tokens_l int32, loss_mask_l int32)`.
 

@@ -120,26 +120,6 @@ class FactorDistiller(WindowTrainer):
                            self.shortlist)
 
 
-def token_stream(dataset, eos_id: int) -> np.ndarray:
-    """Every valid record of `dataset` (a `TokenDataset`) encoded as training encodes it and cut to
-    its `seq_len`, each followed by `eos_id`, as one int32 stream: the windows' source.
-
-    Example:
-        >>> from dmtp_jax.train.data import TokenDataset
-        >>> token_stream(TokenDataset.from_records([{"input_ids": [5, 6]}, "bad", {"input_ids": [7]}], 4), 0).tolist()
-        [5, 6, 0, 7, 0]
-    """
-    from dmtp_jax.train.data import MalformedRecord, encode_record, parse_record
-    ids: list[int] = []
-    for raw in dataset.records:
-        try:
-            tokens, _ = encode_record(parse_record(raw), dataset.tokenizer, dataset.vocab_size)
-        except MalformedRecord:
-            continue
-        ids.extend([*tokens[:dataset.seq_len], eos_id])
-    return np.asarray(ids, np.int32)
-
-
 def train_head_factor(cfg: FactorConfig) -> dict:
     """Trains the factor (`FactorDistiller` in `run_loop`), evaluates the SVD start and the trained
     factor on other random windows of the same data (drawn with `seed + 1`), and writes
@@ -155,7 +135,7 @@ def train_head_factor(cfg: FactorConfig) -> dict:
     from dmtp_jax.demo.pretrain import WindowBatches, window_run_options
     from dmtp_jax.models.draft_head import make_efficient_head, read_token_counts
     from dmtp_jax.tokenizer import load_tokenizer
-    from dmtp_jax.train.data import TokenDataset
+    from dmtp_jax.train.data import TokenDataset, token_stream
     from dmtp_jax.train.loop import run_loop
     from dmtp_jax.train.step import optim_config
 
@@ -169,7 +149,8 @@ def train_head_factor(cfg: FactorConfig) -> dict:
     mtp = load_mtp(mtp_dir, target.cfg, "float32") if has_mtp(mtp_dir) else None
     counts = read_token_counts(cfg.counts or cfg.out, target.cfg.vocab_size) if cfg.vocab else None
     head = make_efficient_head(target, cfg.rank, cfg.shortlist, counts, cfg.vocab)
-    stream = token_stream(dataset, target.cfg.eos_token_ids[0] if target.cfg.eos_token_ids else 0)
+    stream = token_stream(dataset.records, target.cfg.eos_token_ids[0] if target.cfg.eos_token_ids else 0,
+                          dataset.tokenizer, vocab, cfg.seq_len)
     if len(stream) < cfg.seq_len + 1:
         raise InputError(f"{cfg.data}: {len(stream)} tokens, fewer than one window of --seq-len {cfg.seq_len} + 1")
     ocfg = optim_config(cfg)
