@@ -259,7 +259,12 @@ def test_chat_completions_use_the_chat_template(server, decoder, tmp_path):
 @pytest.mark.slow
 def test_sigterm_finishes_the_running_request_and_exits_0(tiny_qwen3_dir):
     """`infer.py serve` as users run it: SIGTERM while a request runs lets that request finish
-    (all its tokens, finish_reason "length"), refuses what comes after, and the process exits 0."""
+    (all its tokens, finish_reason "length"), refuses what comes after, and the process exits 0.
+
+    The request streams, and the signal goes out as soon as its first chunk arrives: the request
+    is then running for certain (an earlier version polled /metrics for a running row, and a fast
+    machine sometimes finished the whole request between two polls)."""
+    import json
     import os
     import signal
     import socket
@@ -274,8 +279,9 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tiny_qwen3_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    max_tokens = 400                     # prompt [1, 2, 3] does not reach EOS within 400 greedy tokens
     proc = subprocess.Popen([sys.executable, "infer.py", "serve", "--target", tiny_qwen3_dir, "--method", "ar",
-                             "--port", str(port), "--max-batch-size", "2", "--max-model-len", "120"],
+                             "--port", str(port), "--max-batch-size", "2", "--max-model-len", "420"],
                             cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -289,18 +295,26 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tiny_qwen3_dir):
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        result = {}
+        first_chunk = threading.Event()
+        result = {"chunks": [], "done": False}
 
         def complete():
-            result["r"] = httpx.post(url + "/v1/completions", timeout=120,
-                                     json={"prompt": [5, 9, 31], "max_tokens": 110, "temperature": 0})
+            body = {"prompt": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                result["status"] = r.status_code
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        result["done"] = True
+                    else:
+                        result["chunks"].append(json.loads(line[len("data: "):]))
+                    first_chunk.set()
         thread = threading.Thread(target=complete)
         thread.start()
-        while "dmtp_running_rows 1" not in httpx.get(url + "/metrics", timeout=5).text:
-            assert thread.is_alive(), result
-            time.sleep(0.01)
-        assert thread.is_alive()         # the request is running when the signal arrives
+        assert first_chunk.wait(timeout=120), result
         proc.send_signal(signal.SIGTERM)
+        signalled_after = len(result["chunks"])
         time.sleep(0.2)
         try:                             # nothing new is admitted (uvicorn closed its socket, or 503)
             late = httpx.post(url + "/v1/completions", timeout=30, json={"prompt": [1], "max_tokens": 2})
@@ -308,9 +322,11 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tiny_qwen3_dir):
         except httpx.TransportError:
             pass
         thread.join(timeout=120)
-        body = result["r"].json()
-        assert result["r"].status_code == 200, body
-        assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 110
+        assert result["status"] == 200 and result["done"], result
+        last = result["chunks"][-1]
+        assert last["choices"][0]["finish_reason"] == "length", last
+        assert last["usage"]["completion_tokens"] == max_tokens, last
+        assert signalled_after < len(result["chunks"])   # chunks kept coming after the signal
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
