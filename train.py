@@ -160,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--vocab", type=int, help="a frequency subset of N ids (token counts: --counts, default "
                     "OUT/token_counts.npy)")
     hf.add_argument("--counts", help="token counts (.npy or a directory holding token_counts.npy)")
+    hf.add_argument("--mesh", help="device mesh, e.g. tensor=4 (default: one device)")
+    hf.add_argument("--target-dtype", choices=["float32", "bfloat16", "float16"],
+                    help="the frozen target's weights (default float32; bfloat16 at real sizes)")
+    hf.add_argument("--ce-chunk", type=int, help="rows per sequence whose vocabulary scores are live at once "
+                    "(default 256; 0: all)")
     hf.add_argument("--steps", type=int)
     hf.add_argument("--batch-size", type=int)
     hf.add_argument("--seq-len", type=int)
@@ -173,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="dry run: compile the train step for a TPU slice / GPU host / CPU without "
                                      "the weights or the hardware; per-device memory, FLOPs, time")
     add_plan_args(pl)
+    pl.add_argument("--job", default="train", choices=["train", "head-factor"],
+                    help="the step to compile: the drafter's (train) or the efficient head factor's (head-factor)")
     pl.add_argument("--method", default="dmtp", choices=TRAIN_METHODS)
     pl.add_argument("--batch-size", type=int, default=8, help="global batch (sequences per optimizer step)")
     pl.add_argument("--seq-len", type=int, default=4096)
@@ -182,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--grad-accum", type=int, default=1)
     pl.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     pl.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    pl.add_argument("--rank", type=int, help="head-factor: rank of the factor (default min(256, hidden/4))")
+    pl.add_argument("--vocab", type=int, help="head-factor: a vocabulary subset of N ids (default: all)")
+    pl.add_argument("--ce-chunk", type=int, default=256, help="head-factor: rows per sequence scored at once")
     pl.add_argument("--exact-cost", action="store_true",
                     help="also compile the step with the layer scan unrolled, for total FLOPs / bytes / time")
     return p
@@ -190,11 +200,17 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_plan(args) -> int:
     """`train.py plan`: the train step's table, `--json`, exit 2 when it does not fit."""
     from dmtp_jax.plan.topology import parse_topology
-    from dmtp_jax.plan.training import plan_training
+    from dmtp_jax.plan.training import plan_head_factor, plan_training
     from dmtp_jax.preflight import target_config
 
     parse_topology(args.topology)
     target_config(args.target)
+    if args.job == "head-factor":
+        plan = plan_head_factor(args.target, mesh=args.mesh, batch_size=args.batch_size, seq_len=args.seq_len,
+                                target_dtype=args.target_dtype, rank=args.rank, vocab=args.vocab,
+                                ce_chunk=args.ce_chunk, topology=args.topology, hbm_gb=args.hbm_gb,
+                                exact_cost=args.exact_cost, progress=plan_progress)
+        return finish_plan(plan, args.json_path)
     plan = plan_training(args.target, method=args.method, mesh=args.mesh, batch_size=args.batch_size,
                          seq_len=args.seq_len, target_dtype=args.target_dtype, compute_dtype=args.compute_dtype,
                          draft_layers=args.draft_layers, block_size=args.block_size, num_anchors=args.num_anchors,

@@ -35,6 +35,11 @@ def train(target, topo, mesh, batch):
     return ("train", dict(target=target, topology=topo, mesh=mesh, batch_size=batch, seq_len=4096, method="dmtp"))
 
 
+def factor(target, topo, mesh, batch, vocab=None):
+    """`train.py plan --job head-factor`: the efficient head's factor trained toward the full head."""
+    return ("factor", dict(target=target, topology=topo, mesh=mesh, batch_size=batch, seq_len=2048, vocab=vocab))
+
+
 # the rows in the order they matter (the README's sizing table; the issue's targets first)
 ROWS = [
     serve(Q27, "h100x8", "tensor=8", 32, 32768), serve(Q35, "h100x8", "expert=8", 32, 32768),
@@ -47,6 +52,8 @@ ROWS = [
     serve(Q27, "h100x8", "tensor=8", 1, 4096), serve(Q35, "h100x8", "expert=4,tensor=2", 32, 32768),
     serve(Q27, "h200x8", "tensor=8", 32, 32768), serve(Q27, "v6e:2x4", "tensor=8", 32, 4096),
     serve(Q27, "v5e:4x4", "tensor=8,data=2", 32, 4096), train(Q35, "v5p:2x2x2", "data=2,expert=4", 64),
+    factor(Q27, "v5p:2x2x1", "tensor=4", 8), factor(Q27, "v5p:2x2x1", "tensor=4", 8, vocab=32768),
+    factor(Q35, "v5p:2x2x1", "expert=4", 8),
 ]
 
 
@@ -59,16 +66,20 @@ def command(kind: str, kw: dict) -> str:
         return (f"python infer.py plan --target {kw['target']} --method {kw['method']} --topology {kw['topology']} "
                 f"--mesh {kw['mesh']} --batch-size {kw['batch_size']} --prompt-len {kw['prompt_len']} "
                 f"--max-new-tokens {kw['max_new_tokens']} --dtype bfloat16")
+    if kind == "factor":
+        return (f"python train.py plan --job head-factor --target {kw['target']} --topology {kw['topology']} "
+                f"--mesh {kw['mesh']} --batch-size {kw['batch_size']} --seq-len {kw['seq_len']}"
+                + (f" --vocab {kw['vocab']}" if kw["vocab"] else ""))
     return (f"python train.py plan --target {kw['target']} --method dmtp --topology {kw['topology']} "
             f"--mesh {kw['mesh']} --batch-size {kw['batch_size']} --seq-len {kw['seq_len']}")
 
 
 def run(kind: str, kw: dict) -> dict:
     from dmtp_jax.plan import plan_inference
-    from dmtp_jax.plan.training import plan_training
+    from dmtp_jax.plan.training import plan_head_factor, plan_training
     kw = {**kw, "target": os.path.join(ROOT, kw["target"])}
     t0 = time.perf_counter()
-    plan = plan_inference(**kw) if kind == "infer" else plan_training(**kw)
+    plan = {"infer": plan_inference, "train": plan_training, "factor": plan_head_factor}[kind](**kw)
     record = plan.to_json()
     record["wall_s"] = time.perf_counter() - t0
     return record
@@ -85,9 +96,9 @@ def markdown(results: list[dict]) -> str:
         p, s = r["plan"], r["plan"]["settings"]
         est = {f["name"]: f["estimated_s"] for f in p["functions"]}
         fmt = lambda x: "-" if x is None else (f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s")  # noqa: E731
-        model = os.path.basename(r["kw"]["target"]).replace(".json", "") + f" {s['method']}"
+        model = os.path.basename(r["kw"]["target"]).replace(".json", "") + f" {s.get('method', s.get('job'))}"
         prompt = s.get("prompt", s.get("seq"))
-        first = "prefill" if r["kind"] == "infer" else "train_step"
+        first = {"infer": "prefill", "train": "train_step", "factor": "head_factor_step"}[r["kind"]]
         second = est.get("round", est.get("multi_round")) if r["kind"] == "infer" else None
         lines.append(f"| {model} | {p['topology']} | `{r['kw']['mesh']}` | {s['batch']} | {prompt} | "
                      f"{gib(p['per_device_peak_bytes'])} | {gib(p['hbm_bytes'])} | {'yes' if p['fits'] else 'no'} | "

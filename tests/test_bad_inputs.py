@@ -76,6 +76,10 @@ BAD_INPUTS = [
      "--draft-head-factor {tmp}", "error: no trained head factor at ", True),
     ("head factor: missing data", "train head-factor --target {tiny} --data {tmp}/none.jsonl --out {tmp}/hf",
      "error: data file not found: ", False),
+    ("head factor: negative chunk", "train head-factor --target {tiny} --data {tmp}/none.jsonl --out {tmp}/hf "
+     "--ce-chunk -1", "error: --ce-chunk must be >= 0 (0: no chunking), got -1", False),
+    ("head factor: bad mesh", "train head-factor --target {tiny} --data {tmp}/none.jsonl --out {tmp}/hf "
+     "--mesh tensor=64", "error: mesh ", False),
     ("token counts: missing data", "train token-counts --target {tiny} --data {tmp}/none.jsonl --out {tmp}/c",
      "error: data file not found: ", False),
     ("truncated weights", "infer generate --target {broken} --prompt-ids 1", "error: ", False, LOADS_A_MODEL),

@@ -30,3 +30,24 @@ def test_train_plan_bad_input(tiny_qwen3_dir, capsys):
     assert train.main(["plan", "--target", tiny_qwen3_dir, "--batch-size", "3", "--grad-accum", "2",
                        "--method", "dflash"]) == 2
     assert capsys.readouterr().err.strip() == "error: --batch-size 3 is not a multiple of --grad-accum 2"
+
+
+def test_head_factor_plan_cli_json(mtp_target_dir, tmp_path, capsys):
+    """`train.py plan --job head-factor`: the factor step compiled on abstract weights, the frozen
+    target and MTP head apart from the fp32 factor (over the padded subset) and its AdamW state."""
+    import train
+    from dmtp_jax.config import load_target_config
+    from dmtp_jax.models.draft_head import subset_size
+    out = tmp_path / "factor_plan.json"
+    rc = train.main(["plan", "--job", "head-factor", "--target", mtp_target_dir, "--batch-size", "2", "--seq-len",
+                     "32", "--target-dtype", "float32", "--rank", "4", "--vocab", "40", "--ce-chunk", "8",
+                     "--json", str(out)])
+    assert rc == 0 and "head_factor_step" in capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    assert set(plan["weight_bytes"]) == {"target (frozen)", "mtp (frozen)"}
+    hidden = load_target_config(mtp_target_dir).hidden_size
+    assert plan["state_bytes"]["factor (fp32)"] == 4 * (hidden * 4 + 4 * subset_size(40))
+    assert plan["state_bytes"]["optimizer"] >= 2 * plan["state_bytes"]["factor (fp32)"]
+    assert plan["settings"]["vocab"] == 40 and plan["settings"]["rank"] == 4
+    (step,) = plan["functions"]
+    assert step["argument_bytes"] >= sum(plan["weight_bytes"].values()) and step["tokens_per_call"] == 2 * 33

@@ -1,5 +1,7 @@
 """The train step on `fsdp` meshes equals one device, and gathers the drafter's weights (not the
-activations) over `fsdp`: `Trainer.compute_shardings`.
+activations) over `fsdp`: `Trainer.compute_shardings`. The head-factor step
+(`train.head_factor.FactorDistiller`, scores chunked) on `tensor=2` (the target and the vocabulary
+split) and `data=2` (the batch split) equals one device, and its chunked loss equals the unchunked.
 
 Several host devices need `--xla_force_host_platform_device_count` before jax is imported, so the
 test runs this file as a script in a subprocess (`python tests/test_train_fsdp.py TARGET DATA`),
@@ -53,6 +55,35 @@ def _run(target_dir: str, data: str, out: str) -> dict:
     return res
 
 
+FACTOR_RUNS = ((None, 0), (None, 5), ("tensor=2", 5), ("data=2", 5))       # (mesh, ce_chunk)
+
+
+def _factor_run(target_dir: str) -> dict:
+    import jax
+
+    from dmtp_jax.checkpoint.hf import load_target
+    from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
+    from dmtp_jax.models.draft_head import make_efficient_head
+    from dmtp_jax.sharding import make_mesh
+    from dmtp_jax.train.head_factor import FactorDistiller
+    from dmtp_jax.train.step import OptimConfig
+
+    res = {}
+    for mesh, chunk in FACTOR_RUNS:
+        target = load_target(target_dir, "float32", mesh=make_mesh(mesh))
+        mtp = load_mtp(target_dir, target.cfg, "float32", target.mesh)
+        tokens_bt = np.random.default_rng(0).integers(0, target.cfg.vocab_size, (2, 17))
+        distiller = FactorDistiller(target, mtp, make_efficient_head(target, rank=2, shortlist=8),
+                                    OptimConfig(lr=1e-2, total_steps=2, warmup_steps=0), chunk)
+        state, metrics = distiller.init_state(0), []
+        for _ in range(2):
+            state, m = distiller.step(state, {"tokens_bt": tokens_bt})
+            metrics.append({k: float(m[k]) for k in ("loss", "kl", "agree", "recall")})
+        res[f"{mesh}/{chunk}"] = {"metrics": metrics, "params": [np.asarray(x).ravel()[:64].tolist()
+                                                                for x in jax.tree.leaves(state.params)]}
+    return res
+
+
 def test_fsdp_steps_equal_one_device(mtp_target_dir, tmp_path):
     """Two dmtp train steps (drafter + fusion trained, target and MTP frozen) on `fsdp=2` give the
     losses and parameters of one device (fp32), with the drafter's context projection gathered
@@ -73,7 +104,16 @@ def test_fsdp_steps_equal_one_device(mtp_target_dir, tmp_path):
         for a, b in zip(got["params"], one["params"]):
             np.testing.assert_allclose(a, b, atol=2e-5, err_msg=mesh)
         assert got["gathered_fc"], mesh
+    factor = res["factor"]
+    one = factor["None/0"]
+    assert one["metrics"][1]["kl"] < one["metrics"][0]["kl"]         # the step trains
+    for run in list(factor)[1:]:
+        for a, b in zip(factor[run]["metrics"], one["metrics"]):
+            for k in a:
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=f"{run} {k}")
+        for a, b in zip(factor[run]["params"], one["params"]):
+            np.testing.assert_allclose(a, b, atol=2e-5, err_msg=run)
 
 
 if __name__ == "__main__":
-    print(json.dumps(_run(*sys.argv[1:4])))
+    print(json.dumps({**_run(*sys.argv[1:4]), "factor": _factor_run(sys.argv[1])}))

@@ -201,11 +201,13 @@ class PretrainStep:
 
 
 class WindowTrainer:
-    """What `Pretrainer` and `MtpDistiller` share: the trainer interface of `train.loop.run_loop`
-    around a subclass's `loss(params, frozen, tokens_bt) -> (loss, metrics)` on `[B, L+1]` windows.
-    `frozen` (a jit input, never trained: the distiller's target) is held by the trainer; the step
-    is one donated jit (`train.step.apply_gradients`: non-finite steps skip their update), the state
-    `train.step.TrainState` on one device.
+    """What `Pretrainer`, `MtpDistiller` and `train.head_factor.FactorDistiller` share: the trainer
+    interface of `train.loop.run_loop` around a subclass's `loss(params, frozen, tokens_bt) -> (loss,
+    metrics)` on `[B, L+1]` windows. `frozen` (a jit input, never trained: the distiller's target) is
+    held by the trainer; the step is one donated jit (`train.step.apply_gradients`: non-finite steps
+    skip their update). Everything lives on one `mesh` (default: one device): the trained params and
+    the optimizer state replicated, `frozen` at its own shardings, each batch split over the batch
+    axes of the mesh.
 
     Example:
         >>> pt = Pretrainer(target_cfg, PretrainStep(), OptimConfig(total_steps=10))  # doctest: +SKIP
@@ -214,11 +216,15 @@ class WindowTrainer:
 
     BAR = {"loss": "loss"}
 
-    def __init__(self, ocfg: OptimConfig, abstract_params: dict, frozen=None):
+    def __init__(self, ocfg: OptimConfig, abstract_params: dict, frozen=None, mesh=None):
+        from dmtp_jax.sharding import make_mesh, replicated
         self.ocfg, self.tx = ocfg, make_optimizer(ocfg)
         self.abstract_params, self.frozen = abstract_params, frozen
-        self._step = counted_jit(self._step_impl, donate_argnums=(0,))
-        self._eval = jax.jit(lambda params, frozen, tokens_bt: self.loss(params, frozen, tokens_bt)[1])
+        self.mesh = mesh if mesh is not None else make_mesh()
+        self.replicated = replicated(self.mesh)
+        self._step = counted_jit(self._step_impl, donate_argnums=(0,), out_shardings=self.replicated)
+        self._eval = jax.jit(lambda params, frozen, tokens_bt: self.loss(params, frozen, tokens_bt)[1],
+                             out_shardings=self.replicated)
 
     def loss(self, params, frozen, tokens_bt) -> tuple[jax.Array, dict]:
         raise NotImplementedError
@@ -228,22 +234,41 @@ class WindowTrainer:
 
     def init_state(self, seed: int) -> TrainState:
         """Step 0 from `initial_params(seed)` (fp32) and a fresh optimizer state."""
-        return jax.jit(functools.partial(new_state, self.tx))(self.initial_params(seed))
+        return jax.jit(functools.partial(new_state, self.tx), out_shardings=self.replicated)(self.initial_params(seed))
 
     def abstract_state(self) -> TrainState:
-        """ShapeDtypeStructs of the state (for `train.loop.restore_checkpoint`)."""
-        rep = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        """ShapeDtypeStructs of the state (for `train.loop.restore_checkpoint` and `lower_step`)."""
         shapes = jax.eval_shape(functools.partial(new_state, self.tx), self.abstract_params)
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), shapes)
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated), shapes)
 
     def _step_impl(self, state: TrainState, frozen, tokens_bt):
         (loss, metrics), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, frozen, tokens_bt)
         state, update = apply_gradients(self.tx, self.ocfg, state, grads, loss)
         return state, {**metrics, "loss": loss, **update}
 
+    def _tokens(self, tokens_bt) -> jax.Array:
+        """A batch of windows on the mesh, split over its batch axes."""
+        from dmtp_jax.sharding import batch_sharding
+        tokens_bt = np.asarray(tokens_bt)
+        return jax.device_put(tokens_bt, batch_sharding(self.mesh, tokens_bt.shape))
+
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         """One optimizer step on `batch["tokens_bt"]` (`[B, L+1]` windows); `state` is donated."""
-        return self._step(state, self.frozen, jnp.asarray(batch["tokens_bt"]))
+        return self._step(state, self.frozen, self._tokens(batch["tokens_bt"]))
+
+    def lower_step(self, batch_size: int, window: int, frozen) -> jax.stages.Lowered:
+        """The step for `[batch_size, window]` token windows, lowered on abstract inputs (the state,
+        `frozen` as ShapeDtypeStructs at their shardings, the tokens): nothing allocated, the run's
+        compile counter untouched (`train.py plan --job head-factor`).
+
+        Example:
+            >>> compiled = trainer.lower_step(8, 2049, abstract_frozen).compile()  # doctest: +SKIP
+        """
+        from dmtp_jax.sharding import batch_sharding
+        shape = (batch_size, window)
+        tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(self.mesh, shape))
+        return jax.jit(self._step_impl, donate_argnums=(0,), out_shardings=self.replicated).lower(
+            self.abstract_state(), frozen, tokens)
 
     def evaluate(self, params, batches) -> dict:
         """Mean metrics of `params` over `batches` (dicts as `step` takes: held-out windows).
@@ -251,7 +276,7 @@ class WindowTrainer:
         Example:
             >>> pt.evaluate(state.params, [WindowBatches(val, 8, 257, 1).batch(i) for i in range(4)])  # doctest: +SKIP
         """
-        got = [jax.device_get(self._eval(params, self.frozen, jnp.asarray(b["tokens_bt"]))) for b in batches]
+        got = [jax.device_get(self._eval(params, self.frozen, self._tokens(b["tokens_bt"]))) for b in batches]
         return {k: float(np.mean([g[k] for g in got])) for k in got[0]} if got else {}
 
     def record_fields(self, metrics: dict) -> dict:

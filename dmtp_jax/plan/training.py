@@ -26,8 +26,7 @@ def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None,
     """
     from dmtp_jax.errors import InputError
     from dmtp_jax.models.drafter_shape import default_drafter_config
-    from dmtp_jax.plan.compile import compile_function
-    from dmtp_jax.plan.models import shard_bytes, target_config_of
+    from dmtp_jax.plan.models import target_config_of
     from dmtp_jax.plan.topology import open_topology
     from dmtp_jax.platform import compiling_for
     from dmtp_jax.sharding import make_mesh
@@ -53,25 +52,91 @@ def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None,
                           gamma=default_gamma(block_size),
                           grad_accum=grad_accum, compute_dtype=compute_dtype)
         trainer = Trainer(target_model, dcfg, scfg, OptimConfig(), device_mesh, mtp=mtp)
-        train_state = trainer.abstract_state()
-        weights = {"target (frozen)": shard_bytes(target_model.state)}
-        if mtp is not None:
-            weights["mtp (frozen)"] = shard_bytes(mtp.state)
-        state = {"drafter params (fp32)": shard_bytes(train_state.params), "optimizer": shard_bytes(train_state.opt_state)}
-        parts = {**{f"weights:{k}": v for k, v in weights.items()}, **{f"state:{k}": v for k, v in state.items()}}
-        if progress:
-            progress("train_step")
-        fn = compile_function("train_step", lambda: trainer.lower_step(batch_size, seq_len),
-                              min_bytes=sum(weights.values()) + sum(state.values()),
-                              tokens_per_call=batch_size * seq_len, parts=parts, exact_cost=exact_cost)
-    settings = {"method": method, "batch": batch_size, "seq": seq_len, "target dtype": target_dtype,
-                "compute dtype": compute_dtype, "draft layers": draft_layers, "block": block_size,
-                "anchors": num_anchors}
-    if grad_accum > 1:
-        settings["grad accum"] = grad_accum
-    notes = cost_notes([fn], exact_cost) + [f"drafter: a fresh {draft_layers}-layer DFlash drafter of the target's width, context from target "
-             f"layers {list(dcfg.target_layer_ids)}; AdamW state in fp32"]
+        settings = {"method": method, "batch": batch_size, "seq": seq_len, "target dtype": target_dtype,
+                    "compute dtype": compute_dtype, "draft layers": draft_layers, "block": block_size,
+                    "anchors": num_anchors, **({"grad accum": grad_accum} if grad_accum > 1 else {})}
+        note = (f"drafter: a fresh {draft_layers}-layer DFlash drafter of the target's width, context from "
+                f"target layers {list(dcfg.target_layer_ids)}; AdamW state in fp32")
+        return step_plan("train_step", lambda: trainer.lower_step(batch_size, seq_len), trainer.abstract_state(),
+                         "drafter params (fp32)", target_model, mtp, topology, topo, device_mesh, hbm_gb,
+                         batch_size * seq_len, settings, note, exact_cost, progress)
+
+
+def step_plan(name: str, lower, train_state, params_name: str, target_model, mtp, topology: str, topo,
+              device_mesh, hbm_gb: float | None, tokens_per_call: int, settings: dict, note: str,
+              exact_cost: bool, progress) -> PlanResult:
+    """A training plan of one compiled step (`lower()`, inside `compiling_for`): the frozen target
+    (and MTP) and the trained state (`train_state`: params named `params_name`, the optimizer) per
+    device, the step's compile, the verdict.
+
+    Example:
+        >>> plan = step_plan("train_step", lower, state, "drafter params (fp32)", ...)  # doctest: +SKIP
+    """
+    from dmtp_jax.plan.compile import compile_function
+    from dmtp_jax.plan.models import shard_bytes
+
+    weights = {"target (frozen)": shard_bytes(target_model.state)}
+    if mtp is not None:
+        weights["mtp (frozen)"] = shard_bytes(mtp.state)
+    state = {params_name: shard_bytes(train_state.params), "optimizer": shard_bytes(train_state.opt_state)}
+    parts = {**{f"weights:{k}": v for k, v in weights.items()}, **{f"state:{k}": v for k, v in state.items()}}
+    if progress:
+        progress(name)
+    fn = compile_function(name, lower, min_bytes=sum(weights.values()) + sum(state.values()),
+                          tokens_per_call=tokens_per_call, parts=parts, exact_cost=exact_cost)
     return PlanResult("training", topology, topo.platform, topo.device_kind, device_mesh.size,
                       {k: int(v) for k, v in device_mesh.shape.items()},
                       int(hbm_gb * 2**30) if hbm_gb else topo.hbm_bytes, topo.peak_bytes_per_s, settings, weights,
-                      state, [fn], notes)
+                      state, [fn], cost_notes([fn], exact_cost) + [note])
+
+
+def plan_head_factor(target: str, *, mesh: str | None = None, batch_size: int = 8, seq_len: int = 2048,
+                     target_dtype: str = "bfloat16", rank: int | None = None, vocab: int | None = None,
+                     ce_chunk: int = 256, topology: str = "cpu:1", hbm_gb: float | None = None,
+                     exact_cost: bool = False, progress=None) -> PlanResult:
+    """Compiles the `train.py head-factor` step (`train.head_factor.FactorDistiller.lower_step`):
+    the efficient head's factor (`rank`; over a `vocab`-id subset, or the whole vocabulary) trained
+    toward the full head, the target (and its MTP head, when the config or checkpoint has one) frozen at
+    `target_dtype`, `[batch_size, seq_len + 1]` token windows, `ce_chunk` rows per sequence scored
+    at once.
+
+    Example:
+        >>> plan = plan_head_factor("configs/models/qwen3.6-27b.json", topology="v5p:2x2x1", mesh="tensor=4",
+        ...                         vocab=32768)  # doctest: +SKIP
+    """
+    import os
+
+    import jax
+    import jax.numpy as jnp
+
+    from dmtp_jax.checkpoint.hf import LoadedModel
+    from dmtp_jax.checkpoint.mtp_ckpt import has_mtp
+    from dmtp_jax.models.draft_head import abstract_efficient_head
+    from dmtp_jax.plan.models import target_config_of
+    from dmtp_jax.plan.topology import open_topology
+    from dmtp_jax.platform import compiling_for
+    from dmtp_jax.sharding import make_mesh, replicated
+    from dmtp_jax.train.head_factor import FactorDistiller, check_factor_shape
+    from dmtp_jax.train.step import OptimConfig, abstract_models
+
+    check_factor_shape(batch_size, seq_len, ce_chunk, target_dtype)
+    topo = open_topology(topology)
+    device_mesh = make_mesh(mesh, devices=topo.devices)
+    cfg = target_config_of(target)
+    with compiling_for(topo.platform, device_mesh.size):
+        with_mtp = cfg.mtp_num_hidden_layers > 0 or (os.path.isdir(target) and has_mtp(target))
+        target_model, mtp = abstract_models(cfg, target_dtype, device_mesh, with_mtp=with_mtp)
+        head_cfg, graphdef, head_state = abstract_efficient_head(cfg, target_dtype, rank, None, vocab)
+        head = LoadedModel(head_cfg, graphdef, head_state, device_mesh)
+        distiller = FactorDistiller(target_model, mtp, head, OptimConfig(), ce_chunk)
+        ids = distiller.frozen["ids"]
+        frozen = {"target": target_model.state, "mtp": None if mtp is None else mtp.state,
+                  "ids": None if ids is None else jax.ShapeDtypeStruct(ids.shape, jnp.int32,
+                                                                      sharding=replicated(device_mesh))}
+        settings = {"job": "head-factor", "batch": batch_size, "seq": seq_len, "target dtype": target_dtype,
+                    "rank": head_cfg["rank"], "vocab": vocab or cfg.vocab_size, "ce chunk": ce_chunk}
+        down, up = (distiller.start[k].shape for k in ("down", "up"))
+        note = f"the factor: down {list(down)} and up {list(up)} in fp32, replicated; AdamW state in fp32"
+        return step_plan("head_factor_step", lambda: distiller.lower_step(batch_size, seq_len + 1, frozen),
+                         distiller.abstract_state(), "factor (fp32)", target_model, mtp, topology, topo, device_mesh,
+                         hbm_gb, batch_size * (seq_len + 1), settings, note, exact_cost, progress)

@@ -17,8 +17,13 @@ make).
 
 Writes `DRAFTER_DIR/head_factor.safetensors` (`down [H, r]`, `up [r, C]` fp32, and `ids [C]` for a
 subset) at the end; the run itself (checkpoints, `metrics.jsonl`, `--resume`, signals) is the one
-training loop's (`train/loop.py:run_loop`) in `DRAFTER_DIR/head_factor_run`. One device: the target
-is not sharded here.
+training loop's (`train/loop.py:run_loop`) in `DRAFTER_DIR/head_factor_run`.
+
+At real sizes: `--target-dtype bfloat16` (the frozen target; the full head's scores accumulate in
+fp32 as at inference), `--mesh tensor=4` (the target sharded as `train` shards it; the factor and
+its optimizer state, 4 x 254 MB at rank 256 over 248 K ids, replicated), and `--ce-chunk` rows per
+sequence whose `[B, rows, V]` scores are live at once. `train.py plan --job head-factor` compiles
+this step for a TPU slice or GPU host first (Qwen3.6-27B: see README, "Training the head factor").
 
 Example:
     >>> summary = train_head_factor(FactorConfig(target="t", data="d.jsonl", out="drafter"))  # doctest: +SKIP
@@ -52,16 +57,71 @@ class FactorConfig(WindowRunConfig):
     shortlist: int | None = None        # K of the recall metric (default: `head_shape`'s)
     vocab: int | None = None            # a frequency subset of N ids (token counts needed)
     counts: str | None = None           # default: `out`'s token_counts.npy
+    mesh: str | None = None             # e.g. "tensor=4" (default: one device); the batch splits over data / fsdp
+    target_dtype: str = "float32"       # the frozen target's and MTP's weights ("bfloat16" at real sizes)
+    ce_chunk: int = 256                 # rows per sequence whose vocabulary scores are live at once; 0: all
+
+
+def check_factor_shape(batch_size: int, seq_len: int, ce_chunk: int, target_dtype: str) -> None:
+    """The head-factor step's shape flags (`train.py head-factor` and its `plan`), checked once.
+
+    Example:
+        >>> check_factor_shape(8, 1, 256, "float32")
+        Traceback (most recent call last):
+        dmtp_jax.errors.InputError: --batch-size must be >= 1 and --seq-len >= 2, got 8, 1
+    """
+    if batch_size < 1 or seq_len < 2:
+        raise InputError(f"--batch-size must be >= 1 and --seq-len >= 2, got {batch_size}, {seq_len}")
+    if ce_chunk < 0:
+        raise InputError(f"--ce-chunk must be >= 0 (0: no chunking), got {ce_chunk}")
+    if target_dtype not in ("float32", "bfloat16", "float16"):
+        raise InputError(f"--target-dtype must be float32, bfloat16 or float16, got {target_dtype}")
+
+
+def factor_sums(params: dict, w_hc: jax.Array, x_bch: jax.Array, live_bc: jax.Array, valid_c: jax.Array,
+                shortlist: int) -> jax.Array:
+    """`[4]` sums over the live rows of `x_bch` (post-norm hidden states, the target's dtype): soft
+    cross-entropy, KL, argmax agreement and recall@`shortlist` of the low-rank scores `(x A) B`
+    (`params["down"]`, `params["up"]`, fp32) against the full head's `softmax(x W)` (`w_hc`: the
+    head's columns, `lm_head_logits`' fp32 accumulation, as inference scores). `valid_c`: the
+    columns that are ids (a subset's padding is not). Pure.
+
+    Example:
+        >>> p = {"down": jnp.eye(2), "up": jnp.eye(2)}
+        >>> s = factor_sums(p, jnp.eye(2), jnp.array([[[3.0, 0.0]]]), jnp.ones((1, 1), bool), jnp.ones(2, bool), 1)
+        >>> [round(float(v), 4) for v in s]      # the factor equals the head: CE = entropy, KL 0
+        [0.1909, 0.0, 1.0, 1.0]
+    """
+    from dmtp_jax.models.qwen3 import lm_head_logits
+
+    teacher = jax.nn.log_softmax(jnp.where(valid_c, lm_head_logits(x_bch, w_hc, tied=False), -jnp.inf), axis=-1)
+    low_rank = (x_bch.astype(jnp.float32) @ params["down"]) @ params["up"]
+    student = jax.nn.log_softmax(jnp.where(valid_c, low_rank, -jnp.inf), axis=-1)
+    p = jnp.exp(teacher)
+    soft_ce = -jnp.sum(jnp.where(valid_c, p * student, 0.0), axis=-1)
+    kl = jnp.sum(jnp.where(valid_c, p * (teacher - student), 0.0), axis=-1)
+    best = jnp.argmax(teacher, -1)
+    _, top = jax.lax.top_k(student, min(shortlist, w_hc.shape[1]))
+    recall = jnp.any(top == best[..., None], axis=-1)
+    agree = jnp.argmax(student, -1) == best
+    live = live_bc.astype(jnp.float32)
+    return jnp.stack([jnp.sum(v.astype(jnp.float32) * live) for v in (soft_ce, kl, agree, recall)])
 
 
 def factor_loss(params: dict, frozen: dict, target_graphdef, mtp_graphdef, tokens_bt: jax.Array, tied: bool,
-                shortlist: int) -> tuple[jax.Array, dict]:
+                shortlist: int, chunk: int = 0) -> tuple[jax.Array, dict]:
     """`(soft cross-entropy, metrics)` of the low-rank scores `(x A) B` against the full head's
     `softmax(x W)` at every position of `tokens_bt` (`x`: the target's and the MTP's post-norm
-    hidden states; `W`: the head's columns at `frozen["ids"]`, or all of them). Pure.
+    hidden states; `W`: the head's columns at `frozen["ids"]`, or all of them), means over the
+    rows (`factor_sums`). Pure.
+
+    `chunk` > 0: a `lax.scan` over slices of `chunk` rows of every sequence (the batch axis, hence
+    its sharding, stays whole) under `jax.checkpoint`, so at most one slice's `[B, chunk, V]` scores
+    are live, forward or backward; 0: all rows at once. The values are the same either way up to
+    the order of the sums.
 
     Example:
-        >>> loss, m = factor_loss(params, frozen, tgd, mgd, tokens_bt, False, 256)  # doctest: +SKIP
+        >>> loss, m = factor_loss(params, frozen, tgd, mgd, tokens_bt, False, 256, chunk=256)  # doctest: +SKIP
         >>> sorted(m)  # doctest: +SKIP
         ['agree', 'kl', 'recall']
     """
@@ -75,40 +135,52 @@ def factor_loss(params: dict, frozen: dict, target_graphdef, mtp_graphdef, token
     if mtp_graphdef is not None:
         mtp = nnx.merge(mtp_graphdef, frozen["mtp"])
         xs.append(jax.lax.stop_gradient(mtp.post_norm(mtp_hidden(mtp, target, tokens_bt, hidden)[:, 1:])))
-    x = jnp.concatenate([a.reshape(-1, a.shape[-1]) for a in xs]).astype(jnp.float32)
-    w_hc = subset_columns(target.head_weight(), frozen["ids"], tied).astype(jnp.float32)
-    valid = jnp.ones(w_hc.shape[1], bool) if frozen["ids"] is None else frozen["ids"] >= 0
-    teacher = jax.nn.log_softmax(jnp.where(valid, x @ w_hc, -jnp.inf), axis=-1)
-    student = jax.nn.log_softmax(jnp.where(valid, (x @ params["down"]) @ params["up"], -jnp.inf), axis=-1)
-    p = jnp.exp(teacher)
-    soft_ce = -jnp.sum(jnp.where(valid, p * student, 0.0), axis=-1).mean()
-    kl = jnp.sum(jnp.where(valid, p * (teacher - student), 0.0), axis=-1).mean()
-    best = jnp.argmax(teacher, -1)
-    _, top = jax.lax.top_k(student, min(shortlist, w_hc.shape[1]))
-    recall = jnp.any(top == best[:, None], axis=-1).astype(jnp.float32).mean()
-    agree = (jnp.argmax(student, -1) == best).astype(jnp.float32).mean()
+    x_brh = jnp.concatenate([a.astype(target.dtype) for a in xs], axis=1)      # [B, rows, H]
+    w_hc = subset_columns(target.head_weight(), frozen["ids"], tied)
+    valid_c = jnp.ones(w_hc.shape[1], bool) if frozen["ids"] is None else frozen["ids"] >= 0
+    b, rows, h = x_brh.shape
+    live_br = jnp.ones((b, rows), bool)
+    if chunk <= 0 or chunk >= rows:
+        totals = factor_sums(params, w_hc, x_brh, live_br, valid_c, shortlist)
+    else:
+        n = -(-rows // chunk)
+        pad = n * chunk - rows
+        x_nbch = jnp.pad(x_brh, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, h).swapaxes(0, 1)
+        live_nbc = jnp.pad(live_br, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
+        body = jax.checkpoint(lambda p, w, x, live, valid: factor_sums(p, w, x, live, valid, shortlist))
+        totals, _ = jax.lax.scan(lambda acc, xs_: (acc + body(params, w_hc, *xs_, valid_c), None),
+                                 jnp.zeros(4, jnp.float32), (x_nbch, live_nbc))
+    soft_ce, kl, agree, recall = totals / (b * rows)
     return soft_ce, {"kl": kl, "agree": agree, "recall": recall}
 
 
 class FactorDistiller(WindowTrainer):
     """`factor_loss` as a `train.loop.run_loop` trainer: params `{"down", "up"}` (fp32, from the given
-    efficient head's factor), the target, MTP and subset ids frozen.
+    efficient head's factor), the target, MTP and subset ids frozen, all on the target's mesh.
+    `chunk`: `factor_loss`'s. Works on weightless models too (`lower_step` only: `train.py plan
+    --job head-factor`).
 
     Example:
-        >>> d = FactorDistiller(target, mtp, head, OptimConfig(total_steps=10))  # doctest: +SKIP
+        >>> d = FactorDistiller(target, mtp, head, OptimConfig(total_steps=10), chunk=256)  # doctest: +SKIP
     """
 
     BAR = {"kl": "kl", "recall": "recall"}
 
-    def __init__(self, target, mtp, head, ocfg):
+    def __init__(self, target, mtp, head, ocfg, chunk: int = 0):
         model = nnx.merge(head.graphdef, head.state)
         self.target_graphdef, self.tied = target.graphdef, target.cfg.tie_word_embeddings
         self.mtp_graphdef = None if mtp is None else mtp.graphdef
-        self.shortlist = model.shortlist
-        self.initial = {k: jnp.asarray(getattr(model, k)[...], jnp.float32) for k in ("down", "up")}
+        self.shortlist, self.chunk = model.shortlist, chunk
+        self.start = {k: getattr(model, k).get_value() for k in ("down", "up")}
         frozen = {"target": target.state, "mtp": None if mtp is None else mtp.state,
-                  "ids": model.ids[...] if model.subset else None}
-        super().__init__(ocfg, jax.eval_shape(lambda: self.initial), frozen)
+                  "ids": model.ids.get_value() if model.subset else None}
+        super().__init__(ocfg, {k: jax.ShapeDtypeStruct(v.shape, jnp.float32) for k, v in self.start.items()},
+                         frozen, target.mesh)
+
+    @property
+    def initial(self) -> dict:
+        """The given head's factor in fp32, replicated on the mesh."""
+        return jax.device_put({k: jnp.asarray(v, jnp.float32) for k, v in self.start.items()}, self.replicated)
 
     def initial_params(self, seed: int) -> dict:
         """The given head's factor (`seed` unused)."""
@@ -117,7 +189,7 @@ class FactorDistiller(WindowTrainer):
 
     def loss(self, params, frozen, tokens_bt):
         return factor_loss(params, frozen, self.target_graphdef, self.mtp_graphdef, tokens_bt, self.tied,
-                           self.shortlist)
+                           self.shortlist, self.chunk)
 
 
 def train_head_factor(cfg: FactorConfig) -> dict:
@@ -134,19 +206,21 @@ def train_head_factor(cfg: FactorConfig) -> dict:
     from dmtp_jax.config import load_target_config
     from dmtp_jax.demo.pretrain import WindowBatches, window_run_options
     from dmtp_jax.models.draft_head import make_efficient_head, read_token_counts
+    from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tokenizer import load_tokenizer
     from dmtp_jax.train.data import TokenDataset, token_stream
     from dmtp_jax.train.loop import run_loop
     from dmtp_jax.train.step import optim_config
 
-    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.seq_len < 2:
-        raise InputError(f"--steps and --batch-size must be >= 1 and --seq-len >= 2, got {cfg.steps}, "
-                         f"{cfg.batch_size}, {cfg.seq_len}")
+    check_factor_shape(cfg.batch_size, cfg.seq_len, cfg.ce_chunk, cfg.target_dtype)
+    if cfg.steps < 1:
+        raise InputError(f"--steps must be >= 1, got {cfg.steps}")
+    mesh = make_mesh(cfg.mesh)
     vocab = load_target_config(cfg.target).vocab_size       # the data is checked before any weights load
     dataset = TokenDataset.from_file(cfg.data, cfg.seq_len, load_tokenizer(cfg.target), vocab)
-    target = load_target(cfg.target, "float32")
+    target = load_target(cfg.target, cfg.target_dtype, mesh=mesh)
     mtp_dir = cfg.mtp or cfg.target
-    mtp = load_mtp(mtp_dir, target.cfg, "float32") if has_mtp(mtp_dir) else None
+    mtp = load_mtp(mtp_dir, target.cfg, cfg.target_dtype, mesh) if has_mtp(mtp_dir) else None
     counts = read_token_counts(cfg.counts or cfg.out, target.cfg.vocab_size) if cfg.vocab else None
     head = make_efficient_head(target, cfg.rank, cfg.shortlist, counts, cfg.vocab)
     stream = token_stream(dataset.records, target.cfg.eos_token_ids[0] if target.cfg.eos_token_ids else 0,
@@ -154,7 +228,7 @@ def train_head_factor(cfg: FactorConfig) -> dict:
     if len(stream) < cfg.seq_len + 1:
         raise InputError(f"{cfg.data}: {len(stream)} tokens, fewer than one window of --seq-len {cfg.seq_len} + 1")
     ocfg = optim_config(cfg)
-    distiller = FactorDistiller(target, mtp, head, ocfg)
+    distiller = FactorDistiller(target, mtp, head, ocfg, cfg.ce_chunk)
     run_dir = os.path.join(cfg.out, "head_factor_run")
     state, run = run_loop(window_run_options(cfg, run_dir), distiller, cfg.seed,
                           WindowBatches(stream, cfg.batch_size, cfg.seq_len + 1, cfg.seed),
