@@ -552,9 +552,10 @@ def demo_drafter(method: str, mtp_dir: str | None = None) -> str | None:
 
 def method_models(args, target, methods) -> dict:
     """`load_method_models`, with each method's demo drafter when the demo is in use and no
-    `--draft` is given (so dflash and dmtp run their own drafters in one bench), and the demo's
-    token counts (`demo/dmtp/token_counts.npy`) unless `--draft-head-counts` is given."""
-    from dmtp_jax.decode.loading import load_method_models
+    `--draft` is given (so dflash and dmtp run their own drafters in one bench; one drafting head
+    shared by all), and the demo's token counts (`demo/dmtp/token_counts.npy`) unless
+    `--draft-head-counts` is given."""
+    from dmtp_jax.decode.loading import load_draft_head, load_method_models
     if args.draft or not uses_demo(args):
         return load_method_models(args, target, methods)
     groups: dict = {}
@@ -562,11 +563,12 @@ def method_models(args, target, methods) -> dict:
         groups.setdefault(demo_drafter(m, args.mtp), []).append(m)
     # the demo drafters' token counts are one file's (same training data); mtp has no drafter directory
     counts = getattr(args, "draft_head_counts", None) or os.path.join(DEMO_DIR, "dmtp")
+    head = load_draft_head(argparse.Namespace(**{**vars(args), "draft_head_counts": counts}), target, methods)
     out = {}
-    for draft, group in groups.items():
-        out.update(load_method_models(argparse.Namespace(**{**vars(args), "draft": draft,
-                                                            "draft_head_counts": counts}), target, group))
-    return {m: out[m] for m in methods}
+    for draft, group in groups.items():       # the drafting head is built once, above, for every group
+        out.update(load_method_models(argparse.Namespace(**{**vars(args), "draft": draft, "draft_head": "full"}),
+                                      target, group))
+    return {m: {**out[m], **({"draft_head": head} if head is not None and m != "ar" else {})} for m in methods}
 
 
 def demo_argv(argv: list[str]) -> list[str] | None:

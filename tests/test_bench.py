@@ -179,3 +179,31 @@ def test_mt_bench_second_turn_carries_first_answer(tmp_path):
         assert prompt2.endswith(wl.requests[int(first.request_id) - 81].turns[1])
     report = build_report(runs, {"workload": wl.name})
     assert report["methods"]["ar"]["generations"] == 4 and report["methods"]["ar"]["new_tokens"] == 24
+
+
+def test_demo_methods_share_one_drafting_head(monkeypatch):
+    """The demo bench loads each method's own drafter (dflash, dmtp: different directories) but
+    builds the drafting head once, with the demo's token counts, for every speculative method."""
+    import argparse
+
+    from dmtp_jax.decode import loading
+    from dmtp_jax.models import draft_head
+    heads, counts = [], []
+
+    def make_draft_head(target, kind, rank, shortlist, counts_v, subset, factor):
+        counts.append(counts_v)
+        heads.append(object())
+        return heads[-1]
+    monkeypatch.setattr(draft_head, "make_draft_head", make_draft_head)
+    monkeypatch.setattr(draft_head, "read_token_counts", lambda path, vocab: path)
+    monkeypatch.setattr(loading, "MODEL_LOADERS", {k: (lambda a, t, m: a.draft, k == "fusion")
+                                                   for k in ("drafter", "mtp", "fusion")})
+    args = infer.build_parser().parse_args(["bench", "--draft-head", "efficient", "--draft-head-vocab", "8"])
+    if not infer.uses_demo(args):
+        pytest.fail("the demo checkpoints are part of the repository")
+    methods = ["ar", "mtp", "dflash", "dmtp"]
+    models = infer.method_models(args, argparse.Namespace(cfg=argparse.Namespace(vocab_size=128)), methods)
+    assert len(heads) == 1 and counts == [os.path.join(infer.DEMO_DIR, "dmtp")]
+    assert models["ar"] == {}
+    assert all(models[m]["draft_head"] is heads[0] for m in ("mtp", "dflash", "dmtp"))
+    assert models["dflash"]["drafter"] != models["dmtp"]["drafter"]           # each its own demo drafter

@@ -57,21 +57,7 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
     """
     loaded: dict = {}
     out = {}
-    head = None
-    kind = getattr(args, "draft_head", "full")
-    if kind != "full" and any(m != "ar" for m in methods):
-        from dmtp_jax.models.draft_head import make_draft_head
-        subset = getattr(args, "draft_head_vocab", None)
-        counts = factor = None
-        if getattr(args, "draft_head_factor", None) and kind == "efficient":
-            from dmtp_jax.models.draft_head import read_head_factor
-            factor = read_head_factor(args.draft_head_factor)
-        elif subset and kind == "efficient":
-            from dmtp_jax.models.draft_head import read_token_counts
-            path = token_counts_path(args)          # None: `make_draft_head` says what is missing
-            counts = None if path is None else read_token_counts(path, target.cfg.vocab_size)
-        head = make_draft_head(target, kind, getattr(args, "draft_head_rank", None),
-                               getattr(args, "draft_head_shortlist", None), counts, subset, factor)
+    head = load_draft_head(args, target, methods)
     for method in methods:
         needs = method_needs(method)
         out[method] = {} if head is None or method == "ar" else {"draft_head": head}
@@ -84,6 +70,31 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
             if loaded[key] is not None:
                 out[method][kind] = loaded[key]
     return out
+
+
+def load_draft_head(args, target, methods):
+    """The drafting head `args.draft_head` asks for (a `LoadedModel`; see `load_method_models`),
+    or None for the full head or when only `ar` runs.
+
+    Example:
+        >>> load_draft_head(argparse.Namespace(draft_head="int8"), target, ["dmtp"]).cfg  # doctest: +SKIP
+        {'kind': 'int8'}
+    """
+    kind = getattr(args, "draft_head", "full")
+    if kind == "full" or all(m == "ar" for m in methods):
+        return None
+    from dmtp_jax.models.draft_head import make_draft_head
+    subset = getattr(args, "draft_head_vocab", None)
+    counts = factor = None
+    if getattr(args, "draft_head_factor", None) and kind == "efficient":
+        from dmtp_jax.models.draft_head import read_head_factor
+        factor = read_head_factor(args.draft_head_factor)
+    elif subset and kind == "efficient":
+        from dmtp_jax.models.draft_head import read_token_counts
+        path = token_counts_path(args)          # None: `make_draft_head` says what is missing
+        counts = None if path is None else read_token_counts(path, target.cfg.vocab_size)
+    return make_draft_head(target, kind, getattr(args, "draft_head_rank", None),
+                           getattr(args, "draft_head_shortlist", None), counts, subset, factor)
 
 
 def token_counts_path(args) -> str | None:
