@@ -20,10 +20,10 @@ subset) at the end; the run itself (checkpoints, `metrics.jsonl`, `--resume`, si
 training loop's (`train/loop.py:run_loop`) in `DRAFTER_DIR/head_factor_run`.
 
 At real sizes: `--target-dtype bfloat16` (the frozen target; the full head's scores accumulate in
-fp32 as at inference), `--mesh tensor=4` (the target sharded as `train` shards it; the factor and
-its optimizer state, 4 x 254 MB at rank 256 over 248 K ids, replicated), and `--ce-chunk` rows per
+fp32 as at inference), `--mesh tensor=4` (the target sharded as `train` shards it; the factor, 0.25
+GB fp32 at rank 256 over 248 K ids, and its AdamW state replicated), and `--ce-chunk` rows per
 sequence whose `[B, rows, V]` scores are live at once. `train.py plan --job head-factor` compiles
-this step for a TPU slice or GPU host first (Qwen3.6-27B: see README, "Training the head factor").
+this step for a TPU slice or GPU host first (the 27B and 35B-A3B rows of README's "Plan" table).
 
 Example:
     >>> summary = train_head_factor(FactorConfig(target="t", data="d.jsonl", out="drafter"))  # doctest: +SKIP
