@@ -149,8 +149,8 @@ def check_draft_head(args, counts: bool = True) -> None:
         from dmtp_jax.models.draft_head import HEAD_FACTOR, TOKEN_COUNTS, drafter_file
         if factor is not None:
             drafter_file(factor, HEAD_FACTOR)
-        elif token_counts_path(args):   # else the demo's drafter directories, each read when its models load
-            drafter_file(token_counts_path(args), TOKEN_COUNTS)
+        elif path := token_counts_path(args):   # else the demo's drafter directories, each read when its models load
+            drafter_file(path, TOKEN_COUNTS)
 
 
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, cfg) -> None:

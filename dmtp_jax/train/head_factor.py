@@ -78,9 +78,8 @@ def check_factor_shape(batch_size: int, seq_len: int, ce_chunk: int, target_dtyp
         raise InputError(f"--target-dtype must be float32, bfloat16 or float16, got {target_dtype}")
 
 
-def factor_sums(params: dict, w_hc: jax.Array, x_bch: jax.Array, live_bc: jax.Array, valid_c: jax.Array,
-                shortlist: int) -> jax.Array:
-    """`[4]` sums over the live rows of `x_bch` (post-norm hidden states, the target's dtype): soft
+def factor_rows(params: dict, w_hc: jax.Array, valid_c: jax.Array, x_bch: jax.Array, shortlist: int) -> jax.Array:
+    """`[B, c, 4]` per row of `x_bch` (post-norm hidden states, the target's dtype): soft
     cross-entropy, KL, argmax agreement and recall@`shortlist` of the low-rank scores `(x A) B`
     (`params["down"]`, `params["up"]`, fp32) against the full head's `softmax(x W)` (`w_hc`: the
     head's columns, `lm_head_logits`' fp32 accumulation, as inference scores). `valid_c`: the
@@ -88,8 +87,8 @@ def factor_sums(params: dict, w_hc: jax.Array, x_bch: jax.Array, live_bc: jax.Ar
 
     Example:
         >>> p = {"down": jnp.eye(2), "up": jnp.eye(2)}
-        >>> s = factor_sums(p, jnp.eye(2), jnp.array([[[3.0, 0.0]]]), jnp.ones((1, 1), bool), jnp.ones(2, bool), 1)
-        >>> [round(float(v), 4) for v in s]      # the factor equals the head: CE = entropy, KL 0
+        >>> r = factor_rows(p, jnp.eye(2), jnp.ones(2, bool), jnp.array([[[3.0, 0.0]]]), 1)
+        >>> [round(float(v), 4) for v in r[0, 0]]      # the factor equals the head: CE = entropy, KL 0
         [0.1909, 0.0, 1.0, 1.0]
     """
     from dmtp_jax.models.qwen3 import lm_head_logits
@@ -104,8 +103,7 @@ def factor_sums(params: dict, w_hc: jax.Array, x_bch: jax.Array, live_bc: jax.Ar
     _, top = jax.lax.top_k(student, min(shortlist, w_hc.shape[1]))
     recall = jnp.any(top == best[..., None], axis=-1)
     agree = jnp.argmax(student, -1) == best
-    live = live_bc.astype(jnp.float32)
-    return jnp.stack([jnp.sum(v.astype(jnp.float32) * live) for v in (soft_ce, kl, agree, recall)])
+    return jnp.stack([v.astype(jnp.float32) for v in (soft_ce, kl, agree, recall)], axis=-1)
 
 
 def factor_loss(params: dict, frozen: dict, target_graphdef, mtp_graphdef, tokens_bt: jax.Array, tied: bool,
@@ -113,12 +111,11 @@ def factor_loss(params: dict, frozen: dict, target_graphdef, mtp_graphdef, token
     """`(soft cross-entropy, metrics)` of the low-rank scores `(x A) B` against the full head's
     `softmax(x W)` at every position of `tokens_bt` (`x`: the target's and the MTP's post-norm
     hidden states; `W`: the head's columns at `frozen["ids"]`, or all of them), means over the
-    rows (`factor_sums`). Pure.
+    rows of `factor_rows`. Pure.
 
-    `chunk` > 0: a `lax.scan` over slices of `chunk` rows of every sequence (the batch axis, hence
-    its sharding, stays whole) under `jax.checkpoint`, so at most one slice's `[B, chunk, V]` scores
-    are live, forward or backward; 0: all rows at once. The values are the same either way up to
-    the order of the sums.
+    `chunk` > 0: `train.loss.map_row_chunks` (slices of `chunk` rows of every sequence, each under
+    `jax.checkpoint`), so at most one slice's `[B, chunk, V]` scores are live, forward or backward;
+    0: all rows at once. The values are the same either way up to the order of the sums.
 
     Example:
         >>> loss, m = factor_loss(params, frozen, tgd, mgd, tokens_bt, False, 256, chunk=256)  # doctest: +SKIP
@@ -127,6 +124,7 @@ def factor_loss(params: dict, frozen: dict, target_graphdef, mtp_graphdef, token
     """
     from dmtp_jax.models.draft_head import subset_columns
     from dmtp_jax.train.features import mtp_hidden
+    from dmtp_jax.train.loss import map_row_chunks
 
     target = nnx.merge(target_graphdef, frozen["target"])
     positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
@@ -138,19 +136,8 @@ def factor_loss(params: dict, frozen: dict, target_graphdef, mtp_graphdef, token
     x_brh = jnp.concatenate([a.astype(target.dtype) for a in xs], axis=1)      # [B, rows, H]
     w_hc = subset_columns(target.head_weight(), frozen["ids"], tied)
     valid_c = jnp.ones(w_hc.shape[1], bool) if frozen["ids"] is None else frozen["ids"] >= 0
-    b, rows, h = x_brh.shape
-    live_br = jnp.ones((b, rows), bool)
-    if chunk <= 0 or chunk >= rows:
-        totals = factor_sums(params, w_hc, x_brh, live_br, valid_c, shortlist)
-    else:
-        n = -(-rows // chunk)
-        pad = n * chunk - rows
-        x_nbch = jnp.pad(x_brh, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, h).swapaxes(0, 1)
-        live_nbc = jnp.pad(live_br, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
-        body = jax.checkpoint(lambda p, w, x, live, valid: factor_sums(p, w, x, live, valid, shortlist))
-        totals, _ = jax.lax.scan(lambda acc, xs_: (acc + body(params, w_hc, *xs_, valid_c), None),
-                                 jnp.zeros(4, jnp.float32), (x_nbch, live_nbc))
-    soft_ce, kl, agree, recall = totals / (b * rows)
+    rows_br4 = map_row_chunks(lambda w, x: factor_rows(*w, x, shortlist), chunk, (params, w_hc, valid_c), x_brh)
+    soft_ce, kl, agree, recall = rows_br4.mean(axis=(0, 1))
     return soft_ce, {"kl": kl, "agree": agree, "recall": recall}
 
 

@@ -187,18 +187,45 @@ def _ce_top1(logits_btv: jax.Array, labels_bt: jax.Array) -> tuple[jax.Array, ja
     return jax.nn.logsumexp(logits, axis=-1) - gold, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
+def map_row_chunks(fn: Callable, chunk: int, weight, *rows_bt: jax.Array):
+    """`fn(weight, *rows)` over the positions of `[B, T, ...]` arrays `rows_bt`, its per-position
+    outputs (a tree of `[B, T, ...]` arrays), without running `fn` on every position at once when
+    `chunk` > 0.
+
+    `chunk` > 0: a `lax.scan` over `ceil(T / chunk)` slices of `chunk` positions of every row (the
+    batch axis, hence its sharding, stays whole; the last slice padded with zeros and its padding
+    dropped from the outputs), each under `jax.checkpoint`, so the backward pass recomputes a
+    slice's intermediates (a slice's `[B, chunk, V]` logits) instead of storing them: at most one
+    slice's are live, forward or backward. `chunk` = 0: `fn` on all positions at once. `weight` (any
+    tree) reaches every slice whole; gradients flow to it and to `rows_bt`.
+
+    Example:
+        >>> out = map_row_chunks(lambda w, x: (x * w).sum(-1), 2, 2.0, jnp.ones((1, 3, 4)))
+        >>> out.tolist()
+        [[8.0, 8.0, 8.0]]
+    """
+    if chunk <= 0:
+        return fn(weight, *rows_bt)
+    b, t = rows_bt[0].shape[:2]
+    c = min(chunk, t)
+    n = -(-t // c)
+
+    def slices(a):              # [B, T, ...] -> [n, B, c, ...]
+        a = jnp.pad(a, ((0, 0), (0, n * c - t)) + ((0, 0),) * (a.ndim - 2))
+        return a.reshape(b, n, c, *a.shape[2:]).swapaxes(0, 1)
+    body = jax.checkpoint(fn)
+    _, out = jax.lax.scan(lambda _, xs: (None, body(weight, *xs)), None, tuple(slices(a) for a in rows_bt))
+    return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape(b, n * c, *o.shape[3:])[:, :t], out)
+
+
 def token_ce(logits_fn: Callable, weight, hidden_bth: jax.Array, labels_bt: jax.Array,
              chunk: int = 0) -> tuple[jax.Array, jax.Array]:
     """Per-token cross-entropy `[B, T]` (fp32) and top-1 ids `[B, T]` of `logits_fn(weight, hidden)`
-    against `labels_bt`, without holding `[B, T, V]` logits when `chunk` > 0.
-
-    `chunk` > 0: a `lax.scan` over `ceil(T / chunk)` slices of `chunk` positions of every row (the
-    batch axis, hence its sharding, stays whole); each slice's logits `[B, chunk, V]` give its
-    logsumexp, label logit and argmax, under `jax.checkpoint`, so the backward pass recomputes
-    the slice's logits instead of storing them: at most one slice of logits is live, forward or
-    backward. `chunk` = 0 computes all logits at once (the reference). The values are the same
-    either way (each token's logits are reduced over the vocabulary alone); gradients flow to
-    `hidden_bth` and `weight`.
+    against `labels_bt`, without holding `[B, T, V]` logits when `chunk` > 0 (`map_row_chunks`:
+    slices of `chunk` positions of every row, each slice's logits recomputed in the backward pass).
+    `chunk` = 0 computes all logits at once (the reference). The values are the same either way
+    (each token's logits are reduced over the vocabulary alone); gradients flow to `hidden_bth`
+    and `weight`.
 
     Example:
         >>> f = lambda w, h: h @ w
@@ -206,18 +233,7 @@ def token_ce(logits_fn: Callable, weight, hidden_bth: jax.Array, labels_bt: jax.
         >>> [round(float(x), 4) for x in ce[0]], top.tolist()
         ([0.7437, 0.7437, 1.7437], [[0, 1, 2]])
     """
-    if chunk <= 0:
-        return _ce_top1(logits_fn(weight, hidden_bth), labels_bt)
-    b, t, h = hidden_bth.shape
-    c = min(chunk, t)
-    n = -(-t // c)
-    pad = n * c - t
-    hid_nbch = jnp.pad(hidden_bth, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, h).swapaxes(0, 1)
-    lab_nbc = jnp.pad(labels_bt, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
-    body = jax.checkpoint(lambda w, x, y: _ce_top1(logits_fn(w, x), y))
-    _, (ce_nbc, top_nbc) = jax.lax.scan(lambda _, xs: (None, body(weight, *xs)), None, (hid_nbch, lab_nbc))
-    unchunk = lambda a: a.swapaxes(0, 1).reshape(b, n * c)[:, :t]  # noqa: E731
-    return unchunk(ce_nbc), unchunk(top_nbc)
+    return map_row_chunks(lambda w, x, y: _ce_top1(logits_fn(w, x), y), chunk, weight, hidden_bth, labels_bt)
 
 
 def ce_sums(ce_bnk: jax.Array, top1_bnk: jax.Array, blocks: BlockInputs) -> dict:
