@@ -30,7 +30,8 @@ def measure(args) -> dict:
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tiny import ensure_tiny_target
     from dmtp_jax.train.loop import TrainConfig, fresh_drafter_config
-    from dmtp_jax.train.step import OptimConfig, StepConfig, Trainer
+    from dmtp_jax.train.optim import OptimConfig
+    from dmtp_jax.train.step import StepConfig, Trainer
 
     mesh = make_mesh(args.mesh)
     target = load_target(ensure_tiny_target(), "float32", mesh)

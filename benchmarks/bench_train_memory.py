@@ -34,7 +34,8 @@ def measure(vocab: int, ce_chunk: int, remat: str, args) -> dict:
     from dmtp_jax.config import TargetConfig
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.train.loop import TrainConfig, fresh_drafter_config
-    from dmtp_jax.train.step import OptimConfig, StepConfig, Trainer, abstract_models
+    from dmtp_jax.train.optim import OptimConfig
+    from dmtp_jax.train.step import StepConfig, Trainer, abstract_models
 
     mesh = make_mesh(args.mesh)
     cfg = TargetConfig.from_hf_dict({

@@ -22,6 +22,7 @@ import sys
 from typing import Callable
 
 from dmtp_jax.errors import InputError, UserError, format_user_error, one_line
+from dmtp_jax.paths import cache_root
 
 
 def int_list(text: str) -> list[int]:
@@ -80,20 +81,6 @@ def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Nam
         sys.stdout.flush()
         print("error: interrupted", file=sys.stderr)
         return 130
-
-
-CACHE_ENV = "DMTP_JAX_CACHE"
-
-
-def cache_root() -> str:
-    """dmtp-jax's cache directory: `$DMTP_JAX_CACHE`, else `~/.cache/dmtp-jax` (the compilation
-    cache, auto's verdicts and the built-in tiny checkpoint live under it).
-
-    Example:
-        >>> os.path.basename(cache_root()) != ""
-        True
-    """
-    return os.path.expanduser(os.environ.get(CACHE_ENV, "~/.cache/dmtp-jax"))
 
 
 COMPILE_CACHE_ENV = "DMTP_JAX_COMPILE_CACHE"
@@ -178,18 +165,6 @@ def load_config_file(path: str) -> dict:
     if not isinstance(cfg, dict):
         raise InputError(f"{path}: get_config() must return a dict or a dataclass")
     return dict(cfg)
-
-
-def check_config_keys(cls, d: dict, what: str) -> None:
-    """Raises one `InputError` naming the keys of `d` that are not fields of the dataclass `cls`.
-
-    Example:
-        >>> check_config_keys(argparse.Namespace, {}, "demo")   # no fields, no keys: fine
-    """
-    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise InputError(f"unknown {what} config keys: {', '.join(unknown)}")
 
 
 def add_plan_args(sp) -> None:

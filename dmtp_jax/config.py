@@ -15,8 +15,8 @@ import json
 import os
 from typing import Any
 
-from dmtp_jax.checkpoint.hf_config import FAMILIES, HYBRID_FAMILIES, require, stack_fields
-from dmtp_jax.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here)
+from dmtp_jax.errors import ConfigError, InputError  # noqa: F401  (ConfigError re-exported: callers import it from here)
+from dmtp_jax.hf_config import FAMILIES, HYBRID_FAMILIES, require, stack_fields
 
 SUPPORTED_TARGET_TYPES = FAMILIES
 # Hybrid (Gated DeltaNet + gated attention) families and the text-only spellings of their saves.
@@ -75,7 +75,7 @@ class TargetConfig:
 
     `layer_types[i]` is "full_attention", "sliding_attention" (keys with `q_pos - k_pos <
     sliding_window`; with no window, like transformers, a full one) or "linear_attention" (Gated
-    DeltaNet, hybrid families only); `checkpoint/hf_config.py` derives them from HF keys. MoE fields are
+    DeltaNet, hybrid families only); `hf_config.py` derives them from HF keys. MoE fields are
     zero/empty for dense models. Hybrid families use zero-centred `(1 + w)` RMSNorms, a sigmoid
     output gate on attention and partial rotary embeddings (`rotary_dim` of `head_dim`).
     """
@@ -300,3 +300,15 @@ def load_target_config(model_dir: str | os.PathLike) -> TargetConfig:
         >>> cfg = load_target_config("/path/to/Qwen3-0.6B")  # doctest: +SKIP
     """
     return TargetConfig.from_hf_dict(read_config_json(model_dir))
+
+
+def check_config_keys(cls, d: dict, what: str) -> None:
+    """Raises one `InputError` naming the keys of `d` that are not fields of the dataclass `cls`.
+
+    Example:
+        >>> check_config_keys(TargetConfig, {}, "demo")   # no fields, no keys: fine
+    """
+    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise InputError(f"unknown {what} config keys: {', '.join(unknown)}")

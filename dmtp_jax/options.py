@@ -35,11 +35,11 @@ from __future__ import annotations
 import numbers
 
 from dmtp_jax.errors import InputError, RequestError
-from dmtp_jax.models.fusion import ADAPTIVE, DMTP_METHODS
+from dmtp_jax.methods import ADAPTIVE, METHODS
 
-DECODE_METHODS = ("ar", "mtp", "dflash") + tuple(DMTP_METHODS)   # `infer.py --method`
-SPEC_METHODS = ("dflash", "mtp") + tuple(DMTP_METHODS)           # the speculative decoder's
-TRAIN_METHODS = ("dflash",) + tuple(DMTP_METHODS)                # drafters the trainer trains
+DECODE_METHODS = tuple(METHODS)                                           # `infer.py --method`
+SPEC_METHODS = tuple(m for m in METHODS if METHODS[m].speculative)        # the speculative decoder's
+TRAIN_METHODS = tuple(m for m in METHODS if METHODS[m].trains)            # drafters the trainer trains
 VERIFY_MODES = ("rejection", "target-only", "block")
 BLOCK_SIZE_RANGE = (3, 64)
 MTP_STEPS_RANGE = (1, 15)
@@ -58,9 +58,8 @@ def method_needs(method: str) -> dict[str, bool]:
         >>> method_needs("mtp")
         {'drafter': False, 'mtp': True, 'fusion': False}
     """
-    return {"drafter": method == "dflash" or method in DMTP_METHODS,
-            "mtp": method == "mtp" or method in DMTP_METHODS,
-            "fusion": method in DMTP_METHODS}
+    known = METHODS.get(method)
+    return known.needs() if known is not None else {"drafter": False, "mtp": False, "fusion": False}
 
 
 def check_method(method: str, methods: tuple[str, ...] = DECODE_METHODS, error: type = RequestError,

@@ -146,7 +146,7 @@ def check_draft_head(args, counts: bool = True) -> None:
         raise InputError(f"--draft-head-vocab must be >= 1, got {vocab}")
     if counts and (factor is not None or vocab is not None):    # plan reads neither file
         from dmtp_jax.decode.loading import token_counts_path
-        from dmtp_jax.models.draft_head import HEAD_FACTOR, TOKEN_COUNTS, drafter_file
+        from dmtp_jax.checkpoint.draft_head_ckpt import HEAD_FACTOR, TOKEN_COUNTS, drafter_file
         if factor is not None:
             drafter_file(factor, HEAD_FACTOR)
         elif path := token_counts_path(args):   # else the demo's drafter directories, each read when its models load

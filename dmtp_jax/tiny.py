@@ -14,6 +14,7 @@ import json
 import os
 
 from dmtp_jax.config import TargetConfig
+from dmtp_jax.paths import cache_root
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -46,7 +47,6 @@ def save_byte_tokenizer(out_dir: str) -> int:
 
 def default_tiny_dir() -> str:
     """`$DMTP_JAX_CACHE/tiny-qwen3` (default cache: `~/.cache/dmtp-jax`)."""
-    from dmtp_jax.cli import cache_root
     return os.path.join(cache_root(), "tiny-qwen3")
 
 

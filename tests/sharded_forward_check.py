@@ -35,7 +35,7 @@ from dmtp_jax.checkpoint.hf import load_target  # noqa: E402
 from dmtp_jax.checkpoint.mtp_ckpt import has_mtp, load_mtp  # noqa: E402
 from dmtp_jax.decode import make_decoder  # noqa: E402
 from dmtp_jax.decode.ar import ARDecoder  # noqa: E402
-from dmtp_jax.models.draft_head import make_efficient_head  # noqa: E402
+from dmtp_jax.checkpoint.draft_head_ckpt import make_efficient_head  # noqa: E402
 from dmtp_jax.sharding import batch_sharding, make_mesh  # noqa: E402
 
 BATCH, MAX_LEN, NEW_TOKENS = 8, 40, 5

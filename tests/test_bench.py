@@ -187,7 +187,7 @@ def test_demo_methods_share_one_drafting_head(monkeypatch):
     import argparse
 
     from dmtp_jax.decode import loading
-    from dmtp_jax.models import draft_head
+    from dmtp_jax.checkpoint import draft_head_ckpt as draft_head
     heads, counts = [], []
 
     def make_draft_head(target, kind, rank, shortlist, counts_v, subset, factor):

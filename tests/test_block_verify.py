@@ -182,7 +182,7 @@ def mtp_models(mtp_target_dir):
 def dmtp_dir(mtp_models, tmp_path_factory):
     """A saved `dmtp` drafter with non-zero fusion weights (as test_mtp_dmtp's `dmtp_dirs`)."""
     from dflash_fixtures import saved_dmtp_drafter
-    from dmtp_jax.models.fusion import DMTP_METHODS
+    from dmtp_jax.methods import DMTP_METHODS
     return saved_dmtp_drafter(str(tmp_path_factory.mktemp("dmtp") / "dmtp"), mtp_models[0].cfg,
                               fusion_seed=list(DMTP_METHODS).index("dmtp"))
 

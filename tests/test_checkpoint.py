@@ -161,10 +161,10 @@ STACK_VARIANTS = [{}, {"use_sliding_window": True}, {"use_sliding_window": True,
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen3_next", "drafter"])
 def test_stack_fields_follow_transformers(model_type, variant):
     """Targets and DFlash drafters read head_dim, the window and the per-layer attention types by
-    one rule (`checkpoint/hf_config.py`): the one transformers' config class of the family applies."""
+    one rule (`hf_config.py`): the one transformers' config class of the family applies."""
     import transformers
     from dmtp_jax.config import TargetConfig
-    from dmtp_jax.models.dflash import DFlashConfig
+    from dmtp_jax.models.dflash_config import DFlashConfig
 
     d = {**BASE_STACK, **variant}
     hf_cls = {"qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,

@@ -60,20 +60,20 @@ def test_pretrain_stops_on_sigterm_survives_a_cut_metrics_line_and_resumes_bit_f
     """Demo pretraining runs in the drafter's loop: SIGTERM checkpoints and stops (nothing
     exported); a metrics line cut off by a kill is dropped on `--resume`; the resumed run logs
     every step once, with the losses and the exported weights of an uninterrupted run."""
-    from dmtp_jax.demo import pretrain as pretrain_mod
+    from dmtp_jax.train.window import WindowBatches
     from dmtp_jax.demo.build import run_pretrain
     from dmtp_jax.train.loop import checkpoint_manager
 
     straight = run_pretrain(tiny_pretrain_config(str(tmp_path / "a")))
     assert straight["steps"] == 6 and straight["compile_count"] == 1
     shutil.copytree(tmp_path / "a" / "data", tmp_path / "b" / "data")      # the same corpus and tokenizer
-    real_next = sigterm_on_call(monkeypatch, pretrain_mod.WindowBatches, 3)   # preempted while step 3's batch is read
+    real_next = sigterm_on_call(monkeypatch, WindowBatches, 3)   # preempted while step 3's batch is read
     b = tmp_path / "b"
     stopped = run_pretrain(tiny_pretrain_config(str(b)))
     assert (stopped["stopped_by"], stopped["exit_status"], stopped["last_checkpoint"]) == ("SIGTERM", 143, 3)
     assert checkpoint_manager(str(b / "target_run"), 2).all_steps() == [2, 3]
     assert not (b / "target").exists() and not (b / "target_run" / "summary.json").exists()
-    monkeypatch.setattr(pretrain_mod.WindowBatches, "next", real_next)
+    monkeypatch.setattr(WindowBatches, "next", real_next)
     with open(b / "target_run" / "metrics.jsonl", "a") as fh:
         fh.write('{"step": 4, "lo')                                         # a kill cut this line off
     resumed = run_pretrain(tiny_pretrain_config(str(b), resume=True))

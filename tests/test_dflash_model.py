@@ -22,8 +22,8 @@ from dmtp_jax.checkpoint.hf import load_target
 from dmtp_jax.checkpoint.safetensors_io import CheckpointError
 from dmtp_jax.config import ConfigError
 from dmtp_jax.models.qwen3 import TargetOutput
-from dmtp_jax.models.dflash import (DFlashConfig, block_embeddings, check_fits_target,
-                                    context_features, make_block_tokens)
+from dmtp_jax.models.dflash import block_embeddings, context_features, make_block_tokens
+from dmtp_jax.models.dflash_config import DFlashConfig, check_fits_target
 from tests.dflash_fixtures import BLOCK_SIZE, MASK_TOKEN_ID, build_reference_drafter, reference_draft_calls
 
 torch = pytest.importorskip("torch")

@@ -21,8 +21,9 @@ from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
 from dmtp_jax.decode import make_decoder
 from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.sampling import SamplingParams
-from dmtp_jax.models.draft_head import (EfficientHead, Int8Head, draft_scores, factor_head, frequent_ids,
-                                        make_draft_head, make_efficient_head, quantize_head, subset_size)
+from dmtp_jax.checkpoint.draft_head_ckpt import make_draft_head, make_efficient_head
+from dmtp_jax.models.draft_head import (EfficientHead, Int8Head, draft_scores, factor_head, frequent_ids, quantize_head,
+                                        subset_size)
 from dmtp_jax.models.fusion import mtp_confidence
 
 SMALL = dict(rank=2, shortlist=4)       # of H = 32, V = 128: the shortlist changes drafts

@@ -19,7 +19,7 @@ from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
 from dmtp_jax.decode import make_decoder
 from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.sampling import SamplingParams
-from dmtp_jax.models.fusion import DMTP_METHODS
+from dmtp_jax.methods import DMTP_METHODS
 
 HYBRID_CHECKS = ("logits", "argmax_agreement", "hidden_layer_0", "hidden_layer_3", "cached_decode",
                  "deltanet_state", "greedy_continuation", "mtp", "mtp_cache")

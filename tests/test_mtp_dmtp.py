@@ -19,7 +19,7 @@ from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.batch import RequestError
 from dmtp_jax.decode.round import merge_models
 from dmtp_jax.decode.sampling import SamplingParams
-from dmtp_jax.models.fusion import DMTP_METHODS
+from dmtp_jax.methods import DMTP_METHODS
 
 PROMPTS = [[5, 9, 31, 4, 77, 2, 18], [3], [100, 101, 7, 66, 12, 9, 43, 8, 8, 1, 60, 21, 94], [42, 17]]
 

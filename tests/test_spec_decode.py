@@ -105,8 +105,11 @@ def test_every_method_has_one_proposer_and_the_models_it_needs_are_checked():
     from dmtp_jax.decode.proposers import PROPOSERS, make_proposer
     from dmtp_jax.decode.spec import SPEC_METHODS, check_spec_options
 
-    assert set(SPEC_METHODS) == set(METHODS) - {"ar"} == set(PROPOSERS)
-    for method in PROPOSERS:
+    from dmtp_jax.methods import METHODS as REGISTRY
+
+    assert set(SPEC_METHODS) == set(METHODS) - {"ar"} == set(REGISTRY) - {"ar"}
+    assert {REGISTRY[m].proposer for m in SPEC_METHODS} == set(PROPOSERS)
+    for method in SPEC_METHODS:
         needs = make_proposer(method, slots=8).needs
         assert needs == method_needs(method) and any(needs.values()), method
         for missing in [m for m, needed in needs.items() if needed]:

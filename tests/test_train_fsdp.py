@@ -63,10 +63,10 @@ def _factor_run(target_dir: str) -> dict:
 
     from dmtp_jax.checkpoint.hf import load_target
     from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
-    from dmtp_jax.models.draft_head import make_efficient_head
+    from dmtp_jax.checkpoint.draft_head_ckpt import make_efficient_head
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.train.head_factor import FactorDistiller
-    from dmtp_jax.train.step import OptimConfig
+    from dmtp_jax.train.optim import OptimConfig
 
     res = {}
     for mesh, chunk in FACTOR_RUNS:

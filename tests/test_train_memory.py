@@ -24,7 +24,8 @@ from dmtp_jax.sharding import make_mesh
 from dmtp_jax.tiny import tiny_target_config
 from dmtp_jax.train.loop import TrainConfig, fresh_drafter_config
 from dmtp_jax.train.loss import token_ce
-from dmtp_jax.train.step import OptimConfig, StepConfig, Trainer, abstract_models, loss_sums
+from dmtp_jax.train.optim import OptimConfig
+from dmtp_jax.train.step import StepConfig, Trainer, abstract_models, loss_sums
 
 
 def _close(a, b, tol=1e-6):

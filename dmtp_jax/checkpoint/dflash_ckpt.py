@@ -28,7 +28,8 @@ from jax.sharding import Mesh
 from dmtp_jax.checkpoint.hf import LoadedModel, export_tensors, load_params
 from dmtp_jax.checkpoint.safetensors_io import CheckpointError, CheckpointReader, write_sharded
 from dmtp_jax.config import read_config_json
-from dmtp_jax.models.dflash import DFlashConfig, DFlashDrafter, check_fits_target
+from dmtp_jax.models.dflash import DFlashDrafter
+from dmtp_jax.models.dflash_config import DFlashConfig, check_fits_target
 from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, make_mesh, state_shardings
 
 _LAYER = r"layers\.(\d+)\."

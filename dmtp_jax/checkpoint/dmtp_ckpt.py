@@ -23,7 +23,8 @@ from dmtp_jax.checkpoint.dflash_ckpt import load_drafter, save_drafter
 from dmtp_jax.checkpoint.hf import LoadedModel, export_tensors, load_params
 from dmtp_jax.checkpoint.safetensors_io import CheckpointError, CheckpointReader
 from dmtp_jax.config import ConfigError, read_config_json
-from dmtp_jax.models.fusion import DMTP_METHODS, T1Fusion
+from dmtp_jax.methods import DMTP_METHODS, METHODS
+from dmtp_jax.models.fusion import T1Fusion
 from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, make_mesh, state_shardings
 
 FUSION_PREFIX = "fusion."
@@ -49,6 +50,12 @@ def init_fusion(method: str, hidden: int, eps: float, dtype="float32", mesh: Mes
     return LoadedModel({"method": method, "rank": rank}, graphdef, state, mesh)
 
 
+def _layout(method) -> tuple | None:
+    """A DMTP method's block layout and fusion variant (None for anything else)."""
+    m = METHODS.get(method)
+    return (m.anchors, m.variant) if m is not None and m.fusion else None
+
+
 def load_dmtp_drafter(draft_dir: str, target_cfg, method: str | None = None, dtype="float32",
                       mesh: Mesh | None = None, *, same_layout: bool = False) -> tuple[LoadedModel, LoadedModel]:
     """(DFlash drafter, fusion) of a DMTP directory, or of a plain DFlash directory with a fresh
@@ -59,7 +66,7 @@ def load_dmtp_drafter(draft_dir: str, target_cfg, method: str | None = None, dty
     drafter = load_drafter(draft_dir, target_cfg, dtype, mesh)
     stored = read_config_json(draft_dir).get("dmtp_config")
     if stored and method and stored.get("method") != method:
-        if not (same_layout and DMTP_METHODS.get(stored.get("method")) == DMTP_METHODS.get(method)):
+        if not (same_layout and _layout(stored.get("method")) == _layout(method)):
             raise ConfigError(f"{draft_dir} holds a '{stored.get('method')}' drafter, not '{method}'")
         stored = {k: v for k, v in stored.items() if k != "threshold"} | {"method": method}
     method = (stored or {}).get("method") or method or "dmtp"

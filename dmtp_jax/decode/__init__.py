@@ -26,7 +26,7 @@ def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, bl
     device (`decode/multi_round.py`); the same outputs, streamed once per K rounds (`ar` ignores it).
     `prefill_chunk` (default `decode.prefill.DEFAULT_PREFILL_CHUNK`): prompts longer than this many
     tokens are prefilled in chunks of it, bounding the prefill's activations (`decode/prefill.py`).
-    `draft_head`: the drafting side's efficient or int8 LM head (`models/draft_head.py:make_draft_head`;
+    `draft_head`: the drafting side's efficient or int8 LM head (`checkpoint/draft_head_ckpt.py:make_draft_head`;
     None: the full head; `ar` ignores it)."""
     from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK
 

@@ -42,6 +42,7 @@ import time
 import jax
 
 from dmtp_jax.decode.batch import RequestError, next_pow2
+from dmtp_jax.paths import cache_root
 
 AUTO = "auto"
 DEFAULT_PROBE_TOKENS = 64       # new tokens per candidate and probe run (about a dozen rounds of a 8-slot method)
@@ -122,7 +123,6 @@ class VerdictStore:
     @classmethod
     def default(cls) -> "VerdictStore":
         """The store at `$DMTP_JAX_CACHE/auto-verdicts.json` (default `~/.cache/dmtp-jax`)."""
-        from dmtp_jax.cli import cache_root
         return cls(os.path.join(cache_root(), cls.FILE))
 
     def get(self, key: str) -> dict | None:

@@ -43,7 +43,7 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
     `dmtp_jax.decode.method_needs`), loaded once and shared between methods.
 
     `args` carries the paths (`draft`, ...) and `dtype`; the target carries its mesh. `args.draft_head`
-    "efficient" or "int8": one drafting head (`models/draft_head.py:make_draft_head`; the efficient
+    "efficient" or "int8": one drafting head (`checkpoint/draft_head_ckpt.py:make_draft_head`; the efficient
     one of `draft_head_rank` / `draft_head_shortlist` / `draft_head_vocab`, the last with the token
     counts of `token_counts_path`, or the trained factor at `draft_head_factor`) shared by every
     speculative method. A model kind
@@ -83,14 +83,14 @@ def load_draft_head(args, target, methods):
     kind = getattr(args, "draft_head", "full")
     if kind == "full" or all(m == "ar" for m in methods):
         return None
-    from dmtp_jax.models.draft_head import make_draft_head
+    from dmtp_jax.checkpoint.draft_head_ckpt import make_draft_head
     subset = getattr(args, "draft_head_vocab", None)
     counts = factor = None
     if getattr(args, "draft_head_factor", None) and kind == "efficient":
-        from dmtp_jax.models.draft_head import read_head_factor
+        from dmtp_jax.checkpoint.draft_head_ckpt import read_head_factor
         factor = read_head_factor(args.draft_head_factor)
     elif subset and kind == "efficient":
-        from dmtp_jax.models.draft_head import read_token_counts
+        from dmtp_jax.checkpoint.draft_head_ckpt import read_token_counts
         path = token_counts_path(args)          # None: `make_draft_head` says what is missing
         counts = None if path is None else read_token_counts(path, target.cfg.vocab_size)
     return make_draft_head(target, kind, getattr(args, "draft_head_rank", None),

@@ -38,7 +38,8 @@ import numpy as np
 from dmtp_jax.decode.round import Proposal, RoundModels, SpecState, context_window
 from dmtp_jax.decode.sampling import filtered_probs, sample_from_probs
 from dmtp_jax.decode.verify import candidate_probs_to_dense
-from dmtp_jax.models.fusion import ADAPTIVE, DMTP_METHODS, block_layout, draft_block_embeds, mtp_first_candidate
+from dmtp_jax.methods import ADAPTIVE, METHODS
+from dmtp_jax.models.fusion import block_layout, draft_block_embeds, mtp_first_candidate
 from dmtp_jax.options import method_needs
 
 
@@ -228,15 +229,17 @@ class AdaptiveProposer(DmtpProposer):
         return Proposal(drafts, q, state.mtp_cache, from_mtp)
 
 
-PROPOSERS: dict[str, type[Proposer]] = {"dflash": DFlashProposer, "mtp": MtpChainProposer,
-                                        **{m: DmtpProposer for m in DMTP_METHODS}, ADAPTIVE: AdaptiveProposer}
+# proposer kind (`methods.Method.proposer`) -> class
+PROPOSERS: dict[str, type[Proposer]] = {"dflash": DFlashProposer, "mtp-chain": MtpChainProposer, "dmtp": DmtpProposer,
+                                        ADAPTIVE: AdaptiveProposer}
 
 
 def make_proposer(method: str, slots: int, context_window: int = 4096) -> Proposer:
-    """The proposer of `method` (a key of `PROPOSERS`) for `slots` verify slots.
+    """The proposer of `method` (its kind in `PROPOSERS`: `methods.METHODS[method].proposer`) for `slots`
+    verify slots.
 
     Example:
         >>> type(make_proposer("dmtp-adaptive", 8)).__name__
         'AdaptiveProposer'
     """
-    return PROPOSERS[method](method, slots, context_window)
+    return PROPOSERS[METHODS[method].proposer](method, slots, context_window)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dmtp_jax.decode.batch import RequestError
+from dmtp_jax.layers.rows import per_row
 
 
 @jax.tree_util.register_dataclass
@@ -78,17 +79,6 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return bool(np.all(np.asarray(self.temperature) == 0.0))
-
-
-def per_row(x: jax.Array, like: jax.Array) -> jax.Array:
-    """A scalar, or a `[B]` array reshaped to broadcast over `like`'s leading batch axis.
-
-    Example:
-        >>> per_row(jnp.array([1.0, 2.0]), jnp.zeros((2, 3, 4))).shape
-        (2, 1, 1)
-    """
-    x = jnp.asarray(x)
-    return x if x.ndim == 0 else x.reshape(x.shape + (1,) * (like.ndim - x.ndim))
 
 
 def filtered_probs(logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:

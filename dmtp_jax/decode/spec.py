@@ -186,7 +186,7 @@ class SpecDecoder:
     call with on-device stopping (`decode/multi_round.py`): the host syncs, and `on_tokens` streams,
     once per K rounds; outputs and statistics are those of K = 1. The method, slots, verifier,
     context window and K are fixed at construction (read-only). `draft_head`: the drafting side's
-    efficient or int8 LM head (`models/draft_head.py:make_draft_head`), None for the full head; part
+    efficient or int8 LM head (`checkpoint/draft_head_ckpt.py:make_draft_head`), None for the full head; part
     of the static setup (its params are model state, arguments of the jitted calls).
 
     Example: see the module docstring.

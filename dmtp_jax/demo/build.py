@@ -25,7 +25,8 @@ import time
 
 import numpy as np
 
-from dmtp_jax.demo.pretrain import WindowRunConfig
+from dmtp_jax.config import check_config_keys
+from dmtp_jax.train.window import WindowBatches, WindowRunConfig, window_run_options
 from dmtp_jax.errors import InputError
 
 
@@ -83,7 +84,6 @@ class PretrainConfig(WindowRunConfig):
             >>> PretrainConfig.from_dict({"steps": 3}).steps
             3
         """
-        from dmtp_jax.cli import check_config_keys
         check_config_keys(cls, d, "pretrain")
         return cls(**d)
 
@@ -255,9 +255,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     import jax
 
     from dmtp_jax.config import TargetConfig
-    from dmtp_jax.demo.pretrain import Pretrainer, PretrainStep, WindowBatches, window_run_options
+    from dmtp_jax.demo.pretrain import Pretrainer, PretrainStep
     from dmtp_jax.train.loop import run_loop
-    from dmtp_jax.train.step import optim_config
+    from dmtp_jax.train.optim import optim_config
 
     p = _paths(cfg)
     manifest = prepare_data(cfg)

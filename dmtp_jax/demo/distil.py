@@ -8,7 +8,7 @@ role a native MTP head plays when it proposes the first candidate. Steps of `run
 1. the corpus head is kept: written once to `cfg.corpus_head_dir` (`mtp.*` tensors and a card),
    and every run starts from that copy, so re-running never distils a distilled head;
 2. data: the regen rows (`input_ids`) of every file, joined with EOS into one stream; batch `s` is
-   `window_batch(stream, ..., seed, s)` (`demo.pretrain.WindowBatches`: resumable bit for bit);
+   `window_batch(stream, ..., seed, s)` (`train.window.WindowBatches`: resumable bit for bit);
 3. the loop (`train.loop.run_loop`, the drafter's: signals, non-finite losses, full disk, cut-off
    checkpoints; a stopped run replaces nothing and resumes with `--resume`), then the evaluation
    of both heads on held-out windows (`val_tokens.npy`: the held-out modules, text the target
@@ -28,7 +28,8 @@ import os
 
 import numpy as np
 
-from dmtp_jax.demo.pretrain import WindowRunConfig
+from dmtp_jax.config import check_config_keys
+from dmtp_jax.train.window import WindowBatches, WindowRunConfig, window_run_options
 from dmtp_jax.errors import InputError
 
 CORPUS_HEAD_CARD = """# {name}: the demo target's corpus-only MTP head
@@ -65,7 +66,6 @@ class DistilConfig(WindowRunConfig):
             >>> DistilConfig.from_dict({"steps": 3}).steps
             3
         """
-        from dmtp_jax.cli import check_config_keys
         check_config_keys(cls, d, "distil-mtp")
         return cls(**d)
 
@@ -129,9 +129,9 @@ def run_distil(cfg: DistilConfig) -> dict:
 
     from dmtp_jax.checkpoint.hf import load_target
     from dmtp_jax.checkpoint.mtp_ckpt import load_mtp, mtp_tensors
-    from dmtp_jax.demo.pretrain import MtpDistiller, WindowBatches, window_run_options
+    from dmtp_jax.demo.pretrain import MtpDistiller
     from dmtp_jax.train.loop import run_loop
-    from dmtp_jax.train.step import optim_config
+    from dmtp_jax.train.optim import optim_config
 
     name = os.path.basename(os.path.normpath(cfg.corpus_head_dir))
     keep_corpus_head(cfg.target, cfg.corpus_head_dir, CORPUS_HEAD_CARD.format(name=name, mtp_lambda=cfg.mtp_lambda))

@@ -13,8 +13,8 @@ resumed run sees exactly the batches an uninterrupted one would.
 
 The state is `train.step.TrainState` with `params = {"target": ..., "mtp": ...}`; optimiser
 `train.step.make_optimizer`, update `train.step.apply_gradients`, one jitted donated step
-(`WindowTrainer`, shared with `MtpDistiller`). Both run in `train.loop.run_loop`, the drafter's
-loop (checkpoints, metrics, signals, non-finite losses, full disk), on `WindowBatches`.
+(`train.window.WindowTrainer`, shared with `MtpDistiller`). Both run in `train.loop.run_loop`, the
+drafter's loop (checkpoints, metrics, signals, non-finite losses, full disk), on `train.window.WindowBatches`.
 
 A second phase, `MtpDistiller`, trains only the MTP head against the frozen target: at every row it
 matches the target's own next-token distribution (soft cross-entropy to `softmax(target logits)`
@@ -30,19 +30,17 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 from dmtp_jax.checkpoint.hf import abstract_target
 from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
 from dmtp_jax.config import TargetConfig
-from dmtp_jax.counted_jit import counted_jit
-from dmtp_jax.train.step import OptimConfig, TrainState, apply_gradients, make_optimizer, new_state
+from dmtp_jax.train.optim import OptimConfig
+from dmtp_jax.train.window import WindowTrainer
 
 
 def token_ce(logits_btv: jax.Array, labels_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -115,178 +113,12 @@ def mtp_distil_loss(mtp_params, target_params, target_graphdef, mtp_graphdef, to
     return soft_ce, {"kl": kl, "agree": agree, "mtp_ce": mtp_ce, "mtp_acc": mtp_acc}
 
 
-def window_batch(stream: np.ndarray, batch_size: int, length: int, seed: int, step: int) -> np.ndarray:
-    """Batch `step`: `batch_size` random windows of `length` tokens of `stream` (pure in `(seed, step)`).
-
-    Example:
-        >>> window_batch(np.arange(100), 2, 5, seed=0, step=3).shape
-        (2, 5)
-    """
-    rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(stream) - length + 1, size=batch_size)
-    return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
-
-
-class WindowBatches:
-    """The demo's batch source for `train.loop.run_loop`: batch `s` is `{"tokens_bt": window_batch(
-    stream, batch_size, length, seed, s)}`; the state is the next batch's index, so a resumed run
-    sees exactly the batches an uninterrupted one would.
-
-    Example:
-        >>> batches = WindowBatches(np.arange(100), 2, 5, seed=0)
-        >>> batches.next()["tokens_bt"].shape, batches.get_state()
-        ((2, 5), {'step': 1})
-    """
-
-    def __init__(self, stream: np.ndarray, batch_size: int, length: int, seed: int):
-        self.stream, self.batch_size, self.length, self.seed, self.index = stream, batch_size, length, seed, 0
-
-    def batch(self, index: int) -> dict:
-        return {"tokens_bt": window_batch(self.stream, self.batch_size, self.length, self.seed, index)}
-
-    def next(self) -> dict:
-        self.index += 1
-        return self.batch(self.index - 1)
-
-    def get_state(self) -> dict:
-        return {"step": self.index}
-
-    def set_state(self, state: dict) -> None:
-        self.index = int(state["step"])
-
-
-@dataclasses.dataclass
-class WindowRunConfig:
-    """The optimisation and run fields of a `WindowTrainer` job (`demo.distil.DistilConfig`,
-    `train.head_factor.FactorConfig` add their own): `train.step.optim_config` and
-    `window_run_options` read them."""
-    seq_len: int = 256
-    batch_size: int = 16
-    steps: int = 300
-    lr: float = 1e-3
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    eval_batches: int = 8
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
-    max_nonfinite: int = 10                     # stop after this many non-finite steps in a row
-    resume: bool = False
-    progress: bool = True
-
-
-def window_run_options(cfg, out: str):
-    """`train.loop.RunOptions` of a demo run (`demo.build.PretrainConfig` or `demo.distil.DistilConfig`:
-    same field names) writing to `out`.
-
-    Example:
-        >>> from dmtp_jax.demo.distil import DistilConfig
-        >>> window_run_options(DistilConfig(steps=5, batch_size=2, seq_len=8), "/tmp/run").tokens_per_step
-        16
-    """
-    from dmtp_jax.train.loop import RunOptions
-    return RunOptions(out=out, steps=cfg.steps, resume=cfg.resume, checkpoint_every=cfg.checkpoint_every,
-                      keep_checkpoints=cfg.keep_checkpoints, max_nonfinite=cfg.max_nonfinite, progress=cfg.progress,
-                      tokens_per_step=cfg.batch_size * cfg.seq_len)
-
-
 @dataclasses.dataclass(frozen=True)
 class PretrainStep:
     """What one step computes (static in the jit)."""
     mtp_lambda: float = 0.3
     mtp_stop_gradient: bool = False
     compute_dtype: str = "float32"
-
-
-class WindowTrainer:
-    """What `Pretrainer`, `MtpDistiller` and `train.head_factor.FactorDistiller` share: the trainer
-    interface of `train.loop.run_loop` around a subclass's `loss(params, frozen, tokens_bt) -> (loss,
-    metrics)` on `[B, L+1]` windows. `frozen` (a jit input, never trained: the distiller's target) is
-    held by the trainer; the step is one donated jit (`train.step.apply_gradients`: non-finite steps
-    skip their update). Everything lives on one `mesh` (default: one device): the trained params and
-    the optimizer state replicated, `frozen` at its own shardings, each batch split over the batch
-    axes of the mesh.
-
-    Example:
-        >>> pt = Pretrainer(target_cfg, PretrainStep(), OptimConfig(total_steps=10))  # doctest: +SKIP
-        >>> state = pt.init_state(0); state, m = pt.step(state, {"tokens_bt": batch})  # doctest: +SKIP
-    """
-
-    BAR = {"loss": "loss"}
-
-    def __init__(self, ocfg: OptimConfig, abstract_params: dict, frozen=None, mesh=None):
-        from dmtp_jax.sharding import make_mesh, replicated
-        self.ocfg, self.tx = ocfg, make_optimizer(ocfg)
-        self.abstract_params, self.frozen = abstract_params, frozen
-        self.mesh = mesh if mesh is not None else make_mesh()
-        self.replicated = replicated(self.mesh)
-        self._step = counted_jit(self._step_impl, donate_argnums=(0,), out_shardings=self.replicated)
-        self._eval = jax.jit(lambda params, frozen, tokens_bt: self.loss(params, frozen, tokens_bt)[1],
-                             out_shardings=self.replicated)
-
-    def loss(self, params, frozen, tokens_bt) -> tuple[jax.Array, dict]:
-        raise NotImplementedError
-
-    def initial_params(self, seed: int) -> dict:
-        raise NotImplementedError
-
-    def init_state(self, seed: int) -> TrainState:
-        """Step 0 from `initial_params(seed)` (fp32) and a fresh optimizer state."""
-        return jax.jit(functools.partial(new_state, self.tx), out_shardings=self.replicated)(self.initial_params(seed))
-
-    def abstract_state(self) -> TrainState:
-        """ShapeDtypeStructs of the state (for `train.loop.restore_checkpoint` and `lower_step`)."""
-        shapes = jax.eval_shape(functools.partial(new_state, self.tx), self.abstract_params)
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated), shapes)
-
-    def _step_impl(self, state: TrainState, frozen, tokens_bt):
-        (loss, metrics), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, frozen, tokens_bt)
-        state, update = apply_gradients(self.tx, self.ocfg, state, grads, loss)
-        return state, {**metrics, "loss": loss, **update}
-
-    def _tokens(self, tokens_bt) -> jax.Array:
-        """A batch of windows on the mesh, split over its batch axes."""
-        from dmtp_jax.sharding import batch_sharding
-        tokens_bt = np.asarray(tokens_bt)
-        return jax.device_put(tokens_bt, batch_sharding(self.mesh, tokens_bt.shape))
-
-    def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        """One optimizer step on `batch["tokens_bt"]` (`[B, L+1]` windows); `state` is donated."""
-        return self._step(state, self.frozen, self._tokens(batch["tokens_bt"]))
-
-    def lower_step(self, batch_size: int, window: int, frozen) -> jax.stages.Lowered:
-        """The step for `[batch_size, window]` token windows, lowered on abstract inputs (the state,
-        `frozen` as ShapeDtypeStructs at their shardings, the tokens): nothing allocated, the run's
-        compile counter untouched (`train.py plan --job head-factor`).
-
-        Example:
-            >>> compiled = trainer.lower_step(8, 2049, abstract_frozen).compile()  # doctest: +SKIP
-        """
-        from dmtp_jax.sharding import batch_sharding
-        shape = (batch_size, window)
-        tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(self.mesh, shape))
-        return jax.jit(self._step_impl, donate_argnums=(0,), out_shardings=self.replicated).lower(
-            self.abstract_state(), frozen, tokens)
-
-    def evaluate(self, params, batches) -> dict:
-        """Mean metrics of `params` over `batches` (dicts as `step` takes: held-out windows).
-
-        Example:
-            >>> pt.evaluate(state.params, [WindowBatches(val, 8, 257, 1).batch(i) for i in range(4)])  # doctest: +SKIP
-        """
-        got = [jax.device_get(self._eval(params, self.frozen, self._tokens(b["tokens_bt"]))) for b in batches]
-        return {k: float(np.mean([g[k] for g in got])) for k in got[0]} if got else {}
-
-    def record_fields(self, metrics: dict) -> dict:
-        """No derived fields: the step's scalar metrics are the metrics line."""
-        del metrics
-        return {}
-
-    def compile_count(self) -> int:
-        """Compiled variants of the train step (1 for a fixed batch shape)."""
-        return self._step.compiles
 
 
 class Pretrainer(WindowTrainer):

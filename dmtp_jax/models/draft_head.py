@@ -23,7 +23,7 @@ rescores them from the rows it holds (`shortlist_logits`): the rows never cross 
                 bf16 head, every column scored)
 
 The factor is the rank-r truncated SVD of the LM head, made once at load time
-(`make_efficient_head`): with `W W^T = U S^2 U^T`, `A = U_r` and `B = U_r^T W`, the best rank-r
+(`checkpoint.draft_head_ckpt.make_efficient_head`): with `W W^T = U S^2 U^T`, `A = U_r` and `B = U_r^T W`, the best rank-r
 approximation of `W`. It is model state (`down`, `up`; `up` sharded like the head's vocabulary
 axis), so it travels into the jitted round as an argument and is never baked into the program.
 
@@ -298,61 +298,6 @@ def frequent_ids(counts, n: int) -> np.ndarray:
     return np.sort(np.argsort(-counts, kind="stable")[:n])
 
 
-TOKEN_COUNTS = "token_counts.npy"
-HEAD_FACTOR = "head_factor.safetensors"
-_MISSING = {TOKEN_COUNTS: ("token counts",
-                           "write them with: python train.py token-counts --target T --data D --out DIR"),
-            HEAD_FACTOR: ("trained head factor",
-                          "train one with: python train.py head-factor --target T --data D --out DIR")}
-
-
-def drafter_file(path: str, name: str) -> str:
-    """The file `path` names for a drafter directory's `name` (`token_counts.npy`,
-    `head_factor.safetensors`): `path` itself, or `path/name` when `path` is a directory; an
-    `InputError` when there is none.
-
-    Example:
-        >>> drafter_file("/nope", TOKEN_COUNTS)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.InputError: no token counts at /nope
-    """
-    import os
-    file = os.path.join(path, name) if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        what, hint = _MISSING[name]
-        raise InputError(f"no {what} at {file}", hint=hint)
-    return file
-
-
-def read_token_counts(path: str, vocab: int) -> np.ndarray:
-    """Token counts `[vocab]` from `path` (`drafter_file`; `train.py token-counts` writes them
-    into a drafter directory).
-
-    Example:
-        >>> read_token_counts("drafter_dir", 248320).shape  # doctest: +SKIP
-        (248320,)
-    """
-    file = drafter_file(path, TOKEN_COUNTS)
-    counts = np.load(file, allow_pickle=False)
-    if counts.shape != (vocab,):
-        raise InputError(f"{file} holds counts of shape {counts.shape}, the target's vocabulary is {vocab}")
-    return counts
-
-
-def read_head_factor(path: str) -> dict:
-    """`{"down" [H, r], "up" [r, C][, "ids" [C]]}` numpy arrays of a trained factor
-    (`train.py head-factor`) at `path` (`drafter_file`).
-
-    Example:
-        >>> read_head_factor("drafter_dir")["down"].shape  # doctest: +SKIP
-        (256, 64)
-    """
-    from dmtp_jax.checkpoint.safetensors_io import SafetensorsFile
-    f = SafetensorsFile(drafter_file(path, HEAD_FACTOR))
-    return {k: np.array(f.array(k)) for k in f.keys()}
-
-
 class Int8Head(nnx.Module):
     """The LM head quantized to int8 per vocabulary entry. Params: `weight` int8 `[H, V]` (sharded
     like an untied LM head, whether or not the target ties it) and `scale` `[V]`. Its logits are a
@@ -428,7 +373,7 @@ def head_name(head_cfg) -> str:
     return f"efficient(rank={head_cfg['rank']},shortlist={head_cfg['shortlist']}{subset}{trained})"
 
 
-def _efficient_shape(target_cfg, rank, shortlist, subset) -> tuple[dict, dict]:
+def efficient_shape(target_cfg, rank, shortlist, subset) -> tuple[dict, dict]:
     """`(head cfg, EfficientHead keywords)` for a target config; `subset`: ids in the vocabulary
     subset (None / 0: the whole vocabulary)."""
     vocab = target_cfg.vocab_size
@@ -443,59 +388,9 @@ def _efficient_shape(target_cfg, rank, shortlist, subset) -> tuple[dict, dict]:
 def abstract_efficient_head(target_cfg, dtype, rank: int | None = None, shortlist: int | None = None,
                             subset: int | None = None):
     """`(cfg, graphdef, abstract state)` of an efficient head for a target config (nothing allocated)."""
-    cfg, shape = _efficient_shape(target_cfg, rank, shortlist, subset)
+    cfg, shape = efficient_shape(target_cfg, rank, shortlist, subset)
     head = nnx.eval_shape(lambda: EfficientHead(**shape, dtype=jnp.dtype(dtype)))
     return cfg, *nnx.split(head)
-
-
-def make_efficient_head(target, rank: int | None = None, shortlist: int | None = None, counts=None,
-                        subset: int | None = None, factor: dict | None = None):
-    """A `LoadedModel` holding the efficient head of a loaded target (`factor_head` of its LM head),
-    its params at their mesh shardings. `subset` N with `counts` (`[V]`, `read_token_counts`): the
-    head scores only the N most frequent ids. `factor` (`read_head_factor`): a trained factor, used
-    instead of the SVD; its shape sets the rank and the subset.
-
-    Example:
-        >>> head = make_efficient_head(target, rank=64, shortlist=256)  # doctest: +SKIP
-        >>> head.cfg  # doctest: +SKIP
-        {'rank': 64, 'shortlist': 256}
-    """
-    ids = None
-    if factor is not None:
-        trained_rank = factor["down"].shape[1]
-        ids = factor["ids"][factor["ids"] >= 0] if "ids" in factor else None
-        for flag, given, own in (("--draft-head-rank", rank, trained_rank),
-                                 ("--draft-head-vocab", subset, None if ids is None else len(ids))):
-            if given is not None and given != own:
-                raise InputError(f"{flag} {given} differs from the trained head factor's {own}")
-        rank, subset = trained_rank, None if ids is None else len(ids)
-    cfg, shape = _efficient_shape(target.cfg, rank, shortlist, subset)
-    if factor is not None:
-        want = {"down": (target.cfg.hidden_size, rank), "up": (rank, shape["subset"] or target.cfg.vocab_size)}
-        if any(factor[k].shape != v for k, v in want.items()):
-            raise InputError(f"the trained head factor's shapes {[factor[k].shape for k in want]} do not fit this "
-                             f"target (want {list(want.values())})")
-        cfg["trained"] = True
-    elif subset:
-        if counts is None:
-            raise InputError("--draft-head-vocab needs token counts: pass --draft-head-counts FILE or a --draft "
-                             "directory holding token_counts.npy", hint=_MISSING[TOKEN_COUNTS][1])
-        ids = frequent_ids(counts, subset)
-    model = nnx.merge(target.graphdef, target.state)
-    head = EfficientHead(**shape, dtype=target.state_dtype)
-    pair = None if factor is None else (factor["down"], factor["up"])
-    return _loaded(target, cfg, factor_head(head, model.head_weight(), ids, tied=target.cfg.tie_word_embeddings,
-                                            factor=pair))
-
-
-def _loaded(target, head_cfg: dict, head):
-    """A made head as a `LoadedModel`, its params at their shardings on the target's mesh."""
-    from dmtp_jax.checkpoint.hf import LoadedModel
-    from dmtp_jax.sharding import state_shardings
-
-    graphdef, state = nnx.split(head)
-    state = jax.device_put(state, state_shardings(state, target.mesh))
-    return LoadedModel(head_cfg, graphdef, state, target.mesh, None)
 
 
 def abstract_draft_head(kind: str, target_cfg, dtype, rank: int | None = None, shortlist: int | None = None,
@@ -508,22 +403,3 @@ def abstract_draft_head(kind: str, target_cfg, dtype, rank: int | None = None, s
         raise InputError(f"unknown draft head '{kind}'; use {', '.join(DRAFT_HEADS)}")
     head = nnx.eval_shape(lambda: Int8Head(hidden=target_cfg.hidden_size, vocab=target_cfg.vocab_size))
     return {"kind": "int8"}, *nnx.split(head)
-
-
-def make_draft_head(target, kind: str, rank: int | None = None, shortlist: int | None = None, counts=None,
-                    subset: int | None = None, factor: dict | None = None):
-    """A `LoadedModel` holding the drafting head of `kind` ("efficient": `make_efficient_head`; "int8":
-    `quantize_head` of the target's LM head), its params at their mesh shardings.
-
-    Example:
-        >>> make_draft_head(target, "int8").cfg  # doctest: +SKIP
-        {'kind': 'int8'}
-    """
-    if kind == "efficient":
-        return make_efficient_head(target, rank, shortlist, counts, subset, factor)
-    if kind != "int8":
-        raise InputError(f"unknown draft head '{kind}'; use {', '.join(DRAFT_HEADS)}")
-    cfg = target.cfg
-    model = nnx.merge(target.graphdef, target.state)
-    return _loaded(target, {"kind": "int8"}, quantize_head(Int8Head(hidden=cfg.hidden_size, vocab=cfg.vocab_size),
-                                                           model.head_weight(), tied=cfg.tie_word_embeddings))

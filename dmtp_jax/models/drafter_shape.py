@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from dmtp_jax.models.dflash import DFlashConfig, build_target_layer_ids
+from dmtp_jax.models.dflash_config import DFlashConfig, build_target_layer_ids
 
 DEFAULT_DRAFT_LAYERS = 5      # every published z-lab / SpecForge DFlash drafter
 DEFAULT_PLAN_BLOCK = 8        # DMTP's eight slots

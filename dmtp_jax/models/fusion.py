@@ -40,19 +40,8 @@ from flax import nnx
 
 from dmtp_jax.layers import params
 from dmtp_jax.layers.norms import rms_norm
+from dmtp_jax.methods import ADAPTIVE, DMTP_METHODS, METHODS
 
-# method -> (anchors: 2 = [A, T1, ...], 1 = [T1, ...]; fusion variant)
-DMTP_METHODS = {
-    "dmtp": (2, "t1-residual"),
-    "dmtp-single": (1, "t1-replace"),
-    "dmtp-candidate": (1, None),
-    "dmtp-lowrank": (1, "t1-lowrank"),
-    "dmtp-mask-residual": (1, "mask-residual"),
-    "dmtp-ctx-fusion": (1, "ctx-fusion"),
-    "dmtp-ctx-mtp": (1, "ctx-mtp"),
-    "dmtp-adaptive": (2, "t1-residual"),
-}
-ADAPTIVE = "dmtp-adaptive"
 CONTEXT_VARIANTS = ("ctx-fusion", "ctx-mtp")
 DEFAULT_LOWRANK = 64
 
@@ -66,7 +55,7 @@ class T1Fusion(nnx.Module):
         if method not in DMTP_METHODS:
             raise ValueError(f"unknown DMTP method '{method}'; known: {', '.join(DMTP_METHODS)}")
         self.method, self.eps = method, eps
-        self.anchors, self.variant = DMTP_METHODS[method]
+        self.anchors, self.variant = METHODS[method].anchors, METHODS[method].variant
         if self.variant is None:
             return
         self.norm_hidden = params.ones((hidden,), (None,), dtype)
@@ -169,7 +158,7 @@ def block_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
     """
     if method in ("dflash", ADAPTIVE):
         return tuple(range(slots)), 1
-    anchors = DMTP_METHODS[method][0]
+    anchors = METHODS[method].anchors
     if anchors == 2:
         return tuple(range(slots)), 2
     return tuple(range(1, slots)), 1

@@ -16,7 +16,8 @@ Example:
 
 from __future__ import annotations
 
-from dmtp_jax.plan.report import DoesNotFitError, PlanResult, cost_notes, format_plan  # noqa: F401
+from dmtp_jax.plan.compile import DoesNotFitError  # noqa: F401
+from dmtp_jax.plan.report import PlanResult, cost_notes, format_plan  # noqa: F401
 
 
 def _mesh_sizes(mesh) -> dict:

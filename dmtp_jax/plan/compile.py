@@ -18,6 +18,8 @@ from typing import Callable
 
 import jax
 
+from dmtp_jax.errors import UserError
+
 
 @dataclasses.dataclass
 class FunctionPlan:
@@ -59,6 +61,10 @@ def cost_of(compiled) -> dict:
     return dict(ca or {})
 
 
+class DoesNotFitError(UserError):
+    """The planned run needs more memory per device than the machine has (exit status 2)."""
+
+
 def compile_or_refuse(name: str, lower: Callable[[], jax.stages.Lowered]):
     """`lower().compile()`; the TPU compiler refuses a program whose buffers exceed the chip's memory
     (RESOURCE_EXHAUSTED): that is a plan that does not fit (`DoesNotFitError`, exit status 2, one
@@ -68,7 +74,6 @@ def compile_or_refuse(name: str, lower: Callable[[], jax.stages.Lowered]):
     except Exception as e:  # noqa: BLE001 -- jax raises JaxRuntimeError / XlaRuntimeError by version
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        from dmtp_jax.plan.report import DoesNotFitError
         detail = str(e).split("RESOURCE_EXHAUSTED:", 1)[-1].strip().splitlines()[0]
         raise DoesNotFitError(f"does not fit: the compiler refused {name}: {detail}") from None
 

@@ -67,7 +67,7 @@ def abstract_target_model(path: str, mesh: Mesh, dtype) -> LoadedModel:
 def drafter_config_of(path: str | None, target_cfg: TargetConfig, block_size: int | None):
     """The drafter config of `--draft DIR|CONFIG.json`, or `default_drafter_config` for the target;
     `(DFlashConfig, the stored dmtp_config block or None)`."""
-    from dmtp_jax.models.dflash import DFlashConfig, check_fits_target
+    from dmtp_jax.models.dflash_config import DFlashConfig, check_fits_target
     from dmtp_jax.models.drafter_shape import DEFAULT_PLAN_BLOCK, default_drafter_config
     if path is None:
         return default_drafter_config(target_cfg, block_size=block_size or DEFAULT_PLAN_BLOCK), None

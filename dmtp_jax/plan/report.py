@@ -11,12 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dmtp_jax.errors import UserError
 from dmtp_jax.plan.compile import FunctionPlan
-
-
-class DoesNotFitError(UserError):
-    """The planned run needs more memory per device than the machine has (exit status 2)."""
 
 
 @dataclasses.dataclass

@@ -32,7 +32,8 @@ def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None,
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.train.loop import default_gamma
     from dmtp_jax.train.loss import uses_mtp
-    from dmtp_jax.train.step import OptimConfig, StepConfig, Trainer, abstract_models
+    from dmtp_jax.train.optim import OptimConfig
+    from dmtp_jax.train.step import StepConfig, Trainer, abstract_models
 
     for name, value in (("batch-size", batch_size), ("seq-len", seq_len), ("draft-layers", draft_layers),
                         ("num-anchors", num_anchors), ("grad-accum", grad_accum)):
@@ -117,7 +118,8 @@ def plan_head_factor(target: str, *, mesh: str | None = None, batch_size: int = 
     from dmtp_jax.platform import compiling_for
     from dmtp_jax.sharding import make_mesh, replicated
     from dmtp_jax.train.head_factor import FactorDistiller, check_factor_shape
-    from dmtp_jax.train.step import OptimConfig, abstract_models
+    from dmtp_jax.train.optim import OptimConfig
+    from dmtp_jax.train.step import abstract_models
 
     check_factor_shape(batch_size, seq_len, ce_chunk, target_dtype)
     topo = open_topology(topology)

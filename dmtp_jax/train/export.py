@@ -36,7 +36,7 @@ def export_run(run_dir: str, out_dir: str, step: int | None = None, dtype: str |
     from dmtp_jax.checkpoint.dflash_ckpt import LoadedDrafter, save_drafter
     from dmtp_jax.checkpoint.dmtp_ckpt import save_dmtp_drafter
     from dmtp_jax.checkpoint.hf import LoadedModel
-    from dmtp_jax.models.dflash import DFlashConfig
+    from dmtp_jax.models.dflash_config import DFlashConfig
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.train.step import StepConfig, abstract_params
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dmtp_jax.models.dflash import DFlashConfig, context_features
+from dmtp_jax.models.dflash import context_features
+from dmtp_jax.models.dflash_config import DFlashConfig
 
 
 def target_features(target, tokens_bt: jax.Array, valid_bt: jax.Array, dcfg: DFlashConfig):

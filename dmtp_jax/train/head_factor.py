@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dmtp_jax.demo.pretrain import WindowRunConfig, WindowTrainer
+from dmtp_jax.train.window import WindowBatches, WindowRunConfig, WindowTrainer, window_run_options
 from dmtp_jax.errors import InputError
-from dmtp_jax.models.draft_head import HEAD_FACTOR
+from dmtp_jax.checkpoint.draft_head_ckpt import HEAD_FACTOR
 
 
 @dataclasses.dataclass
@@ -191,13 +191,12 @@ def train_head_factor(cfg: FactorConfig) -> dict:
     from dmtp_jax.checkpoint.mtp_ckpt import has_mtp, load_mtp
     from dmtp_jax.checkpoint.safetensors_io import write_safetensors
     from dmtp_jax.config import load_target_config
-    from dmtp_jax.demo.pretrain import WindowBatches, window_run_options
-    from dmtp_jax.models.draft_head import make_efficient_head, read_token_counts
+    from dmtp_jax.checkpoint.draft_head_ckpt import make_efficient_head, read_token_counts
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tokenizer import load_tokenizer
     from dmtp_jax.train.data import TokenDataset, token_stream
     from dmtp_jax.train.loop import run_loop
-    from dmtp_jax.train.step import optim_config
+    from dmtp_jax.train.optim import optim_config
 
     check_factor_shape(cfg.batch_size, cfg.seq_len, cfg.ce_chunk, cfg.target_dtype)
     if cfg.steps < 1:

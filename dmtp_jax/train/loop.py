@@ -41,6 +41,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from dmtp_jax.config import check_config_keys
 from dmtp_jax.errors import InputError
 from dmtp_jax.options import TRAIN_METHODS, check_block_size, check_method
 from dmtp_jax.train import resilience
@@ -121,7 +122,6 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        from dmtp_jax.cli import check_config_keys
         check_config_keys(cls, d, "training")
         d = dict(d)
         if d.get("target_layer_ids") is not None:
@@ -189,7 +189,7 @@ def save_checkpoint(mngr, state, meta: dict) -> None:
 def restore_checkpoint(mngr, trainer, step: int | None = None):
     """`(TrainState, meta)` of checkpoint `step` (default: the latest)."""
     import orbax.checkpoint as ocp
-    from dmtp_jax.train.step import TrainState
+    from dmtp_jax.train.optim import TrainState
     step = mngr.latest_step() if step is None else step
     abstract = trainer.abstract_state()
     p_leaves, p_def = jax.tree.flatten(abstract.params)
@@ -229,7 +229,8 @@ def setup(cfg: TrainConfig):
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tokenizer import load_tokenizer
     from dmtp_jax.train.data import BatchIterator, TokenDataset, process_rows
-    from dmtp_jax.train.step import StepConfig, Trainer, optim_config
+    from dmtp_jax.train.optim import optim_config
+    from dmtp_jax.train.step import StepConfig, Trainer
 
     cfg.validate()
     from dmtp_jax.config import load_target_config
@@ -304,7 +305,7 @@ class DrafterBatches:
 
 class TrainerInterface(Protocol):
     """What `run_loop` needs of a trainer; `train.step.Trainer` (drafters) and the demo's
-    `demo.pretrain.WindowTrainer` (`Pretrainer`, `MtpDistiller`) implement it."""
+    `train.window.WindowTrainer` (`Pretrainer`, `MtpDistiller`, `FactorDistiller`) implement it."""
     BAR: dict                                    # progress-bar label -> metrics-line field
 
     def init_state(self, start): ...             # step 0 from `start` (the drafter's params, a seed)
@@ -316,7 +317,7 @@ class TrainerInterface(Protocol):
 
 
 class BatchSource(Protocol):
-    """What `run_loop` needs of the data: `DrafterBatches`, `demo.pretrain.WindowBatches`."""
+    """What `run_loop` needs of the data: `DrafterBatches`, `train.window.WindowBatches`."""
     def next(self) -> dict: ...                  # one batch as `step` takes it ("malformed": counted)
     def get_state(self): ...                     # JSON: the position, saved with each checkpoint
     def set_state(self, state) -> None: ...

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from dmtp_jax.errors import InputError
 from dmtp_jax.models.dflash import transform_draft_logits
-from dmtp_jax.models.fusion import ADAPTIVE, DMTP_METHODS, block_layout, draft_block_embeds
+from dmtp_jax.methods import ADAPTIVE, METHODS
+from dmtp_jax.models.fusion import block_layout, draft_block_embeds
 from dmtp_jax.options import TRAIN_METHODS, check_method, method_needs
 from dmtp_jax.models.qwen3 import lm_head_logits
 
@@ -141,7 +142,7 @@ def drafter_block_hidden(drafter, target, feats_btf: jax.Array, valid_bt: jax.Ar
     ctx_valid_bts = (jnp.arange(length)[None, None, :] < anchor_bt[:, :, None]) & valid_bt[:, None, :]
     flat_tokens = blocks.tokens_bnk.reshape(b * n, rows)
     mtp_h = None
-    two_anchor = method == "dflash" or DMTP_METHODS[method][0] == 2     # block rows start at A
+    two_anchor = method == "dflash" or METHODS[method].anchors == 2     # block rows start at A
     t1_row = 1 if two_anchor else 0
     if mtp_h_bth is not None:
         mtp_h = jnp.take_along_axis(mtp_h_bth, anchors_bn[..., None], axis=1).reshape(b * n, -1).astype(dtype)

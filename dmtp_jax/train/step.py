@@ -1,4 +1,5 @@
-"""The optimiser and the ONE jitted train step (sharded, donated, one compile).
+"""The ONE jitted train step of the drafter (sharded, donated, one compile); the optimiser is
+`train.optim`'s.
 
 `TrainState = (params fp32, opt_state, step)`; `params` is `{"drafter": ..., "fusion": ...}` (the
 fusion only for the DMTP methods). The step takes the frozen target (and, for DMTP, the frozen MTP
@@ -35,14 +36,17 @@ from flax import nnx
 from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
 from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.errors import InputError
-from dmtp_jax.models.dflash import REMAT_POLICIES, DFlashConfig
-from dmtp_jax.models.fusion import ADAPTIVE, T1Fusion
+from dmtp_jax.methods import ADAPTIVE
+from dmtp_jax.models.dflash import REMAT_POLICIES
+from dmtp_jax.models.dflash_config import DFlashConfig
+from dmtp_jax.models.fusion import T1Fusion
 from dmtp_jax.sharding import (DEFAULT_RULES, MeshRules, at_shardings, batch_sharding, gathered_over, replicated,
                                state_shardings)
 from dmtp_jax.train.anchors import sample_anchors
 from dmtp_jax.train.features import mtp_hidden, target_features
 from dmtp_jax.train.loss import (block_inputs, ce_sums, draft_head, drafter_block_hidden, method_layout,
                                  token_ce, uses_mtp)
+from dmtp_jax.train.optim import OptimConfig, TrainState, apply_gradients, make_optimizer, new_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,99 +83,6 @@ def abstract_params(dcfg: DFlashConfig, scfg: StepConfig):
                                                  eps=dcfg.rms_norm_eps, dtype=jnp.float32, rngs=nnx.Rngs(0)))
         graphdefs["fusion"], params["fusion"] = nnx.split(fusion)
     return graphdefs, params
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """AdamW + linear warmup + cosine decay to `lr * min_lr_ratio`, global-norm clipping."""
-    lr: float = 6e-4
-    total_steps: int = 1000
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.95
-    max_grad_norm: float = 1.0
-
-
-def optim_config(cfg) -> OptimConfig:
-    """The `OptimConfig` of a run's config (`TrainConfig`, the demo's `PretrainConfig`, any
-    `demo.pretrain.WindowRunConfig`): its `lr`, `steps`, `warmup_steps`, `min_lr_ratio`,
-    `weight_decay`, `max_grad_norm`.
-
-    Example:
-        >>> from dmtp_jax.demo.distil import DistilConfig
-        >>> optim_config(DistilConfig(steps=5, lr=0.1)).total_steps
-        5
-    """
-    return OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio,
-                       weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
-
-
-def lr_schedule(ocfg: OptimConfig) -> optax.Schedule:
-    """Warmup (at most the run length) then cosine.
-
-    Example:
-        >>> float(lr_schedule(OptimConfig(lr=1.0, total_steps=10, warmup_steps=2))(2))
-        1.0
-    """
-    warmup = min(ocfg.warmup_steps, max(ocfg.total_steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(0.0, ocfg.lr, warmup, max(ocfg.total_steps, warmup + 1),
-                                              ocfg.lr * ocfg.min_lr_ratio)
-
-
-def make_optimizer(ocfg: OptimConfig) -> optax.GradientTransformation:
-    """`clip_by_global_norm` then AdamW on the schedule.
-
-    Example:
-        >>> tx = make_optimizer(OptimConfig())
-    """
-    return optax.chain(optax.clip_by_global_norm(ocfg.max_grad_norm),
-                       optax.adamw(lr_schedule(ocfg), b1=ocfg.b1, b2=ocfg.b2, weight_decay=ocfg.weight_decay))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class TrainState:
-    params: nnx.State         # drafter params, fp32 master copy
-    opt_state: optax.OptState
-    step: jax.Array           # int32 scalar: optimizer steps done
-
-
-def new_state(tx: optax.GradientTransformation, params) -> TrainState:
-    """Step 0: `params`, `tx`'s fresh optimizer state, a zero step counter (every trainer's start).
-
-    Example:
-        >>> state = new_state(make_optimizer(OptimConfig()), {"w": jnp.ones(2)})
-        >>> int(state.step), state.params["w"].shape
-        (0, (2,))
-    """
-    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
-
-
-def apply_gradients(tx: optax.GradientTransformation, ocfg: OptimConfig, state: TrainState, grads,
-                    loss) -> tuple[TrainState, dict]:
-    """The update every trainer makes (drafter, demo pretraining, MTP distillation): `tx` on
-    `grads`, except that a non-finite loss or gradient norm keeps the params and optimizer state
-    it was given (`jnp.where`: no recompile); the step counter still advances, so the schedule and
-    the data stay in step. Metrics: `grad_norm`, `lr` (of this step), `nonfinite` (1: skipped).
-
-    Example:
-        >>> tx, ocfg = make_optimizer(OptimConfig(lr=0.1)), OptimConfig(lr=0.1)
-        >>> state = new_state(tx, {"w": jnp.ones(2)})
-        >>> new, m = apply_gradients(tx, ocfg, state, {"w": jnp.full(2, jnp.nan)}, jnp.float32(1.0))
-        >>> int(new.step), int(m["nonfinite"]), new.params["w"].tolist()
-        (1, 1, [1.0, 1.0])
-    """
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-    params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
-    metrics = {"grad_norm": grad_norm, "lr": lr_schedule(ocfg)(state.step),
-               "nonfinite": jnp.logical_not(finite).astype(jnp.int32)}
-    return TrainState(params, opt_state, state.step + 1), metrics
 
 
 def loss_sums(params, graphdefs, target_graphdef, target_state, mtp_graphdef, mtp_state, tokens_bt,

@@ -45,7 +45,7 @@ def write_token_counts(target: str, data: str, out: str, seq_len: int = 4096, pr
         {'path': 'drafter_dir/token_counts.npy', 'records': 100, 'tokens': 51200, 'distinct': 812, ...}
     """
     from dmtp_jax.config import load_target_config
-    from dmtp_jax.models.draft_head import TOKEN_COUNTS
+    from dmtp_jax.checkpoint.draft_head_ckpt import TOKEN_COUNTS
     from dmtp_jax.tokenizer import load_tokenizer
     from dmtp_jax.train.data import TokenDataset
 

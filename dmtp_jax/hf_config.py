@@ -1,5 +1,5 @@
 """One parser of the fields every Qwen3-style stack shares, for targets (`config.TargetConfig`) and
-DFlash drafters (`models.dflash.DFlashConfig`, a `Qwen3Config`): sizes, head dims, RMSNorm eps,
+DFlash drafters (`models.dflash_config.DFlashConfig`, a `Qwen3Config`): sizes, head dims, RMSNorm eps,
 RoPE and the per-layer attention types. Keys a config leaves out take the value transformers'
 config class of that family gives them (transformers 5.x, `models/<family>/configuration_*.py`):
 
