@@ -12,9 +12,7 @@ the three expert matmuls run as a grouped matmul over the per-expert group sizes
   rows unsorted and weighted back into `[N, H]`. On TPU a real grouped GEMM (a `tpu_custom_call` with
   a run-time tile count; one ragged_dot reads x, w and writes out once). On GPU and CPU, XLA (jax
   0.10.2) rewrites it (`ragged_dot_rewriter`) into a dense dot over all G local experts through a
-  masked `[N*k, G*H]` operand: G times the work, and 16.6 GB of temporaries for 16K tokens in one
-  call (H100 target, below); `--xla_gpu_experimental_use_ragged_dot_{fusion,grouped_gemm}` change
-  nothing there.
+  masked `[N*k, G*H]` operand: G times the work (`docs/moe.md`).
 - `"blocked"`: each expert's rows padded to blocks of B rows (B chosen from N*k/G), one batched
   matmul over the blocks with a gathered copy of each block's expert weights (`blocks x H x I`).
 - `"scan"`: the same blocks, in a `lax.scan` that gathers each block's B token rows from `[N, H]`,
@@ -37,46 +35,14 @@ the three expert matmuls run as a grouped matmul over the per-expert group sizes
   beyond, `"ragged"` on TPU (native) and `"scan"` on GPU (bounded temporaries, flops near the
   routed ones); `"scan"` on CPU at any size (fastest there: `benchmarks/bench_moe.py`). `AUTO_IMPL`
   holds the per-platform kernel beyond the dense range. Before all of these, on any platform,
-  `"sliced"` where it applies (`stacked=False` and fewer pairs than local experts): the 35B-A3B's MTP
-  step at batch 1 and expert=4 reads 8 experts' weights instead of 64 (TPU cost model, one layer:
-  50.6 against 403 MB).
+  `"sliced"` where it applies (`stacked=False` and fewer pairs than local experts).
 
 ragged, blocked and dense hold `[N*k, H]` / `[N, G, I]` rows, so they run one call per at most
 `MAX_ROUTED_ROWS` rows (`MAX_ROUTED_ROWS // k` tokens, 4096 at top-8; dense: `// G`) in a `lax.map`
-over token chunks. Each chunk reads the local weights again: for 16K tokens on TPU expert=4, ragged
-has 526 instead of 1087 MiB of temporaries for 23% more bytes accessed (XLA's cost model). scan
-needs no chunking.
+over token chunks (each chunk reads the local weights again). scan needs no chunking.
 
-Measured (`benchmarks/bench_moe_memory.py`: the real TPU / GPU compilers on a CPU machine, no chips;
-jax 0.10.2, libtpu 0.0.42) for one Qwen3.6-35B-A3B MoE layer (H=2048, 256 experts, top-8, I=512,
-bf16), temporaries per device, 32 decode tokens / 16K prefill tokens, MiB:
-
-| target, mesh            | ragged (16K unchunked) | blocked (16K unchunked) | scan      | dense     |
-|-------------------------|------------------------|-------------------------|-----------|-----------|
-| TPU v5p 2x2x1, expert=4 | 2.7 / 526 (1087)       | 329 / 1333 (3523)       | 1.0 / 167 | 2.5 / 130 |
-| 8xH100, expert=8        | 40 / 4257 (16641)      | 387 / 2037 (6998)       | 4.5 / 133 | 5.0 / 193 |
-
-Before this table, auto was ragged on TPU and (unchunked) blocked on GPU. The routed rows'
-`N*k*(H+I)` are 1.2 / 640 MiB there (counted whole on every shard: a shard is sized for all N*k rows
-being routed to its experts). On TPU, XLA's cost analysis gives ragged 4.1x the routed flops per
-device at expert=4 (static worst case; the kernel's tile count is dynamic) and 1.7x the touched
-experts' weight bytes at 32-256 decode tokens (dense: 32x and 1.6x); at prefill ragged's bytes are
-the routed rows' gathers into and out of expert order.
-
-Inside the target's layer scan, ragged costs more than in that one-layer table: its custom call
-cannot take a layer's slice of the stacked `[L, E, H, I]` expert weights in place, so every call
-first copies its experts out of the stack (XLA's TPU cost model: 3x the weight bytes, seen in
-isolation on a 4-layer stack). The Qwen3.6-35B-A3B dflash round (v5p:2x2x1 expert=4, batch 1,
-bf16; `benchmarks/plan_round_phases.py`) reads 56.3 GB per device with ragged, 23.8 GB with dense
-and 40.2 GB with scan, against a minimum of 21.7 GB: hence dense on TPU for decode-sized calls.
-
-Not measured: GPU run times. scan runs one loop iteration per block (`N*k/B + G` per shard), each
-about 4-11 kernels and a conditional, and XLA GPU's conditional thunk copies its predicate to the
-host and waits for the stream; so at prefill on GPU scan may be bound by launches and syncs, and
-`impl="dense"` (a few kernels per 1024-token chunk at expert=8, 32x the flops) is the loop-free
-alternative to time against it. `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` (a Mosaic GPU
-grouped GEMM for Hopper) compiles for the H100 target with 0 temporary bytes: the candidate for a
-real GPU grouped GEMM (forward only; not wired in).
+Measurements behind the `"auto"` choices (temporaries, bytes, the round inside the layer scan):
+`docs/moe.md`.
 
 Expert parallelism. When the weights live on a mesh with more than one device, the routed part runs
 under `jax.shard_map` over that mesh: expert weights are split over the mesh axes of the logical
