@@ -221,7 +221,7 @@ def cmd_plan(args) -> int:
 
 def train_config(args):
     """TrainConfig defaults < config file < flags given on the command line."""
-    from dmtp_jax.train.loop import TrainConfig
+    from dmtp_jax.train.config import TrainConfig
     merged = load_config_file(args.config) if args.config else {}
     skip = {"command", "config", "coordinator", "num_processes", "process_id"}
     merged.update({k: v for k, v in vars(args).items() if k not in skip and v is not None})
@@ -246,7 +246,7 @@ def cmd_train(args) -> int:
     cfg = train_config(args)
     cfg.validate()
     _init_distributed(args)
-    from dmtp_jax.train.loop import run_training
+    from dmtp_jax.train.run import run_training
     training_logs()
     return report_run(run_training(cfg))     # SIGTERM / SIGINT: checkpoint, then a clean return (see loop.py)
 

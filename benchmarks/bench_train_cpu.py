@@ -29,7 +29,7 @@ def measure(args) -> dict:
     from dmtp_jax.checkpoint.hf import load_target
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tiny import ensure_tiny_target
-    from dmtp_jax.train.loop import TrainConfig, fresh_drafter_config
+    from dmtp_jax.train.config import TrainConfig, fresh_drafter_config
     from dmtp_jax.train.optim import OptimConfig
     from dmtp_jax.train.step import StepConfig, Trainer
 

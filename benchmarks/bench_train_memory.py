@@ -33,7 +33,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llv
 def measure(vocab: int, ce_chunk: int, remat: str, args) -> dict:
     from dmtp_jax.config import TargetConfig
     from dmtp_jax.sharding import make_mesh
-    from dmtp_jax.train.loop import TrainConfig, fresh_drafter_config
+    from dmtp_jax.train.config import TrainConfig, fresh_drafter_config
     from dmtp_jax.train.optim import OptimConfig
     from dmtp_jax.train.step import StepConfig, Trainer, abstract_models
 

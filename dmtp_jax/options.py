@@ -1,6 +1,6 @@
 """Every decode and training option, checked in one place: its range, its message, and which models
 each method needs. `preflight` (before any model load), `decode.make_decoder` / `SpecDecoder`
-(after it) and the trainer (`train.loop.TrainConfig.validate`) call these same functions, so what
+(after it) and the trainer (`train.config.TrainConfig.validate`) call these same functions, so what
 the command line accepts is exactly what the decoders and the trainer accept.
 
 Messages name the command-line flag (`--flag must be ...`). Decode options raise `RequestError`,

@@ -170,7 +170,7 @@ def test_preflight_decoder_and_trainer_accept_the_same_block_sizes(block_size):
     """One rule (`dmtp_jax/options.py`): what preflight accepts, the decoder and the trainer accept."""
     from dmtp_jax import options, preflight
     from dmtp_jax.errors import UserError
-    from dmtp_jax.train.loop import TrainConfig
+    from dmtp_jax.train.config import TrainConfig
 
     def accepted(check):
         try:

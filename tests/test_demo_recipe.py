@@ -62,7 +62,7 @@ def test_pretrain_stops_on_sigterm_survives_a_cut_metrics_line_and_resumes_bit_f
     every step once, with the losses and the exported weights of an uninterrupted run."""
     from dmtp_jax.train.window import WindowBatches
     from dmtp_jax.demo.build import run_pretrain
-    from dmtp_jax.train.loop import checkpoint_manager
+    from dmtp_jax.train.checkpoints import checkpoint_manager
 
     straight = run_pretrain(tiny_pretrain_config(str(tmp_path / "a")))
     assert straight["steps"] == 6 and straight["compile_count"] == 1

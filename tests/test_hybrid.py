@@ -139,7 +139,7 @@ def test_hybrid_regen_train_export_decode(tiny_qwen3_5_dir, tmp_path):
     and greedy dmtp equals `ar`."""
     from train_fixtures import tiny_train_config, write_regen_data
     from dmtp_jax.train.export import export_run
-    from dmtp_jax.train.loop import run_training
+    from dmtp_jax.train.run import run_training
 
     data = write_regen_data(tiny_qwen3_5_dir, str(tmp_path / "regen.jsonl"), n=8, max_new_tokens=56)
     cfg = tiny_train_config(tiny_qwen3_5_dir, data, str(tmp_path / "run"), method="dmtp", steps=6,

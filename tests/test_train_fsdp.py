@@ -30,7 +30,7 @@ def _run(target_dir: str, data: str, out: str) -> dict:
     import jax
 
     from train_fixtures import tiny_train_config
-    from dmtp_jax.train.loop import setup
+    from dmtp_jax.train.run import setup
 
     res = {}
     for mesh in MESHES:

@@ -9,7 +9,7 @@ from train_fixtures import tiny_train_config, write_regen_data
 
 @pytest.fixture(scope="module")
 def trained(tiny_qwen3_dir, tmp_path_factory):
-    from dmtp_jax.train.loop import run_training
+    from dmtp_jax.train.run import run_training
     tmp = tmp_path_factory.mktemp("train-learn")
     data = write_regen_data(tiny_qwen3_dir, str(tmp / "regen.jsonl"), n=32)
     cfg = tiny_train_config(tiny_qwen3_dir, data, str(tmp / "run"), steps=60)
@@ -34,7 +34,7 @@ def test_export_reloads_in_jax_and_dflash(trained, tiny_qwen3_dir):
     from dmtp_jax.checkpoint.hf import export_tensors, load_target
     from dmtp_jax.checkpoint.dflash_ckpt import DFLASH_NAME_RULES
     from dmtp_jax.train.export import export_run
-    from dmtp_jax.train.loop import restore_params
+    from dmtp_jax.train.checkpoints import restore_params
 
     tmp, _, cfg, _ = trained
     out = str(tmp / "exported")
@@ -83,7 +83,7 @@ def test_dmtp_from_a_dflash_drafter_trains_exports_and_decodes(trained, mtp_targ
     from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
     from dmtp_jax.decode import make_decoder
     from dmtp_jax.train.export import export_run
-    from dmtp_jax.train.loop import run_training
+    from dmtp_jax.train.run import run_training
     tmp, data, cfg, _ = trained
     dflash_dir = str(tmp / "exported-for-dmtp")
     export_run(cfg.out, dflash_dir)

@@ -22,7 +22,7 @@ from dmtp_jax.config import TargetConfig
 from dmtp_jax.models.qwen3 import QwenTarget, lm_head_logits
 from dmtp_jax.sharding import make_mesh
 from dmtp_jax.tiny import tiny_target_config
-from dmtp_jax.train.loop import TrainConfig, fresh_drafter_config
+from dmtp_jax.train.config import TrainConfig, fresh_drafter_config
 from dmtp_jax.train.loss import token_ce
 from dmtp_jax.train.optim import OptimConfig
 from dmtp_jax.train.step import StepConfig, Trainer, abstract_models, loss_sums

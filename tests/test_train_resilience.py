@@ -116,7 +116,8 @@ def test_malformed_records_count_once_and_a_file_of_garbage_is_an_error(tmp_path
 # ---- the run -----------------------------------------------------------------------------------
 def test_sigterm_checkpoints_and_resume_logs_every_step_once(tiny_qwen3_dir, tmp_path, monkeypatch):
     from dmtp_jax.train import data as data_mod
-    from dmtp_jax.train.loop import checkpoint_manager, run_training
+    from dmtp_jax.train.checkpoints import checkpoint_manager
+    from dmtp_jax.train.run import run_training
     data = write_random_data(str(tmp_path / "d.jsonl"), n=12, length=48)
     common = dict(steps=8, batch_size=4, seq_len=48, checkpoint_every=3)
     real_next = sigterm_on_call(monkeypatch, data_mod.BatchIterator, 5)   # preempted while step 5's batch is read
@@ -135,7 +136,9 @@ def test_sigterm_checkpoints_and_resume_logs_every_step_once(tiny_qwen3_dir, tmp
 
 
 def test_cut_off_and_corrupt_checkpoints_fall_back_with_a_warning(tiny_qwen3_dir, tmp_path, caplog):
-    from dmtp_jax.train.loop import checkpoint_manager, resume_or_init, save_checkpoint, setup
+    from dmtp_jax.train.checkpoints import checkpoint_manager, save_checkpoint
+    from dmtp_jax.train.loop import resume_or_init
+    from dmtp_jax.train.run import setup
     data = write_random_data(str(tmp_path / "d.jsonl"), n=8, length=48)
     run = tmp_path / "run"
     cfg = tiny_train_config(tiny_qwen3_dir, data, str(run), steps=8, batch_size=4, seq_len=48, resume=True,
@@ -190,7 +193,8 @@ def test_nonfinite_losses_skip_their_updates_and_stop_the_run(tiny_qwen3_dir, tm
     """Every batch's loss is NaN: each update is skipped (checkpoint 3 holds exactly the initial
     params and optimizer state, at step 3), and the run stops after 3 in a row."""
     from dmtp_jax.errors import TrainingStopped
-    from dmtp_jax.train.loop import checkpoint_manager, restore_checkpoint, run_training, setup
+    from dmtp_jax.train.checkpoints import checkpoint_manager, restore_checkpoint
+    from dmtp_jax.train.run import run_training, setup
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"input_ids": [POISON] + [5] * 47}) + "\n" for _ in range(8)))
     run = str(tmp_path / "run")
@@ -242,7 +246,7 @@ def test_signals_stop_cleanly_and_a_sigkill_mid_save_resumes_from_a_complete_che
     checkpoint, and the metrics hold each step once. Then SIGKILL as soon as a save's temporary
     directory appears (a checkpoint cut off mid-write), twice: each resume warns and starts at the
     last complete checkpoint, so a kill loses only the steps after it."""
-    from dmtp_jax.train.loop import run_training
+    from dmtp_jax.train.run import run_training
     data = write_random_data(str(tmp_path / "d.jsonl"), n=12, length=48)
     steps = 32
     # the uninterrupted reference saves once: saving never changes a loss (what the test asserts)

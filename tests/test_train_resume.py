@@ -15,7 +15,8 @@ from train_fixtures import tiny_train_config, write_random_data
 
 @pytest.mark.parametrize("method,target_fixture", [("dflash", "tiny_qwen3_dir"), ("dmtp", "mtp_target_dir")])
 def test_checkpoint_roundtrip_resumes_bit_for_bit(method, target_fixture, request, tmp_path):
-    from dmtp_jax.train.loop import checkpoint_manager, restore_checkpoint, save_checkpoint, setup
+    from dmtp_jax.train.checkpoints import checkpoint_manager, restore_checkpoint, save_checkpoint
+    from dmtp_jax.train.run import setup
     data = write_random_data(str(tmp_path / "d.jsonl"), n=10, length=48)
     cfg = tiny_train_config(request.getfixturevalue(target_fixture), data, str(tmp_path / "run"), steps=8,
                             batch_size=4, seq_len=48, method=method)
@@ -48,7 +49,7 @@ def test_checkpoint_roundtrip_resumes_bit_for_bit(method, target_fixture, reques
 
 @pytest.mark.slow
 def test_run_training_stop_and_resume(tiny_qwen3_dir, tmp_path):
-    from dmtp_jax.train.loop import run_training
+    from dmtp_jax.train.run import run_training
     data = write_random_data(str(tmp_path / "d.jsonl"), n=12, length=48)
     common = dict(steps=8, batch_size=4, seq_len=48, checkpoint_every=3)
     straight = run_training(tiny_train_config(tiny_qwen3_dir, data, str(tmp_path / "a"), **common))

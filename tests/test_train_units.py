@@ -110,7 +110,7 @@ def test_cli_bad_input_is_one_error_line(tmp_path, capsys):
 def test_target_and_mtp_are_frozen(method, target_fixture, request, tmp_path):
     """Gradients w.r.t. the target (and, for DMTP, the MTP head) are exactly zero and their params
     never change; the drafter (and the zero-initialised fusion) do train."""
-    from dmtp_jax.train.loop import setup
+    from dmtp_jax.train.run import setup
     from dmtp_jax.train.step import loss_sums
     target_dir = request.getfixturevalue(target_fixture)
     data = write_random_data(str(tmp_path / "d.jsonl"), n=4, length=32)
@@ -144,7 +144,7 @@ def test_target_and_mtp_are_frozen(method, target_fixture, request, tmp_path):
 def test_trainer_evaluate_pools_the_loss_without_updating(tiny_qwen3_dir, tmp_path):
     """`Trainer.evaluate` (the trainer interface's held-out metrics): the weighted CE pooled over
     the batches, anchors from `key(seed)`, params untouched."""
-    from dmtp_jax.train.loop import setup
+    from dmtp_jax.train.run import setup
     from dmtp_jax.train.step import loss_sums
     data = write_random_data(str(tmp_path / "d.jsonl"), n=4, length=32)
     cfg = tiny_train_config(tiny_qwen3_dir, data, str(tmp_path / "r"), batch_size=2, seq_len=32)

@@ -44,7 +44,7 @@ def write_random_data(path: str, n: int = 16, length: int = 64, seed: int = 0) -
 
 def tiny_train_config(target_dir: str, data: str, out: str, **overrides):
     """The tiny CPU training config (1 drafter layer, block 8, fp32 compute)."""
-    from dmtp_jax.train.loop import TrainConfig
+    from dmtp_jax.train.config import TrainConfig
     base = dict(target=target_dir, data=data, out=out, method="dflash", steps=60, batch_size=8,
                 seq_len=64, draft_layers=1, block_size=8, num_anchors=8, lr=3e-3, warmup_steps=5,
                 compute_dtype="float32", mask_token_id=MASK_TOKEN_ID, target_layer_ids=LAYER_IDS,

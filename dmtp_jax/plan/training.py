@@ -30,7 +30,7 @@ def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None,
     from dmtp_jax.plan.topology import open_topology
     from dmtp_jax.platform import compiling_for
     from dmtp_jax.sharding import make_mesh
-    from dmtp_jax.train.loop import default_gamma
+    from dmtp_jax.train.config import default_gamma
     from dmtp_jax.train.loss import uses_mtp
     from dmtp_jax.train.optim import OptimConfig
     from dmtp_jax.train.step import StepConfig, Trainer, abstract_models

@@ -15,7 +15,8 @@ import json
 import os
 
 from dmtp_jax.errors import InputError
-from dmtp_jax.train.loop import RUN_CONFIG, restore_params
+from dmtp_jax.train.checkpoints import restore_params
+from dmtp_jax.train.loop import RUN_CONFIG
 
 
 def read_run_config(run_dir: str) -> dict:
