@@ -1,4 +1,4 @@
-"""Every bad input of the README's table: exit status 2, one `error:` line (plus at most one `hint:`
+"""Every bad input of the table in docs/errors.md: exit status 2, one `error:` line (plus at most one `hint:`
 line), nothing on stdout; the cheap ones before any model is loaded. And the other side: an
 exception that is not one of our error types keeps its traceback."""
 
