@@ -1,4 +1,4 @@
-"""The README's sizing table, from `plan`: the real Qwen3.6 configs compiled for GPU hosts and TPU
+"""The sizing table of docs/sizing.md, from `plan`: the real Qwen3.6 configs compiled for GPU hosts and TPU
 slices on this CPU machine (no weights, no hardware), per-device peak and the compiler's estimate.
 
 Needs the compiler extras: `pip install -e ".[plan-tpu,plan-gpu]"`. Every row is one `plan`
@@ -40,7 +40,7 @@ def factor(target, topo, mesh, batch, vocab=None):
     return ("factor", dict(target=target, topology=topo, mesh=mesh, batch_size=batch, seq_len=2048, vocab=vocab))
 
 
-# the rows in the order they matter (the README's sizing table; the issue's targets first)
+# the rows in the order they matter (docs/sizing.md's table; the issue's targets first)
 ROWS = [
     serve(Q27, "h100x8", "tensor=8", 32, 32768), serve(Q35, "h100x8", "expert=8", 32, 32768),
     train(Q27, "v5p:2x2x2", "data=2,fsdp=4", 64),

@@ -7,7 +7,7 @@ next to the analytic minimum of a memory-bound round -- the weights of every mod
 touches (after fusion): a fused kernel that reads its weights once counts them once, but a tensor
 copied or rewritten whole (a KV-cache update that XLA cannot do in place, a transposed weight)
 counts again. `ratio` = accessed / minimum is therefore 1.0 for an ideal memory-bound step; what
-is above it is traffic the round adds (see README "Efficiency").
+is above it is traffic the round adds (see docs/benchmarks.md, "Efficiency").
 
 The minimum uses the caches at their allocated size (the static-shape round attends over all
 `max_len` slots; the drafter only over its context window) -- what a round of these shapes must read.

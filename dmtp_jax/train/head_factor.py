@@ -23,7 +23,7 @@ At real sizes: `--target-dtype bfloat16` (the frozen target; the full head's sco
 fp32 as at inference), `--mesh tensor=4` (the target sharded as `train` shards it; the factor, 0.25
 GB fp32 at rank 256 over 248 K ids, and its AdamW state replicated), and `--ce-chunk` rows per
 sequence whose `[B, rows, V]` scores are live at once. `train.py plan --job head-factor` compiles
-this step for a TPU slice or GPU host first (the 27B and 35B-A3B rows of README's "Plan" table).
+this step for a TPU slice or GPU host first (the 27B and 35B-A3B rows of docs/sizing.md).
 
 Example:
     >>> summary = train_head_factor(FactorConfig(target="t", data="d.jsonl", out="drafter"))  # doctest: +SKIP
