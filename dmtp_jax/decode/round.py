@@ -267,9 +267,9 @@ def commit(models: RoundModels, state: SpecState, proposal: Proposal, fwd: Verif
         mtp_cache, mtp_h, mtp_rows = mtp_advance(models, state, mtp_cache, fwd, acc_b, bonus_b, active_b)
     if drafter is not None:
         ctx = write_context(drafter, models.fusion, ctx, fwd.out.captured, fwd.positions_bn, mtp_rows)
-    drafts = proposal.drafts_bn
+    drafts = proposal.drafts_bn         # [B, n-1]; n = 1 (no drafts) is a plain step
     slot = jnp.arange(drafts.shape[1] + 1)[None]
-    tokens = jnp.where(slot < acc_b[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1), bonus_b[:, None])
+    tokens = jnp.where(slot < acc_b[:, None], jnp.concatenate([drafts, bonus_b[:, None]], axis=1), bonus_b[:, None])
     target_cache = target.commit(fwd.out.cache, fwd.out.pending, jnp.where(active_b, acc_b + 1, 0))
     lengths = jnp.where(active_b, state.lengths_b + acc_b + 1, state.lengths_b)
     new = SpecState(target_cache, ctx, mtp_cache, mtp_h, lengths, jnp.where(active_b, bonus_b, state.pending_b))
