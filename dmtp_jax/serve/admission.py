@@ -44,6 +44,19 @@ def row_bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= n)
 
 
+def row_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """The compiled row counts of the running state: powers of two below `max_batch_size`, and it.
+
+    Example:
+        >>> row_buckets(12)
+        (1, 2, 4, 8, 12)
+    """
+    out = [1]
+    while out[-1] * 2 < max_batch_size:
+        out.append(out[-1] * 2)
+    return tuple(sorted(set(out + [max_batch_size])))
+
+
 def start_of(req: Request):
     """`(1-row starting state or None for a fresh one, start position)` of a request's prefill."""
     return None, 0

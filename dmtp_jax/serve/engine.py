@@ -53,48 +53,19 @@ import jax
 import numpy as np
 
 from dmtp_jax.counted_jit import counted_jit
-from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.auto import AUTO, AutoDecoder
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts, round_up
 from dmtp_jax.decode.prefill import chunk_length
 from dmtp_jax.decode.sampling import SamplingParams
-from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket
+from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
 from dmtp_jax.serve.policy import LoadPolicy
 from dmtp_jax.serve.request import Event, Request, row_sampling, shared_top_k
-from dmtp_jax.serve.rounds import RoundBank, base_decoder
+from dmtp_jax.serve.rounds import engine_bank
 from dmtp_jax.serve.rows import batch_axes, insert_row, move_row, put_rows, resize_rows
 
-__all__ = ["Engine", "Event", "Request", "insert_row", "row_buckets", "engine_bank"]
+__all__ = ["Engine", "Event", "Request", "insert_row"]
 
 log = logging.getLogger(__name__)
-
-
-def row_buckets(max_batch_size: int) -> tuple[int, ...]:
-    """The compiled row counts of the running state: powers of two below `max_batch_size`, and it.
-
-    Example:
-        >>> row_buckets(12)
-        (1, 2, 4, 8, 12)
-    """
-    out = [1]
-    while out[-1] * 2 < max_batch_size:
-        out.append(out[-1] * 2)
-    return tuple(sorted(set(out + [max_batch_size])))
-
-
-def engine_bank(decoder):
-    """`(bank, gate, auto verdict or None)` of a decoder: a speculative decoder (auto: the base of its
-    candidates, `rounds.base_decoder`, with plain and MTP rounds beside) passes the exactness probe
-    first and is served with plain decoding when the probe declines."""
-    auto = decoder if isinstance(decoder, AutoDecoder) else None
-    base = base_decoder(auto.candidates) if auto is not None else decoder
-    if isinstance(base, ARDecoder):
-        return RoundBank.for_decoder(base), None
-    from dmtp_jax.decode.probe import exactness_gate
-    gate = exactness_gate(base)
-    if not gate.engaged:
-        return RoundBank.for_decoder(ARDecoder(base.target, prefill_chunk=base.prefill_chunk)), gate
-    return RoundBank.for_decoder(base, None if auto is None else auto.candidates, switching=auto is not None), gate
 
 
 class Engine:
@@ -104,11 +75,13 @@ class Engine:
     `max_position_embeddings`). `stop_ids`: the default stop tokens (default: the model's EOS ids).
     `buckets`: the running state's row counts (default `row_buckets(max_batch_size)`).
     `prefill_budget`: prefill tokens per step (default: the decoder's `prefill_chunk`).
+    `rounds_per_dispatch`: K rounds per dispatch when nobody waits (default: the decoder's).
     Not thread-safe: one thread calls `add`, `cancel` and `step` (the server's scheduler).
     """
 
     def __init__(self, decoder, *, max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
-                 seed: int = 0, buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None):
+                 seed: int = 0, buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
+                 rounds_per_dispatch: int | None = None):
         cfg = decoder.target.cfg
         if max_batch_size < 1:
             raise RequestError(f"--max-batch-size must be >= 1, got {max_batch_size}")
@@ -131,6 +104,7 @@ class Engine:
         self.auto = decoder if isinstance(decoder, AutoDecoder) else None
         self.verdict = None if self.auto is None else self.auto.cached(self.max_batch_size, greedy=True)
         self.bank, self.gate = engine_bank(decoder)
+        self.rounds_per_dispatch = int(rounds_per_dispatch or self.bank.rounds_per_dispatch)
         self.method = AUTO if self.auto is not None else self.bank.methods[0]
         prior = {m: x.get("tau_per_verify") for m, x in (self.verdict.measured if self.verdict else {}).items()}
         self.policy = LoadPolicy(self.bank.slots, {m: t for m, t in prior.items() if t})
@@ -362,12 +336,12 @@ class Engine:
         limits[:n] = [len(r.prompt_ids) + r.max_tokens for r in self.running]
         sp, greedy = row_sampling(self.running, rows)
         method = self.policy.choose(n, rows)
-        multi = self.bank.rounds_per_dispatch > 1 and not self.waiting and self._group is None
-        stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if multi else None
-        entry = (self.bank.multi_round if multi else self.bank.round)[method]
+        k = self.rounds_per_dispatch if not self.waiting and self._group is None else 1
+        stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if k > 1 else ()
+        entry = self.bank.multi_round(method, k) if k > 1 else self.bank.round[method]
         compiles = entry.compiles
         self.state, tokens_bkn, acc_bk, ran_bk, k, seconds = self.bank.run(
-            method, self.state, active, limits, sp, self.base_key, self._index + 1, greedy, stop_ids)
+            method, self.state, active, limits, sp, self.base_key, self._index + 1, greedy, k, stop_ids)
         self._index += k
         self.counters["rounds"] += k
         self.counters[f"rounds/{method}"] += k
@@ -395,11 +369,11 @@ class Engine:
         compile and the policy's first timings are clean."""
         from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, next_pow2
         top = next_pow2(self.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
-        stops = [None] + ([list(self.stop_ids)] if self.bank.rounds_per_dispatch > 1 else [])
-        for rows, method, stop_ids in itertools.product(self.buckets, self.bank.methods, stops):
+        dispatches = sorted({1, self.rounds_per_dispatch})
+        for rows, method, k in itertools.product(self.buckets, self.bank.methods, dispatches):
             sp, _ = row_sampling([], rows)
             self.bank.run(method, self.bank.new_state(rows, self.max_len), np.zeros(rows, bool),
-                          np.zeros(rows, np.int32), sp, self.base_key, 1, True, stop_ids)
+                          np.zeros(rows, np.int32), sp, self.base_key, 1, True, k, self.stop_ids)
         for bucket in itertools.takewhile(lambda b: b <= top, (PROMPT_BUCKET_FLOOR << i for i in itertools.count())):
             width = chunk_length(bucket, self.bank.prefill_chunk)
             for rows in [r for r in self.buckets if r == 1 or r * width <= self.prefill_budget]:

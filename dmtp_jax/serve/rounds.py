@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.ar import ARDecoder
+from dmtp_jax.decode.auto import AutoDecoder
 from dmtp_jax.decode.caches import TargetCaches
 from dmtp_jax.decode.multi_round import pad_stop_ids
 from dmtp_jax.decode.proposers import RoundKnobs, round_proposer
@@ -51,11 +53,12 @@ def base_decoder(candidates: dict):
 
 
 class RoundBank:
-    """Jitted prefill, rounds (`round[method]`) and K-round dispatches (`multi_round[method]`, K > 1)
-    over one set of models, and the state they share (see the module docstring).
+    """Jitted prefill, rounds (`round[method]`) and K-round dispatches (`multi_round(method, K)`, built
+    on first use) over one set of models, and the state they share (see the module docstring).
 
     `models`: `(target, drafter, mtp, fusion, draft_head)` `LoadedModel`s, None where absent;
-    `slots`: `{method: verify slots}` (`ar`: 1); `knobs`: the proposers' `RoundKnobs`.
+    `slots`: `{method: verify slots}` (`ar`: 1); `knobs`: the proposers' `RoundKnobs`;
+    `rounds_per_dispatch`: the decoder's K (the engine's default).
     """
 
     def __init__(self, models: tuple, slots: dict[str, int], *, verify_mode: str = "rejection",
@@ -69,22 +72,29 @@ class RoundBank:
         self.knobs = knobs or RoundKnobs.make(None)
         self.caches = TargetCaches(self.target)
         graphdefs = tuple(None if m is None else m.graphdef for m in models)
-        jit = functools.partial(counted_jit, donate_argnames=("state",), static_argnames=("greedy",))
-        self.round, self.multi_round = {}, {}
-        for method, n in self.slots.items():
-            setup = RoundSetup(graphdefs, self.target.mesh, round_proposer(method, n, context_window),
-                               verify_mode if method != "ar" else "rejection", self.rounds_per_dispatch)
-            self.round[method] = jit(functools.partial(round_entry, setup))
-            self.multi_round[method] = jit(functools.partial(multi_round_entry, setup))
-        self.prefill_step = jit(functools.partial(prefill_entry, setup))
+        self._jit = functools.partial(counted_jit, donate_argnames=("state",), static_argnames=("greedy",))
+        self.setups = {m: RoundSetup(graphdefs, self.target.mesh, round_proposer(m, n, context_window),
+                                     verify_mode if m != "ar" else "rejection", 1) for m, n in self.slots.items()}
+        self.round = {m: self._jit(functools.partial(round_entry, setup)) for m, setup in self.setups.items()}
+        self._multi: dict[tuple[str, int], object] = {}
+        self.prefill_step = self._jit(functools.partial(prefill_entry, next(iter(self.setups.values()))))
+
+    def multi_round(self, method: str, rounds: int):
+        """The jitted dispatch of up to `rounds` rounds of `method` (`spec.multi_round_entry`)."""
+        if (method, rounds) not in self._multi:
+            setup = dataclasses.replace(self.setups[method], rounds_per_dispatch=rounds)
+            self._multi[(method, rounds)] = self._jit(functools.partial(multi_round_entry, setup))
+        return self._multi[(method, rounds)]
 
     @classmethod
     def for_decoder(cls, decoder, candidates: dict | None = None, switching: bool = False) -> "RoundBank":
         """The bank of a decoder: an `ARDecoder` runs `ar` on the target alone; a `SpecDecoder` its
         method, and with `switching` also `ar` and (with an MTP head) `mtp`, whose slots come from
         `candidates`' mtp decoder when there is one."""
+        k = getattr(decoder, "rounds_per_dispatch", 1)
         if isinstance(decoder, ARDecoder):
-            return cls((decoder.target, None, None, None, None), {"ar": 1}, prefill_chunk=decoder.prefill_chunk)
+            return cls((decoder.target, None, None, None, None), {"ar": 1}, prefill_chunk=decoder.prefill_chunk,
+                       rounds_per_dispatch=k)
         models = _used(decoder.proposer, decoder.target, decoder.drafter, decoder.mtp, decoder.fusion,
                        decoder.draft_head)
         slots = {decoder.method: decoder.slots}
@@ -96,7 +106,7 @@ class RoundBank:
                                 verify_slots("mtp", mtp_steps=DEFAULT_MTP_STEPS, block_size=None,
                                              drafter_block_size=None))
         return cls(models, slots, verify_mode=decoder.verify_mode, context_window=decoder.context_window,
-                   rounds_per_dispatch=decoder.rounds_per_dispatch, prefill_chunk=decoder.prefill_chunk,
+                   rounds_per_dispatch=k, prefill_chunk=decoder.prefill_chunk,
                    knobs=decoder.knobs())
 
     @property
@@ -115,27 +125,44 @@ class RoundBank:
         return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len)
 
     def run(self, method: str, state, active_b, limits_b, sp, base_key, first_round: int, greedy: bool,
-            stop_ids=None):
-        """One round of `method` (`stop_ids` None), or up to K rounds stopping on device at `stop_ids`
-        and the limits. Returns `(state, tokens [B, k, n], accepted [B, k], ran [B, k], rounds run,
-        seconds from dispatch to the results on the host)`."""
+            rounds: int = 1, stop_ids=()):
+        """One round of `method`, or (`rounds` > 1) up to `rounds` rounds stopping on device at
+        `stop_ids` and the limits. Returns `(state, tokens [B, k, n], accepted [B, k], ran [B, k],
+        rounds run, seconds from dispatch to the results on the host)`."""
         t0 = time.perf_counter()
-        if stop_ids is None or self.rounds_per_dispatch == 1:
+        if rounds == 1:
             state, *out = self.round[method](self.model_states(), state, active_b, limits_b, sp, base_key,
                                              np.int32(first_round), self.knobs, greedy=greedy)
             tokens_bn, acc_b, _ = to_host(tuple(out))
             return state, tokens_bn[:, None], acc_b[:, None], np.asarray(active_b)[:, None], 1, \
                 time.perf_counter() - t0
-        state, *out = self.multi_round[method](self.model_states(), state, active_b, limits_b, sp, base_key,
-                                               np.int32(first_round), pad_stop_ids(stop_ids), self.knobs,
-                                               greedy=greedy)
-        tokens_bkn, acc_bk, _, ran_bk, rounds = to_host(tuple(out))
-        return state, tokens_bkn, acc_bk, ran_bk, int(rounds), time.perf_counter() - t0
+        state, *out = self.multi_round(method, rounds)(self.model_states(), state, active_b, limits_b, sp, base_key,
+                                                       np.int32(first_round), pad_stop_ids(stop_ids), self.knobs,
+                                                       greedy=greedy)
+        tokens_bkn, acc_bk, _, ran_bk, k = to_host(tuple(out))
+        return state, tokens_bkn, acc_bk, ran_bk, int(k), time.perf_counter() - t0
 
     def compile_counts(self) -> dict[str, int]:
         counts = {"prefill": self.prefill_step.compiles}
-        for method in self.slots:
-            counts[f"round/{method}"] = self.round[method].compiles
-            if self.multi_round[method].compiles:
-                counts[f"multi_round/{method}"] = self.multi_round[method].compiles
+        counts.update({f"round/{m}": fn.compiles for m, fn in self.round.items()})
+        counts.update({f"multi_round/{m}": fn.compiles for (m, _), fn in self._multi.items()})
         return counts
+
+
+def engine_bank(decoder):
+    """`(bank, gate)` of a decoder: a speculative decoder (auto: the base of its candidates,
+    `base_decoder`, with plain and MTP rounds beside) passes the exactness probe first and is
+    served with plain decoding when the probe declines. One bank per decoder: engines on one decoder
+    share its compiles."""
+    if "_engine_bank" not in decoder.__dict__:
+        auto = decoder if isinstance(decoder, AutoDecoder) else None
+        base = base_decoder(auto.candidates) if auto is not None else decoder
+        gate = None
+        if not isinstance(base, ARDecoder):
+            from dmtp_jax.decode.probe import exactness_gate
+            gate = exactness_gate(base)
+            if not gate.engaged:
+                base = ARDecoder(base.target, prefill_chunk=base.prefill_chunk)
+        decoder.__dict__["_engine_bank"] = (
+            RoundBank.for_decoder(base, None if auto is None else auto.candidates, switching=auto is not None), gate)
+    return decoder.__dict__["_engine_bank"]
