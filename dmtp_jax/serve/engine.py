@@ -364,9 +364,9 @@ class Engine:
     # ---- compiles ------------------------------------------------------------------------------
     def warm_up(self, every_bucket: bool = True) -> None:
         """Compiles, before the first request, every round of the bank at every row bucket (greedy;
-        K-round dispatches too when K > 1) and the greedy prefill of every prompt bucket (`every_bucket`;
-        else the shortest) at every row bucket the prefill budget admits, so no request waits for a
-        compile and the policy's first timings are clean."""
+        K-round dispatches too when K > 1), the row moves between buckets, and the greedy prefill of
+        every prompt bucket (`every_bucket`; else the shortest) at every row bucket the prefill budget
+        admits, so no request waits for a compile and the policy's first timings are clean."""
         from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, next_pow2
         top = next_pow2(self.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
         dispatches = sorted({1, self.rounds_per_dispatch})
@@ -374,6 +374,12 @@ class Engine:
             sp, _ = row_sampling([], rows)
             self.bank.run(method, self.bank.new_state(rows, self.max_len), np.zeros(rows, bool),
                           np.zeros(rows, np.int32), sp, self.base_key, 1, True, k, self.stop_ids)
+        for rows, other in itertools.product(self.buckets, self.buckets):     # the row moves between buckets
+            state = self._resize(self.bank.new_state(rows, self.max_len), other)
+            if other <= rows:
+                state = self._put(self._resize(state, rows), self.bank.new_state(other, self.max_len),
+                                  np.full(other, rows, np.int32))
+                state = self._move(state, np.int32(0), np.int32(0))
         for bucket in itertools.takewhile(lambda b: b <= top, (PROMPT_BUCKET_FLOOR << i for i in itertools.count())):
             width = chunk_length(bucket, self.bank.prefill_chunk)
             for rows in [r for r in self.buckets if r == 1 or r * width <= self.prefill_budget]:
