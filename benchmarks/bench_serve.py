@@ -110,7 +110,8 @@ def static_rate(decoder, prompts, size: int, max_tokens: int, stops) -> float:
     and, for auto, measured first)."""
     from dmtp_jax.decode.sampling import SamplingParams
     sp = SamplingParams.make()
-    decoder.generate(prompts[:size], max_tokens, sp, 0, stops)
+    for i in range(0, len(prompts), size):      # every batch's shapes compiled first
+        decoder.generate(prompts[i:i + size], max_tokens, sp, 0, stops)
     t0, tokens = time.perf_counter(), 0
     for i in range(0, len(prompts), size):
         tokens += sum(map(len, decoder.generate(prompts[i:i + size], max_tokens, sp, 0, stops).output_ids))
