@@ -1,22 +1,20 @@
-"""Load test of `infer.py serve`: N concurrent streaming clients against the OpenAI-compatible server.
+"""Load test of `infer.py serve`: a concurrency sweep of streaming clients against the OpenAI-compatible
+server, per method, with every output checked against `generate`.
 
-    PYTHONPATH=. python benchmarks/bench_serve.py [--methods ar,dflash,dmtp] [--clients 1,4,8]
-        [--num-requests 8] [--max-tokens 64] [--rate inf] [--max-batch-size 8] [--target DIR ...]
+    PYTHONPATH=. python benchmarks/bench_serve.py [--methods ar,dmtp,auto] [--concurrency 1,8,32]
+        [--arrival all|poisson] [--rate 4] [--max-tokens 64] [--max-batch-size 32] [--max-model-len 512]
+        [--rounds-per-dispatch K] [--plot serve.png] [--target DIR ...]
 
-For each method (on the demo by default, each with its demo drafter) it builds the engine, serves it
-on a free local port in this process (uvicorn thread, the same app as `infer.py serve`) and sends
-`--num-requests` greedy streaming completions of the workload's prompts (the demo's
-`demo/prompts.jsonl`, or `--prompts FILE.jsonl`, cycled) with at most `--clients` in flight, arriving
-at `--rate` requests/s (Poisson; `inf`: all at once). Per run it prints throughput (output
-tokens/s), time to first token and time per output token (p50 / p99) and request latency; no
-request may fail. Then:
-
-* `seq / conc`: the wall time of the requests sent one after another (1 client) over the same
-  requests with `max(--clients)` concurrent clients, measured in this run;
-* `static batch`: the decoder's `generate` on the same prompts in one static batch of the same
-  size (the throughput continuous batching is compared with);
-* every server output equals `generate`'s on its prompt alone (greedy: token for token, compared
-  as text).
+For each method (on the demo by default, each with its demo drafter) it builds the engine (compiled
+before the clock starts), serves it on a free local port in this process (uvicorn thread, the same
+app as `infer.py serve`) and, per concurrency level `c`, sends `max(c, --min-requests)` greedy
+streaming completions of the workload's prompts (the demo's `demo/prompts.jsonl`, or `--prompts`,
+cycled), at most `c` in flight, arriving all at once (`--arrival all`) or as a Poisson process of
+`--rate` requests/s. Per level it prints output tokens/s, time to first token p50 / p99,
+inter-token latency p50 / p99 (streamed chunks: a speculative round's tokens arrive together) and
+the ratio to a static batch: the method's `generate` over the same prompts in batches of `c` (its
+tokens/s; auto: the better of ar's and dmtp's). Every server output must equal `generate` of its prompt alone (greedy, compared as text);
+no request may fail. `--plot` writes tok/s and TTFT p50 against concurrency, one line per method.
 
 Numbers compare methods and concurrency levels within one run on one machine only.
 """
@@ -54,7 +52,7 @@ def start_server(engine, tokenizer, name: str):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     srv = uvicorn.Server(uvicorn.Config(build_app(Scheduler(engine), tokenizer, name), host="127.0.0.1", port=port,
-                                       log_level="warning"))
+                                        log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     while not srv.started:
@@ -65,7 +63,7 @@ def start_server(engine, tokenizer, name: str):
 async def one_request(client, base: str, prompt_ids, max_tokens: int) -> dict:
     body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
-    first, text, usage = None, [], None
+    stamps, text, usage = [], [], None
     async with client.stream("POST", base + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"ok": False, "error": f"{r.status_code}: {(await r.aread()).decode()[:200]}"}
@@ -73,25 +71,26 @@ async def one_request(client, base: str, prompt_ids, max_tokens: int) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if first is None:
-                first = time.perf_counter()
-            text.append(chunk["choices"][0]["text"])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                stamps.append(time.perf_counter())
+            text.append(chunk["choices"][0]["text"] if chunk["choices"] else "")
             usage = chunk.get("usage") or usage
     end = time.perf_counter()
     n = usage["completion_tokens"] if usage else 0
-    return {"ok": usage is not None, "ttft": first - t0, "latency": end - t0, "tokens": n,
-            "tpot": (end - first) / (n - 1) if n > 1 else 0.0, "text": "".join(text)}
+    return {"ok": usage is not None, "ttft": (stamps[0] if stamps else end) - t0, "latency": end - t0, "tokens": n,
+            "itl": list(np.diff(stamps)), "text": "".join(text)}
 
 
 async def load(base: str, prompts, clients: int, max_tokens: int, rate: float, seed: int = 0) -> tuple[list, float]:
-    """Sends every prompt (arrivals at `rate`/s, at most `clients` in flight); `(results, wall s)`."""
+    """Sends every prompt (arrivals at `rate`/s, `inf`: all at once; at most `clients` in flight);
+    `(results, wall s)`."""
     import httpx
 
     rng = np.random.default_rng(seed)
     gaps = np.zeros(len(prompts)) if rate == float("inf") else rng.exponential(1 / rate, len(prompts))
     arrivals = np.cumsum(gaps)
     gate = asyncio.Semaphore(clients)
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as client:
         t0 = time.perf_counter()
 
         async def run(i):
@@ -103,12 +102,44 @@ async def load(base: str, prompts, clients: int, max_tokens: int, rate: float, s
 
 
 def pct(values, q):
-    return float(np.percentile(values, q)) if values else float("nan")
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def static_rate(decoder, prompts, size: int, max_tokens: int, stops) -> float:
+    """Output tokens/s of `decoder.generate` over `prompts` in static batches of `size` (compiled
+    and, for auto, measured first)."""
+    from dmtp_jax.decode.sampling import SamplingParams
+    sp = SamplingParams.make()
+    for i in range(0, len(prompts), size):      # every batch's shapes compiled first
+        decoder.generate(prompts[i:i + size], max_tokens, sp, 0, stops)
+    t0, tokens = time.perf_counter(), 0
+    for i in range(0, len(prompts), size):
+        tokens += sum(map(len, decoder.generate(prompts[i:i + size], max_tokens, sp, 0, stops).output_ids))
+    return tokens / (time.perf_counter() - t0)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        ax1.plot([r["c"] for r in mine], [r["tok_s"] for r in mine], marker="o", label=method)
+        ax2.plot([r["c"] for r in mine], [r["ttft_p50"] for r in mine], marker="o", label=method)
+    for ax, label in ((ax1, "output tok/s"), (ax2, "TTFT p50 (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 def main(argv=None) -> int:
     import infer
-    from dmtp_jax.decode.sampling import SamplingParams
     from dmtp_jax.serve.app import warm_up
     from dmtp_jax.serve.engine import Engine
     from dmtp_jax.sharding import make_mesh
@@ -119,72 +150,94 @@ def main(argv=None) -> int:
     p.add_argument("--draft", default=None)
     p.add_argument("--mtp", default=None)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--methods", default="ar,dflash,dmtp")
-    p.add_argument("--clients", default="1,4,8")
-    p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--methods", default="ar,dmtp,auto")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--min-requests", type=int, default=8, help="requests per level: max(concurrency, this)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--rate", type=float, default=float("inf"), help="arrivals per second (inf: all at once)")
-    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--arrival", choices=("all", "poisson"), default="all")
+    p.add_argument("--rate", type=float, default=4.0, help="poisson arrivals per second")
+    p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--rounds-per-dispatch", type=int, default=None)
+    p.add_argument("--buckets", default=None, help="the engine's row buckets, e.g. 1,8,32 (default: powers of two)")
+    p.add_argument("--no-static", action="store_true", help="skip the static-batch reference")
     p.add_argument("--prompts", default=None, help="JSONL with a 'prompt' field per line (default: the demo's)")
+    p.add_argument("--plot", default=None, help="PNG of tok/s and TTFT against concurrency")
+    p.add_argument("--json", default=None, help="write the rows as JSON")
     args = p.parse_args(argv)
-    clients = [int(c) for c in args.clients.split(",")]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rate = float("inf") if args.arrival == "all" else args.rate
     target_dir = infer.resolve_target(args.target)
     tokenizer = load_tokenizer(target_dir, plain=True)
     texts = load_prompts(args.prompts)
-    prompts = [tokenizer(texts[i % len(texts)]).input_ids for i in range(args.num_requests)]
+    n_max = max(max(levels), args.min_requests)
+    prompts = [tokenizer(texts[i % len(texts)]).input_ids for i in range(n_max)]
     opts = argparse.Namespace(target=args.target, draft=args.draft, mtp=args.mtp, dtype=args.dtype, block_size=None,
-                              verify="rejection", mtp_steps=None, strict=False, rounds_per_dispatch=None,
-                              prefill_chunk=None, adaptive_threshold=None, stop_token_ids=None)
+                              verify="rejection", mtp_steps=None, strict=False,
+                              rounds_per_dispatch=args.rounds_per_dispatch, prefill_chunk=None,
+                              adaptive_threshold=None, stop_token_ids=None)
     mesh = make_mesh(None)
-    failures = 0
-    print(f"{args.num_requests} greedy requests x {args.max_tokens} tokens, rate {args.rate}/s, "
-          f"max batch {args.max_batch_size}")
-    print(f"{'method':8} {'clients':>7} {'tok/s':>7} {'wall s':>7} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} "
-          f"{'tpot p99':>9} {'lat p50':>8} {'lat p99':>8} {'fail':>4}")
-    summary = []
+    failures, rows, reference = 0, [], None
+    print(f"greedy requests x {args.max_tokens} tokens, arrival {args.arrival}"
+          + (f" ({rate}/s)" if rate != float("inf") else "") + f", max batch {args.max_batch_size}, "
+          f"max model len {args.max_model_len}")
+    print(f"{'method':7} {'c':>3} {'reqs':>4} {'tok/s':>7} {'static':>7} {'ratio':>6} {'ttft50':>7} {'ttft99':>7} "
+          f"{'itl50':>7} {'itl99':>7} {'exact':>6} {'fail':>4}")
     for method in args.methods.split(","):
-        decoder, stops = infer.load_decoder(opts, target_dir, method, mesh, tokenizer)
+        built, _ = infer.decoder_methods(opts, target_dir, [method])
+        decoder, stops = infer.load_decoder(opts, target_dir, method, built, mesh, tokenizer)
+        if reference is None:       # greedy: every method's output is ar's (`generate` alone per prompt)
+            ref_dec = decoder.candidates["ar"] if hasattr(decoder, "candidates") else decoder
+            reference = [tokenizer.decode(ref_dec.generate([q], args.max_tokens, None, 0, stops).output_ids[0],
+                                          skip_special_tokens=True) for q in prompts]
         engine = Engine(decoder, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
-                        stop_ids=stops)
+                        stop_ids=stops, **({"buckets": tuple(int(b) for b in args.buckets.split(","))}
+                                           if args.buckets else {}))
+        t0 = time.perf_counter()
         warm_up(engine)
+        print(f"{method}: engine compiled in {time.perf_counter() - t0:.1f}s", flush=True)
         base, srv, thread = start_server(engine, tokenizer, "bench")
         asyncio.run(load(base, prompts[:1], 1, 4, float("inf")))        # the HTTP path warmed up
-        walls, outputs = {}, None
-        for c in clients:
-            results, wall = asyncio.run(load(base, prompts, c, args.max_tokens, args.rate))
+        for c in levels:
+            reqs = prompts[:max(c, args.min_requests)]
+            results, wall = asyncio.run(load(base, reqs, c, args.max_tokens, rate))
             ok = [r for r in results if r["ok"]]
             failures += len(results) - len(ok)
-            tokens = sum(r["tokens"] for r in ok)
-            walls[c] = wall
-            outputs = outputs or [r.get("text") for r in results]
-            print(f"{method:8} {c:7d} {tokens / wall:7.1f} {wall:7.2f} {pct([r['ttft'] for r in ok], 50):9.3f} "
-                  f"{pct([r['ttft'] for r in ok], 99):9.3f} {pct([r['tpot'] for r in ok], 50):9.4f} "
-                  f"{pct([r['tpot'] for r in ok], 99):9.4f} {pct([r['latency'] for r in ok], 50):8.2f} "
-                  f"{pct([r['latency'] for r in ok], 99):8.2f} {len(results) - len(ok):4d}", flush=True)
+            tok_s = sum(r["tokens"] for r in ok) / wall
+            exact = sum(r.get("text") == want for r, want in zip(results, reference))
+            if method == "auto" or args.no_static:      # auto's static batch: the best of ar's and dmtp's
+                static = max([r["static_tok_s"] for r in rows if r["c"] == c and r["method"] in ("ar", "dmtp")]
+                             or [float("nan")])
+            else:
+                static = static_rate(decoder, reqs, c, args.max_tokens, stops)
+            itl = [x for r in ok for x in r["itl"]]
+            row = {"method": method, "c": c, "requests": len(reqs), "tok_s": tok_s, "static_tok_s": static,
+                   "ratio_static": tok_s / static, "ttft_p50": pct([r["ttft"] for r in ok], 50),
+                   "ttft_p99": pct([r["ttft"] for r in ok], 99), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
+                   "exact": exact, "failed": len(results) - len(ok), "rounds": dict(engine.counters)}
+            rows.append(row)
+            failures += len(reqs) - exact
+            print(f"{method:7} {c:3d} {len(reqs):4d} {tok_s:7.1f} {static:7.1f} {row['ratio_static']:6.2f} "
+                  f"{row['ttft_p50']:7.3f} {row['ttft_p99']:7.3f} {row['itl_p50']:7.4f} {row['itl_p99']:7.4f} "
+                  f"{exact:3d}/{len(reqs):<2d} {row['failed']:4d}", flush=True)
+            if method == "auto":
+                print("        rounds: " + ", ".join(f"{k[7:]} {v}" for k, v in sorted(engine.counters.items())
+                                                      if k.startswith("rounds/")), flush=True)
+            engine.counters.clear()
         srv.should_exit = True
         thread.join(timeout=60)
-        # the same prompts as static batches of the server's size, and each alone (the exactness reference)
-        gen = decoder if engine.method == method else engine.rows.decoder
-        sp = SamplingParams.make()
-        size = args.max_batch_size
-        gen.generate(prompts[:size], args.max_tokens, sp, 0, stops)                     # compile
-        t0 = time.perf_counter()
-        static_tokens = 0
-        for i in range(0, len(prompts), size):
-            static_tokens += sum(map(len, gen.generate(prompts[i:i + size], args.max_tokens, sp, 0, stops).output_ids))
-        static_s = time.perf_counter() - t0
-        alone = [tokenizer.decode(gen.generate([q], args.max_tokens, sp, 0, stops).output_ids[0],
-                                  skip_special_tokens=True) for q in prompts]
-        exact = sum(a == o for a, o in zip(alone, outputs))
-        ratio = walls[min(clients)] / walls[max(clients)] if len(clients) > 1 else float("nan")
-        line = (f"{method:8} seq/conc wall {walls[min(clients)]:.2f}s / {walls[max(clients)]:.2f}s = {ratio:.2f}x; "
-                f"static batch of {size}: {static_tokens / static_s:.1f} tok/s ({static_s:.2f}s); "
-                f"outputs == generate alone: {exact}/{len(prompts)}")
-        summary.append(line)
-        print(line, flush=True)
-    print("\n".join(["", *summary]))
-    print(f"failed requests: {failures}")
+    by = {(r["method"], r["c"]): r["tok_s"] for r in rows}
+    if "auto" in args.methods.split(","):
+        for c in levels:
+            best = max(by.get((m, c), 0.0) for m in ("ar", "dmtp"))
+            if best:
+                print(f"c={c}: auto / best(ar, dmtp) = {by[('auto', c)] / best:.2f}")
+    if args.plot:
+        plot(rows, args.plot)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    print(f"failed or inexact requests: {failures}")
     return 1 if failures else 0
 
 

@@ -107,24 +107,22 @@ def test_sampled_auto_is_lossless(decoders, mtp_target_dir):
                                                                                                  top_k=3))
 
 
-def test_server_engine_measures_on_its_first_requests(decoders, tmp_path):
+def test_server_engine_follows_the_load_on_one_state(decoders):
+    """`serve --method auto`: one state for ar, mtp (its candidate's 4 slots) and dmtp rounds, each
+    timed live at the batch's bucket; outputs equal ar's; /metrics shows the choice."""
     from dmtp_jax.serve.engine import Engine, Request
     from dmtp_jax.serve.metrics import ServerMetrics
 
-    path = str(tmp_path / "verdicts.json")
-    engine = Engine(AutoDecoder(decoders, store=VerdictStore(path), probe_tokens=8, repeats=1), max_batch_size=2,
-                    max_model_len=128)
-    assert engine.rows is None and engine.method == "auto"
+    engine = Engine(AutoDecoder(decoders, store=VerdictStore(None)), max_batch_size=2, max_model_len=128,
+                    buckets=(2,))
+    assert engine.method == "auto" and engine.bank.slots == {"ar": 1, "dmtp": decoders["dmtp"].slots, "mtp": 4}
     reqs = [engine.add(Request(p, max_tokens=12, stop_ids=())) for p in PROMPTS]
     while not all(r.finished for r in reqs):
         engine.step()
     want = decoders["ar"].generate(PROMPTS, 12, stop_ids=[]).output_ids
     assert [r.output_ids for r in reqs] == want
-    assert engine.verdict.source == "measured" and engine.method == engine.verdict.method
-    assert f'dmtp_auto_chosen{{method="{engine.method}",source="measured"}} 1' in ServerMetrics().render(engine)
-    # a second server on the same models starts with the verdict: no measurement
-    second = Engine(AutoDecoder(decoders, store=VerdictStore(path)), max_batch_size=2, max_model_len=128)
-    assert second.verdict.source == "cache" and second.method == engine.method and second.rows is not None
+    assert {m for m, _ in engine.policy.round_s} == set(engine.bank.methods)
+    assert f'dmtp_engine_choice{{method="{engine.choice["method"]}"' in ServerMetrics().render(engine)
 
 
 def test_bench_and_generate_run_auto(mtp_target_dir, dmtp_dir, tmp_path, capsys):
@@ -164,3 +162,17 @@ def test_bench_report_of_auto_with_different_methods_per_bucket(decoders):
     assert report["methods"]["auto"]["block_size"] == 8
     assert {b: v["method"] for b, v in report["methods"]["auto"]["auto"].items()} == {"1": "dmtp", "2": "mtp"}
     assert "auto, batch bucket 2: mtp (cached verdict)" in format_auto(report)
+
+
+def test_auto_report_stats_are_the_chosen_methods_own():
+    """A cold verdict cache may serve another candidate first (provisional verdicts): the auto row's
+    histogram and per-position acceptance are the last chosen method's, and the row says so."""
+    from dmtp_jax.bench.report import format_auto, summarize_run
+    from dmtp_jax.bench.runner import Generation, MethodRun
+    run = MethodRun("auto", [Generation("a", 0, [1], [5] * 8, [4, 4], None, "mtp"),
+                             Generation("b", 0, [1], [5] * 8, [1, 1, 1, 1, 1, 1, 1], None, "dmtp")],
+                    block_size=5, new_tokens=16, wall_s=1.0, block_sizes={"mtp": 5, "dmtp": 8})
+    s = summarize_run(run)
+    assert s["acceptance_of"] == "dmtp" and s["histogram"] == [7] + [0] * 7 and s["block_size"] == 8
+    assert s["served"] == {"mtp": 1, "dmtp": 1} and s["first_candidate_acceptance"] == 0.0
+    assert "its acceptance statistics are dmtp's" in format_auto({"methods": {"auto": s}})

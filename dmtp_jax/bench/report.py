@@ -30,6 +30,8 @@ Example:
 
 from __future__ import annotations
 
+import collections
+
 import json
 
 from dmtp_jax.bench.runner import MethodRun
@@ -51,12 +53,17 @@ def summarize_run(run: MethodRun) -> dict:
     """
     # plain decoding: one token per round after the prefill's first (also the plain calls of a
     # speculative run: `auto` may choose `ar` for one batch bucket and a speculative method for another)
+    # auto: the acceptance statistics are those of the method it chose last (a cold verdict cache may
+    # serve other candidates first, while their probes are pooled): `served` counts each one's rows
+    served = [g.method for g in run.generations if g.method is not None]
+    chosen = served[-1] if served else None
+    gens = [g for g in run.generations if g.method == chosen] if chosen else run.generations
     rows = [[1] * max(0, len(g.output_ids) - 1) if g.acceptance_lengths is None else g.acceptance_lengths
-            for g in run.generations]
-    block = run.block_size if run.speculative else 1
+            for g in gens]
+    block = (run.block_sizes.get(chosen, 1) if chosen else run.block_size) if run.speculative else 1
     st = acceptance_stats(rows, block)
     empty = st["rounds"] == 0
-    sources = [g.t1_from_mtp for g in run.generations if g.t1_from_mtp is not None]
+    sources = [g.t1_from_mtp for g in gens if g.t1_from_mtp is not None]
     by_source = first_candidate_by_source(rows, sources) if sources else None
     first_tokens = len(run.generations)
     return {
@@ -72,7 +79,8 @@ def summarize_run(run: MethodRun) -> dict:
         "histogram": st["histogram"],
         "rounds": st["rounds"],
         # one prefill per generation + one target forward per round (AR: 1.0)
-        "target_forwards_per_token": (first_tokens + st["rounds"]) / run.new_tokens if run.new_tokens else None,
+        "target_forwards_per_token": ((len(gens) + st["rounds"]) / sum(len(g.output_ids) for g in gens)
+                                      if any(g.output_ids for g in gens) else None),
         "block_size": block,
         "generations": len(run.generations),
         "new_tokens": run.new_tokens,
@@ -87,6 +95,8 @@ def summarize_run(run: MethodRun) -> dict:
         "exactness_probe": run.exactness_probe,
         "first_candidate_by_source": by_source,     # dmtp-adaptive: MTP's T1 vs the drafter's
         "auto": {str(b): v for b, v in sorted(run.auto.items())} or None,   # auto: batch bucket -> verdict
+        "served": dict(collections.Counter(served)) or None,    # auto: generations decoded by each method
+        "acceptance_of": chosen,                                 # auto: whose acceptance statistics these are
     }
 
 
@@ -170,8 +180,13 @@ def format_auto(report: dict) -> str:
         auto, batch bucket 1: ar (cached verdict; decode tok/s ar 50.0 (tau 1.00))
     """
     from dmtp_jax.decode.auto import describe_verdict
-    return "\n".join(f"{name}, {describe_verdict(v)}" for name, m in report["methods"].items()
-                     for v in (m.get("auto") or {}).values())
+    lines = []
+    for name, m in report["methods"].items():
+        lines += [f"{name}, {describe_verdict(v)}" for v in (m.get("auto") or {}).values()]
+        if len(m.get("served") or {}) > 1:
+            lines.append(f"{name} served " + ", ".join(f"{k} {n}" for k, n in m["served"].items())
+                         + f" generations; its acceptance statistics are {m['acceptance_of']}'s")
+    return "\n".join(lines)
 
 
 def format_head_comparison(strong: dict, weak: dict, strong_head: str, weak_head: str) -> str:

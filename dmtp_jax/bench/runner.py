@@ -45,6 +45,7 @@ class Generation:
     output_ids: list[int]
     acceptance_lengths: list[int] | None = None
     t1_from_mtp: list[bool] | None = None    # per round: the first candidate was MTP's (dmtp-adaptive)
+    method: str | None = None                # auto: the candidate that decoded it
 
 
 @dataclasses.dataclass
@@ -65,6 +66,7 @@ class MethodRun:
     exactness_probe: dict | None = None  # the speculative decoder's probe verdict (decode/probe.py)
     shapes: dict = dataclasses.field(default_factory=dict)   # (batch bucket, cache length) -> loop steps
     auto: dict = dataclasses.field(default_factory=dict)     # `auto`: batch bucket -> its verdict (as_dict)
+    block_sizes: dict = dataclasses.field(default_factory=dict)  # `auto`: served method -> its verify slots
 
     @property
     def speculative(self) -> bool:
@@ -148,8 +150,11 @@ def _run_batch(run: MethodRun, decoder, batch: list[Request], tokenizer, fits, m
             raise RequestError(f"requests {[batch[i].id for i in rows]} turn {turn + 1}: {e}") from None
         stats = result.stats
         run.exactness_probe = stats.get("exactness_probe", run.exactness_probe)
+        served = None
         if "auto" in stats:
             run.auto[stats["auto"]["batch_bucket"]] = stats["auto"]      # the latest verdict of each bucket
+            served = stats["auto"]["method"]
+            run.block_sizes[served] = int(stats.get("block_size") or 1)
         acceptance = stats.get("acceptance_lengths")
         sources = stats.get("t1_from_mtp")
         if acceptance is not None:
@@ -167,7 +172,7 @@ def _run_batch(run: MethodRun, decoder, batch: list[Request], tokenizer, fits, m
             out = list(map(int, result.output_ids[j]))
             run.generations.append(Generation(batch[i].id, turn, list(map(int, prompts[j])), out,
                                               None if acceptance is None else list(acceptance[j]),
-                                              None if sources is None else list(sources[j])))
+                                              None if sources is None else list(sources[j]), served))
             run.new_tokens += len(out)
             if batch[i].is_text and turn + 1 < batch[i].num_turns:
                 answers[i].append(_decode_answer(tokenizer, out, stop_ids))

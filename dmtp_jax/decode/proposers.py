@@ -229,6 +229,17 @@ class AdaptiveProposer(DmtpProposer):
         return Proposal(drafts, q, state.mtp_cache, from_mtp)
 
 
+class PlainProposer(Proposer):
+    """`ar` on a speculative state: no drafts (one verify slot), so the round is a plain target step
+    that still advances the MTP and writes the drafter's context (`round.commit`): a state that
+    switches between plain and speculative rounds stays valid (`serve/rounds.py`)."""
+
+    def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
+        b = state.pending_b.shape[0]
+        q = None if greedy else jnp.zeros((b, 0, models.target.cfg.vocab_size), jnp.float32)
+        return Proposal(jnp.zeros((b, 0), jnp.int32), q, state.mtp_cache, jnp.zeros((b,), bool))
+
+
 # proposer kind (`methods.Method.proposer`) -> class
 PROPOSERS: dict[str, type[Proposer]] = {"dflash": DFlashProposer, "mtp-chain": MtpChainProposer, "dmtp": DmtpProposer,
                                         ADAPTIVE: AdaptiveProposer}
@@ -243,3 +254,13 @@ def make_proposer(method: str, slots: int, context_window: int = 4096) -> Propos
         'AdaptiveProposer'
     """
     return PROPOSERS[METHODS[method].proposer](method, slots, context_window)
+
+
+def round_proposer(method: str, slots: int, context_window: int = 4096) -> Proposer:
+    """`make_proposer`, or for `ar` the `PlainProposer` (one slot whatever `slots`).
+
+    Example:
+        >>> round_proposer("ar", 8).slots
+        1
+    """
+    return PlainProposer("ar", 1, context_window) if method == "ar" else make_proposer(method, slots, context_window)

@@ -167,9 +167,11 @@ def constrain_state(mesh, st: SpecState) -> SpecState:
 
 # ---- phases ------------------------------------------------------------------------------------
 def verify_forward(target, state: SpecState, drafts_bn: jax.Array,
-                   capture_layers: tuple[int, ...] = ()) -> VerifyForward:
+                   capture_layers: tuple[int, ...] = (), active_b: jax.Array | None = None) -> VerifyForward:
     """The target over `[pending, drafts]` at positions `L..L+n-1` from `state.target_cache`, as a
-    verify round runs it (`speculative=True`: DeltaNet states wait for `commit`).
+    verify round runs it (`speculative=True`: DeltaNet states wait for `commit`). With no drafts and
+    `active_b` given (a plain step: its one token is always kept) the states advance in the forward
+    for the active rows only, as a decode step's, and `commit` has nothing left to do.
 
     Example:
         >>> fwd = verify_forward(models.target, state, proposal.drafts_bn, models.capture_layers)  # doctest: +SKIP
@@ -180,8 +182,9 @@ def verify_forward(target, state: SpecState, drafts_bn: jax.Array,
     positions = state.lengths_b[:, None] + jnp.arange(n)
     tokens = jnp.concatenate([state.pending_b[:, None], drafts_bn], axis=1)
     embeds = target.embed(tokens)
+    plain = n == 1 and active_b is not None
     out = target(tokens, positions, state.target_cache, capture_layers=capture_layers, embeds_bth=embeds,
-                 speculative=True)
+                 speculative=not plain, kv_valid_bt=active_b[:, None] if plain else None)
     return VerifyForward(tokens, positions, embeds, out, target.logits(out.hidden_bth))
 
 
@@ -267,9 +270,9 @@ def commit(models: RoundModels, state: SpecState, proposal: Proposal, fwd: Verif
         mtp_cache, mtp_h, mtp_rows = mtp_advance(models, state, mtp_cache, fwd, acc_b, bonus_b, active_b)
     if drafter is not None:
         ctx = write_context(drafter, models.fusion, ctx, fwd.out.captured, fwd.positions_bn, mtp_rows)
-    drafts = proposal.drafts_bn
+    drafts = proposal.drafts_bn         # [B, n-1]; n = 1 (no drafts) is a plain step
     slot = jnp.arange(drafts.shape[1] + 1)[None]
-    tokens = jnp.where(slot < acc_b[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1), bonus_b[:, None])
+    tokens = jnp.where(slot < acc_b[:, None], jnp.concatenate([drafts, bonus_b[:, None]], axis=1), bonus_b[:, None])
     target_cache = target.commit(fwd.out.cache, fwd.out.pending, jnp.where(active_b, acc_b + 1, 0))
     lengths = jnp.where(active_b, state.lengths_b + acc_b + 1, state.lengths_b)
     new = SpecState(target_cache, ctx, mtp_cache, mtp_h, lengths, jnp.where(active_b, bonus_b, state.pending_b))
@@ -290,7 +293,7 @@ def spec_round(proposer, verify_mode: str, models: RoundModels, state: SpecState
     """
     k_draft, k_verify = jax.random.split(key)
     proposal = proposer.propose(models, state, sp, k_draft, greedy, limits_b, knobs)
-    fwd = verify_forward(models.target, state, proposal.drafts_bn, models.capture_layers)
+    fwd = verify_forward(models.target, state, proposal.drafts_bn, models.capture_layers, jnp.asarray(active_b))
     acc, bonus = accept(fwd.logits_bnv, proposal.drafts_bn, proposal.q_bnv, sp, k_verify, greedy, verify_mode)
     new, tokens = commit(models, state, proposal, fwd, acc, bonus, active_b)
     return new, tokens, acc, proposal.t1_from_mtp_b

@@ -161,6 +161,30 @@ def _used(proposer: Proposer, target, drafter, mtp, fusion, draft_head) -> tuple
             fusion if needs["fusion"] else None, draft_head)
 
 
+def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: LoadedModel | None, batch: int,
+                   max_len: int) -> SpecState:
+    """A zero `SpecState` of `batch` rows and `max_len` slots with the drafter's context cache and the
+    MTP's cache and hidden where those models are given, placed as the jitted calls leave it.
+
+    Example:
+        >>> new_spec_state(TargetCaches(target), None, None, 2, 128).ctx_cache is None  # doctest: +SKIP
+        True
+    """
+    target = caches.target
+    mesh = target.mesh
+    rep = replicated(mesh)    # placed as the jitted calls leave them: one compile
+    zeros = lambda: jax.device_put(np.zeros(batch, np.int32), rep)  # noqa: E731  (two buffers: both donated)
+    ctx = mtp_cache = mtp_h = None
+    if drafter is not None:
+        d = drafter.cfg
+        ctx = new_kv_cache(mesh, kv_cache_shape(d, batch, max_len, mesh, d.num_hidden_layers), drafter.state_dtype)
+    if mtp is not None:
+        c = target.cfg
+        mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, 1), mtp.state_dtype)
+        mtp_h = jax.device_put(np.zeros((batch, c.hidden_size), mtp.state_dtype), rep)
+    return SpecState(caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros())
+
+
 def to_host(tree):
     """Every array of `tree` on the host in one transfer (`jax.device_get`): the round's only sync.
 
@@ -232,19 +256,9 @@ class SpecDecoder:
     # ---- state -------------------------------------------------------------------------------
     def new_state(self, batch: int, max_len: int) -> SpecState:
         """A zero state of `batch` rows and `max_len` slots, placed as the jitted calls leave it."""
-        mesh = self.target.mesh
-        rep = replicated(mesh)    # placed as the jitted calls leave them: one compile
-        zeros = lambda: jax.device_put(np.zeros(batch, np.int32), rep)  # noqa: E731  (two buffers: both donated)
-        ctx = mtp_cache = mtp_h = None
-        if self.proposer.needs["drafter"]:
-            d = self.drafter.cfg
-            ctx = new_kv_cache(mesh, kv_cache_shape(d, batch, max_len, mesh, d.num_hidden_layers),
-                               self.drafter.state_dtype)
-        if self.proposer.needs["mtp"]:
-            c = self.target.cfg
-            mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, 1), self.mtp.state_dtype)
-            mtp_h = jax.device_put(np.zeros((batch, c.hidden_size), self.mtp.state_dtype), rep)
-        return SpecState(self.caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros())
+        needs = self.proposer.needs
+        return new_spec_state(self.caches, self.drafter if needs["drafter"] else None,
+                              self.mtp if needs["mtp"] else None, batch, max_len)
 
     def state_shardings(self, st: SpecState) -> SpecState:
         """The sharding of every array of a state (or of its shapes), as a `SpecState` tree."""

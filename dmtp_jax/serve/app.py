@@ -367,28 +367,13 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
 
 
 def warm_up(engine: Engine, every_bucket: bool = True) -> None:
-    """Compiles the greedy prefill of every prompt bucket (`every_bucket`; else the shortest only),
-    the row scatter and the round before the first request, so that `/health` answers only once
-    they are ready and no request waits for a compile.
+    """Compiles the engine's rounds and prefills before the first request (`Engine.warm_up`), so
+    that `/health` answers only once they are ready and no request waits for a compile.
 
     Example:
         >>> warm_up(engine)  # doctest: +SKIP
     """
-    from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, next_pow2
-
-    if engine.rows is None:         # auto without a verdict: its first requests measure (and compile)
-        return
-    top = next_pow2(engine.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
-    chunk = max(engine.rows.decoder.prefill_chunk, PROMPT_BUCKET_FLOOR)
-    bucket, lengths = PROMPT_BUCKET_FLOOR, []
-    while bucket <= min(top, chunk):
-        lengths.append(min(bucket, engine.max_model_len - 2))
-        bucket *= 2
-    if top > chunk:                 # longer prompts run chunks of `prefill_chunk` tokens
-        lengths.append(engine.max_model_len - 2)
-    reqs = [engine.add(Request([0] * n, 2, stop_ids=())) for n in lengths]
-    while not all(r.finished for r in reqs):
-        engine.step()
+    engine.warm_up(every_bucket)
     engine.counters.clear()
 
 
@@ -408,8 +393,7 @@ def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port:
     warm_up(engine)
     scheduler = Scheduler(engine)
     app = build_app(scheduler, tokenizer, model_name)
-    method = engine.method + (" (not measured yet: the first requests measure the candidates "
-                              f"{', '.join(engine.auto.candidates)})" if engine.rows is None else "")
+    method = engine.method + (f" over {', '.join(engine.bank.methods)}" if engine.auto is not None else "")
     print(f"serving {model_name} ({method}, {max_batch_size} rows, max_model_len {engine.max_model_len}) "
           f"on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     # uvicorn re-raises the SIGTERM it handled once it has shut down; with this handler that ends

@@ -1,30 +1,36 @@
-"""Continuous batching over the speculative round (or plain decoding): the serving core, no HTTP.
+"""Continuous batching over rounds that follow the load: the serving core, no HTTP.
 
-An `Engine` owns one decoder and one running state of `max_batch_size` rows x `max_len` slots, so
-the round compiles once per greedy flag (and per shared top-k). Each `step()`:
+An `Engine` owns one `RoundBank` (`serve/rounds.py`: plain decoding and the speculative rounds its
+models allow, all on one state) and one running state whose row count is a compiled row bucket
+(powers of two up to `max_batch_size`): the running requests live in its first rows, so a step
+costs the rows in use, not `max_batch_size`. Each `step()`:
 
     cancel     rows whose request was cancelled (client gone, stop string) are freed at once
-    admit      waiting requests that fit free rows, oldest first, are prefilled each ALONE (a 1-row
-               state of the same `max_len`, chunk by chunk with the decoder's `prefill_chunk`), as
-               many chunks per step as fit one chunk's worth of tokens (`prefill_chunk`): short
-               prompts arriving together are admitted in one step, and the running rows wait at
-               most one chunk; a finished row goes into the running state by `insert_row` (one
-               jitted, generic pytree scatter)
-    round      one speculative round (`SpecDecoder.round`) or one plain step (`ARDecoder.decode_step`)
-               over every row, the active ones committing; each request's own `StopTracker`
-               cuts at its stop tokens / `max_tokens`, and a finished row is free for the next step
+    admit      waiting requests are prefilled in groups of one prompt bucket (`serve/admission.py`),
+               as many chunks per step as fit the prefill budget (`prefill_chunk` tokens: row
+               bucket x chunk width), so a burst of arrivals costs one prefill per group; a
+               finished group's rows go into the running state in one scatter (the state grows to
+               the next row bucket first)
+    round      the policy (`serve/policy.py`) picks the round (`auto`: plain, MTP or the base
+               method, from the live rows and the acceptance and round times measured live; else
+               the decoder's method), which runs over the state's rows, the first `n` active; with
+               `rounds_per_dispatch` K > 1 and nobody waiting, up to K rounds run per dispatch with
+               on-device stopping. Each request's `StopTracker` cuts at its stop tokens /
+               `max_tokens`; finished rows are filled by the last running rows (`rows.move_row`:
+               every cache of the row moves) and the state shrinks to the smallest bucket that
+               holds the rest once nobody waits.
 
-A request's greedy output is the decoder's `generate` output on the same prompt, whatever else is
-in the batch: rows never read each other, and greedy verification is exact match. Sampled rows
-carry their own temperature / top-p (`SamplingParams.rows`); top-k is static, so a sampled request
-whose top-k differs from the running sampled rows' waits until those finish. Sampled requests'
-`seed` seeds their prefill (first token); later draws come from the engine's round keys (lossless,
-not reproducible per request).
+A request's greedy output is `generate`'s on the same prompt whatever else is in the batch and
+whichever rounds ran: rows never read each other and every round commits the target's argmax.
+Sampled rows carry their own temperature / top-p (`request.row_sampling`); top-k is static, so a
+sampled request whose top-k differs from the running sampled rows' waits. A lone request's `seed`
+seeds its first token; rounds draw from the engine's round keys (lossless, not reproducible per
+request).
 
-With `--method auto` (an `AutoDecoder`) the engine serves the method of the cached verdict for its
-`max_batch_size` rows; without one, its first step measures the candidates on the waiting requests'
-prompts (`AutoDecoder.choose`) and serves the fastest from then on. The round always runs over
-`max_batch_size` rows, so the batch, and the verdict, never change while it serves.
+Faults: an exception while admitting a group ends the request if it was alone, else its group's
+requests are prefilled alone next (the one that fails again ends with finish reason "error"); a
+failed round ends the running requests with "error", keeps the waiting ones and rebuilds the
+running state.
 
 Speculative decoders pass the exactness probe first (`decode/probe.py:exactness_gate`); on a
 decline the engine serves plain decoding with the same target.
@@ -38,182 +44,28 @@ Example:
 from __future__ import annotations
 
 import collections
-import dataclasses
+import functools
 import itertools
+import logging
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dmtp_jax.counted_jit import counted_jit
-from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.auto import AUTO, AutoDecoder
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts, round_up
-from dmtp_jax.decode.prefill import chunk_length, prefill_chunks
+from dmtp_jax.decode.prefill import chunk_length
 from dmtp_jax.decode.sampling import SamplingParams
-from dmtp_jax.decode.spec import to_host
+from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
+from dmtp_jax.serve.policy import LoadPolicy
+from dmtp_jax.serve.request import Event, Request, row_sampling, shared_top_k
+from dmtp_jax.serve.rounds import engine_bank
+from dmtp_jax.serve.rows import batch_axes, insert_row, move_row, put_rows, resize_rows
 
-_IDS = itertools.count(1)
+__all__ = ["Engine", "Event", "Request", "insert_row"]
 
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One generation request and, as it runs, its output (`output_ids`, `finish_reason`)."""
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop_ids: tuple[int, ...] | None = None          # default: the engine's (the model's EOS ids)
-    id: int = dataclasses.field(default_factory=lambda: next(_IDS))
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    acceptance: list[int] = dataclasses.field(default_factory=list)    # tokens committed per round
-    finish_reason: str | None = None                 # "stop", "length" or "cancelled"
-    arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
-    first_token_s: float | None = None
-    finished_s: float | None = None
-    cancelled: bool = False
-    cancel_reason: str = "cancelled"
-    tracker: StopTracker | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def acceptance_stats(self) -> dict:
-        """This request's rounds and tokens per round (accepted drafts + bonus), for `usage`.
-
-        Example:
-            >>> Request([1], 4, acceptance=[3, 1]).acceptance_stats()["mean_acceptance_length"]
-            2.0
-        """
-        rounds = len(self.acceptance)
-        return {"verify_rounds": rounds,
-                "mean_acceptance_length": sum(self.acceptance) / rounds if rounds else 0.0,
-                "first_candidate_acceptance": sum(a > 1 for a in self.acceptance) / rounds if rounds else 0.0}
-
-
-@dataclasses.dataclass
-class Event:
-    """What a step committed for a request: its new tokens (already cut at a stop token / the
-    budget) and whether it finished."""
-    request: Request
-    tokens: list[int]
-    finished: bool
-
-
-def batch_axis(small_shape: tuple, big_shape: tuple) -> int:
-    """The axis where a 1-row leaf and a B-row leaf differ (0 when they are equal: B == 1).
-
-    Example:
-        >>> batch_axis((4, 1, 128, 2, 8), (4, 8, 128, 2, 8))
-        1
-    """
-    diff = [i for i, (a, b) in enumerate(zip(small_shape, big_shape)) if a != b]
-    if len(small_shape) != len(big_shape) or len(diff) > 1 or (diff and small_shape[diff[0]] != 1):
-        raise ValueError(f"a 1-row leaf {small_shape} does not fit {big_shape}")
-    return diff[0] if diff else 0
-
-
-def insert_row(state, row_state, row):
-    """`state` with row `row` replaced by the 1-row `row_state` (same pytree, every leaf's batch
-    axis found by `batch_axis`): no per-architecture code.
-
-    Example:
-        >>> out = insert_row({"k": jnp.zeros((2, 3, 4))}, {"k": jnp.ones((2, 1, 4))}, 2)
-        >>> out["k"].sum(axis=(0, 2)).tolist()
-        [0.0, 0.0, 8.0]
-    """
-    def put(big, small):
-        axis = batch_axis(small.shape, big.shape)
-        if small.shape == big.shape:
-            return small.astype(big.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), row, axis)
-    return jax.tree.map(put, state, row_state)
-
-
-class SpecRows:
-    """The engine's view of a `SpecDecoder`: states, a 1-row chunked prefill, one round."""
-
-    def __init__(self, decoder, seed: int = 0):
-        self.decoder, self.method = decoder, decoder.method
-        self.slots = decoder.slots
-        self.base_key = jax.random.key(seed)
-
-    def new_state(self, rows: int, max_len: int):
-        return self.decoder.new_state(rows, max_len)
-
-    def prefill(self, tokens_1t, lengths_1, max_len: int, sp, key, greedy: bool):
-        """A generator running one prefill chunk per `next`; the call that runs the last chunk
-        returns `(1-row state, first token)` (StopIteration's value)."""
-        dec = self.decoder
-        states, state = dec.model_states(), dec.new_state(1, max_len)
-        for i, (start, chunk_bt, next_b) in enumerate(prefill_chunks(tokens_1t, dec.prefill_chunk)):
-            if i:
-                yield       # one chunk per `next`: the call that runs the last chunk returns
-            state = dec.prefill_step(states, chunk_bt, next_b, start, lengths_1, state, sp, key, greedy=greedy)
-        return state, int(to_host(state.pending_b)[0])
-
-    def step(self, state, active_b, limits_b, pending_b, lengths_b, sp, index: int, greedy: bool):
-        dec = self.decoder
-        state, *out = dec.round(dec.model_states(), state, active_b, limits_b, sp, self.base_key, np.int32(index),
-                                dec.knobs(), greedy=greedy)
-        tokens_bn, acc_b, _ = to_host(tuple(out))
-        return state, tokens_bn, acc_b
-
-
-class PlainRows:
-    """The engine's view of an `ARDecoder`: the state is the target cache; the pending token and
-    position of each row come from the engine (its host copy)."""
-
-    method, slots = "ar", 1
-
-    def __init__(self, decoder: ARDecoder, seed: int = 0):
-        self.decoder = decoder
-        self.base_key = jax.random.key(seed)
-
-    def new_state(self, rows: int, max_len: int):
-        return self.decoder.caches.new(rows, max_len)
-
-    def prefill(self, tokens_1t, lengths_1, max_len: int, sp, key, greedy: bool):
-        dec = self.decoder
-        first, cache = jnp.zeros(1, jnp.int32), dec.caches.new(1, max_len)
-        for i, (start, chunk_bt, _) in enumerate(prefill_chunks(tokens_1t, dec.prefill_chunk)):
-            if i:
-                yield       # as `SpecRows.prefill`
-            first, cache = dec.prefill_step(dec.target.state, chunk_bt, start, lengths_1, cache, first, sp, key,
-                                            greedy=greedy)
-        return cache, int(to_host(first)[0])
-
-    def step(self, state, active_b, limits_b, pending_b, lengths_b, sp, index: int, greedy: bool):
-        positions = np.where(active_b, lengths_b, self.max_len).astype(np.int32)    # free rows: scratch
-        nxt, state = self.decoder.decode_step(self.decoder.target.state, pending_b, positions, state, sp,
-                                              jax.random.fold_in(self.base_key, index), greedy=greedy)
-        return state, to_host(nxt)[:, None], np.zeros(len(active_b), np.int32)
-
-
-def engine_rows(decoder, seed: int = 0):
-    """`(rows, gate)`: `SpecRows` / `PlainRows` for a decoder; a speculative decoder passes the
-    exactness probe first and is served with plain decoding when the probe declines (`exactness_gate`).
-
-    Example:
-        >>> rows, gate = engine_rows(make_decoder("dflash", target, drafter))  # doctest: +SKIP
-        >>> rows.method, gate.engaged  # doctest: +SKIP
-        ('dflash', True)
-    """
-    if isinstance(decoder, ARDecoder):
-        return PlainRows(decoder, seed), None
-    from dmtp_jax.decode.probe import exactness_gate
-    gate = exactness_gate(decoder)
-    if gate.engaged:
-        return SpecRows(decoder, seed), gate
-    return PlainRows(ARDecoder(decoder.target, prefill_chunk=decoder.prefill_chunk), seed), gate
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -221,11 +73,15 @@ class Engine:
 
     `max_model_len`: the most tokens (prompt + max_tokens) a request may use (default: the model's
     `max_position_embeddings`). `stop_ids`: the default stop tokens (default: the model's EOS ids).
+    `buckets`: the running state's row counts (default `row_buckets(max_batch_size)`).
+    `prefill_budget`: prefill tokens per step (default: the decoder's `prefill_chunk`).
+    `rounds_per_dispatch`: K rounds per dispatch when nobody waits (default: the decoder's).
     Not thread-safe: one thread calls `add`, `cancel` and `step` (the server's scheduler).
     """
 
     def __init__(self, decoder, *, max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
-                 seed: int = 0):
+                 seed: int = 0, buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
+                 rounds_per_dispatch: int | None = None):
         cfg = decoder.target.cfg
         if max_batch_size < 1:
             raise RequestError(f"--max-batch-size must be >= 1, got {max_batch_size}")
@@ -236,43 +92,41 @@ class Engine:
         self.decoder, self.cfg, self.seed = decoder, cfg, seed
         self.stop_ids = tuple(cfg.eos_token_ids if stop_ids is None else stop_ids)
         self.max_batch_size = int(max_batch_size)
-        self.running: list[Request | None] = [None] * self.max_batch_size
+        self.buckets = tuple(sorted(set(buckets or row_buckets(self.max_batch_size))))
+        if self.buckets[-1] != self.max_batch_size or self.buckets[0] < 1:
+            raise RequestError(f"row buckets {self.buckets} must be >= 1 and end at {self.max_batch_size}")
+        self.running: list[Request] = []            # row i of the state runs running[i]
         self.waiting: collections.deque[Request] = collections.deque()
-        self._prefill = None                    # (request, row, generator, chunk width) being prefilled
-        self._index = 0                          # rounds run (the round key's index)
-        self.counters = collections.Counter()    # requests, prompt / generated tokens, rounds, accepted
-        # auto: the method is the cached verdict for this batch, else measured on the first requests
+        self._group: PrefillGroup | None = None      # the prefill in progress
+        self._solo: set[int] = set()                 # requests to prefill alone (their group failed)
+        self._index = 0                              # rounds run (the round key's index)
+        self.counters = collections.Counter()        # requests, prompt / generated tokens, rounds, accepted
         self.auto = decoder if isinstance(decoder, AutoDecoder) else None
         self.verdict = None if self.auto is None else self.auto.cached(self.max_batch_size, greedy=True)
-        self.rows = self.gate = None
-        self.method = AUTO
-        if self.auto is None:
-            self._start(decoder)
-        elif self.verdict is not None:
-            self._start(self.auto.candidates[self.verdict.method])
+        self.bank, self.gate = engine_bank(decoder)
+        self.rounds_per_dispatch = int(rounds_per_dispatch or self.bank.rounds_per_dispatch)
+        self.method = AUTO if self.auto is not None else self.bank.methods[0]
+        prior = {m: x.get("tau_per_verify") for m, x in (self.verdict.measured if self.verdict else {}).items()}
+        self.policy = LoadPolicy(self.bank.slots, {m: t for m, t in prior.items() if t})
+        self.max_len = round_up(self.max_model_len + self.bank.max_slots, 128)
+        self.prefill_budget = int(prefill_budget or self.bank.prefill_chunk)
+        self.base_key = jax.random.key(seed)
+        one, two = self.bank.new_state(1, self.max_len), self.bank.new_state(2, self.max_len)
+        axes, shardings = batch_axes(one, two), jax.tree.map(lambda x: x.sharding, one)
+        self._put = counted_jit(functools.partial(put_rows, axes), donate_argnums=0, out_shardings=shardings)
+        self._move = counted_jit(functools.partial(move_row, axes), donate_argnums=0, out_shardings=shardings)
+        self._resize = counted_jit(functools.partial(resize_rows, axes), static_argnums=1, out_shardings=shardings)
+        self.state = self.bank.new_state(self.buckets[0], self.max_len)
 
-    def _start(self, decoder) -> None:
-        """Serves with `decoder` from now on: its rows view, running state and row scatter."""
-        self.rows, self.gate = engine_rows(decoder, self.seed)
-        self.method = self.rows.method
-        self.max_len = round_up(self.max_model_len + self.rows.slots, 128)
-        self.rows.max_len = self.max_len
-        self.state = self.rows.new_state(self.max_batch_size, self.max_len)
-        shardings = jax.tree.map(lambda x: x.sharding, self.state)
-        self._insert = counted_jit(insert_row, donate_argnums=0, out_shardings=shardings)
-        self.prefill_budget = int(self.rows.decoder.prefill_chunk)   # prefill tokens per step
+    @property
+    def rows(self) -> int:
+        """Rows of the running state (a bucket)."""
+        return int(self.state.lengths_b.shape[0])
 
-    def _choose(self) -> None:
-        """auto, first requests: measures the candidates on the waiting prompts (repeated to the
-        running batch's rows, greedy, up to `probe_tokens` new tokens each; outputs dropped), then
-        serves with the fastest."""
-        prompts = [r.prompt_ids for r in list(self.waiting)[:self.max_batch_size]]
-        budget = min(self.max_model_len - len(p) for p in prompts)
-        rows = [prompts[i % len(prompts)] for i in range(self.max_batch_size)]
-        self.verdict = self.auto.choose(rows, budget, SamplingParams.make(), seed=self.seed, stop_ids=self.stop_ids,
-                                        decide=True)
-        self._start(self.auto.candidates[self.verdict.method])
-
+    @property
+    def choice(self) -> dict:
+        """The policy's last choice: method, why, rows, bucket, tau and estimated tok/s per method."""
+        return self.policy.describe()
     # ---- requests ------------------------------------------------------------------------------
     def check(self, req: Request) -> Request:
         """Validates a request (raises `RequestError` naming the problem); returns it.
@@ -317,17 +171,16 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting) or self._prefill is not None or any(r is not None for r in self.running)
+        return bool(self.waiting) or self._group is not None or bool(self.running)
 
     @property
     def num_running(self) -> int:
-        return sum(r is not None for r in self.running) + (self._prefill is not None)
+        return len(self.running) + (0 if self._group is None else len(self._group.reqs))
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        """Frees cancelled rows, runs at most one prefill chunk's worth of admissions (several short
-        prompts, or one chunk of a long one), runs one round over the running rows; returns what
-        each request committed.
+        """Frees cancelled rows, runs at most the prefill budget's worth of admissions, runs one
+        dispatch of rounds over the running rows; returns what each request committed.
 
         Example:
             >>> [(ev.request.id, ev.tokens, ev.finished) for ev in engine.step()]  # doctest: +SKIP
@@ -335,13 +188,13 @@ class Engine:
         """
         events: list[Event] = []
         self._drop_cancelled(events)
-        if self.rows is None:           # auto before its verdict
-            if not self.waiting:
-                return events
-            self._choose()
         self._admit(events)
-        if any(r is not None for r in self.running):
-            self._round(events)
+        if self.running:
+            try:
+                self._round(events)
+            except Exception:       # not attributable to a row: the running rows end, the waiting stay
+                log.exception("engine round failed; ending the running requests")
+                self._end_running("error", events)
         return events
 
     def _finish(self, req: Request, reason: str, events: list[Event], tokens=()) -> None:
@@ -349,122 +202,193 @@ class Engine:
         events.append(Event(req, list(tokens), True))
 
     def _drop_cancelled(self, events):
-        for i, req in enumerate(self.running):
-            if req is not None and req.cancelled:
-                self.running[i] = None
-                self._finish(req, req.cancel_reason, events)
+        for req in [r for r in self.running if r.cancelled]:
+            self._finish(req, req.cancel_reason, events)
+        self._compact()
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
             self._finish(req, req.cancel_reason, events)
-        if self._prefill is not None and self._prefill[0].cancelled:
-            req = self._prefill[0]
-            self._prefill = None
-            self._finish(req, req.cancel_reason, events)
+        if self._group is not None and all(r.cancelled for r in self._group.reqs):
+            for req in self._group.reqs:
+                self._finish(req, req.cancel_reason, events)
+            self._group = None
+
+    def _end_running(self, reason: str, events) -> None:
+        for req in self.running:
+            self._finish(req, reason, events)
+        self.running = []
+        self.state = self.bank.new_state(self.buckets[0], self.max_len)
 
     def abort_all(self, reason: str = "error") -> list[Event]:
-        """Ends every request at once (the scheduler's answer to a failed step) and frees every row;
-        the running state is rebuilt so the next request starts clean."""
+        """Ends every request at once and frees every row; the running state is rebuilt so the next
+        request starts clean."""
         events: list[Event] = []
-        reqs = [r for r in self.running if r is not None] + list(self.waiting)
-        if self._prefill is not None:
-            reqs.append(self._prefill[0])
-        self.running, self._prefill = [None] * self.max_batch_size, None
+        reqs = list(self.waiting) + ([] if self._group is None else self._group.reqs)
         self.waiting.clear()
+        self._group = None
         for req in reqs:
             self._finish(req, reason, events)
-        if self.rows is not None:
-            self.state = self.rows.new_state(self.max_batch_size, self.max_len)
+        self._end_running(reason, events)
         return events
 
-    def _shared_top_k(self) -> int | None:
-        ks = {r.top_k for r in self.running if r is not None and not r.greedy}
-        return ks.pop() if ks else None
+    # ---- admission -----------------------------------------------------------------------------
+    def _next_group(self, events) -> PrefillGroup | None:
+        """Starts the prefill of the next group (`admission.form_group`), None when none can start."""
+        while True:
+            reqs = form_group(self.waiting, self.max_batch_size - len(self.running), self.buckets,
+                              self.prefill_budget, self.bank.prefill_chunk, shared_top_k(self.running), self._solo)
+            if not reqs:
+                return None
+            for req in reqs:
+                self.waiting.remove(req)
+            try:
+                return PrefillGroup.start(self.bank, reqs, row_bucket(len(reqs), self.buckets), self.max_len,
+                                          self.cfg.vocab_size)
+            except Exception:
+                self._group_failed(reqs, events)
 
-    def _next_prefill(self):
-        """Starts the prefill of the oldest waiting request that fits a free row (None if none)."""
-        free = [i for i, r in enumerate(self.running) if r is None]
-        running_k = self._shared_top_k()
-        req = next((r for r in self.waiting if r.greedy or running_k in (None, r.top_k)), None)
-        if not free or req is None:
-            return None
-        self.waiting.remove(req)
-        batch = pad_prompts([req.prompt_ids], req.max_tokens, self.cfg.vocab_size, self.max_model_len,
-                            batch_bucket=1)
-        sp = SamplingParams.make(req.temperature, req.top_p, req.top_k)
-        gen = self.rows.prefill(batch.tokens_bt, batch.lengths_b, self.max_len, sp,
-                                jax.random.fold_in(jax.random.key(req.seed), 0), req.greedy)
-        width = chunk_length(batch.tokens_bt.shape[1], self.prefill_budget)
-        return req, free[0], gen, width
+    def _group_failed(self, reqs, events) -> None:
+        log.exception("admitting requests %s failed", [r.id for r in reqs])
+        if len(reqs) == 1:
+            self._solo.discard(reqs[0].id)
+            self._finish(reqs[0], "error", events)
+            return
+        self._solo.update(r.id for r in reqs)
+        self.waiting.extendleft(reversed(reqs))
 
     def _admit(self, events):
-        spent = 0                       # prefill tokens run this step: at most one chunk's worth
+        spent = 0                       # prefill tokens run this step: at most the budget (or one call)
         while True:
-            if self._prefill is None:
-                self._prefill = self._next_prefill()
-                if self._prefill is None:
+            if self._group is None:
+                self._group = self._next_group(events)
+                if self._group is None:
                     return
-            req, row, gen, width = self._prefill
-            if spent and spent + width > self.prefill_budget:
-                return                  # the running rows wait no longer than one chunk
-            spent += width
+            group = self._group
+            cost = group.rows * group.width
+            if spent and spent + cost > self.prefill_budget:
+                return                  # the running rows wait no longer than the budget's prefill
+            spent += cost
             try:
-                next(gen)
-                continue
-            except StopIteration as done:
-                row_state, first = done.value
-            self._prefill = None
-            self.state = self._insert(self.state, row_state, np.int32(row))
-            self.running[row] = req
-            req.first_token_s = time.perf_counter()
-            self._commit(row, req, [first], events)
+                if not group.step(self.bank):
+                    continue
+                self._group = None
+                self._insert(group, events)
+            except Exception:
+                self._group = None
+                self._group_failed(group.reqs, events)
 
-    def _commit(self, row: int, req: Request, tokens, events):
+    def _insert(self, group: PrefillGroup, events) -> None:
+        """The group's rows into the running state (grown to a bucket that holds them), first tokens
+        committed; cancelled requests' rows are dropped."""
+        keep = [i for i, r in enumerate(group.reqs) if not r.cancelled]
+        need = len(self.running) + len(keep)
+        self._resize_to(row_bucket(need, self.buckets))
+        dst = np.full(group.rows, self.rows, np.int32)          # past the rows: dropped
+        dst[keep] = np.arange(len(self.running), need, dtype=np.int32)
+        self.state = self._put(self.state, group.state, dst)
+        now = time.perf_counter()
+        for i, req in enumerate(group.reqs):
+            self._solo.discard(req.id)
+            if req.cancelled:
+                self._finish(req, req.cancel_reason, events)
+                continue
+            self.running.append(req)
+            req.first_token_s = now
+            self._commit(req, [group.first[i]], events)
+        self._compact()
+
+    def _commit(self, req: Request, tokens, events):
         kept = req.tracker.add(0, tokens)
         req.output_ids.extend(kept)
         self.counters["generated_tokens"] += len(kept)
         if req.tracker.done[0]:
-            self.running[row] = None
             reason = "stop" if kept and kept[-1] in req.tracker.stop_ids else "length"
             self._finish(req, reason, events, kept)
         elif kept:
             events.append(Event(req, kept, False))
 
+    # ---- rows ----------------------------------------------------------------------------------
+    def _resize_to(self, rows: int) -> None:
+        if rows != self.rows:
+            self.state = self._resize(self.state, rows)
+
+    def _compact(self) -> None:
+        """Drops finished rows: the last running rows fill their places; the state shrinks to the
+        smallest bucket holding the rest once nobody waits."""
+        live = [i for i, r in enumerate(self.running) if not r.finished]
+        if len(live) < len(self.running):
+            n = len(live)
+            holes = [i for i in range(n) if self.running[i].finished]
+            movers = [i for i in live if i >= n]
+            order = list(range(len(self.running)))
+            for hole, src in zip(holes, movers):
+                self.state = self._move(self.state, np.int32(src), np.int32(hole))
+                order[hole] = src
+            self.running = [self.running[order[i]] for i in range(n)]
+        if not self.waiting and self._group is None:
+            self._resize_to(row_bucket(max(1, len(self.running)), self.buckets))
+
+    # ---- rounds --------------------------------------------------------------------------------
     def _round(self, events):
-        rows = self.max_batch_size
-        active = np.array([r is not None for r in self.running])
-        reqs = [r for r in self.running if r is not None]
+        n, rows = len(self.running), self.rows
+        active = np.arange(rows) < n
         limits = np.zeros(rows, np.int32)
-        pending = np.zeros(rows, np.int32)
-        lengths = np.zeros(rows, np.int32)
-        temperature = np.zeros(rows, np.float32)
-        top_p = np.ones(rows, np.float32)
-        for i, r in enumerate(self.running):
-            if r is not None:
-                limits[i] = len(r.prompt_ids) + r.max_tokens
-                pending[i] = r.output_ids[-1]
-                lengths[i] = len(r.prompt_ids) + len(r.output_ids) - 1
-                if not r.greedy:         # a greedy row's top_p changes nothing: no compile for it
-                    temperature[i], top_p[i] = r.temperature, r.top_p
-        greedy = all(r.greedy for r in reqs)
-        sp = SamplingParams.rows(temperature, top_p, 0 if greedy else (self._shared_top_k() or 0))
-        self._index += 1
-        self.state, tokens_bn, acc_b = self.rows.step(self.state, active, limits, pending, lengths, sp, self._index,
-                                                      greedy)
-        self.counters["rounds"] += 1
-        for i, req in enumerate(list(self.running)):
-            if req is None:
-                continue
-            n = int(acc_b[i]) + 1
-            req.acceptance.append(n)
-            self.counters["row_rounds"] += 1
-            self.counters["committed"] += n
-            self.counters["first_accepted"] += n > 1
-            self._commit(i, req, tokens_bn[i, :n].tolist(), events)
+        limits[:n] = [len(r.prompt_ids) + r.max_tokens for r in self.running]
+        sp, greedy = row_sampling(self.running, rows)
+        method = self.policy.choose(n, rows)
+        k = self.rounds_per_dispatch if not self.waiting and self._group is None else 1
+        stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if k > 1 else ()
+        entry = self.bank.multi_round(method, k) if k > 1 else self.bank.round[method]
+        compiles = entry.compiles
+        self.state, tokens_bkn, acc_bk, ran_bk, k, seconds = self.bank.run(
+            method, self.state, active, limits, sp, self.base_key, self._index + 1, greedy, k, stop_ids)
+        self._index += k
+        self.counters["rounds"] += k
+        self.counters[f"rounds/{method}"] += k
+        row_rounds = committed = 0
+        for j in range(k):
+            for i, req in enumerate(self.running):
+                if req.finished or not ran_bk[i, j]:
+                    continue
+                got = int(acc_bk[i, j]) + 1
+                req.acceptance.append(got)
+                row_rounds, committed = row_rounds + 1, committed + got
+                self.counters["first_accepted"] += got > 1
+                self._commit(req, tokens_bkn[i, j, :got].tolist(), events)
+        self.counters["row_rounds"] += row_rounds
+        self.counters["committed"] += committed
+        self.policy.observe(method, rows, rounds=k, seconds=seconds, row_rounds=row_rounds, committed=committed,
+                            compiled=entry.compiles != compiles)
+        self._compact()
+
+    # ---- compiles ------------------------------------------------------------------------------
+    def warm_up(self, every_bucket: bool = True) -> None:
+        """Compiles, before the first request, every round of the bank at every row bucket (greedy;
+        K-round dispatches too when K > 1), the row moves between buckets, and the greedy prefill of
+        every prompt bucket (`every_bucket`; else the shortest) at every row bucket the prefill budget
+        admits, so no request waits for a compile and the policy's first timings are clean."""
+        from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, next_pow2
+        top = next_pow2(self.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
+        dispatches = sorted({1, self.rounds_per_dispatch})
+        for rows, method, k in itertools.product(self.buckets, self.bank.methods, dispatches):
+            sp, _ = row_sampling([], rows)
+            self.bank.run(method, self.bank.new_state(rows, self.max_len), np.zeros(rows, bool),
+                          np.zeros(rows, np.int32), sp, self.base_key, 1, True, k, self.stop_ids)
+        for rows, other in itertools.product(self.buckets, self.buckets):     # the row moves between buckets
+            state = self._resize(self.bank.new_state(rows, self.max_len), other)
+            if other <= rows:
+                state = self._put(self._resize(state, rows), self.bank.new_state(other, self.max_len),
+                                  np.full(other, rows, np.int32))
+                state = self._move(state, np.int32(0), np.int32(0))
+        for bucket in itertools.takewhile(lambda b: b <= top, (PROMPT_BUCKET_FLOOR << i for i in itertools.count())):
+            width = chunk_length(bucket, self.bank.prefill_chunk)
+            for rows in [r for r in self.buckets if r == 1 or r * width <= self.prefill_budget]:
+                reqs = [Request([0] * min(bucket, self.max_model_len - 2), 1) for _ in range(rows)]
+                group = PrefillGroup.start(self.bank, reqs, rows, self.max_len, self.cfg.vocab_size)
+                while not group.step(self.bank):
+                    pass
 
     def compile_counts(self) -> dict[str, int]:
-        """The decoder's compile counts plus the row scatter's (auto before its verdict: the
-        candidates' counts)."""
-        if self.rows is None:
-            return self.auto.compile_counts()
-        dec = self.rows.decoder
-        return {**dec.compile_counts(), "insert_row": self._insert.compiles}
+        """The bank's compile counts plus the row moves' (`put_rows`, `move_row`, `resize_rows`)."""
+        return {**self.bank.compile_counts(), "put_rows": self._put.compiles, "move_row": self._move.compiles,
+                "resize_rows": self._resize.compiles}

@@ -41,6 +41,31 @@ class Histogram:
         return out + [f"{name}_sum{lab} {self.sum}", f"{name}_count{lab} {self.count}"]
 
 
+def choice_lines(choice: dict, prefix: str = "dmtp") -> list[str]:
+    """The engine's current round choice (`Engine.choice`) and what it rests on: the method and why,
+    the rows and bucket it was chosen for, and each method's live tau and estimated tokens/s.
+
+    Example:
+        >>> print("\\n".join(choice_lines({"method": "ar", "why": "highest estimated tok/s", "rows": 3,
+        ...     "bucket": 4, "estimates": {"ar": 90.0}, "tau": {"ar": 1.0}})[2:3]))
+        dmtp_engine_choice{method="ar",why="highest estimated tok/s",rows="3",bucket="4"} 1
+    """
+    if not choice.get("method"):
+        return []
+    out = [f"# HELP {prefix}_engine_choice the round the engine runs now, why, and for how many rows",
+           f"# TYPE {prefix}_engine_choice gauge",
+           f'{prefix}_engine_choice{{method="{choice["method"]}",why="{choice["why"]}",rows="{choice["rows"]}",'
+           f'bucket="{choice["bucket"]}"}} 1',
+           f"# HELP {prefix}_engine_tau tokens a row commits per round of each method, measured live",
+           f"# TYPE {prefix}_engine_tau gauge"]
+    out += [f'{prefix}_engine_tau{{method="{m}"}} {t}' for m, t in choice.get("tau", {}).items()]
+    out += [f"# HELP {prefix}_engine_estimated_tokens_per_second each method's estimated output tok/s at the "
+            "current rows", f"# TYPE {prefix}_engine_estimated_tokens_per_second gauge"]
+    out += [f'{prefix}_engine_estimated_tokens_per_second{{method="{m}"}} {v}'
+            for m, v in choice.get("estimates", {}).items()]
+    return out
+
+
 class ServerMetrics:
     """What `/metrics` shows: the engine's counters and rows, and latency histograms per request."""
 
@@ -82,6 +107,7 @@ class ServerMetrics:
         for name, kind, help_text, value, labels in gauges:
             out += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} {kind}",
                     f"{prefix}_{name}{{{labels}}} {value}" if labels else f"{prefix}_{name} {value}"]
+        out += choice_lines(engine.choice, prefix)
         verdict = getattr(engine, "verdict", None)
         if verdict is not None:         # auto: the choice and what it was chosen from
             out += [f"# HELP {prefix}_auto_chosen the method auto serves with (1), by where the verdict came from",

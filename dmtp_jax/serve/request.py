@@ -1,0 +1,102 @@
+"""What the engine serves: a `Request` (its prompt, sampling and limits, and as it runs its output),
+the `Event`s a step emits, and the per-row sampling parameters of a batch of requests
+(`row_sampling`, the one place they are built).
+
+Example:
+    >>> Request([1, 2, 3], max_tokens=4).greedy
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import numpy as np
+
+from dmtp_jax.decode.batch import StopTracker
+from dmtp_jax.decode.sampling import SamplingParams
+
+_IDS = itertools.count(1)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation request and, as it runs, its output (`output_ids`, `finish_reason`)."""
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_ids: tuple[int, ...] | None = None          # default: the engine's (the model's EOS ids)
+    id: int = dataclasses.field(default_factory=lambda: next(_IDS))
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    acceptance: list[int] = dataclasses.field(default_factory=list)    # tokens committed per round
+    finish_reason: str | None = None                 # "stop", "length", "cancelled" or "error"
+    arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    cancelled: bool = False
+    cancel_reason: str = "cancelled"
+    tracker: StopTracker | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def acceptance_stats(self) -> dict:
+        """This request's rounds and tokens per round (accepted drafts + bonus), for `usage`.
+
+        Example:
+            >>> Request([1], 4, acceptance=[3, 1]).acceptance_stats()["mean_acceptance_length"]
+            2.0
+        """
+        rounds = len(self.acceptance)
+        return {"verify_rounds": rounds,
+                "mean_acceptance_length": sum(self.acceptance) / rounds if rounds else 0.0,
+                "first_candidate_acceptance": sum(a > 1 for a in self.acceptance) / rounds if rounds else 0.0}
+
+
+@dataclasses.dataclass
+class Event:
+    """What a step committed for a request: its new tokens (already cut at a stop token / the
+    budget) and whether it finished."""
+    request: Request
+    tokens: list[int]
+    finished: bool
+
+
+def shared_top_k(reqs) -> int | None:
+    """The top-k of the sampled requests among `reqs` (top-k is static: one per batch), None if none.
+
+    Example:
+        >>> shared_top_k([Request([1], 2), Request([1], 2, temperature=1.0, top_k=5)])
+        5
+    """
+    ks = {r.top_k for r in reqs if r is not None and not r.greedy}
+    return ks.pop() if ks else None
+
+
+def row_sampling(reqs, rows: int) -> tuple[SamplingParams, bool]:
+    """`(SamplingParams.rows over `rows` rows, greedy)` for `reqs` in rows 0..len-1 (the rest, and
+    greedy rows, temperature 0): every sampled round and prefill of the engine builds its
+    parameters here.
+
+    Example:
+        >>> sp, greedy = row_sampling([Request([1], 2), Request([1], 2, temperature=0.5)], 4)
+        >>> sp.temperature.tolist(), greedy
+        ([0.0, 0.5, 0.0, 0.0], False)
+    """
+    temperature = np.zeros(rows, np.float32)
+    top_p = np.ones(rows, np.float32)
+    for i, r in enumerate(reqs):
+        if not r.greedy:         # a greedy row's top_p changes nothing: no compile for it
+            temperature[i], top_p[i] = r.temperature, r.top_p
+    greedy = all(r.greedy for r in reqs)
+    return SamplingParams.rows(temperature, top_p, 0 if greedy else (shared_top_k(reqs) or 0)), greedy

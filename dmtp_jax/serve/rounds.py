@@ -1,0 +1,168 @@
+"""The rounds an engine runs on ONE running state: plain decoding and the speculative rounds its
+models allow, switchable between any two steps.
+
+A `RoundBank` carries the union of the models its rounds need (the base decoder's: target, and
+where the base method uses them the drafter, the MTP head, the fusion and the drafting head), so its
+state (`round.SpecState`) holds every cache any of its rounds reads. Every round is
+`round.spec_round` over those models with its own proposer: `ar` is the one-slot round
+(`proposers.PlainProposer`: a plain target step), `mtp` the MTP chain, the base method its block.
+`round.commit` advances the MTP and writes the drafter's context whatever the proposer, so after any
+round the state is the one every other round expects: switching needs no re-prefill. Greedy rows
+commit the target's argmax in every round (the exact match of `generate`); a sampled round is
+lossless on its own, so a sequence of them is too.
+
+Example:
+    >>> bank = RoundBank.for_decoder(make_decoder("dmtp", target, d, mtp=m, fusion=f), family=True)  # doctest: +SKIP
+    >>> bank.slots  # doctest: +SKIP
+    {'ar': 1, 'dmtp': 8, 'mtp': 5}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import numpy as np
+
+from dmtp_jax.counted_jit import counted_jit
+from dmtp_jax.decode.ar import ARDecoder
+from dmtp_jax.decode.auto import AutoDecoder
+from dmtp_jax.decode.caches import TargetCaches
+from dmtp_jax.decode.multi_round import pad_stop_ids
+from dmtp_jax.decode.proposers import RoundKnobs, round_proposer
+from dmtp_jax.decode.spec import (RoundSetup, _used, multi_round_entry, new_spec_state, prefill_entry, round_entry,
+                                  to_host)
+from dmtp_jax.options import verify_slots
+
+DEFAULT_MTP_STEPS = 4       # the MTP chain's drafts when the models allow `mtp` and no mtp decoder says otherwise
+
+
+def base_decoder(candidates: dict):
+    """The decoder whose models a bank carries for auto's `candidates` (`{method: decoder}`): the
+    speculative one needing the most models (dmtp first among equals), else the plain one.
+
+    Example:
+        >>> base_decoder({"ar": ar_dec, "mtp": mtp_dec, "dmtp": dmtp_dec}).method  # doctest: +SKIP
+        'dmtp'
+    """
+    spec = {m: d for m, d in candidates.items() if not isinstance(d, ARDecoder)}
+    if not spec:
+        return next(iter(candidates.values()))
+    return spec[max(spec, key=lambda m: (sum(spec[m].proposer.needs.values()), m == "dmtp"))]
+
+
+class RoundBank:
+    """Jitted prefill, rounds (`round[method]`) and K-round dispatches (`multi_round(method, K)`, built
+    on first use) over one set of models, and the state they share (see the module docstring).
+
+    `models`: `(target, drafter, mtp, fusion, draft_head)` `LoadedModel`s, None where absent;
+    `slots`: `{method: verify slots}` (`ar`: 1); `knobs`: the proposers' `RoundKnobs`;
+    `rounds_per_dispatch`: the decoder's K (the engine's default).
+    """
+
+    def __init__(self, models: tuple, slots: dict[str, int], *, verify_mode: str = "rejection",
+                 context_window: int = 4096, rounds_per_dispatch: int = 1, prefill_chunk: int = 512,
+                 knobs: RoundKnobs | None = None):
+        self.models = models
+        self.target = models[0]
+        self.slots = dict(slots)
+        self.rounds_per_dispatch = int(rounds_per_dispatch)
+        self.prefill_chunk = int(prefill_chunk)
+        self.knobs = knobs or RoundKnobs.make(None)
+        self.caches = TargetCaches(self.target)
+        graphdefs = tuple(None if m is None else m.graphdef for m in models)
+        self._jit = functools.partial(counted_jit, donate_argnames=("state",), static_argnames=("greedy",))
+        self.setups = {m: RoundSetup(graphdefs, self.target.mesh, round_proposer(m, n, context_window),
+                                     verify_mode if m != "ar" else "rejection", 1) for m, n in self.slots.items()}
+        self.round = {m: self._jit(functools.partial(round_entry, setup)) for m, setup in self.setups.items()}
+        self._multi: dict[tuple[str, int], object] = {}
+        self.prefill_step = self._jit(functools.partial(prefill_entry, next(iter(self.setups.values()))))
+
+    def multi_round(self, method: str, rounds: int):
+        """The jitted dispatch of up to `rounds` rounds of `method` (`spec.multi_round_entry`)."""
+        if (method, rounds) not in self._multi:
+            setup = dataclasses.replace(self.setups[method], rounds_per_dispatch=rounds)
+            self._multi[(method, rounds)] = self._jit(functools.partial(multi_round_entry, setup))
+        return self._multi[(method, rounds)]
+
+    @classmethod
+    def for_decoder(cls, decoder, candidates: dict | None = None, switching: bool = False) -> "RoundBank":
+        """The bank of a decoder: an `ARDecoder` runs `ar` on the target alone; a `SpecDecoder` its
+        method, and with `switching` also `ar` and (with an MTP head) `mtp`, whose slots come from
+        `candidates`' mtp decoder when there is one."""
+        k = getattr(decoder, "rounds_per_dispatch", 1)
+        if isinstance(decoder, ARDecoder):
+            return cls((decoder.target, None, None, None, None), {"ar": 1}, prefill_chunk=decoder.prefill_chunk,
+                       rounds_per_dispatch=k)
+        models = _used(decoder.proposer, decoder.target, decoder.drafter, decoder.mtp, decoder.fusion,
+                       decoder.draft_head)
+        slots = {decoder.method: decoder.slots}
+        if switching:
+            slots = {"ar": 1, **slots}
+            if models[2] is not None and "mtp" not in slots:
+                mtp = (candidates or {}).get("mtp")
+                slots["mtp"] = (mtp.slots if mtp is not None else
+                                verify_slots("mtp", mtp_steps=DEFAULT_MTP_STEPS, block_size=None,
+                                             drafter_block_size=None))
+        return cls(models, slots, verify_mode=decoder.verify_mode, context_window=decoder.context_window,
+                   rounds_per_dispatch=k, prefill_chunk=decoder.prefill_chunk,
+                   knobs=decoder.knobs())
+
+    @property
+    def methods(self) -> list[str]:
+        return list(self.slots)
+
+    @property
+    def max_slots(self) -> int:
+        return max(self.slots.values())
+
+    def model_states(self) -> tuple:
+        return tuple(None if m is None else m.state for m in self.models)
+
+    def new_state(self, rows: int, max_len: int):
+        """A zero state of `rows` rows with every cache of the bank's models."""
+        return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len)
+
+    def run(self, method: str, state, active_b, limits_b, sp, base_key, first_round: int, greedy: bool,
+            rounds: int = 1, stop_ids=()):
+        """One round of `method`, or (`rounds` > 1) up to `rounds` rounds stopping on device at
+        `stop_ids` and the limits. Returns `(state, tokens [B, k, n], accepted [B, k], ran [B, k],
+        rounds run, seconds from dispatch to the results on the host)`."""
+        t0 = time.perf_counter()
+        if rounds == 1:
+            state, *out = self.round[method](self.model_states(), state, active_b, limits_b, sp, base_key,
+                                             np.int32(first_round), self.knobs, greedy=greedy)
+            tokens_bn, acc_b, _ = to_host(tuple(out))
+            return state, tokens_bn[:, None], acc_b[:, None], np.asarray(active_b)[:, None], 1, \
+                time.perf_counter() - t0
+        state, *out = self.multi_round(method, rounds)(self.model_states(), state, active_b, limits_b, sp, base_key,
+                                                       np.int32(first_round), pad_stop_ids(stop_ids), self.knobs,
+                                                       greedy=greedy)
+        tokens_bkn, acc_bk, _, ran_bk, k = to_host(tuple(out))
+        return state, tokens_bkn, acc_bk, ran_bk, int(k), time.perf_counter() - t0
+
+    def compile_counts(self) -> dict[str, int]:
+        counts = {"prefill": self.prefill_step.compiles}
+        counts.update({f"round/{m}": fn.compiles for m, fn in self.round.items()})
+        counts.update({f"multi_round/{m}": fn.compiles for (m, _), fn in self._multi.items()})
+        return counts
+
+
+def engine_bank(decoder):
+    """`(bank, gate)` of a decoder: a speculative decoder (auto: the base of its candidates,
+    `base_decoder`, with plain and MTP rounds beside) passes the exactness probe first and is
+    served with plain decoding when the probe declines. One bank per decoder: engines on one decoder
+    share its compiles."""
+    if "_engine_bank" not in decoder.__dict__:
+        auto = decoder if isinstance(decoder, AutoDecoder) else None
+        base = base_decoder(auto.candidates) if auto is not None else decoder
+        gate = None
+        if not isinstance(base, ARDecoder):
+            from dmtp_jax.decode.probe import exactness_gate
+            gate = exactness_gate(base)
+            if not gate.engaged:
+                base = ARDecoder(base.target, prefill_chunk=base.prefill_chunk)
+        decoder.__dict__["_engine_bank"] = (
+            RoundBank.for_decoder(base, None if auto is None else auto.candidates, switching=auto is not None), gate)
+    return decoder.__dict__["_engine_bank"]

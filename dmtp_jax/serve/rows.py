@@ -1,0 +1,106 @@
+"""Row moves on a running state, for any state pytree (no per-architecture code).
+
+The engine keeps its running requests in a compact prefix of a state whose row count is a compiled
+bucket. A leaf's batch axis is where a 1-row and a 2-row state differ (`batch_axes`); on it:
+
+    insert_row  one 1-row state into row `row` (the single-request scatter)
+    put_rows    the rows of a small state into rows `dst_g` of a big one (`dst >= rows`: dropped)
+    move_row    row `src` copied onto row `dst` (compaction after a row finishes)
+    resize_rows the first `rows` rows (shrink), or the state padded with zero rows (grow)
+
+A row that moves keeps its whole state: every leaf's row moves together.
+
+Example:
+    >>> axes = {"k": 1, "n": 0}
+    >>> big = {"k": jnp.zeros((2, 4, 3)), "n": jnp.zeros(4)}
+    >>> out = put_rows(axes, big, {"k": jnp.ones((2, 2, 3)), "n": jnp.array([7.0, 8.0])}, jnp.array([3, 9]))
+    >>> out["n"].tolist()
+    [0.0, 0.0, 0.0, 7.0]
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def batch_axis(small_shape: tuple, big_shape: tuple) -> int:
+    """The axis where a 1-row leaf and a B-row leaf differ (0 when they are equal: B == 1).
+
+    Example:
+        >>> batch_axis((4, 1, 128, 2, 8), (4, 8, 128, 2, 8))
+        1
+    """
+    diff = [i for i, (a, b) in enumerate(zip(small_shape, big_shape)) if a != b]
+    if len(small_shape) != len(big_shape) or len(diff) > 1 or (diff and small_shape[diff[0]] != 1):
+        raise ValueError(f"a 1-row leaf {small_shape} does not fit {big_shape}")
+    return diff[0] if diff else 0
+
+
+def batch_axes(one_row, two_rows):
+    """Each leaf's batch axis, as a pytree of ints, from a 1-row and a 2-row state (or their shapes).
+
+    Example:
+        >>> batch_axes({"k": jnp.zeros((3, 1))}, {"k": jnp.zeros((3, 2))})
+        {'k': 1}
+    """
+    return jax.tree.map(lambda a, b: batch_axis(a.shape, b.shape), one_row, two_rows)
+
+
+def insert_row(state, row_state, row):
+    """`state` with row `row` replaced by the 1-row `row_state` (every leaf's batch axis found by
+    `batch_axis`).
+
+    Example:
+        >>> out = insert_row({"k": jnp.zeros((2, 3, 4))}, {"k": jnp.ones((2, 1, 4))}, 2)
+        >>> out["k"].sum(axis=(0, 2)).tolist()
+        [0.0, 0.0, 8.0]
+    """
+    def put(big, small):
+        axis = batch_axis(small.shape, big.shape)
+        if small.shape == big.shape:
+            return small.astype(big.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), row, axis)
+    return jax.tree.map(put, state, row_state)
+
+
+def put_rows(axes, big, small, dst_g):
+    """`big` with its rows `dst_g[i]` replaced by `small`'s row `i`; an index past `big`'s rows
+    drops that row (a padding row of a prefill bucket).
+
+    Example: see the module docstring.
+    """
+    def put(axis, b, s):
+        moved = jnp.moveaxis(b, axis, 0).at[dst_g].set(jnp.moveaxis(s, axis, 0).astype(b.dtype), mode="drop")
+        return jnp.moveaxis(moved, 0, axis)
+    return jax.tree.map(put, axes, big, small)
+
+
+def move_row(axes, state, src, dst):
+    """`state` with row `dst` overwritten by row `src`.
+
+    Example:
+        >>> move_row({"n": 0}, {"n": jnp.array([1.0, 2.0, 3.0])}, 2, 0)["n"].tolist()
+        [3.0, 2.0, 3.0]
+    """
+    def move(axis, x):
+        row = jax.lax.dynamic_slice_in_dim(x, src, 1, axis)
+        return jax.lax.dynamic_update_slice_in_dim(x, row, dst, axis)
+    return jax.tree.map(move, axes, state)
+
+
+def resize_rows(axes, state, rows: int):
+    """The first `rows` rows of every leaf, zero rows appended when `rows` is larger (static).
+
+    Example:
+        >>> resize_rows({"n": 0}, {"n": jnp.array([1.0, 2.0])}, 3)["n"].tolist()
+        [1.0, 2.0, 0.0]
+    """
+    def resize(axis, x):
+        have = x.shape[axis]
+        if rows <= have:
+            return jax.lax.slice_in_dim(x, 0, rows, axis=axis)
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, rows - have)
+        return jnp.pad(x, pad)
+    return jax.tree.map(resize, axes, state)

@@ -1,0 +1,176 @@
+"""The serving engine (`dmtp_jax/serve/engine.py`): continuous batching equals `generate` token for
+token (rows joining mid-flight, greedy and sampled rows sharing a batch, rows moving between row
+buckets), rounds switched every step on one state, batched admission, K rounds per dispatch, fault
+isolation, and bounded compiles. Tiny models shared with tests/test_serve.py (tests/serve_fixtures.py):
+the engines here share one round bank per decoder, so its compiles are counted across tests."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from dmtp_jax.serve.engine import Engine, Request, insert_row
+from tests.serve_fixtures import MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, serve_decoder, serve_reference
+
+BUCKETS = (2, 4)        # two row buckets: rows move and the state grows and shrinks, few compiles
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return serve_decoder()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [list(r) for r in serve_reference()]
+
+
+@pytest.fixture(scope="module")
+def auto(decoder):
+    """auto over ar and dmtp: its engine switches between ar, mtp and dmtp rounds on one state."""
+    from dmtp_jax.decode import make_decoder
+    from dmtp_jax.decode.auto import AutoDecoder, VerdictStore
+    return AutoDecoder({"ar": make_decoder("ar", decoder.target), "dmtp": decoder}, store=VerdictStore(None))
+
+
+def run(engine, joins=None):
+    """Steps the engine until idle; `joins`: `{step: [Request, ...]}` added after that step."""
+    steps = 0
+    while engine.busy:
+        engine.step()
+        steps += 1
+        for req in (joins or {}).get(steps, []):
+            engine.add(req)
+    return steps
+
+
+def test_insert_row_finds_each_leafs_batch_axis():
+    state = {"k": np.zeros((2, 3, 4)), "n": np.zeros(3)}
+    out = insert_row(state, {"k": np.ones((2, 1, 4)), "n": np.full(1, 7.0)}, 1)
+    assert out["k"].sum(axis=(0, 2)).tolist() == [0.0, 8.0, 0.0] and out["n"].tolist() == [0.0, 7.0, 0.0]
+
+
+def test_continuous_batching_equals_generate(decoder, reference):
+    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
+    reqs = [engine.add(Request(PROMPTS[0], MAX_TOKENS[0])), engine.add(Request(PROMPTS[1], MAX_TOKENS[1]))]
+    engine.step()
+    assert all(len(r.output_ids) > 1 for r in reqs)       # a burst is admitted in one step
+    assert engine.rows == 2
+    late = [Request(p, m) for p, m in zip(PROMPTS[2:], MAX_TOKENS[2:])]
+    sampled = Request([1, 2, 3], 12, temperature=0.8, top_p=0.9, seed=1)
+    run(engine, {2: late + [sampled]})      # more than the free rows join mid-flight, a sampled row among them
+    assert [r.output_ids for r in reqs + late] == reference
+    assert all(r.finish_reason == "length" for r in reqs + late) and len(sampled.output_ids) == 12
+    assert max(a for r in reqs + late for a in r.acceptance) > 1, "drafts should be partly accepted"
+    assert engine.rows == 2                 # shrunk back to the smallest bucket
+    counts = engine.compile_counts()        # greedy + sampled per bucket at most
+    assert counts["round/dmtp"] <= 2 * len(BUCKETS) and counts["move_row"] <= len(BUCKETS)
+
+
+def test_stop_tokens_and_cancel_free_rows(decoder, reference):
+    engine = Engine(decoder, max_batch_size=2, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(2,))
+    stop = reference[2][5]
+    a = engine.add(Request(PROMPTS[2], MAX_TOKENS[2], stop_ids=(stop,)))
+    b = engine.add(Request(PROMPTS[0], MAX_TOKENS[0]))
+    c = engine.add(Request(PROMPTS[3], MAX_TOKENS[3]))       # waits for a free row
+    while not b.output_ids:
+        engine.step()
+    engine.cancel(b)
+    run(engine)
+    assert a.output_ids == reference[2][:reference[2].index(stop) + 1] and a.finish_reason == "stop"
+    assert b.finish_reason == "cancelled" and len(b.output_ids) < MAX_TOKENS[0]
+    assert c.output_ids == reference[3]
+
+
+def test_plain_decoding_engine_equals_generate(decoder, reference):
+    """`ar` through the same engine (the one-slot round on the target alone), rows joining
+    mid-flight; also what a speculative decoder declined by the exactness probe serves. (The
+    reference is greedy dmtp's `generate`, which equals ar's: tests/test_mtp_dmtp.py.)"""
+    from dmtp_jax.decode.ar import ARDecoder
+    engine = Engine(ARDecoder(decoder.target), max_batch_size=2, max_model_len=MAX_MODEL_LEN, stop_ids=[],
+                    buckets=(2,))
+    reqs = [engine.add(Request(PROMPTS[0], 8))]
+    late = [Request(p, 8) for p in PROMPTS[1:3]]
+    run(engine, {1: late})
+    assert [r.output_ids for r in reqs + late] == [ref[:8] for ref in reference[:3]] and engine.method == "ar"
+
+
+def test_rounds_switched_every_step_equal_generate(auto, reference):
+    """auto's engine on one state: ar, mtp and dmtp rounds forced in turn, every step, on a mixed
+    batch (rows joining, leaving, moving between buckets): every row equals `generate`; the policy's
+    own choice and /metrics' account of it after. (Sampled rows: each round is lossless on its own,
+    tests/test_spec_decode.py; here they would double the compiles.)"""
+    from dmtp_jax.serve.metrics import ServerMetrics
+    engine = Engine(auto, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
+    assert engine.method == "auto" and set(engine.bank.methods) == {"ar", "dmtp", "mtp"}
+    turns = itertools.cycle(engine.bank.methods)
+    real_choose = engine.policy.choose
+    engine.policy.choose = lambda rows, bucket: (real_choose(rows, bucket), next(turns))[1]
+    reqs = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[:2], MAX_TOKENS[:2])]
+    late = [Request(p, m) for p, m in zip(PROMPTS[2:], MAX_TOKENS[2:])]
+    run(engine, {2: late[:2], 4: late[2:]})
+    assert [r.output_ids for r in reqs + late] == reference
+    assert all(engine.counters[f"rounds/{m}"] >= 3 for m in engine.bank.methods)
+    counts = engine.compile_counts()        # per method: one per bucket
+    assert all(counts[f"round/{m}"] <= len(BUCKETS) for m in engine.bank.methods), counts
+    assert counts["prefill"] <= len(BUCKETS), counts
+    # every method was timed at the buckets it ran: the choice rests on live numbers, shown in /metrics
+    del engine.policy.choose
+    req = engine.add(Request(PROMPTS[0], 6))
+    run(engine)
+    assert req.output_ids == reference[0][:6]
+    choice = engine.choice
+    assert choice["method"] in engine.bank.methods and choice["rows"] == 1 and choice["bucket"] == 2
+    text = ServerMetrics().render(engine)
+    assert f'dmtp_engine_choice{{method="{choice["method"]}"' in text and "dmtp_engine_tau{" in text
+
+
+def test_burst_is_one_prefill_and_k_rounds_per_dispatch(decoder, reference):
+    """Four arrivals of one prompt bucket: one prefill call. Nobody waiting: up to 3 rounds per
+    dispatch (on-device stopping), outputs unchanged."""
+    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(4,),
+                    rounds_per_dispatch=3)
+    calls = []
+    real = engine.bank.prefill_step
+    engine.bank.prefill_step = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    reqs = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[:4], MAX_TOKENS[:4])]
+    engine.step()
+    engine.bank.prefill_step = real
+    assert len(calls) == 1 and all(r.output_ids for r in reqs)
+    steps = run(engine)
+    assert [r.output_ids for r in reqs] == reference[:4]
+    assert engine.counters["rounds"] > steps + 1        # several rounds per dispatch
+    counts = engine.compile_counts()
+    assert counts["multi_round/dmtp"] == 1 and counts["round/dmtp"] <= 2 * len(BUCKETS) + 1, counts
+
+
+def test_faults_end_their_requests_only(decoder, reference):
+    """A request whose prefill fails ends with "error" alone (its group's others are prefilled alone
+    and run on); a failed round ends the running requests, the waiting ones run on."""
+    engine = Engine(decoder, max_batch_size=2, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(2,))
+    poison = [9, 9, 9, 9]
+    real_prefill = engine.bank.prefill_step
+
+    def prefill(states, chunk_bt, *args, **kwargs):
+        if any(list(row[:4]) == poison for row in np.asarray(chunk_bt)):
+            raise RuntimeError("injected prefill fault")
+        return real_prefill(states, chunk_bt, *args, **kwargs)
+    engine.bank.prefill_step = prefill
+    bad = engine.add(Request(poison, 5))
+    good = engine.add(Request(PROMPTS[0], MAX_TOKENS[0]))
+    run(engine)
+    assert bad.finish_reason == "error" and good.output_ids == reference[0]
+
+    real_run = engine.bank.run
+
+    def fail_once(*args, **kwargs):
+        engine.bank.run = real_run
+        raise RuntimeError("injected round fault")
+    engine.bank.run = fail_once
+    running = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[1:3], MAX_TOKENS[1:3])]
+    waiting = engine.add(Request(PROMPTS[3], MAX_TOKENS[3]))
+    events = engine.step()
+    assert [r.finish_reason for r in running] == ["error", "error"] and waiting.finish_reason is None
+    assert {e.request.id for e in events if e.finished} == {r.id for r in running}
+    run(engine)
+    assert waiting.output_ids == reference[3] and engine.rows == 2
