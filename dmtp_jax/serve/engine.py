@@ -1,7 +1,7 @@
 """Continuous batching over the speculative round (or plain decoding): the serving core, no HTTP.
 
 An `Engine` owns one decoder and one running state of `max_batch_size` rows x `max_len` slots, so
-the round compiles once per greedy flag (and per shared top-k). Each `step()`:
+the round compiles once per greedy flag. Each `step()`:
 
     cancel     rows whose request was cancelled (client gone, stop string) are freed at once
     admit      waiting requests that fit free rows, oldest first, are prefilled each ALONE (a 1-row
@@ -16,8 +16,8 @@ the round compiles once per greedy flag (and per shared top-k). Each `step()`:
 
 A request's greedy output is the decoder's `generate` output on the same prompt, whatever else is
 in the batch: rows never read each other, and greedy verification is exact match. Sampled rows
-carry their own temperature / top-p (`SamplingParams.rows`); top-k is static, so a sampled request
-whose top-k differs from the running sampled rows' waits until those finish. Sampled requests'
+carry their own temperature / top-p / top-k (`SamplingParams.rows`, traced values; the sampled round
+runs both filters, so no request's values compile anything). Sampled requests'
 `seed` seeds their prefill (first token); later draws come from the engine's round keys (lossless,
 not reproducible per request).
 
@@ -51,7 +51,7 @@ from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.auto import AUTO, AutoDecoder
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts, round_up
 from dmtp_jax.decode.prefill import chunk_length, prefill_chunks
-from dmtp_jax.decode.sampling import SamplingParams
+from dmtp_jax.decode.sampling import SamplingParams, check as check_sampling
 from dmtp_jax.decode.spec import to_host
 
 _IDS = itertools.count(1)
@@ -284,7 +284,9 @@ class Engine:
         """
         if req.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
-        SamplingParams.make(req.temperature, req.top_p, req.top_k)
+        check_sampling(req.temperature, req.top_p, req.top_k)
+        if not -2**63 <= req.seed < 2**63:
+            raise RequestError(f"seed must be a 64-bit integer, got {req.seed}")
         total = len(req.prompt_ids) + req.max_tokens
         if total > self.max_model_len:
             raise RequestError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
@@ -376,21 +378,16 @@ class Engine:
             self.state = self.rows.new_state(self.max_batch_size, self.max_len)
         return events
 
-    def _shared_top_k(self) -> int | None:
-        ks = {r.top_k for r in self.running if r is not None and not r.greedy}
-        return ks.pop() if ks else None
-
     def _next_prefill(self):
         """Starts the prefill of the oldest waiting request that fits a free row (None if none)."""
         free = [i for i, r in enumerate(self.running) if r is None]
-        running_k = self._shared_top_k()
-        req = next((r for r in self.waiting if r.greedy or running_k in (None, r.top_k)), None)
-        if not free or req is None:
+        if not free or not self.waiting:
             return None
-        self.waiting.remove(req)
+        req = self.waiting.popleft()
         batch = pad_prompts([req.prompt_ids], req.max_tokens, self.cfg.vocab_size, self.max_model_len,
                             batch_bucket=1)
-        sp = SamplingParams.make(req.temperature, req.top_p, req.top_k)
+        sp = (SamplingParams.make() if req.greedy else
+              SamplingParams.rows(req.temperature, req.top_p, req.top_k, filters_on=True))
         gen = self.rows.prefill(batch.tokens_bt, batch.lengths_b, self.max_len, sp,
                                 jax.random.fold_in(jax.random.key(req.seed), 0), req.greedy)
         width = chunk_length(batch.tokens_bt.shape[1], self.prefill_budget)
@@ -438,15 +435,16 @@ class Engine:
         lengths = np.zeros(rows, np.int32)
         temperature = np.zeros(rows, np.float32)
         top_p = np.ones(rows, np.float32)
+        top_k = np.zeros(rows, np.int64)
         for i, r in enumerate(self.running):
             if r is not None:
                 limits[i] = len(r.prompt_ids) + r.max_tokens
                 pending[i] = r.output_ids[-1]
                 lengths[i] = len(r.prompt_ids) + len(r.output_ids) - 1
                 if not r.greedy:         # a greedy row's top_p changes nothing: no compile for it
-                    temperature[i], top_p[i] = r.temperature, r.top_p
+                    temperature[i], top_p[i], top_k[i] = r.temperature, r.top_p, min(r.top_k, 2**31 - 1)
         greedy = all(r.greedy for r in reqs)
-        sp = SamplingParams.rows(temperature, top_p, 0 if greedy else (self._shared_top_k() or 0))
+        sp = SamplingParams.rows(temperature, top_p, top_k, filters_on=not greedy)
         self._index += 1
         self.state, tokens_bn, acc_b = self.rows.step(self.state, active, limits, pending, lengths, sp, self._index,
                                                       greedy)
