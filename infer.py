@@ -5,16 +5,21 @@
     python infer.py generate --prompt "def fibonacci(n):"            # the shipped demo target
     python infer.py generate --target DIR --prompt-ids 1,2,3 --json out.json
     python infer.py generate --target DIR --draft DFLASH_DIR --prompt "..."   # speculative
-    python infer.py serve --port 8000                                # OpenAI-compatible server (demo: dmtp)
+    python infer.py serve --port 8000 --api-key KEY                  # OpenAI-compatible server (demo: dmtp)
     python infer.py compare --target DIR [--draft DFLASH_DIR] [--dtype float32] [--json report.json]
     python infer.py bench --target DIR --draft DIR --methods ar,dflash --workload gsm8k --plot acc.png
     python infer.py plan --target configs/models/qwen3.6-27b.json --topology h100x8 --mesh tensor=8   # dry run
 
-Every subcommand uses the shipped demo (`demo/target`, a small Qwen3 pretrained on the Python
-stdlib with a native MTP head; drafters `demo/dflash` for dflash and `demo/dmtp` for the DMTP
-methods) when no `--target` is given; without a `demo/` directory, the built-in tiny random
-checkpoint. `python infer.py` with no arguments runs `bench` on the demo: methods ar, mtp, dflash,
-dmtp over prompts cut from stdlib modules held out of training (`demo/prompts.jsonl`), greedy.
+Every subcommand uses the shipped demo when no `--target` is given: `demo/target`, a miniature
+Qwen3.5-format hybrid (three Gated DeltaNet layers and one gated-attention layer, 4.5 M parameters)
+pretrained on the Python standard library with its native MTP head, and the drafters `demo/dflash`,
+`demo/dmtp`, `demo/dmtp_adaptive` (plus `demo/mtp_corpus`, the corpus-only head, and its drafters
+`demo/*_corpus`); without a `demo/` directory, the built-in tiny random checkpoint. One default
+method per model for generate, bench and serve: with `--draft DIR`, that drafter's own method (its
+`dmtp_config`, else dflash); on the demo, dmtp; else ar. `python infer.py` with no arguments runs
+`bench` on the demo: methods ar, mtp, dflash, dmtp, dmtp-adaptive, auto over prompts cut from stdlib
+modules held out of training (`demo/prompts.jsonl`), greedy, then the MTP methods again with the
+corpus-only head.
 
 Bad input is one `error:` line (plus at most one `hint:` line) and exit status 2, checked before any
 model is loaded where it can be (`dmtp_jax/preflight.py`); speculative methods first run the
@@ -30,7 +35,8 @@ import sys
 import tempfile
 
 from dmtp_jax.cli import (ArgumentParser, add_compile_cache_arg, add_plan_args, enable_compile_cache, int_list,
-                          finish_plan, plan_progress, run_command, use_host_backend)
+                          finish_plan, plan_progress, port_number, run_command, skip_absent_gpu_plugin,
+                          use_host_backend)
 from dmtp_jax.errors import InputError
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -123,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ar (plain), mtp (native MTP chained --mtp-steps), dflash, dmtp (main: MTP's T1 + "
                         "DFlash with two anchors), a DMTP ablation, or auto (measures the methods the models "
                         "allow on the first request of each batch size and keeps the fastest; the verdict is "
-                        "cached in $DMTP_JAX_CACHE/auto-verdicts.json). Default: dflash with --draft, else ar")
+                        "cached in $DMTP_JAX_CACHE/auto-verdicts.json). Default: " + DEFAULT_METHOD_HELP)
     method_args(g)
     g.add_argument("--prompt", action="append", default=[], help="text prompt (repeatable: one per row)")
     g.add_argument("--prompt-ids", action="append", default=[], type=int_list,
@@ -142,15 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     common(sv)
     method_args(sv)
     sv.add_argument("--method", default=None, choices=METHODS + (AUTO,),
-                    help="decoding method (default: dmtp on the demo, else dflash with --draft, else ar); auto "
-                         "measures the allowed methods on the first requests at --max-batch-size rows")
+                    help="decoding method (default: " + DEFAULT_METHOD_HELP + "); auto measures the allowed "
+                         "methods on the first requests at --max-batch-size rows")
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--port", type=port_number, default=8000, help="0 picks a free port (printed)")
     sv.add_argument("--max-batch-size", type=int, default=8, help="rows of the running batch")
     sv.add_argument("--max-model-len", type=int, default=None,
                     help="most tokens (prompt + max_tokens) per request (default: max_position_embeddings)")
     sv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the "
                                                                "target directory's name)")
+    server_limit_args(sv)
 
     c = sub.add_parser("compare", help="numerics of JAX vs transformers on the same checkpoint")
     common(c)
@@ -219,7 +226,7 @@ def cmd_generate(args) -> int:
     # cheap checks first: every bad input ends here, before the model load and before any output
     target_dir = resolve_target(args.target)
     cfg = preflight.target_config(target_dir)
-    method = args.method or ("dflash" if args.draft else "ar")
+    method = args.method or default_method(args)
     preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
                                    args.adaptive_threshold, args.prefill_chunk)
     methods, _ = decoder_methods(args, target_dir, [method])
@@ -307,12 +314,15 @@ def load_decoder(args, target_dir: str, method: str, methods: list[str], mesh, t
 def cmd_serve(args) -> int:
     from dmtp_jax import preflight
     from dmtp_jax.serve.app import serve
+    from dmtp_jax.serve.limits import bind_socket
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tokenizer import load_tokenizer
 
     target_dir = resolve_target(args.target)
     cfg = preflight.target_config(target_dir)
-    method = args.method or ("dmtp" if uses_demo(args) else "dflash" if args.draft else "ar")
+    method = args.method or default_method(args)
+    limits = server_limits(args)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     preflight.check_decode_options(args.mtp_steps, args.block_size, 1, args.rounds_per_dispatch,
                                    args.adaptive_threshold, args.prefill_chunk)
     methods, _ = decoder_methods(args, target_dir, [method])
@@ -322,11 +332,13 @@ def cmd_serve(args) -> int:
                          f"max_position_embeddings), got {args.max_model_len}")
     if args.max_batch_size < 1:
         raise InputError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    sock = bind_socket(args.host, args.port)             # a port in use fails here, before the models load
     tokenizer = load_tokenizer(target_dir, plain=True)     # transformers' only where it adds something (chat template)
     decoder, stops = load_decoder(args, target_dir, method, methods, make_mesh(args.mesh), tokenizer)
     name = args.served_model_name or os.path.basename(os.path.normpath(target_dir))
     return serve(decoder, tokenizer, name, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
-                 max_model_len=args.max_model_len, stop_ids=stops)
+                 max_model_len=args.max_model_len, stop_ids=stops, limits=limits, api_key=api_key,
+                 enable_docs=args.enable_docs, sock=sock)
 
 
 def cmd_compare(args) -> int:
@@ -415,7 +427,7 @@ def run_bench(args) -> dict:
     target_dir = resolve_target(args.target)
     preflight.target_config(target_dir)             # "model directory not found" before anything else
     demo = uses_demo(args)
-    default_methods = "ar,dflash" if args.draft else (DEMO_METHODS if demo else "ar")
+    default_methods = f"ar,{default_method(args)}" if args.draft else (DEMO_METHODS if demo else "ar")
     methods = [m.strip() for m in (args.methods or default_methods).split(",") if m.strip()]
     if args.workload is None:
         args.workload = os.path.join(DEMO_DIR, "prompts.jsonl") if demo else "gsm8k"
@@ -525,6 +537,66 @@ def resolve_target(path: str | None) -> str:
     return ensure_tiny_target()
 
 
+DEFAULT_METHOD_HELP = ("with --draft, the drafter directory's own method (its dmtp_config, else dflash); "
+                       "on the demo, dmtp; else ar")
+API_KEY_ENV = "DMTP_JAX_API_KEY"
+
+
+def default_method(args) -> str:
+    """The one default method of a model (generate, bench with --draft, serve): the drafter
+    directory's own method with `--draft` (`dmtp_config.method`, else dflash: a plain DFlash
+    directory), dmtp on the demo, else ar.
+
+    Example:
+        >>> default_method(argparse.Namespace(draft=None, target="/models/x"))
+        'ar'
+    """
+    from dmtp_jax.config import read_config_json
+    if args.draft:
+        try:
+            stored = read_config_json(args.draft).get("dmtp_config") or {}
+        except Exception:       # noqa: BLE001 -- a missing / bad directory is preflight's error to report
+            stored = {}
+        return stored.get("method") or "dflash"
+    return "dmtp" if uses_demo(args) else "ar"
+
+
+def server_limit_args(sp) -> None:
+    """serve's limits and access flags (`dmtp_jax.serve.protocol.ServerLimits` holds the defaults)."""
+    from dmtp_jax.serve.protocol import ServerLimits
+    d = ServerLimits()
+    sp.add_argument("--api-key", default=None,
+                    help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}; "
+                         "unset: no key). /health stays open")
+    sp.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)")
+    sp.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20,
+                    help="largest request body in MiB; larger ones get 413 before they are parsed (default %(default)s)")
+    sp.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                    help="requests that may wait for a row; more get 429 (default %(default)s)")
+    sp.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                    help="stop strings per request (default %(default)s)")
+    sp.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
+                    help="characters per stop string (default %(default)s)")
+    sp.add_argument("--header-timeout", type=float, default=d.header_timeout_s, metavar="S",
+                    help="seconds a connection may take to send a whole request head (default %(default)s)")
+
+
+def server_limits(args):
+    """`ServerLimits` from serve's flags (each checked: an `InputError` names the flag)."""
+    from dmtp_jax.serve.protocol import ServerLimits
+    positive = {"--max-body-mb": args.max_body_mb, "--max-stop-chars": args.max_stop_chars,
+                "--header-timeout": args.header_timeout}
+    for flag, value in positive.items():
+        if not value > 0:
+            raise InputError(f"{flag} must be > 0, got {value}")
+    for flag, value in {"--max-waiting": args.max_waiting, "--max-stop-strings": args.max_stop_strings}.items():
+        if value < 0:
+            raise InputError(f"{flag} must be >= 0, got {value}")
+    return ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20), max_waiting=args.max_waiting,
+                        max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
+                        header_timeout_s=args.header_timeout)
+
+
 def uses_demo(args) -> bool:
     """No `--target` given and the demo is present: the demo's drafters are the defaults."""
     return not args.target and demo_available()
@@ -601,6 +673,7 @@ def main(argv=None) -> int:
     if args.command == "plan":      # compile-only: no backend but the host's, no cache (compile time is reported)
         use_host_backend()
     else:
+        skip_absent_gpu_plugin()
         enable_compile_cache(args.compile_cache)
     handler = cmd_demo if demo is not None else {"generate": cmd_generate, "serve": cmd_serve, "compare": cmd_compare,
                                                  "bench": cmd_bench, "plan": cmd_plan}[args.command]

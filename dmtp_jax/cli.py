@@ -38,6 +38,22 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
 
 
+def port_number(text: str) -> int:
+    """A TCP port in [0, 65535] (0: any free port); anything else is a one-line argparse error.
+
+    Example:
+        >>> port_number("8000")
+        8000
+    """
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got '{text}'")
+    return port
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """`argparse.ArgumentParser` whose errors are `error: ...` and `hint: run '<prog> --help' ...`
     (two lines, exit status 2) instead of the whole usage. Subparsers inherit the class.
@@ -189,6 +205,38 @@ def use_host_backend() -> None:
         jax.config.update("jax_platforms", "cpu")
     except Exception:       # noqa: BLE001 -- a backend is already up (in-process callers, tests)
         pass
+
+
+def skip_absent_gpu_plugin() -> str | None:
+    """Keeps an installed CUDA plugin (the `plan-gpu` extra) quiet on a machine without an NVIDIA
+    GPU: unless `JAX_PLATFORMS` says otherwise, the platforms become the host's (plus a visible TPU),
+    so the plugin skips the CUDA version check whose failure JAX logs as a traceback at backend
+    start. The plugin still registers (plan compiles for GPUs). Returns the platforms set, or None.
+    A no-op once a backend has started.
+
+    Example:
+        >>> skip_absent_gpu_plugin() in (None, "cpu", "tpu,cpu")
+        True
+    """
+    import jax
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return None
+    if not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)
+               if importlib.util.find_spec("jax_plugins") is not None):
+        return None
+    try:
+        from jax._src import hardware_utils
+        if hardware_utils.has_visible_nvidia_gpu():
+            return None
+        tpu = hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+    except Exception:       # noqa: BLE001 -- jax moved its probes: leave the platforms alone
+        return None
+    platforms = "tpu,cpu" if tpu else "cpu"
+    try:
+        jax.config.update("jax_platforms", platforms)
+    except Exception:       # noqa: BLE001 -- a backend is already up
+        return None
+    return platforms
 
 
 def plan_progress(name: str) -> None:

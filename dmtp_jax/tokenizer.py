@@ -49,6 +49,9 @@ class PlainTokenizer:
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
 
 class _Encoding(dict):
     """`{"input_ids": ids}` that also answers `.input_ids`."""

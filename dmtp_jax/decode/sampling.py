@@ -4,14 +4,15 @@
 speculative decoding, the drafter's), so temperature / top-p / top-k reach both alike. Temperature 0
 means greedy: the distribution is one-hot on the argmax.
 
-Which filters are on is static (part of the `SamplingParams` pytree structure, so a jitted round
-compiles once per on/off combination and per `top_k`): a filter that is off costs nothing -- no
-vocabulary sort -- and `top_p = 1` is exactly no filter (no cumulative sum that float rounding
-could push past 1 and so drop a tail token). Top-k alone is `lax.top_k` (k static), top-k with
-top-p sorts only those k; top-p alone sorts the vocabulary once. Temperature and the value of
-`top_p` are traced arrays: changing them never recompiles. They are scalars, or `[B]` arrays of
-one value per row (broadcast over the leading batch axis: `per_row`), so greedy rows (temperature
-0: one-hot) and sampled rows with their own temperature / top-p share a batch (the server's).
+Which filters are on is static (`top_k_on`, `top_p_on`: part of the `SamplingParams` pytree
+structure, so a jitted round compiles once per on/off combination): a filter that is off costs
+nothing -- no vocabulary sort -- and `top_p = 1` is exactly no filter (no cumulative sum that float
+rounding could push past 1 and so drop a tail token). The values are traced arrays: temperature,
+`top_p` and `top_k` are scalars, or `[B]` arrays of one value per row (broadcast over the leading
+batch axis: `per_row`), so changing them never recompiles, and greedy rows (temperature 0: one-hot)
+and sampled rows with their own temperature / top-p / top-k share a batch (the server's). Top-k
+sorts the vocabulary once and keeps the tokens at least as large as each row's k-th value (a row's
+k of 0, or >= the vocabulary, keeps all); top-p reuses that sort, or sorts once alone.
 
 Example:
     >>> sp = SamplingParams.make(temperature=0.0)
@@ -25,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,51 +36,69 @@ from dmtp_jax.decode.batch import RequestError
 from dmtp_jax.layers.rows import per_row
 
 
+TOP_K_MAX = 2**31 - 1       # a larger k keeps every token, as any k >= the vocabulary does
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingParams:
-    """Sampling parameters; build them with `make` (it validates and sets the static on/off flag).
+    """Sampling parameters; build them with `make` or `rows` (they validate and set the static flags).
 
-    `top_k` (0 = off) is static, `top_p_on` says whether `top_p` filters (static: `make` sets it to
-    `top_p < 1`); `temperature` and `top_p` are traced f32 scalars.
+    `temperature`, `top_p` and `top_k` are traced (f32, f32, i32; scalars or `[B]`); `top_p_on`
+    and `top_k_on` (static) say whether each filter runs at all.
 
     Example:
         >>> sp = SamplingParams.make(temperature=0.7, top_p=0.9)
-        >>> sp.top_p_on, sp.top_k, sp.is_greedy
-        (True, 0, False)
+        >>> sp.top_p_on, sp.top_k_on, int(sp.top_k), sp.is_greedy
+        (True, False, 0, False)
     """
     temperature: jax.Array   # f32 scalar or [B] (one per row); 0 = greedy
     top_p: jax.Array         # f32 scalar or [B]; filters only when `top_p_on` (a row's 1 keeps all)
-    top_k: int = dataclasses.field(default=0, metadata=dict(static=True))            # 0 = off
-    top_p_on: bool = dataclasses.field(default=False, metadata=dict(static=True))    # top_p < 1
+    top_k: jax.Array = 0     # i32 scalar or [B]; filters only when `top_k_on` (a row's 0 keeps all)
+    top_p_on: bool = dataclasses.field(default=False, metadata=dict(static=True))    # some top_p < 1
+    top_k_on: bool = dataclasses.field(default=False, metadata=dict(static=True))    # some top_k > 0
 
     @classmethod
     def make(cls, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> "SamplingParams":
         """Validated parameters. Example: `SamplingParams.make(temperature=0.7, top_p=0.9)`."""
-        if temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise RequestError(f"top_k must be >= 0, got {top_k}")
-        return cls(jnp.float32(temperature), jnp.float32(top_p), int(top_k), bool(top_p < 1))
+        check(temperature, top_p, top_k)
+        return cls(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(min(int(top_k), TOP_K_MAX)),
+                   bool(top_p < 1), bool(top_k > 0))
 
     @classmethod
-    def rows(cls, temperature_b, top_p_b, top_k: int = 0) -> "SamplingParams":
-        """One temperature and top-p per row (`[B]`, values checked by `make` per request); top-k is
-        shared (static). Top-p filters when any row's top_p < 1; a row with top_p 1 keeps every token.
+    def rows(cls, temperature_b, top_p_b, top_k_b=0, filters_on: bool = False) -> "SamplingParams":
+        """One temperature, top-p and top-k per row (`[B]`, values checked by `check` per request;
+        `top_k_b` may be one shared value). A filter runs when any row uses it, or always with
+        `filters_on` (one compile whatever the rows ask: the server's sampled rounds); a row with
+        top_p 1 and top_k 0 keeps every token.
 
         Example:
-            >>> sp = SamplingParams.rows([0.0, 1.0], [1.0, 0.5])
-            >>> sp.is_greedy, sp.top_p_on, sp.temperature.shape
-            (False, True, (2,))
+            >>> sp = SamplingParams.rows([0.0, 1.0], [1.0, 0.5], [0, 20])
+            >>> sp.is_greedy, sp.top_p_on, sp.top_k_on, sp.top_k.tolist()
+            (False, True, True, [0, 20])
         """
         temperature_b, top_p_b = np.asarray(temperature_b, np.float32), np.asarray(top_p_b, np.float32)
-        return cls(temperature_b, top_p_b, int(top_k), bool((top_p_b < 1).any()))
+        top_k_b = np.minimum(np.asarray(top_k_b, np.int64), TOP_K_MAX).astype(np.int32)
+        return cls(temperature_b, top_p_b, top_k_b, bool(filters_on or (top_p_b < 1).any()),
+                   bool(filters_on or (top_k_b > 0).any()))
 
     @property
     def is_greedy(self) -> bool:
         return bool(np.all(np.asarray(self.temperature) == 0.0))
+
+
+def check(temperature: float, top_p: float, top_k: int) -> None:
+    """Raises `RequestError` for values no sampler takes (NaN and infinities included).
+
+    Example:
+        >>> check(0.7, 0.9, 40)
+    """
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise RequestError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise RequestError(f"top_k must be >= 0, got {top_k}")
 
 
 def filtered_probs(logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:
@@ -98,15 +118,20 @@ def filtered_probs(logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
     temperature = per_row(sp.temperature, logits)
     scaled = logits / jnp.maximum(temperature, 1e-6)
-    top_k = sp.top_k if 0 < sp.top_k < v else 0
-    if top_k:
-        top_values, top_index = jax.lax.top_k(scaled, top_k)    # sorted, descending
-        # the min, not `[..., -1:]`: a slice of the k values stops XLA's CPU rewrite to its TopK kernel
-        scaled = jnp.where(scaled < jnp.min(top_values, axis=-1, keepdims=True), -jnp.inf, scaled)
+    order = None
+    if sp.top_k_on:
+        # one descending sort (with its order when top-p reuses it); each row's k-th value is its cut
+        iota = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
+        neg_sorted, order = jax.lax.sort((-scaled, iota), dimension=scaled.ndim - 1, num_keys=1)
+        k = per_row(sp.top_k, logits)
+        kth_index = jnp.where((k > 0) & (k < v), k, v) - 1
+        kth_index = jnp.broadcast_to(kth_index, scaled.shape[:-1] + (1,)).astype(jnp.int32)
+        kth = -jnp.take_along_axis(neg_sorted, kth_index, axis=-1)
+        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
     probs = jax.nn.softmax(scaled, axis=-1)
     if sp.top_p_on:
-        # probabilities in descending order: the k kept ones (the rest are 0), else the whole sort
-        sorted_p = (jnp.take_along_axis(probs, top_index, axis=-1) if top_k else -jnp.sort(-probs, axis=-1))
+        # probabilities in descending order: top-k's order, else one sort of the whole vocabulary
+        sorted_p = jnp.take_along_axis(probs, order, axis=-1) if order is not None else -jnp.sort(-probs, axis=-1)
         mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
         top_p = per_row(sp.top_p, logits)
         kept = (mass_before < top_p) | (top_p >= 1)     # a row's top_p 1 is no filter (no rounding)

@@ -13,7 +13,7 @@ such a request is prefilled alone).
 
 Example:
     >>> group = form_group(waiting, free=4, buckets=(1, 2, 4), budget=512, prefill_chunk=512,
-    ...                    running_top_k=None, solo=set())  # doctest: +SKIP
+    ...                    solo=set())  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -63,19 +63,16 @@ def start_of(req: Request):
 
 
 def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefill_chunk: int,
-               running_top_k: int | None, solo: set) -> list[Request]:
+               solo: set) -> list[Request]:
     """The requests to prefill together next (oldest first; empty when none can start): the oldest
     admissible waiting request, then others of its prompt bucket while the row bucket times the chunk
-    width stays within `budget` tokens. A sampled request whose top-k differs from the running (or
-    grouped) sampled rows' waits; a request in `solo`, or one starting from a stored state, goes alone.
+    width stays within `budget` tokens. A request in `solo`, or one starting from a stored state, goes
+    alone.
     """
     group: list[Request] = []
-    top_k = running_top_k
     for req in waiting:
         if len(group) >= free:
             break
-        if not req.greedy and top_k not in (None, req.top_k):
-            continue
         alone = req.id in solo or start_of(req)[0] is not None
         if group:
             width = chunk_length(prompt_bucket(group[0]), prefill_chunk)
@@ -83,8 +80,6 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
                     or row_bucket(len(group) + 1, buckets) * width > budget):
                 continue
         group.append(req)
-        if not req.greedy:
-            top_k = req.top_k
         if alone:
             break
     return group

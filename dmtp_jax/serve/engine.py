@@ -22,8 +22,8 @@ costs the rows in use, not `max_batch_size`. Each `step()`:
 
 A request's greedy output is `generate`'s on the same prompt whatever else is in the batch and
 whichever rounds ran: rows never read each other and every round commits the target's argmax.
-Sampled rows carry their own temperature / top-p (`request.row_sampling`); top-k is static, so a
-sampled request whose top-k differs from the running sampled rows' waits. A lone request's `seed`
+Sampled rows carry their own temperature / top-p / top-k (`request.row_sampling`: traced values, both
+filters on in every sampled round, so no request's values compile anything). A lone request's `seed`
 seeds its first token; rounds draw from the engine's round keys (lossless, not reproducible per
 request).
 
@@ -56,10 +56,10 @@ from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.auto import AUTO, AutoDecoder
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts, round_up
 from dmtp_jax.decode.prefill import chunk_length
-from dmtp_jax.decode.sampling import SamplingParams
+from dmtp_jax.decode.sampling import check as check_sampling
 from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
 from dmtp_jax.serve.policy import LoadPolicy
-from dmtp_jax.serve.request import Event, Request, row_sampling, shared_top_k
+from dmtp_jax.serve.request import Event, Request, row_sampling
 from dmtp_jax.serve.rounds import engine_bank
 from dmtp_jax.serve.rows import batch_axes, insert_row, move_row, put_rows, resize_rows
 
@@ -138,7 +138,9 @@ class Engine:
         """
         if req.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
-        SamplingParams.make(req.temperature, req.top_p, req.top_k)
+        check_sampling(req.temperature, req.top_p, req.top_k)
+        if not -2**63 <= req.seed < 2**63:
+            raise RequestError(f"seed must be a 64-bit integer, got {req.seed}")
         total = len(req.prompt_ids) + req.max_tokens
         if total > self.max_model_len:
             raise RequestError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
@@ -236,7 +238,7 @@ class Engine:
         """Starts the prefill of the next group (`admission.form_group`), None when none can start."""
         while True:
             reqs = form_group(self.waiting, self.max_batch_size - len(self.running), self.buckets,
-                              self.prefill_budget, self.bank.prefill_chunk, shared_top_k(self.running), self._solo)
+                              self.prefill_budget, self.bank.prefill_chunk, self._solo)
             if not reqs:
                 return None
             for req in reqs:
@@ -362,18 +364,20 @@ class Engine:
         self._compact()
 
     # ---- compiles ------------------------------------------------------------------------------
-    def warm_up(self, every_bucket: bool = True) -> None:
-        """Compiles, before the first request, every round of the bank at every row bucket (greedy;
-        K-round dispatches too when K > 1), the row moves between buckets, and the greedy prefill of
-        every prompt bucket (`every_bucket`; else the shortest) at every row bucket the prefill budget
+    def warm_up(self, every_bucket: bool = True, sampled: bool = True) -> None:
+        """Compiles, before the first request, every round of the bank at every row bucket (greedy,
+        and sampled with every filter on when `sampled`: then no request field compiles anything;
+        K-round dispatches too when K > 1), the row moves between buckets, and the prefill of every
+        prompt bucket (`every_bucket`; else the shortest) at every row bucket the prefill budget
         admits, so no request waits for a compile and the policy's first timings are clean."""
         from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, next_pow2
         top = next_pow2(self.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
         dispatches = sorted({1, self.rounds_per_dispatch})
-        for rows, method, k in itertools.product(self.buckets, self.bank.methods, dispatches):
-            sp, _ = row_sampling([], rows)
+        temperatures = (0.0, 1.0) if sampled else (0.0,)
+        for rows, method, k, t in itertools.product(self.buckets, self.bank.methods, dispatches, temperatures):
+            sp, greedy = row_sampling([Request([0], 1, temperature=t)], rows)
             self.bank.run(method, self.bank.new_state(rows, self.max_len), np.zeros(rows, bool),
-                          np.zeros(rows, np.int32), sp, self.base_key, 1, True, k, self.stop_ids)
+                          np.zeros(rows, np.int32), sp, self.base_key, 1, greedy, k, self.stop_ids)
         for rows, other in itertools.product(self.buckets, self.buckets):     # the row moves between buckets
             state = self._resize(self.bank.new_state(rows, self.max_len), other)
             if other <= rows:
@@ -382,8 +386,9 @@ class Engine:
                 state = self._move(state, np.int32(0), np.int32(0))
         for bucket in itertools.takewhile(lambda b: b <= top, (PROMPT_BUCKET_FLOOR << i for i in itertools.count())):
             width = chunk_length(bucket, self.bank.prefill_chunk)
-            for rows in [r for r in self.buckets if r == 1 or r * width <= self.prefill_budget]:
-                reqs = [Request([0] * min(bucket, self.max_model_len - 2), 1) for _ in range(rows)]
+            for rows, t in itertools.product([r for r in self.buckets if r == 1 or r * width <= self.prefill_budget],
+                                             temperatures):
+                reqs = [Request([0] * min(bucket, self.max_model_len - 2), 1, temperature=t) for _ in range(rows)]
                 group = PrefillGroup.start(self.bank, reqs, rows, self.max_len, self.cfg.vocab_size)
                 while not group.step(self.bank):
                     pass

@@ -72,17 +72,6 @@ class Event:
     finished: bool
 
 
-def shared_top_k(reqs) -> int | None:
-    """The top-k of the sampled requests among `reqs` (top-k is static: one per batch), None if none.
-
-    Example:
-        >>> shared_top_k([Request([1], 2), Request([1], 2, temperature=1.0, top_k=5)])
-        5
-    """
-    ks = {r.top_k for r in reqs if r is not None and not r.greedy}
-    return ks.pop() if ks else None
-
-
 def row_sampling(reqs, rows: int) -> tuple[SamplingParams, bool]:
     """`(SamplingParams.rows over `rows` rows, greedy)` for `reqs` in rows 0..len-1 (the rest, and
     greedy rows, temperature 0): every sampled round and prefill of the engine builds its
@@ -95,8 +84,10 @@ def row_sampling(reqs, rows: int) -> tuple[SamplingParams, bool]:
     """
     temperature = np.zeros(rows, np.float32)
     top_p = np.ones(rows, np.float32)
+    top_k = np.zeros(rows, np.int64)
     for i, r in enumerate(reqs):
-        if not r.greedy:         # a greedy row's top_p changes nothing: no compile for it
-            temperature[i], top_p[i] = r.temperature, r.top_p
+        if not r.greedy:         # a greedy row's values change nothing
+            temperature[i], top_p[i], top_k[i] = r.temperature, r.top_p, r.top_k
     greedy = all(r.greedy for r in reqs)
-    return SamplingParams.rows(temperature, top_p, 0 if greedy else (shared_top_k(reqs) or 0)), greedy
+    # sampled: both filters always on, their values traced, so no request's values compile anything
+    return SamplingParams.rows(temperature, top_p, top_k, filters_on=not greedy), greedy

@@ -68,3 +68,18 @@ class TextStream:
         text = self.decode(self.ids)
         delta, self.sent = text[self.sent:], len(text)
         return delta
+
+
+def max_token_chars(tokenizer) -> int:
+    """An upper bound on the characters one token decodes to: the longest token string of the
+    vocabulary (a byte-level or SentencePiece token's string has at least as many characters as
+    its text), so a prompt of more than `max_model_len` times this many characters cannot fit.
+
+    Example:
+        >>> class Tok:
+        ...     def get_vocab(self): return {"a": 0, "Ġthe": 1}
+        >>> max_token_chars(Tok())
+        4
+    """
+    vocab = tokenizer.get_vocab()
+    return max((len(t) for t in vocab), default=1) or 1

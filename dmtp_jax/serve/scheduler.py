@@ -1,0 +1,146 @@
+"""The scheduler thread: the only caller of the `Engine`. It admits submitted requests, runs
+`Engine.step()` while anything is running and hands each request's events to its sink.
+
+Every submitted request gets exactly one final event (`Event.finished`): a request whose own
+admission fails (`engine.add` raising) ends alone with finish reason "error"; a failing step ends
+the requests the engine gives up on (`Engine.abort_all`); requests still queued when the thread
+stops are ended "cancelled". Nothing a request does ends the thread: every per-request failure is
+logged and answered. `submit` refuses a request (429) when `max_waiting` requests already wait
+beyond the running rows, and (503) once shutting down.
+
+Example:
+    >>> scheduler = Scheduler(engine, max_waiting=64)  # doctest: +SKIP
+    >>> scheduler.submit(Request([1, 2], 8), print)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from dmtp_jax.serve.engine import Engine
+from dmtp_jax.serve.request import Event, Request
+from dmtp_jax.serve.metrics import ServerMetrics
+from dmtp_jax.serve.protocol import ApiError
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """The thread that drives an `Engine`: `submit` from any thread, events to each request's sink."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_waiting: int = 256):
+        self.engine, self.metrics = engine, metrics or ServerMetrics()
+        self.max_waiting = int(max_waiting)
+        self.accepting = True
+        self._inbox: list = []
+        self._open = 0                      # submitted requests without their final event yet
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._sinks: dict[int, tuple[Request, Any]] = {}     # request id -> (request, sink)
+        self._thread = threading.Thread(target=self._run, name="dmtp-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: Request, sink) -> Request:
+        """Checks and queues `req`; `sink(event)` is called (on the scheduler thread) per event.
+
+        Example:
+            >>> scheduler.submit(Request([1, 2], 8), print)  # doctest: +SKIP
+        """
+        if not self.accepting:
+            raise ApiError("the server is shutting down", 503, kind="server_error")
+        self.engine.check(req)
+        with self._lock:
+            if self._open >= self.engine.max_batch_size + self.max_waiting:
+                raise ApiError(f"too many requests: {self.max_waiting} already wait for a row "
+                               f"(--max-waiting); retry later", 429, kind="rate_limit_error")
+            self._open += 1
+            self._inbox.append((req, sink))
+        self._wake.set()
+        return req
+
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        self.engine.cancel(req, reason)
+        self._wake.set()
+
+    def _deliver(self, event: Event) -> None:
+        """Hands `event` to its request's sink (a sink that fails is logged, never fatal)."""
+        if event.finished:
+            _, sink = self._sinks.pop(event.request.id, (None, None))
+            with self._lock:
+                self._open -= sink is not None
+            try:
+                self.metrics.observe_finished(event.request)
+            except Exception:       # noqa: BLE001 -- a metric is no reason to lose the event
+                log.exception("metrics of request %s failed", event.request.id)
+        else:
+            _, sink = self._sinks.get(event.request.id, (None, None))
+        if sink is None:
+            return
+        try:
+            sink(event)
+        except Exception:           # noqa: BLE001 -- e.g. the handler's event loop is gone
+            log.exception("delivering an event of request %s failed", event.request.id)
+
+    def _fail(self, req: Request, reason: str) -> None:
+        req.finish_reason, req.finished_s = reason, time.perf_counter()
+        self._deliver(Event(req, [], True))
+
+    def _admit(self, inbox) -> None:
+        for req, sink in inbox:
+            self._sinks[req.id] = (req, sink)
+            try:
+                self.engine.add(req)
+            except Exception:       # noqa: BLE001 -- this request's fault: it alone ends
+                log.exception("admitting request %s failed; ending it alone", req.id)
+                self._fail(req, "error")
+
+    def _run(self):
+        engine = self.engine
+        while not self._stop:
+            try:
+                with self._lock:
+                    inbox, self._inbox = self._inbox, []
+                self._admit(inbox)
+                if not engine.busy:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                try:
+                    events = engine.step()
+                except Exception:       # a bug, not bad input: logged, its requests end, the server lives on
+                    log.exception("engine step failed; ending the requests it ran")
+                    events = engine.abort_all("error")
+                for event in events:
+                    self._deliver(event)
+            except Exception:           # noqa: BLE001 -- the thread outlives any one failure
+                log.exception("scheduler loop failed; continuing")
+                time.sleep(0.01)
+        with self._lock:
+            left, self._inbox = self._inbox, []
+        for req, sink in left:          # submitted as the thread stopped: still answered
+            self._sinks[req.id] = (req, sink)
+        for req, _ in list(self._sinks.values()):
+            self._fail(req, "cancelled")
+
+    def shutdown(self, drain_s: float = 30.0) -> None:
+        """Stops admitting, lets running requests finish for up to `drain_s`, cancels the rest.
+
+        Example:
+            >>> scheduler.shutdown(drain_s=5)  # doctest: +SKIP
+        """
+        self.accepting = False
+        deadline = time.monotonic() + drain_s
+        while (self.engine.busy or self._inbox) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for req in [r for r in self.engine.running if r is not None] + list(self.engine.waiting):
+            self.engine.cancel(req, "cancelled")
+        end = time.monotonic() + 5
+        while self.engine.busy and time.monotonic() < end:
+            time.sleep(0.02)
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=5)
