@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-token-ids", type=int_list, default=None,
                    help="extra stop token ids, comma-separated (EOS ids of the checkpoint always stop)")
 
-    sv = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching (see README: Serve)")
+    sv = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching (see docs/serving.md)")
     common(sv)
     method_args(sv)
     sv.add_argument("--method", default=None, choices=METHODS + (AUTO,),
