@@ -26,6 +26,11 @@ With `--method auto` (an `AutoDecoder`) the engine serves the method of the cach
 prompts (`AutoDecoder.choose`) and serves the fastest from then on. The round always runs over
 `max_batch_size` rows, so the batch, and the verdict, never change while it serves.
 
+With `prefix_cache_gb` > 0 (`serve/prefix_cache.py`) a request starts from the longest stored 1-row
+state whose tokens begin its prompt (and a greedy repeat of a stored prompt runs no prefill), and
+every prefill and every finished row is offered to the cache: a chat's next turn (previous prompt +
+answer + new text) prefills the new text only. Outputs are those without the cache.
+
 Speculative decoders pass the exactness probe first (`decode/probe.py:exactness_gate`); on a
 decline the engine serves plain decoding with the same target.
 
@@ -149,15 +154,18 @@ class SpecRows:
     def new_state(self, rows: int, max_len: int):
         return self.decoder.new_state(rows, max_len)
 
-    def prefill(self, tokens_1t, lengths_1, max_len: int, sp, key, greedy: bool):
+    def prefill(self, tokens_1t, lengths_1, max_len: int, sp, key, greedy: bool, state=None, start: int = 0):
         """A generator running one prefill chunk per `next`; the call that runs the last chunk
-        returns `(1-row state, first token)` (StopIteration's value)."""
+        returns `(1-row state, first token)` (StopIteration's value). `tokens_1t` are the prompt's
+        tokens from position `start` on, run from `state` (donated; default: a fresh state at 0)."""
         dec = self.decoder
-        states, state = dec.model_states(), dec.new_state(1, max_len)
-        for i, (start, chunk_bt, next_b) in enumerate(prefill_chunks(tokens_1t, dec.prefill_chunk)):
+        states = dec.model_states()
+        state = dec.new_state(1, max_len) if state is None else state
+        for i, (offset, chunk_bt, next_b) in enumerate(prefill_chunks(tokens_1t, dec.prefill_chunk)):
             if i:
                 yield       # one chunk per `next`: the call that runs the last chunk returns
-            state = dec.prefill_step(states, chunk_bt, next_b, start, lengths_1, state, sp, key, greedy=greedy)
+            state = dec.prefill_step(states, chunk_bt, next_b, np.int32(start + offset), lengths_1, state, sp, key,
+                                     greedy=greedy)
         return state, int(to_host(state.pending_b)[0])
 
     def step(self, state, active_b, limits_b, pending_b, lengths_b, sp, index: int, greedy: bool):
@@ -181,14 +189,14 @@ class PlainRows:
     def new_state(self, rows: int, max_len: int):
         return self.decoder.caches.new(rows, max_len)
 
-    def prefill(self, tokens_1t, lengths_1, max_len: int, sp, key, greedy: bool):
+    def prefill(self, tokens_1t, lengths_1, max_len: int, sp, key, greedy: bool, state=None, start: int = 0):
         dec = self.decoder
-        first, cache = jnp.zeros(1, jnp.int32), dec.caches.new(1, max_len)
-        for i, (start, chunk_bt, _) in enumerate(prefill_chunks(tokens_1t, dec.prefill_chunk)):
+        first, cache = jnp.zeros(1, jnp.int32), dec.caches.new(1, max_len) if state is None else state
+        for i, (offset, chunk_bt, _) in enumerate(prefill_chunks(tokens_1t, dec.prefill_chunk)):
             if i:
                 yield       # as `SpecRows.prefill`
-            first, cache = dec.prefill_step(dec.target.state, chunk_bt, start, lengths_1, cache, first, sp, key,
-                                            greedy=greedy)
+            first, cache = dec.prefill_step(dec.target.state, chunk_bt, np.int32(start + offset), lengths_1, cache,
+                                            first, sp, key, greedy=greedy)
         return cache, int(to_host(first)[0])
 
     def step(self, state, active_b, limits_b, pending_b, lengths_b, sp, index: int, greedy: bool):
@@ -225,7 +233,7 @@ class Engine:
     """
 
     def __init__(self, decoder, *, max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
-                 seed: int = 0):
+                 seed: int = 0, prefix_cache_gb: float = 0.0):
         cfg = decoder.target.cfg
         if max_batch_size < 1:
             raise RequestError(f"--max-batch-size must be >= 1, got {max_batch_size}")
@@ -241,6 +249,8 @@ class Engine:
         self._prefill = None                    # (request, row, generator, chunk width) being prefilled
         self._index = 0                          # rounds run (the round key's index)
         self.counters = collections.Counter()    # requests, prompt / generated tokens, rounds, accepted
+        from dmtp_jax.serve.prefix_cache import PrefixCache, prefix_cache_bytes
+        self.prefix_cache = PrefixCache(prefix_cache_bytes(prefix_cache_gb)) if prefix_cache_gb else None
         # auto: the method is the cached verdict for this batch, else measured on the first requests
         self.auto = decoder if isinstance(decoder, AutoDecoder) else None
         self.verdict = None if self.auto is None else self.auto.cached(self.max_batch_size, greedy=True)
@@ -261,6 +271,8 @@ class Engine:
         shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self._insert = counted_jit(insert_row, donate_argnums=0, out_shardings=shardings)
         self.prefill_budget = int(self.rows.decoder.prefill_chunk)   # prefill tokens per step
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()                                # snapshots of this decoder's states only
 
     def _choose(self) -> None:
         """auto, first requests: measures the candidates on the waiting prompts (repeated to the
@@ -391,8 +403,12 @@ class Engine:
         batch = pad_prompts([req.prompt_ids], req.max_tokens, self.cfg.vocab_size, self.max_model_len,
                             batch_bucket=1)
         sp = SamplingParams.make(req.temperature, req.top_p, req.top_k)
-        gen = self.rows.prefill(batch.tokens_bt, batch.lengths_b, self.max_len, sp,
-                                jax.random.fold_in(jax.random.key(req.seed), 0), req.greedy)
+        key = jax.random.fold_in(jax.random.key(req.seed), 0)
+        if self.prefix_cache is not None:     # the starting state and position: the longest stored prefix
+            gen = self.prefix_cache.prefill(self.rows, req.prompt_ids, self.cfg.vocab_size, self.max_len, sp, key,
+                                            req.greedy)
+        else:
+            gen = self.rows.prefill(batch.tokens_bt, batch.lengths_b, self.max_len, sp, key, req.greedy)
         width = chunk_length(batch.tokens_bt.shape[1], self.prefill_budget)
         return req, free[0], gen, width
 
@@ -424,6 +440,8 @@ class Engine:
         self.counters["generated_tokens"] += len(kept)
         if req.tracker.done[0]:
             self.running[row] = None
+            if self.prefix_cache is not None and len(kept) == len(tokens):    # the state holds exactly the text
+                self.prefix_cache.offer_row(self.state, row, req.prompt_ids + req.output_ids, req.greedy)
             reason = "stop" if kept and kept[-1] in req.tracker.stop_ids else "length"
             self._finish(req, reason, events, kept)
         elif kept:
@@ -467,4 +485,5 @@ class Engine:
         if self.rows is None:
             return self.auto.compile_counts()
         dec = self.rows.decoder
-        return {**dec.compile_counts(), "insert_row": self._insert.compiles}
+        extract = {} if self.prefix_cache is None else self.prefix_cache.compile_counts()
+        return {**dec.compile_counts(), "insert_row": self._insert.compiles, **extract}

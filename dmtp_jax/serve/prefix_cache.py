@@ -1,0 +1,262 @@
+"""An exact prefix cache for the serving engine: 1-row decode states keyed by the tokens they hold.
+
+A snapshot is the engine's whole 1-row state (target K/V, Gated DeltaNet conv windows and recurrent
+states, the MTP and drafter context caches and, for speculative decoders, length / pending token /
+MTP hidden) at a point where `L` tokens are consumed and token `L` is pending. Its key is those
+`L + 1` tokens: every leaf is a function of them alone, whatever picked them (the MTP row at
+position `L` and the drafter context at `L - 1` pair with the pending token). Snapshots are taken
+
+    after a prefill    the prompt consumed, its first token pending (`PrefixCache.prefill`)
+    at a finish        prompt + output consumed but the last output token, which is pending
+                       (`offer_row`; the engine offers it only when the last round committed no
+                       token past the kept output: a stop token or the budget mid-round leaves the
+                       state past the text, and a DeltaNet state cannot step back)
+
+and reused by a prompt of `p` tokens (the longest match wins):
+
+    resume    a snapshot whose key is a prefix of the prompt with `L + 1 <= p`: a copy of its state
+              runs the decoder's own prefill step over the prompt from position `L` on, so at least
+              the pending token is re-run (the "one token short" rule: a prompt that repeats a
+              stored text exactly, e.g. the previous chat turn, still computes its first token).
+              Greedy tokens are those of a full prefill; a sampled first token is drawn as a full
+              prefill draws it (lossless)
+    repeat    greedy requests only: a snapshot of a greedy request whose key is the prompt plus one
+              token: that token is the greedy pick, the state is used as is, nothing runs.
+
+DeltaNet states exist only at the boundaries where they were produced, so keys are exact token
+sequences (their length and a hash of their ids, the ids compared on a hit), never a part of one.
+K/V slots past `L` may hold rejected drafts; the resumed prefill writes each slot before any query
+at or past it reads it (positions mask keys `k_pos <= q_pos`), as in a running batch.
+
+Snapshots stay on the device: a hit's state is what the next prefill starts from, so a host copy
+would cost a transfer each way per hit. Each counts its leaves' `nbytes` against the budget
+(`--prefix-cache-gb`); the least recently used go first past it.
+
+Example:
+    >>> cache = PrefixCache(1 << 20)
+    >>> cache.offer((1, 2, 3, 9), {"k": jnp.zeros((1, 4))}, greedy=True)
+    True
+    >>> hit = cache.lookup([1, 2, 3, 9, 5], greedy=False)
+    >>> hit.start, hit.ready
+    (3, False)
+    >>> cache.lookup([1, 2, 3], greedy=True).ready
+    True
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dmtp_jax.counted_jit import counted_jit
+from dmtp_jax.decode.batch import RequestError, pad_prompts
+from dmtp_jax.serve.engine import batch_axis
+
+
+def prefix_cache_bytes(gb: float) -> int:
+    """`--prefix-cache-gb` in bytes (GiB, 2**30); raises `RequestError` when negative.
+
+    Example:
+        >>> prefix_cache_bytes(0.5)
+        536870912
+    """
+    if not gb >= 0:
+        raise RequestError(f"--prefix-cache-gb must be >= 0, got {gb}")
+    return int(gb * (1 << 30))
+
+
+def prefix_key(tokens) -> tuple[int, bytes]:
+    """`(length, hash of the token ids)`: the key of a snapshot holding exactly `tokens`.
+
+    Example:
+        >>> prefix_key([1, 2])[0], prefix_key([1, 2]) == prefix_key((1, 2)), prefix_key([1, 2]) == prefix_key([2, 1])
+        (2, True, False)
+    """
+    ids = np.asarray(tokens, np.int32)
+    return len(ids), hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
+
+
+def state_nbytes(state) -> int:
+    """Bytes of every leaf of a state or of its shapes (global sizes).
+
+    Example:
+        >>> state_nbytes({"a": jnp.zeros((2, 3)), "b": None})
+        24
+    """
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+
+
+def extract_row(state, row, like):
+    """Row `row` of a B-row `state` as a 1-row state shaped as `like` (same pytree; each leaf's batch
+    axis found by `batch_axis`): the inverse of `engine.insert_row`, no per-architecture code.
+    Always a copy, so the running state may be donated afterwards.
+
+    Example:
+        >>> out = extract_row({"k": jnp.arange(6.0).reshape(1, 3, 2)}, 2, {"k": jnp.zeros((1, 1, 2))})
+        >>> out["k"].tolist()
+        [[[4.0, 5.0]]]
+    """
+    def take(big, small):
+        if small.shape == big.shape:
+            return jnp.copy(big)
+        return jax.lax.dynamic_slice_in_dim(big, row, 1, batch_axis(small.shape, big.shape))
+    return jax.tree.map(take, state, like)
+
+
+def copy_state(state):
+    """A copy of every leaf (a stored snapshot stays valid when its copy is donated to a prefill)."""
+    return jax.tree.map(jnp.copy, state)
+
+
+@dataclasses.dataclass(eq=False)
+class Snapshot:
+    """A stored 1-row state: `tokens` consumed but the last, which is pending."""
+    tokens: tuple[int, ...]
+    state: object
+    greedy: bool            # the pending token is the greedy pick after tokens[:-1]
+    nbytes: int
+
+
+@dataclasses.dataclass
+class Hit:
+    """What a lookup found: resume the prefill at `start` from a copy of the snapshot's state, or
+    (`ready`, a greedy repeat) use the state as is with its pending token as the first token."""
+    snapshot: Snapshot
+    start: int
+    ready: bool
+
+    @property
+    def tokens(self) -> int:
+        """Prompt tokens not prefilled thanks to the hit."""
+        return self.start
+
+
+class PrefixCache:
+    """Snapshots under a byte budget, least recently used evicted first (see the module docstring).
+    One engine's: the states are its decoder's 1-row states (`clear` when the decoder changes)."""
+
+    def __init__(self, budget_bytes: int):
+        if budget_bytes < 0:
+            raise ValueError(f"the prefix cache budget must be >= 0 bytes, got {budget_bytes}")
+        self.budget = int(budget_bytes)
+        self.counters = collections.Counter()   # lookups, hits, hit_tokens, stored, evicted
+        self.clear()
+
+    def clear(self) -> None:
+        """Drops every snapshot and the row layout (a new decoder's states differ)."""
+        self.entries: collections.OrderedDict[tuple, Snapshot] = collections.OrderedDict()
+        self.heads: dict[tuple, tuple] = {}         # key of tokens[:-1] -> key, greedy snapshots
+        self.lengths: collections.Counter = collections.Counter()    # key lengths held
+        self.bytes = 0
+        self.like = None                            # a 1-row state's shapes, dtypes, shardings
+        self._extract = None
+
+    # ---- the store ---------------------------------------------------------------------------
+    def lookup(self, prompt_ids, greedy: bool) -> Hit | None:
+        """The longest reusable snapshot for a prompt (a greedy repeat first), marked most recently
+        used; None without one."""
+        self.counters["lookups"] += 1
+        prompt = tuple(int(t) for t in prompt_ids)
+        hit = None
+        if greedy:
+            snap = self._get(self.heads.get(prefix_key(prompt)))
+            if snap is not None and snap.tokens[:-1] == prompt:
+                hit = Hit(snap, len(prompt), True)
+        for m in sorted((m for m in self.lengths if m <= len(prompt)), reverse=True):
+            if hit is not None:
+                break
+            snap = self._get(prefix_key(prompt[:m]))
+            if snap is not None and snap.tokens == prompt[:m]:
+                hit = Hit(snap, m - 1, False)
+        if hit is not None:
+            self.entries.move_to_end(prefix_key(hit.snapshot.tokens))
+            self.counters["hits"] += 1
+            self.counters["hit_tokens"] += hit.tokens
+        return hit
+
+    def _get(self, key) -> Snapshot | None:
+        return None if key is None else self.entries.get(key)
+
+    def offer(self, tokens, state, greedy: bool) -> bool:
+        """Stores `state` as the snapshot of `tokens` (consumed but the last, which is pending),
+        evicting the least recently used past the budget; returns whether it is stored (a known key
+        is only marked used; a snapshot larger than the budget is not kept)."""
+        tokens = tuple(int(t) for t in tokens)
+        key = prefix_key(tokens)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return False
+        nbytes = state_nbytes(state)
+        if nbytes > self.budget:
+            return False
+        while self.bytes + nbytes > self.budget:
+            self._evict()
+        self.entries[key] = Snapshot(tokens, state, bool(greedy), nbytes)
+        self.lengths[len(tokens)] += 1
+        if greedy:
+            self.heads[prefix_key(tokens[:-1])] = key
+        self.bytes += nbytes
+        self.counters["stored"] += 1
+        return True
+
+    def _evict(self) -> None:
+        key, snap = self.entries.popitem(last=False)
+        self.lengths[len(snap.tokens)] -= 1
+        if not self.lengths[len(snap.tokens)]:
+            del self.lengths[len(snap.tokens)]
+        head = prefix_key(snap.tokens[:-1])
+        if self.heads.get(head) == key:
+            del self.heads[head]
+        self.bytes -= snap.nbytes
+        self.counters["evicted"] += 1
+
+    # ---- the engine's two hooks ----------------------------------------------------------------
+    def prefill(self, rows, prompt_ids, vocab_size: int, max_len: int, sp, key, greedy: bool):
+        """A request's prefill through `rows` (`SpecRows` / `PlainRows`), as `rows.prefill`: a
+        generator running one chunk per `next` whose last call returns `(1-row state, first token)`.
+        It starts from the longest stored snapshot (`lookup`) and stores the prefill's own."""
+        hit = self.lookup(prompt_ids, greedy)
+        if hit is not None and hit.ready:
+            return hit.snapshot.state, hit.snapshot.tokens[-1]
+        start, state = (0, None) if hit is None else (hit.start, copy_state(hit.snapshot.state))
+        tokens_1t = pad_prompts([list(prompt_ids[start:])], 1, vocab_size, batch_bucket=1).tokens_bt
+        row_state, first = yield from rows.prefill(tokens_1t, np.asarray([len(prompt_ids)], np.int32), max_len, sp,
+                                                   key, greedy, state=state, start=start)
+        self._learn(row_state)
+        self.offer(tuple(prompt_ids) + (first,), row_state, greedy)
+        return row_state, first
+
+    def offer_row(self, state, row: int, tokens, greedy: bool) -> bool:
+        """A finished row of the running `state` offered as the snapshot of `tokens` (its prompt +
+        output: all consumed but the last, which is pending); extracted (`extract_row`, one compile)
+        only when it is new and fits the budget."""
+        key = prefix_key(tokens)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return False
+        if self.like is None or state_nbytes(self.like) > self.budget:
+            return False
+        return self.offer(tokens, self._extract(state, np.int32(row)), greedy)
+
+    def _learn(self, row_state) -> None:
+        if self.like is None:
+            self.like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), row_state)
+            self._extract = counted_jit(functools.partial(extract_row, like=self.like),
+                                        out_shardings=jax.tree.map(lambda x: x.sharding, self.like))
+
+    def compile_counts(self) -> dict[str, int]:
+        """The row extraction's compiles (one per engine)."""
+        return {"extract_row": 0 if self._extract is None else self._extract.compiles}
+
+    def metrics(self) -> dict[str, int]:
+        """What `/metrics` shows: lookups, hits, hit tokens, snapshots held, their bytes, the budget."""
+        c = self.counters
+        return {"lookups": c["lookups"], "hits": c["hits"], "hit_tokens": c["hit_tokens"], "stored": c["stored"],
+                "evicted": c["evicted"], "entries": len(self.entries), "bytes": self.bytes,
+                "budget_bytes": self.budget}
