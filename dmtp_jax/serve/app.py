@@ -386,14 +386,17 @@ def warm_up(engine: Engine, every_bucket: bool = True) -> None:
         bucket *= 2
     if top > chunk:                 # longer prompts run chunks of `prefill_chunk` tokens
         lengths.append(engine.max_model_len - 2)
+    cache, engine.prefix_cache = engine.prefix_cache, None     # every bucket compiled, not resumed from another
     reqs = [engine.add(Request([0] * n, 2, stop_ids=())) for n in lengths]
     while not all(r.finished for r in reqs):
         engine.step()
     engine.counters.clear()
+    engine.prefix_cache = cache
 
 
 def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-          max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None) -> int:
+          max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
+          prefix_cache_gb: float = 0.0) -> int:
     """Builds the engine, compiles it, and serves until SIGTERM / Ctrl-C (then exits 0: running
     requests are finished, or cancelled after 30 s). `infer.py serve` calls it.
 
@@ -404,7 +407,8 @@ def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port:
 
     import uvicorn
 
-    engine = Engine(decoder, max_batch_size=max_batch_size, max_model_len=max_model_len, stop_ids=stop_ids)
+    engine = Engine(decoder, max_batch_size=max_batch_size, max_model_len=max_model_len, stop_ids=stop_ids,
+                    prefix_cache_gb=prefix_cache_gb)
     warm_up(engine)
     scheduler = Scheduler(engine)
     app = build_app(scheduler, tokenizer, model_name)

@@ -110,7 +110,12 @@ def extract_row(state, row, like):
 
 
 def copy_state(state):
-    """A copy of every leaf (a stored snapshot stays valid when its copy is donated to a prefill)."""
+    """A copy of every leaf (a stored snapshot stays valid when its copy is donated to a prefill).
+
+    Example:
+        >>> copy_state({"k": jnp.ones(2)})["k"].tolist()
+        [1.0, 1.0]
+    """
     return jax.tree.map(jnp.copy, state)
 
 
@@ -155,7 +160,7 @@ class PrefixCache:
         self.lengths: collections.Counter = collections.Counter()    # key lengths held
         self.bytes = 0
         self.like = None                            # a 1-row state's shapes, dtypes, shardings
-        self._extract = None
+        self._extract = self._copy = None
 
     # ---- the store ---------------------------------------------------------------------------
     def lookup(self, prompt_ids, greedy: bool) -> Hit | None:
@@ -224,7 +229,7 @@ class PrefixCache:
         hit = self.lookup(prompt_ids, greedy)
         if hit is not None and hit.ready:
             return hit.snapshot.state, hit.snapshot.tokens[-1]
-        start, state = (0, None) if hit is None else (hit.start, copy_state(hit.snapshot.state))
+        start, state = (0, None) if hit is None else (hit.start, self._copy(hit.snapshot.state))
         tokens_1t = pad_prompts([list(prompt_ids[start:])], 1, vocab_size, batch_bucket=1).tokens_bt
         row_state, first = yield from rows.prefill(tokens_1t, np.asarray([len(prompt_ids)], np.int32), max_len, sp,
                                                    key, greedy, state=state, start=start)
@@ -245,14 +250,19 @@ class PrefixCache:
         return self.offer(tokens, self._extract(state, np.int32(row)), greedy)
 
     def _learn(self, row_state) -> None:
+        """The row layout from the first prefilled state; the row copy compiled on it (one small
+        copy now rather than a compile in a later request's first token)."""
         if self.like is None:
             self.like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), row_state)
-            self._extract = counted_jit(functools.partial(extract_row, like=self.like),
-                                        out_shardings=jax.tree.map(lambda x: x.sharding, self.like))
+            shardings = jax.tree.map(lambda x: x.sharding, self.like)
+            self._extract = counted_jit(functools.partial(extract_row, like=self.like), out_shardings=shardings)
+            self._copy = counted_jit(copy_state, out_shardings=shardings)
+            jax.block_until_ready(self._copy(row_state))
 
     def compile_counts(self) -> dict[str, int]:
-        """The row extraction's compiles (one per engine)."""
-        return {"extract_row": 0 if self._extract is None else self._extract.compiles}
+        """The row extraction's and the row copy's compiles (one each per engine)."""
+        return {name: 0 if fn is None else fn.compiles for name, fn in (("extract_row", self._extract),
+                                                                         ("copy_row", self._copy))}
 
     def metrics(self) -> dict[str, int]:
         """What `/metrics` shows: lookups, hits, hit tokens, snapshots held, their bytes, the budget."""
