@@ -156,7 +156,8 @@ def test_two_turn_chat_with_the_cache_equals_without(method, decoders):
     counts = cached.compile_counts()
     steps = counts.get("round", counts.get("decode_step"))
     assert counts["extract_row"] == counts["copy_row"] == counts["insert_row"] == 1, counts
-    assert counts["prefill"] <= 1 + sampled and steps <= 1 + sampled, counts
+    # prefill: the prompt bucket and one resume bucket (`resume_tokens`), greedy (and sampled)
+    assert counts["prefill"] <= 2 * (1 + sampled) and steps <= 1 + sampled, counts
 
 
 def test_metrics_show_the_prefix_cache(decoders):

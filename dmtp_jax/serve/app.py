@@ -390,8 +390,11 @@ def warm_up(engine: Engine, every_bucket: bool = True) -> None:
     reqs = [engine.add(Request([0] * n, 2, stop_ids=())) for n in lengths]
     while not all(r.finished for r in reqs):
         engine.step()
-    engine.counters.clear()
     engine.prefix_cache = cache
+    if cache is not None:
+        from dmtp_jax.serve.prefix_cache import warm_up_resumes
+        warm_up_resumes(engine)     # a resumed prefill's short buckets
+    engine.counters.clear()
 
 
 def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,

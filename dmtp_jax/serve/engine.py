@@ -405,8 +405,7 @@ class Engine:
         sp = SamplingParams.make(req.temperature, req.top_p, req.top_k)
         key = jax.random.fold_in(jax.random.key(req.seed), 0)
         if self.prefix_cache is not None:     # the starting state and position: the longest stored prefix
-            gen = self.prefix_cache.prefill(self.rows, req.prompt_ids, self.cfg.vocab_size, self.max_len, sp, key,
-                                            req.greedy)
+            gen = self.prefix_cache.prefill(self.rows, req.prompt_ids, self.max_len, sp, key, req.greedy)
         else:
             gen = self.rows.prefill(batch.tokens_bt, batch.lengths_b, self.max_len, sp, key, req.greedy)
         width = chunk_length(batch.tokens_bt.shape[1], self.prefill_budget)
@@ -466,6 +465,8 @@ class Engine:
         greedy = all(r.greedy for r in reqs)
         sp = SamplingParams.rows(temperature, top_p, 0 if greedy else (self._shared_top_k() or 0))
         self._index += 1
+        if self.prefix_cache is not None:   # rows the round may end: their exact state, once
+            self.prefix_cache.before_round(self.state, self.running, self.rows.slots)
         self.state, tokens_bn, acc_b = self.rows.step(self.state, active, limits, pending, lengths, sp, self._index,
                                                       greedy)
         self.counters["rounds"] += 1

@@ -11,6 +11,10 @@ position `L` and the drafter context at `L - 1` pair with the pending token). Sn
                        (`offer_row`; the engine offers it only when the last round committed no
                        token past the kept output: a stop token or the budget mid-round leaves the
                        state past the text, and a DeltaNet state cannot step back)
+    near the budget    a speculative row the next round may end by its `max_tokens`, once, before
+                       that round (`before_round`): the text so far, so a next turn still resumes
+                       within a round of the answer's end (after a stop token mid-round, it
+                       resumes from the prefill's snapshot)
 
 and reused by a prompt of `p` tokens (the longest match wins):
 
@@ -55,8 +59,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dmtp_jax.counted_jit import counted_jit
-from dmtp_jax.decode.batch import RequestError, pad_prompts
-from dmtp_jax.serve.engine import batch_axis
+from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, RequestError, next_pow2
+from dmtp_jax.serve.engine import Request, batch_axis
+
+RESUME_BUCKET_FLOOR = 16     # a resumed prefill's shortest bucket: a chat turn's new text is short
 
 
 def prefix_cache_bytes(gb: float) -> int:
@@ -107,6 +113,42 @@ def extract_row(state, row, like):
             return jnp.copy(big)
         return jax.lax.dynamic_slice_in_dim(big, row, 1, batch_axis(small.shape, big.shape))
     return jax.tree.map(take, state, like)
+
+
+def resume_tokens(suffix) -> np.ndarray:
+    """`[1, bucket]`: the tokens a resumed prefill runs, right-padded to a power of two from
+    `RESUME_BUCKET_FLOOR` (the prompt buckets from `PROMPT_BUCKET_FLOOR` on, so longer suffixes share
+    the prompts' programs; two more below it).
+
+    Example:
+        >>> resume_tokens([7, 8, 9]).shape, resume_tokens(list(range(40))).shape, resume_tokens([1] * 70).shape
+        ((1, 16), (1, 64), (1, 128))
+    """
+    tokens = np.zeros((1, next_pow2(len(suffix), RESUME_BUCKET_FLOOR)), np.int32)
+    tokens[0, :len(suffix)] = suffix
+    return tokens
+
+
+def warm_up_resumes(engine) -> None:
+    """Compiles an engine's greedy resumed prefill for the buckets below the prompts'
+    (`resume_tokens`) with a few short requests, then empties its cache (`serve/app.py:warm_up`)."""
+    cache = engine.prefix_cache
+
+    def run(prompt, max_tokens=1):
+        req = engine.add(Request(prompt, max_tokens, stop_ids=()))
+        while not req.finished:
+            engine.step()
+        return req.output_ids
+
+    base = [0] * 8
+    pending = run(base)[0]                          # stored: base consumed, its first token pending
+    bucket = PROMPT_BUCKET_FLOOR // 2
+    while bucket >= RESUME_BUCKET_FLOOR:            # longest first: each resumes from `base` alone
+        run(base + [pending] + [0] * (bucket - 1))
+        bucket //= 2
+    run(base, 2)                                    # a finished row: the row extraction compiled
+    cache.clear()
+    cache.counters.clear()
 
 
 def copy_state(state):
@@ -161,6 +203,7 @@ class PrefixCache:
         self.bytes = 0
         self.like = None                            # a 1-row state's shapes, dtypes, shardings
         self._extract = self._copy = None
+        self._near_end: set[int] = set()            # requests offered by `before_round`
 
     # ---- the store ---------------------------------------------------------------------------
     def lookup(self, prompt_ids, greedy: bool) -> Hit | None:
@@ -222,7 +265,7 @@ class PrefixCache:
         self.counters["evicted"] += 1
 
     # ---- the engine's two hooks ----------------------------------------------------------------
-    def prefill(self, rows, prompt_ids, vocab_size: int, max_len: int, sp, key, greedy: bool):
+    def prefill(self, rows, prompt_ids, max_len: int, sp, key, greedy: bool):
         """A request's prefill through `rows` (`SpecRows` / `PlainRows`), as `rows.prefill`: a
         generator running one chunk per `next` whose last call returns `(1-row state, first token)`.
         It starts from the longest stored snapshot (`lookup`) and stores the prefill's own."""
@@ -230,17 +273,30 @@ class PrefixCache:
         if hit is not None and hit.ready:
             return hit.snapshot.state, hit.snapshot.tokens[-1]
         start, state = (0, None) if hit is None else (hit.start, self._copy(hit.snapshot.state))
-        tokens_1t = pad_prompts([list(prompt_ids[start:])], 1, vocab_size, batch_bucket=1).tokens_bt
+        tokens_1t = resume_tokens(prompt_ids[start:])
         row_state, first = yield from rows.prefill(tokens_1t, np.asarray([len(prompt_ids)], np.int32), max_len, sp,
                                                    key, greedy, state=state, start=start)
         self._learn(row_state)
         self.offer(tuple(prompt_ids) + (first,), row_state, greedy)
         return row_state, first
 
+    def before_round(self, state, running, slots: int) -> None:
+        """Before a speculative round (`slots` > 1): the rows whose budget the round may reach are
+        offered once (`offer_row`). A round that ends a row past its kept text leaves a state no
+        later text can use (a DeltaNet state cannot step back); this one ends exactly at its text so
+        far, so the next turn resumes a round's tokens before the end of the answer."""
+        if slots < 2:
+            return
+        self._near_end &= {req.id for req in running if req is not None}
+        for row, req in enumerate(running):
+            if req is not None and req.id not in self._near_end and req.max_tokens - len(req.output_ids) <= slots:
+                self._near_end.add(req.id)
+                self.offer_row(state, row, req.prompt_ids + req.output_ids, req.greedy)
+
     def offer_row(self, state, row: int, tokens, greedy: bool) -> bool:
-        """A finished row of the running `state` offered as the snapshot of `tokens` (its prompt +
-        output: all consumed but the last, which is pending); extracted (`extract_row`, one compile)
-        only when it is new and fits the budget."""
+        """A row of the running `state` offered as the snapshot of `tokens` (its prompt + output:
+        all consumed but the last, which is pending); extracted (`extract_row`, one compile) only
+        when it is new and fits the budget."""
         key = prefix_key(tokens)
         if key in self.entries:
             self.entries.move_to_end(key)
