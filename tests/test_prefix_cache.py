@@ -160,12 +160,21 @@ def test_two_turn_chat_with_the_cache_equals_without(method, decoders):
     assert counts["prefill"] <= 2 * (1 + sampled) and steps <= 1 + sampled, counts
 
 
-def test_metrics_show_the_prefix_cache(decoders):
+def test_warm_up_compiles_the_resumes_and_metrics_show_the_cache(decoders):
+    """`serve`'s warm-up of the resume buckets leaves no compile for later hits and an empty cache;
+    `/metrics` shows hits, hit tokens, bytes and the budget."""
     from dmtp_jax.serve.metrics import ServerMetrics
+    from dmtp_jax.serve.prefix_cache import warm_up_resumes
 
     cached = engine(decoders["ar"], True)
-    serve_all(cached, [Request(PROMPTS[0], 3)])
-    serve_all(cached, [Request(PROMPTS[0], 3)])
+    warm_up_resumes(cached)
+    counts = cached.compile_counts()
+    assert counts["extract_row"] == counts["copy_row"] == 1 and cached.prefix_cache.metrics()["entries"] == 0
+    answer = serve_all(cached, [Request(PROMPTS[0], 3)])[0]
+    serve_all(cached, [Request(PROMPTS[0], 3)])                              # a greedy repeat
+    serve_all(cached, [Request(PROMPTS[0] + answer + [9] * 20, 3)])          # resumes 21 tokens: bucket 32
+    assert cached.compile_counts() == counts
     text = ServerMetrics().render(cached)
-    assert "dmtp_prefix_cache_hits_total 1" in text and f"dmtp_prefix_cache_hit_tokens_total {len(PROMPTS[0])}" in text
+    hit_tokens = len(PROMPTS[0]) + len(PROMPTS[0]) + len(answer) - 1
+    assert "dmtp_prefix_cache_hits_total 2" in text and f"dmtp_prefix_cache_hit_tokens_total {hit_tokens}" in text
     assert "dmtp_prefix_cache_bytes " in text and "dmtp_prefix_cache_budget_bytes 10737418" in text

@@ -51,7 +51,8 @@ class PlanResult:
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "fits": self.fits, "per_device_peak_bytes": self.per_device_peak_bytes,
-                "hbm_bytes": self.hbm_bytes, "resident_bytes": self.resident_bytes, "topology": self.topology, "platform": self.platform,
+                "hbm_bytes": self.hbm_bytes, "resident_bytes": self.resident_bytes,
+                "topology": self.topology, "platform": self.platform,
                 "device_kind": self.device_kind, "num_devices": self.num_devices, "mesh": self.mesh,
                 "settings": self.settings, "weight_bytes": self.weight_bytes, "state_bytes": self.state_bytes,
                 "functions": [f.to_json() for f in self.functions], "notes": self.notes}

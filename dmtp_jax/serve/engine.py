@@ -272,7 +272,7 @@ class Engine:
         self._insert = counted_jit(insert_row, donate_argnums=0, out_shardings=shardings)
         self.prefill_budget = int(self.rows.decoder.prefill_chunk)   # prefill tokens per step
         if self.prefix_cache is not None:
-            self.prefix_cache.clear()                                # snapshots of this decoder's states only
+            self.prefix_cache.reset()                                # snapshots of this decoder's states only
 
     def _choose(self) -> None:
         """auto, first requests: measures the candidates on the waiting prompts (repeated to the

@@ -193,16 +193,21 @@ class PrefixCache:
             raise ValueError(f"the prefix cache budget must be >= 0 bytes, got {budget_bytes}")
         self.budget = int(budget_bytes)
         self.counters = collections.Counter()   # lookups, hits, hit_tokens, stored, evicted
+        self.reset()
+
+    def reset(self) -> None:
+        """Drops every snapshot, the row layout and its compiled copy / extraction (a new decoder's
+        states differ)."""
+        self.like = None                            # a 1-row state's shapes, dtypes, shardings
+        self._extract = self._copy = None
         self.clear()
 
     def clear(self) -> None:
-        """Drops every snapshot and the row layout (a new decoder's states differ)."""
+        """Drops every snapshot (the row layout and its programs stay)."""
         self.entries: collections.OrderedDict[tuple, Snapshot] = collections.OrderedDict()
         self.heads: dict[tuple, tuple] = {}         # key of tokens[:-1] -> key, greedy snapshots
         self.lengths: collections.Counter = collections.Counter()    # key lengths held
         self.bytes = 0
-        self.like = None                            # a 1-row state's shapes, dtypes, shardings
-        self._extract = self._copy = None
         self._near_end: set[int] = set()            # requests offered by `before_round`
 
     # ---- the store ---------------------------------------------------------------------------
