@@ -1,7 +1,7 @@
 """The serving engine's exact prefix cache (`dmtp_jax/serve/prefix_cache.py`): the store's keys,
 lookup rules, LRU budget and row extraction (no model), and a two-turn chat through the `Engine`
-with and without the cache on a tiny hybrid Qwen3.5-format target (Gated DeltaNet + gated
-attention, native MTP, a DFlash drafter, a DMTP fusion; built in JAX, no torch) for ar and dmtp:
+with and without the cache on conftest's tiny hybrid Qwen3.5 target (Gated DeltaNet + gated
+attention, native MTP) with a random DFlash drafter and DMTP fusion, for ar and dmtp:
 the same tokens, the second turn resumed from the first turn's finished row, a greedy repeat
 prefilling nothing, a request stopped mid-round, a sampled conversation, bounded compiles; and
 `/metrics`."""
@@ -69,27 +69,20 @@ def test_extract_row_inverts_insert_row():
 
 # ---- a two-turn chat through the engine, tiny hybrid target ----------------------------------------
 @pytest.fixture(scope="module")
-def hybrid_models():
+def hybrid_models(tiny_qwen3_5_dir):
+    """conftest's tiny Qwen3.5 target and its MTP head (peaked LM-head rows: drafts are partly
+    accepted), a random one-layer DFlash drafter and DMTP fusion."""
     from dmtp_jax.checkpoint.dflash_ckpt import init_drafter
     from dmtp_jax.checkpoint.dmtp_ckpt import init_fusion
-    from dmtp_jax.checkpoint.hf import init_target
-    from dmtp_jax.checkpoint.mtp_ckpt import init_mtp
-    from dmtp_jax.config import TargetConfig
+    from dmtp_jax.checkpoint.hf import load_target
+    from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
     from dmtp_jax.models.drafter_shape import default_drafter_config
 
-    cfg = TargetConfig.from_hf_dict({
-        "model_type": "qwen3_5_text", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
-        "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6, "eos_token_id": 127, "tie_word_embeddings": False, "mtp_num_hidden_layers": 1,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}})
-    target = init_target(cfg, "float32", seed=0)
-    head = target.state["lm_head"]
-    head[...] = head[...].at[:, 10:40].multiply(6.0)       # peaked: drafts are partly accepted
+    target = load_target(tiny_qwen3_5_dir)
+    cfg = target.cfg
+    assert cfg.linear_layers and cfg.attention_layers         # hybrid: Gated DeltaNet + gated attention
     drafter = init_drafter(default_drafter_config(cfg, num_layers=1, block_size=4), seed=2)
-    return {"target": target, "drafter": drafter, "mtp": init_mtp(cfg, seed=1),
+    return {"target": target, "drafter": drafter, "mtp": load_mtp(tiny_qwen3_5_dir, cfg),
             "fusion": init_fusion("dmtp", cfg.hidden_size, cfg.rms_norm_eps, seed=3)}
 
 
