@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch-size", type=int, default=8, help="rows of the running batch")
     sv.add_argument("--max-model-len", type=int, default=None,
                     help="most tokens (prompt + max_tokens) per request (default: max_position_embeddings)")
+    sv.add_argument("--prefix-cache-gb", type=float, default=0.0, metavar="GB",
+                    help="keep finished and prefilled requests' states (GiB, LRU; 0 = off): a prompt that begins "
+                         "with a served text, e.g. a chat's next turn, prefills only the rest (exact)")
     sv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the "
                                                                "target directory's name)")
     server_limit_args(sv)
@@ -210,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(XLA counts a loop body once; slower)")
     pl.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                     help="prompt tokens per prefill call (default: the decoders' 512)")
+    pl.add_argument("--prefix-cache-gb", type=float, default=0.0, metavar="GB",
+                    help="serve's prefix-cache budget: held per device besides the calls, part of the peak")
     draft_head_args(pl)
     pl.add_argument("--accept-len", type=float, default=None, metavar="TAU",
                     help="tokens committed per round (from a bench): turns the round's time estimate into tokens/s")
@@ -332,13 +337,15 @@ def cmd_serve(args) -> int:
                          f"max_position_embeddings), got {args.max_model_len}")
     if args.max_batch_size < 1:
         raise InputError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    if not args.prefix_cache_gb >= 0:
+        raise InputError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
     sock = bind_socket(args.host, args.port)             # a port in use fails here, before the models load
     tokenizer = load_tokenizer(target_dir, plain=True)     # transformers' only where it adds something (chat template)
     decoder, stops = load_decoder(args, target_dir, method, methods, make_mesh(args.mesh), tokenizer)
     name = args.served_model_name or os.path.basename(os.path.normpath(target_dir))
     return serve(decoder, tokenizer, name, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
                  max_model_len=args.max_model_len, stop_ids=stops, limits=limits, api_key=api_key,
-                 enable_docs=args.enable_docs, sock=sock)
+                 enable_docs=args.enable_docs, sock=sock, prefix_cache_gb=args.prefix_cache_gb)
 
 
 def cmd_compare(args) -> int:
@@ -373,7 +380,7 @@ def cmd_plan(args) -> int:
                           accept_len=args.accept_len, prefill_chunk=args.prefill_chunk,
                           exact_cost=args.exact_cost, draft_head=args.draft_head,
                           draft_head_rank=args.draft_head_rank, draft_head_shortlist=args.draft_head_shortlist,
-                          draft_head_vocab=args.draft_head_vocab,
+                          draft_head_vocab=args.draft_head_vocab, prefix_cache_gb=args.prefix_cache_gb,
                           progress=plan_progress)
     return finish_plan(plan, args.json_path)
 

@@ -181,6 +181,8 @@ def check_plan_options(args) -> None:
         raise RequestError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.prompt_len < 1:
         raise RequestError(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    if not getattr(args, "prefix_cache_gb", 0.0) >= 0:
+        raise RequestError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
     check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
                          prefill_chunk=getattr(args, "prefill_chunk", None))
     check_draft_head(args, counts=False)

@@ -81,15 +81,19 @@ def test_cli_does_not_fit_exits_2_after_the_table(tiny_qwen3_dir, tmp_path, caps
     out = tmp_path / "plan.json"
     rc = infer.main(["plan", "--target", os.path.join(tiny_qwen3_dir, "config.json"), "--method", "ar",
                      "--prompt-len", "8", "--max-new-tokens", "4", "--dtype", "float32", "--hbm-gb", "0.0001",
-                     "--json", str(out)])
+                     "--prefix-cache-gb", "0.5", "--json", str(out)])
     captured = capsys.readouterr()
     assert rc == 2
     assert "per-device peak" in captured.out and "decode_step" in captured.out
+    assert "prefix cache (serve)" in captured.out and "+ prefix cache 0.50 GiB" in captured.out
     err = captured.err.strip().splitlines()[-1]
     assert err.startswith("error: does not fit 0.00 GiB per device:") and "needs" in err
     plan = json.loads(out.read_text())
     assert {"fits", "per_device_peak_bytes", "weight_bytes", "functions"} <= set(plan)
     assert plan["fits"] is False and plan["weight_bytes"]["target"] > 0
+    # serve's prefix-cache budget is held besides the calls: a state line and part of the peak
+    assert plan["state_bytes"]["prefix cache (serve)"] == plan["resident_bytes"] == 2**29
+    assert plan["per_device_peak_bytes"] == max(f["peak_bytes"] for f in plan["functions"]) + 2**29
     for f in plan["functions"]:
         assert {"name", "compile_s", "peak_bytes", "flops", "bytes_accessed", "min_bytes", "estimated_s"} <= set(f)
         assert f["estimated_s"] is None         # the CPU compiler gives no time estimate

@@ -35,7 +35,7 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
                    verify: str = "rejection", accept_len: float | None = None, prefill_chunk: int | None = None,
                    exact_cost: bool = False, draft_head: str = "full", draft_head_rank: int | None = None,
                    draft_head_shortlist: int | None = None, draft_head_vocab: int | None = None,
-                   progress=None) -> PlanResult:
+                   prefix_cache_gb: float = 0.0, progress=None) -> PlanResult:
     """Compiles the prefill and the decode step / round / K-round dispatch of `method` for one
     request of `batch_size` prompts of `prompt_len` tokens and `max_new_tokens` new ones.
 
@@ -47,8 +47,10 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     (XLA counts a loop body once: without it they cover one layer group). `draft_head` "efficient":
     the drafting side's low-rank shortlist head (`models/draft_head.py`, rank / shortlist defaults
     from `head_shape`; `draft_head_vocab` N: scoring only N vocabulary ids, no counts needed to
-    plan); "int8": the LM head quantized to int8 for drafting. `progress(name)` is
-    called before each compile.
+    plan); "int8": the LM head quantized to int8 for drafting. `prefix_cache_gb`: `serve`'s
+    prefix-cache budget, held on the device besides the calls (a state line and part of the peak;
+    counted whole per device: its 1-row snapshots do not split over the batch axes). `progress(name)`
+    is called before each compile.
 
     Example:
         >>> plan = plan_inference("configs/models/qwen3.6-27b.json", topology="v5p:2x2x1",
@@ -100,6 +102,10 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
         settings["rounds/dispatch"] = rounds_per_dispatch
     if temperature:
         settings["temperature"] = temperature
+    resident = 0
+    if prefix_cache_gb:
+        from dmtp_jax.serve.prefix_cache import prefix_cache_bytes
+        resident = state["prefix cache (serve)"] = prefix_cache_bytes(prefix_cache_gb)
     if draft is None and "drafter" in models:
         d = models["drafter"].cfg
         notes.append(f"drafter: the default shape ({d.num_hidden_layers} layers of the target's width, "
@@ -107,4 +113,4 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     notes += cost_notes(functions, exact_cost)
     return PlanResult("inference", topology, topo.platform, topo.device_kind, device_mesh.size,
                       _mesh_sizes(device_mesh), _hbm(topo, hbm_gb), topo.peak_bytes_per_s, settings, weights, state,
-                      functions, notes)
+                      functions, notes, resident)

@@ -30,6 +30,7 @@ class PlanResult:
     state_bytes: dict               # per device: caches / DeltaNet states, or optimizer state
     functions: list[FunctionPlan]
     notes: list[str] = dataclasses.field(default_factory=list)
+    resident_bytes: int = 0         # per device, held across calls besides their arguments (the prefix cache)
 
     @property
     def peak(self) -> FunctionPlan:
@@ -37,7 +38,7 @@ class PlanResult:
 
     @property
     def per_device_peak_bytes(self) -> int:
-        return self.peak.peak_bytes
+        return self.peak.peak_bytes + self.resident_bytes
 
     @property
     def fits(self) -> bool:
@@ -45,7 +46,8 @@ class PlanResult:
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "fits": self.fits, "per_device_peak_bytes": self.per_device_peak_bytes,
-                "hbm_bytes": self.hbm_bytes, "topology": self.topology, "platform": self.platform,
+                "hbm_bytes": self.hbm_bytes, "resident_bytes": self.resident_bytes,
+                "topology": self.topology, "platform": self.platform,
                 "device_kind": self.device_kind, "num_devices": self.num_devices, "mesh": self.mesh,
                 "settings": self.settings, "weight_bytes": self.weight_bytes, "state_bytes": self.state_bytes,
                 "functions": [f.to_json() for f in self.functions], "notes": self.notes}
@@ -59,8 +61,9 @@ class PlanResult:
                      "outputs not in place": max(0, f.output_bytes - f.alias_bytes)}
         top = sorted(((v, k) for k, v in consumers.items() if v > 0), reverse=True)[:3]
         detail = ", ".join(f"{k} {gib(v)}" for v, k in top)
+        resident = f" + {gib(self.resident_bytes)} prefix cache" if self.resident_bytes else ""
         return (f"does not fit {gib(self.hbm_bytes)} per device: {f.name} needs {gib(f.peak_bytes)} "
-                f"({detail})")
+                f"({detail}){resident}")
 
     def _state_name(self) -> str:
         return "caches" if self.kind == "inference" else "train state"
@@ -120,8 +123,9 @@ def format_plan(plan: PlanResult) -> str:
                      f"{_si(f.min_bytes, 'B'):>10} {ratio:>6} {_time(per_call):>9} {_time(bound):>9} "
                      f"{f.calls:>6} {'-' if tok_s is None else f'{tok_s:,.0f}':>9}")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    lines += ["", f"per-device peak {gib(plan.per_device_peak_bytes)} ({plan.peak.name}) of {gib(plan.hbm_bytes)}: "
-                  f"{verdict}",
+    resident = f" + prefix cache {gib(plan.resident_bytes)}" if plan.resident_bytes else ""
+    lines += ["", f"per-device peak {gib(plan.per_device_peak_bytes)} ({plan.peak.name}{resident}) of "
+                  f"{gib(plan.hbm_bytes)}: {verdict}",
               "peak = arguments + outputs not written in place + temporaries + program; minimum = weights it "
               "runs + caches, each read once; est/call = the compiler's estimate (TPU only); bound = "
               "minimum / HBM bandwidth; tok/s = tokens per call / est/call"]

@@ -7,9 +7,10 @@ bucket, and its finished rows go into the running state in one scatter (`rows.pu
 whose prefill failed in a group is prefilled alone afterwards (`solo`), so a fault is pinned on the
 request that causes it.
 
-`start_of` is the one place where a request's starting state and position are chosen: today a fresh
-state at position 0 (a prefix cache would return its stored 1-row state and prefix length there;
-such a request is prefilled alone).
+`start_of` is the one place where a request's starting state and position are chosen: a fresh
+state at position 0, or with a prefix cache (`serve/prefix_cache.py`) the longest stored 1-row
+state whose tokens begin the prompt and its length; such a request is prefilled alone, over the
+prompt's rest only (`resume_tokens`), and a greedy repeat of a stored prompt prefills nothing.
 
 Example:
     >>> group = form_group(waiting, free=4, buckets=(1, 2, 4), budget=512, prefill_chunk=512,
@@ -27,6 +28,8 @@ from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, next_pow2, pad_prompts
 from dmtp_jax.decode.prefill import chunk_length, prefill_chunks
 from dmtp_jax.decode.spec import to_host
 from dmtp_jax.serve.request import Request, row_sampling
+
+RESUME_BUCKET_FLOOR = 16     # a resumed prefill's shortest bucket: a chat turn's new text is short
 
 
 def prompt_bucket(req: Request) -> int:
@@ -57,23 +60,56 @@ def row_buckets(max_batch_size: int) -> tuple[int, ...]:
     return tuple(sorted(set(out + [max_batch_size])))
 
 
-def start_of(req: Request):
-    """`(1-row starting state or None for a fresh one, start position)` of a request's prefill."""
-    return None, 0
+def start_of(req: Request, cache=None, take: bool = False):
+    """`(1-row starting state or None for a fresh one, start position)` of a request's prefill: the
+    longest stored prefix in `cache` (a `PrefixCache`), else `(None, 0)`. A peek unless `take`;
+    with `take` the hit is counted and marked used, and the state is a copy to prefill from (the
+    stored one itself when the start is the prompt's end: nothing runs, nothing is donated)."""
+    hit = None if cache is None else cache.lookup(req.prompt_ids, req.greedy, peek=not take)
+    if hit is None:
+        return None, 0
+    if not take or hit.start == len(req.prompt_ids):
+        return hit.snapshot.state, hit.start
+    return cache.copy(hit.snapshot.state), hit.start
+
+
+def resume_tokens(suffix) -> np.ndarray:
+    """`[1, bucket]`: the tokens a resumed prefill runs, right-padded to a power of two from
+    `RESUME_BUCKET_FLOOR` (the prompt buckets from `PROMPT_BUCKET_FLOOR` on, so longer suffixes share
+    the prompts' programs; a chat turn's short new text runs the ones below).
+
+    Example:
+        >>> resume_tokens([7, 8, 9]).shape, resume_tokens(list(range(40))).shape, resume_tokens([1] * 70).shape
+        ((1, 16), (1, 64), (1, 128))
+    """
+    tokens = np.zeros((1, next_pow2(len(suffix), RESUME_BUCKET_FLOOR)), np.int32)
+    tokens[0, :len(suffix)] = suffix
+    return tokens
+
+
+def resume_widths(prefill_chunk: int) -> list[int]:
+    """The resumed prefills' token widths below the prompt buckets (what `Engine.warm_up` adds).
+
+    Example:
+        >>> resume_widths(512), resume_widths(16)
+        ([16, 32], [16])
+    """
+    return sorted({chunk_length(w, prefill_chunk) for w in range(RESUME_BUCKET_FLOOR, PROMPT_BUCKET_FLOOR)
+                   if w & (w - 1) == 0})
 
 
 def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefill_chunk: int,
-               solo: set) -> list[Request]:
+               solo: set, cache=None) -> list[Request]:
     """The requests to prefill together next (oldest first; empty when none can start): the oldest
     admissible waiting request, then others of its prompt bucket while the row bucket times the chunk
-    width stays within `budget` tokens. A request in `solo`, or one starting from a stored state, goes
-    alone.
+    width stays within `budget` tokens. A request in `solo`, or one starting from a stored state
+    (`start_of` with `cache`), goes alone.
     """
     group: list[Request] = []
     for req in waiting:
         if len(group) >= free:
             break
-        alone = req.id in solo or start_of(req)[0] is not None
+        alone = req.id in solo or start_of(req, cache)[0] is not None
         if group:
             width = chunk_length(prompt_bucket(group[0]), prefill_chunk)
             if (alone or prompt_bucket(req) != prompt_bucket(group[0])
@@ -88,7 +124,8 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
 @dataclasses.dataclass
 class PrefillGroup:
     """The prefill of `reqs` in progress: `step()` runs one chunk and returns True once every chunk
-    ran; then `state` holds their rows (0..len-1; the rest padding) and `first` their first tokens."""
+    ran (at once when none is left: a greedy repeat); then `state` holds their rows (0..len-1; the
+    rest padding) and `first` their first tokens."""
     reqs: list[Request]
     rows: int
     width: int
@@ -99,23 +136,29 @@ class PrefillGroup:
     first: list[int] | None = None
 
     @classmethod
-    def start(cls, bank, reqs: list[Request], rows: int, max_len: int, vocab_size: int):
+    def start(cls, bank, reqs: list[Request], rows: int, max_len: int, vocab_size: int, cache=None):
         """The group's padded prompts (validated; each request's length was checked on arrival) and
-        its starting state (`start_of`)."""
+        its starting state (`start_of`; a resumed request is alone, on one row)."""
         batch = pad_prompts([r.prompt_ids for r in reqs], 1, vocab_size, batch_bucket=rows)
-        row_state, start = start_of(reqs[0])
-        state = bank.new_state(rows, max_len) if row_state is None else row_state
-        chunks = [(np.int32(s + start), c, n) for s, c, n in prefill_chunks(batch.tokens_bt[:, start:],
-                                                                           bank.prefill_chunk)]
+        row_state, start = start_of(reqs[0], cache, take=True)
+        if row_state is None:
+            state, tokens_bt = bank.new_state(rows, max_len), batch.tokens_bt
+        else:
+            rows, state, suffix = 1, row_state, reqs[0].prompt_ids[start:]
+            tokens_bt = resume_tokens(suffix) if suffix else np.zeros((1, 0), np.int32)
+        chunks = [(np.int32(s + start), c, n)
+                  for s, c, n in (prefill_chunks(tokens_bt, bank.prefill_chunk) if tokens_bt.shape[1] else ())]
         # a lone request's seed seeds its first token; a group draws with its oldest request's
         key = jax.random.fold_in(jax.random.key(reqs[0].seed), 0)
-        return cls(list(reqs), rows, chunks[0][1].shape[1], state, chunks, batch.lengths_b, key)
+        width = chunks[0][1].shape[1] if chunks else 0
+        return cls(list(reqs), rows, width, state, chunks, batch.lengths_b[:rows], key)
 
     def step(self, bank) -> bool:
-        start, chunk_bt, next_b = self.chunks.pop(0)
-        sp, greedy = row_sampling(self.reqs, self.rows)
-        self.state = bank.prefill_step(bank.model_states(), chunk_bt, next_b, start, self.lengths_b, self.state,
-                                       sp, self.key, greedy=greedy)
+        if self.chunks:
+            start, chunk_bt, next_b = self.chunks.pop(0)
+            sp, greedy = row_sampling(self.reqs, self.rows)
+            self.state = bank.prefill_step(bank.model_states(), chunk_bt, next_b, start, self.lengths_b, self.state,
+                                           sp, self.key, greedy=greedy)
         if self.chunks:
             return False
         self.first = [int(t) for t in to_host(self.state.pending_b)[:len(self.reqs)]]

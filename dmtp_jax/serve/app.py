@@ -250,8 +250,8 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
 
 def warm_up(engine: Engine, every_bucket: bool = True) -> None:
     """Compiles the engine's rounds (greedy and sampled: no request field compiles anything later),
-    row moves and prefills before the first request (`Engine.warm_up`), so that `/health` answers
-    only once they are ready and no request waits for a compile.
+    row moves, prefills and prefix-cache programs before the first request (`Engine.warm_up`), so
+    that `/health` answers only once they are ready and no request waits for a compile.
 
     Example:
         >>> warm_up(engine)  # doctest: +SKIP
@@ -263,7 +263,7 @@ def warm_up(engine: Engine, every_bucket: bool = True) -> None:
 def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
           max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
           limits: ServerLimits = ServerLimits(), api_key: str | None = None, enable_docs: bool = False,
-          sock=None) -> int:
+          sock=None, prefix_cache_gb: float = 0.0) -> int:
     """Binds `host:port` (unless given the bound `sock`; a port in use is an `InputError`), builds
     the engine, compiles it, listens, prints "serving ..." and serves until SIGTERM / Ctrl-C (then exits 0: running requests are finished,
     or cancelled after 30 s). `infer.py serve` calls it.
@@ -277,7 +277,8 @@ def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port:
 
     sock = sock or bind_socket(host, port)
     port = sock.getsockname()[1]
-    engine = Engine(decoder, max_batch_size=max_batch_size, max_model_len=max_model_len, stop_ids=stop_ids)
+    engine = Engine(decoder, max_batch_size=max_batch_size, max_model_len=max_model_len, stop_ids=stop_ids,
+                    prefix_cache_gb=prefix_cache_gb)
     warm_up(engine)
     scheduler = Scheduler(engine, max_waiting=limits.max_waiting)
     app = build_app(scheduler, tokenizer, model_name, limits=limits, api_key=api_key, enable_docs=enable_docs)

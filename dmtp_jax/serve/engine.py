@@ -20,6 +20,12 @@ costs the rows in use, not `max_batch_size`. Each `step()`:
                every cache of the row moves) and the state shrinks to the smallest bucket that
                holds the rest once nobody waits.
 
+With `prefix_cache_gb` > 0 (`serve/prefix_cache.py`) a request whose prompt begins with a stored
+text starts from the longest stored 1-row state (`admission.start_of`: prefilled alone, over the
+rest of the prompt; a greedy repeat of a stored prompt runs no prefill); every admitted row, every
+row that finishes exactly at its text, and a speculative row its next dispatch may end by its budget
+(once, before it: `PrefixCache.before_round`) are offered to the cache. Outputs are those without it.
+
 A request's greedy output is `generate`'s on the same prompt whatever else is in the batch and
 whichever rounds ran: rows never read each other and every round commits the target's argmax.
 Sampled rows carry their own temperature / top-p / top-k (`request.row_sampling`: traced values, both
@@ -57,11 +63,12 @@ from dmtp_jax.decode.auto import AUTO, AutoDecoder
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts, round_up
 from dmtp_jax.decode.prefill import chunk_length
 from dmtp_jax.decode.sampling import check as check_sampling
-from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
+from dmtp_jax.serve.admission import PrefillGroup, form_group, resume_widths, row_bucket, row_buckets
 from dmtp_jax.serve.policy import LoadPolicy
+from dmtp_jax.serve.prefix_cache import PrefixCache, copy_state, prefix_cache_bytes, state_nbytes
 from dmtp_jax.serve.request import Event, Request, row_sampling
 from dmtp_jax.serve.rounds import engine_bank
-from dmtp_jax.serve.rows import batch_axes, insert_row, move_row, put_rows, resize_rows
+from dmtp_jax.serve.rows import batch_axes, extract_row, insert_row, move_row, put_rows, resize_rows
 
 __all__ = ["Engine", "Event", "Request", "insert_row"]
 
@@ -76,12 +83,13 @@ class Engine:
     `buckets`: the running state's row counts (default `row_buckets(max_batch_size)`).
     `prefill_budget`: prefill tokens per step (default: the decoder's `prefill_chunk`).
     `rounds_per_dispatch`: K rounds per dispatch when nobody waits (default: the decoder's).
+    `prefix_cache_gb`: the prefix cache's budget in GiB (0: no cache; `serve/prefix_cache.py`).
     Not thread-safe: one thread calls `add`, `cancel` and `step` (the server's scheduler).
     """
 
     def __init__(self, decoder, *, max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
                  seed: int = 0, buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
-                 rounds_per_dispatch: int | None = None):
+                 rounds_per_dispatch: int | None = None, prefix_cache_gb: float = 0.0):
         cfg = decoder.target.cfg
         if max_batch_size < 1:
             raise RequestError(f"--max-batch-size must be >= 1, got {max_batch_size}")
@@ -116,6 +124,10 @@ class Engine:
         self._put = counted_jit(functools.partial(put_rows, axes), donate_argnums=0, out_shardings=shardings)
         self._move = counted_jit(functools.partial(move_row, axes), donate_argnums=0, out_shardings=shardings)
         self._resize = counted_jit(functools.partial(resize_rows, axes), static_argnums=1, out_shardings=shardings)
+        budget = prefix_cache_bytes(prefix_cache_gb)
+        self.prefix_cache = None if not budget else PrefixCache(
+            budget, extract=counted_jit(functools.partial(extract_row, axes), out_shardings=shardings),
+            copy=counted_jit(copy_state, out_shardings=shardings), row_bytes=state_nbytes(one))
         self.state = self.bank.new_state(self.buckets[0], self.max_len)
 
     @property
@@ -238,14 +250,14 @@ class Engine:
         """Starts the prefill of the next group (`admission.form_group`), None when none can start."""
         while True:
             reqs = form_group(self.waiting, self.max_batch_size - len(self.running), self.buckets,
-                              self.prefill_budget, self.bank.prefill_chunk, self._solo)
+                              self.prefill_budget, self.bank.prefill_chunk, self._solo, self.prefix_cache)
             if not reqs:
                 return None
             for req in reqs:
                 self.waiting.remove(req)
             try:
                 return PrefillGroup.start(self.bank, reqs, row_bucket(len(reqs), self.buckets), self.max_len,
-                                          self.cfg.vocab_size)
+                                          self.cfg.vocab_size, self.prefix_cache)
             except Exception:
                 self._group_failed(reqs, events)
 
@@ -296,14 +308,23 @@ class Engine:
                 continue
             self.running.append(req)
             req.first_token_s = now
+            if self.prefix_cache is not None:      # the prompt consumed, its first token pending
+                self.prefix_cache.offer_row(self.state, len(self.running) - 1, req.prompt_ids + [group.first[i]],
+                                            req.greedy)
             self._commit(req, [group.first[i]], events)
         self._compact()
 
-    def _commit(self, req: Request, tokens, events):
+    def _commit(self, req: Request, tokens, events, exact: bool = True):
+        """Commits a request's new tokens; `exact`: its row's state holds no token past them (no
+        later round of the dispatch ran it), so a finished row that kept them all is offered to the
+        prefix cache."""
         kept = req.tracker.add(0, tokens)
         req.output_ids.extend(kept)
         self.counters["generated_tokens"] += len(kept)
         if req.tracker.done[0]:
+            if self.prefix_cache is not None and exact and len(kept) == len(tokens):
+                self.prefix_cache.offer_row(self.state, self.running.index(req), req.prompt_ids + req.output_ids,
+                                            req.greedy)
             reason = "stop" if kept and kept[-1] in req.tracker.stop_ids else "length"
             self._finish(req, reason, events, kept)
         elif kept:
@@ -342,6 +363,8 @@ class Engine:
         stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if k > 1 else ()
         entry = self.bank.multi_round(method, k) if k > 1 else self.bank.round[method]
         compiles = entry.compiles
+        if self.prefix_cache is not None and self.bank.slots[method] > 1:   # rows the dispatch may end: once
+            self.prefix_cache.before_round(self.state, self.running, self.bank.slots[method] * k)
         self.state, tokens_bkn, acc_bk, ran_bk, k, seconds = self.bank.run(
             method, self.state, active, limits, sp, self.base_key, self._index + 1, greedy, k, stop_ids)
         self._index += k
@@ -356,7 +379,7 @@ class Engine:
                 req.acceptance.append(got)
                 row_rounds, committed = row_rounds + 1, committed + got
                 self.counters["first_accepted"] += got > 1
-                self._commit(req, tokens_bkn[i, j, :got].tolist(), events)
+                self._commit(req, tokens_bkn[i, j, :got].tolist(), events, exact=not ran_bk[i, j + 1:].any())
         self.counters["row_rounds"] += row_rounds
         self.counters["committed"] += committed
         self.policy.observe(method, rows, rounds=k, seconds=seconds, row_rounds=row_rounds, committed=committed,
@@ -392,8 +415,29 @@ class Engine:
                 group = PrefillGroup.start(self.bank, reqs, rows, self.max_len, self.cfg.vocab_size)
                 while not group.step(self.bank):
                     pass
+        if self.prefix_cache is not None:
+            self.warm_up_prefix_cache(temperatures)
+
+    def warm_up_prefix_cache(self, temperatures=(0.0, 1.0)) -> None:
+        """Compiles the prefix cache's programs: the row extraction at every row bucket, the row copy
+        and the resumed prefills below the prompt buckets (`admission.resume_widths`; longer ones
+        run the prompts' programs); leaves the cache empty."""
+        cache = self.prefix_cache
+        for rows in self.buckets:
+            cache.extract(self.bank.new_state(rows, self.max_len), np.int32(0))
+        base = [0] * 8
+        for width, t in itertools.product(resume_widths(self.bank.prefill_chunk), temperatures):
+            cache.offer(base + [0], self.bank.new_state(1, self.max_len), greedy=False)
+            req = Request(base + [0] * width, 1, temperature=t)      # resumes at 8: `width` tokens run
+            group = PrefillGroup.start(self.bank, [req], 1, self.max_len, self.cfg.vocab_size, cache)
+            while not group.step(self.bank):
+                pass
+        cache.clear()
+        cache.counters.clear()
 
     def compile_counts(self) -> dict[str, int]:
-        """The bank's compile counts plus the row moves' (`put_rows`, `move_row`, `resize_rows`)."""
+        """The bank's compile counts plus the row moves' (`put_rows`, `move_row`, `resize_rows`) and
+        the prefix cache's (`extract_row`, `copy_row`)."""
+        cache = {} if self.prefix_cache is None else self.prefix_cache.compile_counts()
         return {**self.bank.compile_counts(), "put_rows": self._put.compiles, "move_row": self._move.compiles,
-                "resize_rows": self._resize.compiles}
+                "resize_rows": self._resize.compiles, **cache}

@@ -117,6 +117,18 @@ class ServerMetrics:
                     f"# TYPE {prefix}_auto_measured_decode_tokens_per_second gauge"]
             out += [f'{prefix}_auto_measured_decode_tokens_per_second{{method="{c}"}} {x["decode_tokens_per_s"]}'
                     for c, x in verdict.measured.items()]
+        cache = getattr(engine, "prefix_cache", None)
+        if cache is not None:           # --prefix-cache-gb: reuse of stored prefixes
+            pc = cache.metrics()
+            out += _lines(prefix, [
+                ("prefix_cache_hits_total", "counter", "requests started from a stored prefix", pc["hits"]),
+                ("prefix_cache_hit_tokens_total", "counter", "prompt tokens not prefilled thanks to a stored prefix",
+                 pc["hit_tokens"]),
+                ("prefix_cache_lookups_total", "counter", "requests that looked for a stored prefix", pc["lookups"]),
+                ("prefix_cache_entries", "gauge", "snapshots held", pc["entries"]),
+                ("prefix_cache_bytes", "gauge", "bytes of the snapshots held", pc["bytes"]),
+                ("prefix_cache_budget_bytes", "gauge", "the budget (--prefix-cache-gb)", pc["budget_bytes"]),
+                ("prefix_cache_evicted_total", "counter", "snapshots evicted past the budget", pc["evicted"])])
         out += [f"# HELP {prefix}_requests_finished_total requests finished, by reason",
                 f"# TYPE {prefix}_requests_finished_total counter"]
         out += [f'{prefix}_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]
@@ -126,3 +138,11 @@ class ServerMetrics:
             out += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} histogram"]
             out += hist.lines(f"{prefix}_{name}")
         return "\n".join(out) + "\n"
+
+
+def _lines(prefix: str, gauges) -> list[str]:
+    """Exposition lines of unlabelled `(name, kind, help, value)` metrics."""
+    out = []
+    for name, kind, help_text, value in gauges:
+        out += [f"# HELP {prefix}_{name} {help_text}", f"# TYPE {prefix}_{name} {kind}", f"{prefix}_{name} {value}"]
+    return out

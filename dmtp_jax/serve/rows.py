@@ -7,6 +7,7 @@ bucket. A leaf's batch axis is where a 1-row and a 2-row state differ (`batch_ax
     put_rows    the rows of a small state into rows `dst_g` of a big one (`dst >= rows`: dropped)
     move_row    row `src` copied onto row `dst` (compaction after a row finishes)
     resize_rows the first `rows` rows (shrink), or the state padded with zero rows (grow)
+    extract_row row `row` as a 1-row state (a copy; the inverse of `insert_row`)
 
 A row that moves keeps its whole state: every leaf's row moves together.
 
@@ -104,3 +105,13 @@ def resize_rows(axes, state, rows: int):
         pad[axis] = (0, rows - have)
         return jnp.pad(x, pad)
     return jax.tree.map(resize, axes, state)
+
+
+def extract_row(axes, state, row):
+    """Row `row` of `state` as a 1-row state (a copy: `state` may be donated afterwards).
+
+    Example:
+        >>> extract_row({"n": 0}, {"n": jnp.array([1.0, 2.0, 3.0])}, 2)["n"].tolist()
+        [3.0]
+    """
+    return jax.tree.map(lambda axis, x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis), axes, state)

@@ -1,0 +1,249 @@
+"""An exact prefix cache for the serving engine: 1-row decode states keyed by the tokens they hold.
+
+A snapshot is the engine's whole 1-row state (target K/V, Gated DeltaNet conv windows and recurrent
+states, the MTP and drafter context caches and, for speculative decoders, length / pending token /
+MTP hidden) at a point where `L` tokens are consumed and token `L` is pending. Its key is those
+`L + 1` tokens: every leaf is a function of them alone, whatever picked them (the MTP row at
+position `L` and the drafter context at `L - 1` pair with the pending token). Snapshots are taken
+
+    after a prefill    the prompt consumed, its first token pending (the engine offers each
+                       admitted row, `offer_row`)
+    at a finish        prompt + output consumed but the last output token, which is pending
+                       (`offer_row`; the engine offers it only when the last round committed no
+                       token past the kept output: a stop token or the budget mid-round leaves the
+                       state past the text, and a DeltaNet state cannot step back)
+    near the budget    a speculative row the next round may end by its `max_tokens`, once, before
+                       that round (`before_round`): the text so far, so a next turn still resumes
+                       within a round of the answer's end (after a stop token mid-round, it
+                       resumes from the prefill's snapshot)
+
+and reused by a prompt of `p` tokens (the longest match wins; `serve/admission.py:start_of` asks,
+and such a request is prefilled alone):
+
+    resume    a snapshot whose key is a prefix of the prompt with `L + 1 <= p`: a copy of its state
+              runs the decoder's own prefill step over the prompt from position `L` on, so at least
+              the pending token is re-run (the "one token short" rule: a prompt that repeats a
+              stored text exactly, e.g. the previous chat turn, still computes its first token).
+              Greedy tokens are those of a full prefill; a sampled first token is drawn as a full
+              prefill draws it (lossless)
+    repeat    greedy requests only: a snapshot of a greedy request whose key is the prompt plus one
+              token: that token is the greedy pick, the state is used as is, nothing runs.
+
+DeltaNet states exist only at the boundaries where they were produced, so keys are exact token
+sequences (their length and a hash of their ids, the ids compared on a hit), never a part of one.
+K/V slots past `L` may hold rejected drafts; the resumed prefill writes each slot before any query
+at or past it reads it (positions mask keys `k_pos <= q_pos`), as in a running batch.
+
+Snapshots stay on the device: a hit's state is what the next prefill starts from, so a host copy
+would cost a transfer each way per hit. Each counts its leaves' `nbytes` against the budget
+(`--prefix-cache-gb`); the least recently used go first past it. The engine hands the cache its
+jitted row programs: `extract` (`rows.extract_row` over the running state's batch axes) and `copy`
+(a 1-row state copied, so a snapshot survives the prefill that donates its copy).
+
+Example:
+    >>> cache = PrefixCache(1 << 20)
+    >>> cache.offer((1, 2, 3, 9), {"k": jnp.zeros((1, 4))}, greedy=True)
+    True
+    >>> hit = cache.lookup([1, 2, 3, 9, 5], greedy=False)
+    >>> hit.start, hit.ready
+    (3, False)
+    >>> cache.lookup([1, 2, 3], greedy=True).ready
+    True
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dmtp_jax.decode.batch import RequestError
+
+
+def prefix_cache_bytes(gb: float) -> int:
+    """`--prefix-cache-gb` in bytes (GiB, 2**30); raises `RequestError` when negative.
+
+    Example:
+        >>> prefix_cache_bytes(0.5)
+        536870912
+    """
+    if not gb >= 0:
+        raise RequestError(f"--prefix-cache-gb must be >= 0, got {gb}")
+    return int(gb * (1 << 30))
+
+
+def prefix_key(tokens) -> tuple[int, bytes]:
+    """`(length, hash of the token ids)`: the key of a snapshot holding exactly `tokens`.
+
+    Example:
+        >>> prefix_key([1, 2])[0], prefix_key([1, 2]) == prefix_key((1, 2)), prefix_key([1, 2]) == prefix_key([2, 1])
+        (2, True, False)
+    """
+    ids = np.asarray(tokens, np.int32)
+    return len(ids), hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
+
+
+def state_nbytes(state) -> int:
+    """Bytes of every leaf of a state or of its shapes (global sizes).
+
+    Example:
+        >>> state_nbytes({"a": jnp.zeros((2, 3)), "b": None})
+        24
+    """
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+
+
+def copy_state(state):
+    """A copy of every leaf (a stored snapshot stays valid when its copy is donated to a prefill).
+
+    Example:
+        >>> copy_state({"k": jnp.ones(2)})["k"].tolist()
+        [1.0, 1.0]
+    """
+    return jax.tree.map(jnp.copy, state)
+
+
+@dataclasses.dataclass(eq=False)
+class Snapshot:
+    """A stored 1-row state: `tokens` consumed but the last, which is pending."""
+    tokens: tuple[int, ...]
+    state: object
+    greedy: bool            # the pending token is the greedy pick after tokens[:-1]
+    nbytes: int
+
+
+@dataclasses.dataclass
+class Hit:
+    """What a lookup found: resume the prefill at `start` from a copy of the snapshot's state, or
+    (`ready`, a greedy repeat) use the state as is with its pending token as the first token."""
+    snapshot: Snapshot
+    start: int
+    ready: bool
+
+    @property
+    def tokens(self) -> int:
+        """Prompt tokens not prefilled thanks to the hit."""
+        return self.start
+
+
+class PrefixCache:
+    """Snapshots under a byte budget, least recently used evicted first (see the module docstring).
+    One engine's: the states are its bank's 1-row states. `extract(state, row)` and `copy(state)`:
+    the engine's jitted row programs (`offer_row` and a resume need them); `row_bytes`: a 1-row
+    state's bytes."""
+
+    def __init__(self, budget_bytes: int, *, extract=None, copy=None, row_bytes: int = 0):
+        if budget_bytes < 0:
+            raise ValueError(f"the prefix cache budget must be >= 0 bytes, got {budget_bytes}")
+        self.budget = int(budget_bytes)
+        self.extract, self.copy, self.row_bytes = extract, copy, int(row_bytes)
+        self.counters = collections.Counter()   # lookups, hits, hit_tokens, stored, evicted
+        self.clear()
+
+    def clear(self) -> None:
+        """Drops every snapshot (the row programs stay)."""
+        self.entries: collections.OrderedDict[tuple, Snapshot] = collections.OrderedDict()
+        self.heads: dict[tuple, tuple] = {}         # key of tokens[:-1] -> key, greedy snapshots
+        self.lengths: collections.Counter = collections.Counter()    # key lengths held
+        self.bytes = 0
+        self._near_end: set[int] = set()            # requests offered by `before_round`
+
+    # ---- the store ---------------------------------------------------------------------------
+    def lookup(self, prompt_ids, greedy: bool, peek: bool = False) -> Hit | None:
+        """The longest reusable snapshot for a prompt (a greedy repeat first), marked most recently
+        used and counted unless `peek`; None without one."""
+        prompt = tuple(int(t) for t in prompt_ids)
+        hit = None
+        if greedy:
+            snap = self._get(self.heads.get(prefix_key(prompt)))
+            if snap is not None and snap.tokens[:-1] == prompt:
+                hit = Hit(snap, len(prompt), True)
+        for m in sorted((m for m in self.lengths if m <= len(prompt)), reverse=True):
+            if hit is not None:
+                break
+            snap = self._get(prefix_key(prompt[:m]))
+            if snap is not None and snap.tokens == prompt[:m]:
+                hit = Hit(snap, m - 1, False)
+        if peek:
+            return hit
+        self.counters["lookups"] += 1
+        if hit is not None:
+            self.entries.move_to_end(prefix_key(hit.snapshot.tokens))
+            self.counters["hits"] += 1
+            self.counters["hit_tokens"] += hit.tokens
+        return hit
+    def _get(self, key) -> Snapshot | None:
+        return None if key is None else self.entries.get(key)
+
+    def offer(self, tokens, state, greedy: bool) -> bool:
+        """Stores `state` as the snapshot of `tokens` (consumed but the last, which is pending),
+        evicting the least recently used past the budget; returns whether it is stored (a known key
+        is only marked used; a snapshot larger than the budget is not kept)."""
+        tokens = tuple(int(t) for t in tokens)
+        key = prefix_key(tokens)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return False
+        nbytes = state_nbytes(state)
+        if nbytes > self.budget:
+            return False
+        while self.bytes + nbytes > self.budget:
+            self._evict()
+        self.entries[key] = Snapshot(tokens, state, bool(greedy), nbytes)
+        self.lengths[len(tokens)] += 1
+        if greedy:
+            self.heads[prefix_key(tokens[:-1])] = key
+        self.bytes += nbytes
+        self.counters["stored"] += 1
+        return True
+
+    def _evict(self) -> None:
+        key, snap = self.entries.popitem(last=False)
+        self.lengths[len(snap.tokens)] -= 1
+        if not self.lengths[len(snap.tokens)]:
+            del self.lengths[len(snap.tokens)]
+        head = prefix_key(snap.tokens[:-1])
+        if self.heads.get(head) == key:
+            del self.heads[head]
+        self.bytes -= snap.nbytes
+        self.counters["evicted"] += 1
+
+    # ---- the engine's hooks ---------------------------------------------------------------------
+    def before_round(self, state, running, reach: int) -> None:
+        """Before a speculative dispatch that may commit up to `reach` tokens per row: the rows whose
+        budget it may reach are offered once (`offer_row`; row i runs `running[i]`). A round that
+        ends a row past its kept text leaves a state no later text can use (a DeltaNet state cannot
+        step back); this one ends exactly at its text so far, so the next turn resumes at most a
+        dispatch's tokens before the end of the answer."""
+        self._near_end &= {req.id for req in running if req is not None}
+        for row, req in enumerate(running):
+            if req is not None and req.id not in self._near_end and req.max_tokens - len(req.output_ids) <= reach:
+                self._near_end.add(req.id)
+                self.offer_row(state, row, req.prompt_ids + req.output_ids, req.greedy)
+
+    def offer_row(self, state, row: int, tokens, greedy: bool) -> bool:
+        """A row of the running `state` offered as the snapshot of `tokens` (its prompt + output:
+        all consumed but the last, which is pending); extracted (`extract`) only when it is new and
+        fits the budget."""
+        key = prefix_key(tokens)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return False
+        if self.row_bytes > self.budget:
+            return False
+        return self.offer(tokens, self.extract(state, np.int32(row)), greedy)
+
+    def compile_counts(self) -> dict[str, int]:
+        """The row extraction's (one per row bucket) and the row copy's (one) compiles."""
+        return {name: getattr(fn, "compiles", 0) for name, fn in (("extract_row", self.extract), ("copy_row", self.copy))}
+
+    def metrics(self) -> dict[str, int]:
+        """What `/metrics` shows: lookups, hits, hit tokens, snapshots held, their bytes, the budget."""
+        c = self.counters
+        return {"lookups": c["lookups"], "hits": c["hits"], "hit_tokens": c["hit_tokens"], "stored": c["stored"],
+                "evicted": c["evicted"], "entries": len(self.entries), "bytes": self.bytes,
+                "budget_bytes": self.budget}
