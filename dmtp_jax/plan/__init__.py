@@ -103,9 +103,8 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     if temperature:
         settings["temperature"] = temperature
     resident = 0
-    if prefix_cache_gb:
-        from dmtp_jax.serve.prefix_cache import prefix_cache_bytes
-        resident = state["prefix cache (serve)"] = prefix_cache_bytes(prefix_cache_gb)
+    if prefix_cache_gb:           # GiB, as serve's `--prefix-cache-gb` (checked >= 0 by preflight)
+        resident = state["prefix cache (serve)"] = int(prefix_cache_gb * 2**30)
     if draft is None and "drafter" in models:
         d = models["drafter"].cfg
         notes.append(f"drafter: the default shape ({d.num_hidden_layers} layers of the target's width, "

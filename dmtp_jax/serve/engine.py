@@ -419,15 +419,16 @@ class Engine:
             self.warm_up_prefix_cache(temperatures)
 
     def warm_up_prefix_cache(self, temperatures=(0.0, 1.0)) -> None:
-        """Compiles the prefix cache's programs: the row extraction at every row bucket, the row copy
-        and the resumed prefills below the prompt buckets (`admission.resume_widths`; longer ones
-        run the prompts' programs); leaves the cache empty."""
-        cache = self.prefix_cache
+        """Compiles the prefix cache's programs: the row extraction at every row bucket, the scatter
+        of a resumed 1-row state, the row copy and the resumed prefills below the prompt buckets
+        (`admission.resume_widths`; longer ones run the prompts' programs); leaves the cache empty."""
+        cache, one = self.prefix_cache, self.bank.new_state(1, self.max_len)
         for rows in self.buckets:
             cache.extract(self.bank.new_state(rows, self.max_len), np.int32(0))
+            self._put(self.bank.new_state(rows, self.max_len), one, np.full(1, rows, np.int32))
         base = [0] * 8
         for width, t in itertools.product(resume_widths(self.bank.prefill_chunk), temperatures):
-            cache.offer(base + [0], self.bank.new_state(1, self.max_len), greedy=False)
+            cache.offer(base + [0], one, greedy=False)
             req = Request(base + [0] * width, 1, temperature=t)      # resumes at 8: `width` tokens run
             group = PrefillGroup.start(self.bank, [req], 1, self.max_len, self.cfg.vocab_size, cache)
             while not group.step(self.bank):
