@@ -82,6 +82,7 @@ def run_modes(decoder, stops, prompts, follow_up, args) -> dict:
 
 def main(argv=None) -> int:
     import infer
+    from dmtp_jax.decode.ar import ARDecoder
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tokenizer import load_tokenizer
 
@@ -116,7 +117,8 @@ def main(argv=None) -> int:
         methods, _ = infer.decoder_methods(sargs, target_dir, [method])
         decoder, stops = infer.load_decoder(sargs, target_dir, method, methods, make_mesh(None), tokenizer)
         runs = run_modes(decoder, stops, prompts, follow_up, args)
-        gen = runs[0.0]["engine"].rows.decoder           # what the engine serves (the probe may decline)
+        # greedy: every method emits plain decoding's tokens
+        gen = ARDecoder(decoder.target, prefill_chunk=runs[0.0]["engine"].bank.prefill_chunk)
         want1 = [gen.generate([q], args.max_tokens, stop_ids=stops).output_ids[0] for q in prompts]
         want2 = [gen.generate([q], args.max_tokens, stop_ids=stops).output_ids[0] for q in runs[0.0]["second_prompts"]]
         for gb, run in runs.items():

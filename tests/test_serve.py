@@ -7,7 +7,8 @@ import json
 import pytest
 
 from dmtp_jax.serve.engine import Engine
-from tests.serve_fixtures import MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, serve_decoder, serve_reference
+from tests.serve_fixtures import (MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, serve_decoder, serve_reference,
+                                  serve_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -20,32 +21,10 @@ def reference():
     return [list(r) for r in serve_reference()]
 
 
-def test_prefix_cache_on_a_dense_target_equals_generate(decoder, reference):
-    """The prefix cache on the tiny Qwen3 (attention only) with dmtp: a second turn (prompt +
-    answer + new text) resumes from the first turn's state and equals `generate` on the full prompt
-    (the deeper checks, on a hybrid target: tests/test_prefix_cache.py)."""
-    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], prefix_cache_gb=0.01)
-    first = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[:3], MAX_TOKENS[:3])]
-    while engine.busy:
-        engine.step()
-    assert [r.output_ids for r in first] == reference[:3]
-    turn2 = [p + r.output_ids + [7, 8, 9] for p, r in zip(PROMPTS[:3], first)]
-    second = [engine.add(Request(p, 10)) for p in turn2]
-    while engine.busy:
-        engine.step()
-    assert [r.output_ids for r in second] == [decoder.generate([p], 10, stop_ids=[]).output_ids[0] for p in turn2]
-    stats = engine.prefix_cache.metrics()
-    assert stats["hits"] == 3 and stats["hit_tokens"] >= sum(len(p) - 4 - 4 for p in turn2)   # within a round
-
-
 # ---- the HTTP server, through the real openai client ----------------------------------------------
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from dmtp_jax.tiny import save_byte_tokenizer
-    from dmtp_jax.tokenizer import load_tokenizer
-    d = str(tmp_path_factory.mktemp("tok"))
-    save_byte_tokenizer(d)
-    return load_tokenizer(d, plain=True)
+def tokenizer():
+    return serve_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,26 @@ def test_continuous_batching_equals_generate(decoder, reference):
     assert counts["round/dmtp"] <= 2 * len(BUCKETS) and counts["move_row"] <= len(BUCKETS)
 
 
+def test_prefix_cache_on_a_dense_target_equals_generate(decoder, reference):
+    """The prefix cache on the tiny Qwen3 (attention only) with dmtp: a second turn (prompt +
+    answer + new text) resumes from the first turn's state and equals `generate` on the full prompt
+    (rows finishing in rows 0..2 of a running batch; the deeper checks, on a hybrid target:
+    tests/test_prefix_cache.py)."""
+    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS,
+                    prefix_cache_gb=0.01)
+    first = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[:3], MAX_TOKENS[:3])]
+    while engine.busy:
+        engine.step()
+    assert [r.output_ids for r in first] == reference[:3]
+    turn2 = [p + r.output_ids + [7, 8, 9] for p, r in zip(PROMPTS[:3], first)]
+    second = [engine.add(Request(p, 10)) for p in turn2]
+    while engine.busy:
+        engine.step()
+    assert [r.output_ids for r in second] == [decoder.generate([p], 10, stop_ids=[]).output_ids[0] for p in turn2]
+    stats = engine.prefix_cache.metrics()
+    assert stats["hits"] == 3 and stats["hit_tokens"] >= sum(len(p) - 4 - 4 for p in turn2)   # within a round
+
+
 def test_stop_tokens_and_cancel_free_rows(decoder, reference):
     engine = Engine(decoder, max_batch_size=2, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(2,))
     stop = reference[2][5]

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import itertools
 import logging
 import time
 
@@ -61,14 +60,14 @@ import numpy as np
 from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.auto import AUTO, AutoDecoder
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts, round_up
-from dmtp_jax.decode.prefill import chunk_length
 from dmtp_jax.decode.sampling import check as check_sampling
-from dmtp_jax.serve.admission import PrefillGroup, form_group, resume_widths, row_bucket, row_buckets
+from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
 from dmtp_jax.serve.policy import LoadPolicy
 from dmtp_jax.serve.prefix_cache import PrefixCache, copy_state, prefix_cache_bytes, state_nbytes
 from dmtp_jax.serve.request import Event, Request, row_sampling
 from dmtp_jax.serve.rounds import engine_bank
 from dmtp_jax.serve.rows import batch_axes, extract_row, insert_row, move_row, put_rows, resize_rows
+from dmtp_jax.serve.warmup import warm_up_engine
 
 __all__ = ["Engine", "Event", "Request", "insert_row"]
 
@@ -388,53 +387,10 @@ class Engine:
 
     # ---- compiles ------------------------------------------------------------------------------
     def warm_up(self, every_bucket: bool = True, sampled: bool = True) -> None:
-        """Compiles, before the first request, every round of the bank at every row bucket (greedy,
-        and sampled with every filter on when `sampled`: then no request field compiles anything;
-        K-round dispatches too when K > 1), the row moves between buckets, and the prefill of every
-        prompt bucket (`every_bucket`; else the shortest) at every row bucket the prefill budget
-        admits, so no request waits for a compile and the policy's first timings are clean."""
-        from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, next_pow2
-        top = next_pow2(self.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
-        dispatches = sorted({1, self.rounds_per_dispatch})
-        temperatures = (0.0, 1.0) if sampled else (0.0,)
-        for rows, method, k, t in itertools.product(self.buckets, self.bank.methods, dispatches, temperatures):
-            sp, greedy = row_sampling([Request([0], 1, temperature=t)], rows)
-            self.bank.run(method, self.bank.new_state(rows, self.max_len), np.zeros(rows, bool),
-                          np.zeros(rows, np.int32), sp, self.base_key, 1, greedy, k, self.stop_ids)
-        for rows, other in itertools.product(self.buckets, self.buckets):     # the row moves between buckets
-            state = self._resize(self.bank.new_state(rows, self.max_len), other)
-            if other <= rows:
-                state = self._put(self._resize(state, rows), self.bank.new_state(other, self.max_len),
-                                  np.full(other, rows, np.int32))
-                state = self._move(state, np.int32(0), np.int32(0))
-        for bucket in itertools.takewhile(lambda b: b <= top, (PROMPT_BUCKET_FLOOR << i for i in itertools.count())):
-            width = chunk_length(bucket, self.bank.prefill_chunk)
-            for rows, t in itertools.product([r for r in self.buckets if r == 1 or r * width <= self.prefill_budget],
-                                             temperatures):
-                reqs = [Request([0] * min(bucket, self.max_model_len - 2), 1, temperature=t) for _ in range(rows)]
-                group = PrefillGroup.start(self.bank, reqs, rows, self.max_len, self.cfg.vocab_size)
-                while not group.step(self.bank):
-                    pass
-        if self.prefix_cache is not None:
-            self.warm_up_prefix_cache(temperatures)
-
-    def warm_up_prefix_cache(self, temperatures=(0.0, 1.0)) -> None:
-        """Compiles the prefix cache's programs: the row extraction at every row bucket, the scatter
-        of a resumed 1-row state, the row copy and the resumed prefills below the prompt buckets
-        (`admission.resume_widths`; longer ones run the prompts' programs); leaves the cache empty."""
-        cache, one = self.prefix_cache, self.bank.new_state(1, self.max_len)
-        for rows in self.buckets:
-            cache.extract(self.bank.new_state(rows, self.max_len), np.int32(0))
-            self._put(self.bank.new_state(rows, self.max_len), one, np.full(1, rows, np.int32))
-        base = [0] * 8
-        for width, t in itertools.product(resume_widths(self.bank.prefill_chunk), temperatures):
-            cache.offer(base + [0], one, greedy=False)
-            req = Request(base + [0] * width, 1, temperature=t)      # resumes at 8: `width` tokens run
-            group = PrefillGroup.start(self.bank, [req], 1, self.max_len, self.cfg.vocab_size, cache)
-            while not group.step(self.bank):
-                pass
-        cache.clear()
-        cache.counters.clear()
+        """Compiles, before the first request, every program a request may run
+        (`serve/warmup.py:warm_up_engine`), so no request waits for a compile and the policy's first
+        timings are clean."""
+        warm_up_engine(self, every_bucket, sampled)
 
     def compile_counts(self) -> dict[str, int]:
         """The bank's compile counts plus the row moves' (`put_rows`, `move_row`, `resize_rows`) and

@@ -239,7 +239,8 @@ class PrefixCache:
 
     def compile_counts(self) -> dict[str, int]:
         """The row extraction's (one per row bucket) and the row copy's (one) compiles."""
-        return {name: getattr(fn, "compiles", 0) for name, fn in (("extract_row", self.extract), ("copy_row", self.copy))}
+        programs = (("extract_row", self.extract), ("copy_row", self.copy))
+        return {name: getattr(fn, "compiles", 0) for name, fn in programs}
 
     def metrics(self) -> dict[str, int]:
         """What `/metrics` shows: lookups, hits, hit tokens, snapshots held, their bytes, the budget."""

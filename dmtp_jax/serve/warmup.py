@@ -1,0 +1,69 @@
+"""What an `Engine` compiles before its first request (`Engine.warm_up`; `serve/app.py:warm_up`):
+every round at every row bucket, the row moves between buckets, the prefills of the prompt buckets
+and, with a prefix cache, its row extraction and copy and the resumed prefills' short buckets. A
+request then compiles nothing (tests count it).
+
+Example:
+    >>> warm_up_engine(engine, every_bucket=False)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, next_pow2
+from dmtp_jax.decode.prefill import chunk_length
+from dmtp_jax.serve.admission import PrefillGroup, resume_widths
+from dmtp_jax.serve.request import Request, row_sampling
+
+
+def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> None:
+    """Compiles, before `engine`'s first request, every round of the bank at every row bucket
+    (greedy, and sampled with every filter on when `sampled`: then no request field compiles anything;
+    K-round dispatches too when K > 1), the row moves between buckets, and the prefill of every
+    prompt bucket (`every_bucket`; else the shortest) at every row bucket the prefill budget
+    admits, so no request waits for a compile and the policy's first timings are clean."""
+    top = next_pow2(engine.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
+    dispatches = sorted({1, engine.rounds_per_dispatch})
+    temperatures = (0.0, 1.0) if sampled else (0.0,)
+    for rows, method, k, t in itertools.product(engine.buckets, engine.bank.methods, dispatches, temperatures):
+        sp, greedy = row_sampling([Request([0], 1, temperature=t)], rows)
+        engine.bank.run(method, engine.bank.new_state(rows, engine.max_len), np.zeros(rows, bool),
+                        np.zeros(rows, np.int32), sp, engine.base_key, 1, greedy, k, engine.stop_ids)
+    for rows, other in itertools.product(engine.buckets, engine.buckets):     # the row moves between buckets
+        state = engine._resize(engine.bank.new_state(rows, engine.max_len), other)
+        if other <= rows:
+            state = engine._put(engine._resize(state, rows), engine.bank.new_state(other, engine.max_len),
+                                np.full(other, rows, np.int32))
+            state = engine._move(state, np.int32(0), np.int32(0))
+    for bucket in itertools.takewhile(lambda b: b <= top, (PROMPT_BUCKET_FLOOR << i for i in itertools.count())):
+        width = chunk_length(bucket, engine.bank.prefill_chunk)
+        for rows, t in itertools.product([r for r in engine.buckets if r == 1 or r * width <= engine.prefill_budget],
+                                         temperatures):
+            reqs = [Request([0] * min(bucket, engine.max_model_len - 2), 1, temperature=t) for _ in range(rows)]
+            group = PrefillGroup.start(engine.bank, reqs, rows, engine.max_len, engine.cfg.vocab_size)
+            while not group.step(engine.bank):
+                pass
+    if engine.prefix_cache is not None:
+        warm_up_prefix_cache(engine, temperatures)
+
+
+def warm_up_prefix_cache(engine, temperatures=(0.0, 1.0)) -> None:
+    """Compiles an engine's prefix-cache programs: the row extraction at every row bucket, the scatter
+    of a resumed 1-row state, the row copy and the resumed prefills below the prompt buckets
+    (`admission.resume_widths`; longer ones run the prompts' programs); leaves the cache empty."""
+    cache, one = engine.prefix_cache, engine.bank.new_state(1, engine.max_len)
+    for rows in engine.buckets:
+        cache.extract(engine.bank.new_state(rows, engine.max_len), np.int32(0))
+        engine._put(engine.bank.new_state(rows, engine.max_len), one, np.full(1, rows, np.int32))
+    base = [0] * 8
+    for width, t in itertools.product(resume_widths(engine.bank.prefill_chunk), temperatures):
+        cache.offer(base + [0], one, greedy=False)
+        req = Request(base + [0] * width, 1, temperature=t)      # resumes at 8: `width` tokens run
+        group = PrefillGroup.start(engine.bank, [req], 1, engine.max_len, engine.cfg.vocab_size, cache)
+        while not group.step(engine.bank):
+            pass
+    cache.clear()
+    cache.counters.clear()
