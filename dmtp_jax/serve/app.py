@@ -249,9 +249,9 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
 
 def warm_up(engine: Engine, every_bucket: bool = True) -> None:
     """Compiles the prefill of every prompt bucket (`every_bucket`; else the shortest only) and the
-    round, greedy and sampled (the sampled form runs every filter, so no request's values compile
-    anything later), and the row scatter, before the first request: `/health` answers only once
-    they are ready.
+    round, greedy and sampled (without top-p, with it, with it inside top-k: `SamplingParams`' static
+    flags; top-k always searches `max_top_k`), and the row scatter, before the first request:
+    `/health` answers only once they are ready, and no request's sampling values compile anything.
 
     Example:
         >>> warm_up(engine)  # doctest: +SKIP
@@ -268,8 +268,9 @@ def warm_up(engine: Engine, every_bucket: bool = True) -> None:
         bucket *= 2
     if top > chunk:                 # longer prompts run chunks of `prefill_chunk` tokens
         lengths.append(engine.max_model_len - 2)
-    for temperature in (0.0, 1.0):
-        reqs = [engine.add(Request([0] * n, 2, temperature=temperature, stop_ids=())) for n in lengths]
+    for temperature, top_p, top_k in ((0.0, 1.0, 0), (1.0, 1.0, 0), (1.0, 0.9, 0), (1.0, 0.9, 1)):
+        reqs = [engine.add(Request([0] * n, 2, temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=()))
+                for n in lengths]
         while not all(r.finished for r in reqs):
             engine.step()
     engine.counters.clear()
@@ -278,10 +279,10 @@ def warm_up(engine: Engine, every_bucket: bool = True) -> None:
 def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
           max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
           limits: ServerLimits = ServerLimits(), api_key: str | None = None, enable_docs: bool = False,
-          sock=None) -> int:
+          sock=None, max_top_k: int = 256) -> int:
     """Binds `host:port` (unless given the bound `sock`; a port in use is an `InputError`), builds
-    the engine, compiles it, listens, prints "serving ..." and serves until SIGTERM / Ctrl-C (then exits 0: running requests are finished,
-    or cancelled after 30 s). `infer.py serve` calls it.
+    the engine, compiles it, listens, prints "serving ..." and serves until SIGTERM / Ctrl-C (then
+    exits 0: running requests are finished, or cancelled after 30 s). `infer.py serve` calls it.
 
     Example:
         >>> serve(make_decoder("dmtp", target, d, mtp=m, fusion=f), tok, "demo", port=8000)  # doctest: +SKIP
@@ -292,7 +293,8 @@ def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port:
 
     sock = sock or bind_socket(host, port)
     port = sock.getsockname()[1]
-    engine = Engine(decoder, max_batch_size=max_batch_size, max_model_len=max_model_len, stop_ids=stop_ids)
+    engine = Engine(decoder, max_batch_size=max_batch_size, max_model_len=max_model_len, stop_ids=stop_ids,
+                    max_top_k=max_top_k)
     warm_up(engine)
     scheduler = Scheduler(engine, max_waiting=limits.max_waiting)
     app = build_app(scheduler, tokenizer, model_name, limits=limits, api_key=api_key, enable_docs=enable_docs)

@@ -16,8 +16,9 @@ the round compiles once per greedy flag. Each `step()`:
 
 A request's greedy output is the decoder's `generate` output on the same prompt, whatever else is
 in the batch: rows never read each other, and greedy verification is exact match. Sampled rows
-carry their own temperature / top-p / top-k (`SamplingParams.rows`, traced values; the sampled round
-runs both filters, so no request's values compile anything). Sampled requests'
+carry their own temperature / top-p / top-k (`SamplingParams.rows`: traced values; top-k searches a
+fixed `max_top_k`, so no k compiles anything; the round compiles once per greedy flag and top-p form,
+`SamplingParams`' static flags). Sampled requests'
 `seed` seeds their prefill (first token); later draws come from the engine's round keys (lossless,
 not reproducible per request).
 
@@ -225,8 +226,9 @@ class Engine:
     """
 
     def __init__(self, decoder, *, max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
-                 seed: int = 0):
+                 seed: int = 0, max_top_k: int = 256):
         cfg = decoder.target.cfg
+        self.max_top_k = int(max_top_k)          # top-k's search width in sampled rounds (static)
         if max_batch_size < 1:
             raise RequestError(f"--max-batch-size must be >= 1, got {max_batch_size}")
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
@@ -285,6 +287,9 @@ class Engine:
         if req.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
         check_sampling(req.temperature, req.top_p, req.top_k)
+        if self.max_top_k < req.top_k < self.cfg.vocab_size:
+            raise RequestError(f"top_k must be <= {self.max_top_k} (--max-top-k), or 0 / >= the vocabulary "
+                               f"({self.cfg.vocab_size}) for none, got {req.top_k}")
         if not -2**63 <= req.seed < 2**63:
             raise RequestError(f"seed must be a 64-bit integer, got {req.seed}")
         total = len(req.prompt_ids) + req.max_tokens
@@ -378,6 +383,9 @@ class Engine:
             self.state = self.rows.new_state(self.max_batch_size, self.max_len)
         return events
 
+    def _top_k(self, req: Request) -> int:
+        return req.top_k if req.top_k < self.cfg.vocab_size else 0      # k >= the vocabulary keeps all
+
     def _next_prefill(self):
         """Starts the prefill of the oldest waiting request that fits a free row (None if none)."""
         free = [i for i, r in enumerate(self.running) if r is None]
@@ -387,7 +395,7 @@ class Engine:
         batch = pad_prompts([req.prompt_ids], req.max_tokens, self.cfg.vocab_size, self.max_model_len,
                             batch_bucket=1)
         sp = (SamplingParams.make() if req.greedy else
-              SamplingParams.rows(req.temperature, req.top_p, req.top_k, filters_on=True))
+              SamplingParams.rows(req.temperature, req.top_p, self._top_k(req), top_k_cap=self.max_top_k))
         gen = self.rows.prefill(batch.tokens_bt, batch.lengths_b, self.max_len, sp,
                                 jax.random.fold_in(jax.random.key(req.seed), 0), req.greedy)
         width = chunk_length(batch.tokens_bt.shape[1], self.prefill_budget)
@@ -442,9 +450,9 @@ class Engine:
                 pending[i] = r.output_ids[-1]
                 lengths[i] = len(r.prompt_ids) + len(r.output_ids) - 1
                 if not r.greedy:         # a greedy row's top_p changes nothing: no compile for it
-                    temperature[i], top_p[i], top_k[i] = r.temperature, r.top_p, min(r.top_k, 2**31 - 1)
+                    temperature[i], top_p[i], top_k[i] = r.temperature, r.top_p, self._top_k(r)
         greedy = all(r.greedy for r in reqs)
-        sp = SamplingParams.rows(temperature, top_p, top_k, filters_on=not greedy)
+        sp = SamplingParams.rows(temperature, top_p, top_k, top_k_cap=0 if greedy else self.max_top_k)
         self._index += 1
         self.state, tokens_bn, acc_b = self.rows.step(self.state, active, limits, pending, lengths, sp, self._index,
                                                       greedy)
