@@ -566,8 +566,8 @@ def server_limit_args(sp) -> None:
     from dmtp_jax.serve.protocol import ServerLimits
     d = ServerLimits()
     sp.add_argument("--api-key", default=None,
-                    help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}; "
-                         "unset: no key). /health stays open")
+                    help=f"require 'Authorization: Bearer KEY' on /v1/*, /metrics and every other path but "
+                         f"/health (default: ${API_KEY_ENV}; unset: no key)")
     sp.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)")
     sp.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20,
                     help="largest request body in MiB; larger ones get 413 before they are parsed "
