@@ -142,6 +142,7 @@ BAD_JSON = [  # (raw JSON body, status): each must be refused before the engine 
     (b'{"prompt": [-1], "max_tokens": 4}', 400),
     (b'{"prompt": [1], "max_tokens": 4, "top_k": "5"}', 400),
     (b'{"prompt": [1], "max_tokens": 4, "top_k": -2}', 400),
+    (b'{"prompt": [1], "max_tokens": 4, "top_k": 300}', 400),      # over --max-top-k (256), under the vocabulary
     (b'{"prompt": "a\\ud800b", "max_tokens": 4}', 400),
     (b'{"prompt": "\xff\xfe", "max_tokens": 4}', 400),
     (b'{"prompt": [1], "max_tokens": 4, "stop": ["a", "b", "c", "d", "e"]}', 400),
@@ -201,8 +202,8 @@ def test_a_failing_admission_ends_that_request_alone(server, slow_engine, stream
 def test_new_top_k_values_compile_nothing(server):
     base, scheduler = server
     before = scheduler.engine.compile_counts()
-    for k in (3, 17, 250):
-        r = post(base, {"prompt": [4, 8, 15], "max_tokens": 6, "temperature": 0.9, "top_k": k, "top_p": 0.95,
+    for k, top_p in ((3, 1.0), (17, 0.95), (250, 0.9), (320, 1.0), (0, 0.8)):     # 320: the vocabulary, off
+        r = post(base, {"prompt": [4, 8, 15], "max_tokens": 6, "temperature": 0.9, "top_k": k, "top_p": top_p,
                         "seed": k})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
     assert scheduler.engine.compile_counts() == before

@@ -96,10 +96,11 @@ class PrefillGroup:
     chunks: list
     lengths_b: np.ndarray
     key: jax.Array
+    top_k_cap: int = 0
     first: list[int] | None = None
 
     @classmethod
-    def start(cls, bank, reqs: list[Request], rows: int, max_len: int, vocab_size: int):
+    def start(cls, bank, reqs: list[Request], rows: int, max_len: int, vocab_size: int, top_k_cap: int = 0):
         """The group's padded prompts (validated; each request's length was checked on arrival) and
         its starting state (`start_of`)."""
         batch = pad_prompts([r.prompt_ids for r in reqs], 1, vocab_size, batch_bucket=rows)
@@ -109,11 +110,11 @@ class PrefillGroup:
                                                                            bank.prefill_chunk)]
         # a lone request's seed seeds its first token; a group draws with its oldest request's
         key = jax.random.fold_in(jax.random.key(reqs[0].seed), 0)
-        return cls(list(reqs), rows, chunks[0][1].shape[1], state, chunks, batch.lengths_b, key)
+        return cls(list(reqs), rows, chunks[0][1].shape[1], state, chunks, batch.lengths_b, key, top_k_cap)
 
     def step(self, bank) -> bool:
         start, chunk_bt, next_b = self.chunks.pop(0)
-        sp, greedy = row_sampling(self.reqs, self.rows)
+        sp, greedy = row_sampling(self.reqs, self.rows, self.top_k_cap)
         self.state = bank.prefill_step(bank.model_states(), chunk_bt, next_b, start, self.lengths_b, self.state,
                                        sp, self.key, greedy=greedy)
         if self.chunks:

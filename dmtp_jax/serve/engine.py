@@ -22,8 +22,8 @@ costs the rows in use, not `max_batch_size`. Each `step()`:
 
 A request's greedy output is `generate`'s on the same prompt whatever else is in the batch and
 whichever rounds ran: rows never read each other and every round commits the target's argmax.
-Sampled rows carry their own temperature / top-p / top-k (`request.row_sampling`: traced values, both
-filters on in every sampled round, so no request's values compile anything). A lone request's `seed`
+Sampled rows carry their own temperature / top-p / top-k (`request.row_sampling`: traced values in
+one form, top-k searching `max_top_k` and top-p on, so no request's values compile anything). A lone request's `seed`
 seeds its first token; rounds draw from the engine's round keys (lossless, not reproducible per
 request).
 
@@ -81,8 +81,9 @@ class Engine:
 
     def __init__(self, decoder, *, max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
                  seed: int = 0, buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
-                 rounds_per_dispatch: int | None = None):
+                 rounds_per_dispatch: int | None = None, max_top_k: int = 256):
         cfg = decoder.target.cfg
+        self.max_top_k = int(max_top_k)              # top-k's search width in sampled rounds (static)
         if max_batch_size < 1:
             raise RequestError(f"--max-batch-size must be >= 1, got {max_batch_size}")
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
@@ -141,6 +142,9 @@ class Engine:
         check_sampling(req.temperature, req.top_p, req.top_k)
         if not -2**63 <= req.seed < 2**63:
             raise RequestError(f"seed must be a 64-bit integer, got {req.seed}")
+        if self.max_top_k < req.top_k < self.cfg.vocab_size:
+            raise RequestError(f"top_k must be <= {self.max_top_k} (--max-top-k), or 0 / >= the vocabulary "
+                               f"({self.cfg.vocab_size}) for none, got {req.top_k}")
         total = len(req.prompt_ids) + req.max_tokens
         if total > self.max_model_len:
             raise RequestError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
@@ -245,7 +249,7 @@ class Engine:
                 self.waiting.remove(req)
             try:
                 return PrefillGroup.start(self.bank, reqs, row_bucket(len(reqs), self.buckets), self.max_len,
-                                          self.cfg.vocab_size)
+                                          self.cfg.vocab_size, self.max_top_k)
             except Exception:
                 self._group_failed(reqs, events)
 
@@ -336,7 +340,7 @@ class Engine:
         active = np.arange(rows) < n
         limits = np.zeros(rows, np.int32)
         limits[:n] = [len(r.prompt_ids) + r.max_tokens for r in self.running]
-        sp, greedy = row_sampling(self.running, rows)
+        sp, greedy = row_sampling(self.running, rows, self.max_top_k)
         method = self.policy.choose(n, rows)
         k = self.rounds_per_dispatch if not self.waiting and self._group is None else 1
         stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if k > 1 else ()
@@ -375,7 +379,7 @@ class Engine:
         dispatches = sorted({1, self.rounds_per_dispatch})
         temperatures = (0.0, 1.0) if sampled else (0.0,)
         for rows, method, k, t in itertools.product(self.buckets, self.bank.methods, dispatches, temperatures):
-            sp, greedy = row_sampling([Request([0], 1, temperature=t)], rows)
+            sp, greedy = row_sampling([Request([0], 1, temperature=t)], rows, self.max_top_k)
             self.bank.run(method, self.bank.new_state(rows, self.max_len), np.zeros(rows, bool),
                           np.zeros(rows, np.int32), sp, self.base_key, 1, greedy, k, self.stop_ids)
         for rows, other in itertools.product(self.buckets, self.buckets):     # the row moves between buckets
@@ -389,7 +393,7 @@ class Engine:
             for rows, t in itertools.product([r for r in self.buckets if r == 1 or r * width <= self.prefill_budget],
                                              temperatures):
                 reqs = [Request([0] * min(bucket, self.max_model_len - 2), 1, temperature=t) for _ in range(rows)]
-                group = PrefillGroup.start(self.bank, reqs, rows, self.max_len, self.cfg.vocab_size)
+                group = PrefillGroup.start(self.bank, reqs, rows, self.max_len, self.cfg.vocab_size, self.max_top_k)
                 while not group.step(self.bank):
                     pass
 
