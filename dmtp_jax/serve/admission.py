@@ -1,8 +1,8 @@
 """Batched admission: waiting prompts of one prompt-length bucket prefilled together.
 
-`form_group` takes the oldest waiting request and the next ones of its prompt bucket, as many as fit
-the free rows and the step's prefill budget (row bucket x chunk width tokens per call; a lone
-request always fits); `PrefillGroup` runs their prefill chunk by chunk on a state of a compiled row
+`form_group` takes the oldest waiting request and the next ones whose prompts fit its prompt bucket
+(padded to it), as many as fit the free rows and the step's prefill budget (row bucket x chunk width
+tokens per call; a lone request always fits); `PrefillGroup` runs their prefill chunk by chunk on a state of a compiled row
 bucket, and its finished rows go into the running state in one scatter (`rows.put_rows`). A request
 whose prefill failed in a group is prefilled alone afterwards (`solo`), so a fault is pinned on the
 request that causes it.
@@ -65,9 +65,9 @@ def start_of(req: Request):
 def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefill_chunk: int,
                solo: set) -> list[Request]:
     """The requests to prefill together next (oldest first; empty when none can start): the oldest
-    admissible waiting request, then others of its prompt bucket while the row bucket times the chunk
-    width stays within `budget` tokens. A request in `solo`, or one starting from a stored state, goes
-    alone.
+    admissible waiting request, then others whose prompt bucket is at most its own while the row
+    bucket times the chunk width stays within `budget` tokens. A request in `solo`, or one starting
+    from a stored state, goes alone.
     """
     group: list[Request] = []
     for req in waiting:
@@ -75,8 +75,8 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
             break
         alone = req.id in solo or start_of(req)[0] is not None
         if group:
-            width = chunk_length(prompt_bucket(group[0]), prefill_chunk)
-            if (alone or prompt_bucket(req) != prompt_bucket(group[0])
+            width = chunk_length(max(prompt_bucket(r) for r in group + [req]), prefill_chunk)
+            if (alone or prompt_bucket(req) > prompt_bucket(group[0])
                     or row_bucket(len(group) + 1, buckets) * width > budget):
                 continue
         group.append(req)

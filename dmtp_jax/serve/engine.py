@@ -6,11 +6,11 @@ models allow, all on one state) and one running state whose row count is a compi
 costs the rows in use, not `max_batch_size`. Each `step()`:
 
     cancel     rows whose request was cancelled (client gone, stop string) are freed at once
-    admit      waiting requests are prefilled in groups of one prompt bucket (`serve/admission.py`),
-               as many chunks per step as fit the prefill budget (`prefill_chunk` tokens: row
-               bucket x chunk width), so a burst of arrivals costs one prefill per group; a
-               finished group's rows go into the running state in one scatter (the state grows to
-               the next row bucket first)
+    admit      waiting requests are prefilled in groups padded to one prompt bucket
+               (`serve/admission.py`), as many chunks per step as fit the prefill budget (4 x
+               `prefill_chunk` tokens: row bucket x chunk width), so a burst of arrivals costs one
+               prefill per group; a finished group's rows go into the running state in one scatter
+               (the state grows to the next row bucket first)
     round      the policy (`serve/policy.py`) picks the round (`auto`: plain, MTP or the base
                method, from the live rows and the acceptance and round times measured live; else
                the decoder's method), which runs over the state's rows, the first `n` active; with
@@ -66,6 +66,7 @@ from dmtp_jax.serve.rows import batch_axes, insert_row, move_row, put_rows, resi
 __all__ = ["Engine", "Event", "Request", "insert_row"]
 
 log = logging.getLogger(__name__)
+PREFILL_BUDGET_CHUNKS = 4       # default prefill tokens per step: this many prefill chunks' worth
 
 
 class Engine:
@@ -74,7 +75,8 @@ class Engine:
     `max_model_len`: the most tokens (prompt + max_tokens) a request may use (default: the model's
     `max_position_embeddings`). `stop_ids`: the default stop tokens (default: the model's EOS ids).
     `buckets`: the running state's row counts (default `row_buckets(max_batch_size)`).
-    `prefill_budget`: prefill tokens per step (default: the decoder's `prefill_chunk`).
+    `prefill_budget`: prefill tokens per step (default: `PREFILL_BUDGET_CHUNKS` x the decoder's
+    `prefill_chunk`).
     `rounds_per_dispatch`: K rounds per dispatch when nobody waits (default: the decoder's).
     Not thread-safe: one thread calls `add`, `cancel` and `step` (the server's scheduler).
     """
@@ -110,7 +112,7 @@ class Engine:
         prior = {m: x.get("tau_per_verify") for m, x in (self.verdict.measured if self.verdict else {}).items()}
         self.policy = LoadPolicy(self.bank.slots, {m: t for m, t in prior.items() if t})
         self.max_len = round_up(self.max_model_len + self.bank.max_slots, 128)
-        self.prefill_budget = int(prefill_budget or self.bank.prefill_chunk)
+        self.prefill_budget = int(prefill_budget or PREFILL_BUDGET_CHUNKS * self.bank.prefill_chunk)
         self.base_key = jax.random.key(seed)
         one, two = self.bank.new_state(1, self.max_len), self.bank.new_state(2, self.max_len)
         axes, shardings = batch_axes(one, two), jax.tree.map(lambda x: x.sharding, one)
