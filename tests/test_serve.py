@@ -7,7 +7,8 @@ import json
 import pytest
 
 from dmtp_jax.serve.engine import Engine
-from tests.serve_fixtures import MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, serve_decoder, serve_reference
+from tests.serve_fixtures import (MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, serve_decoder, serve_reference,
+                                  serve_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +23,8 @@ def reference():
 
 # ---- the HTTP server, through the real openai client ----------------------------------------------
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from dmtp_jax.tiny import save_byte_tokenizer
-    from dmtp_jax.tokenizer import load_tokenizer
-    d = str(tmp_path_factory.mktemp("tok"))
-    save_byte_tokenizer(d)
-    return load_tokenizer(d, plain=True)
+def tokenizer():
+    return serve_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -18,37 +18,22 @@ import httpx
 import pytest
 
 from dmtp_jax.serve.engine import Engine
+from tests.serve_fixtures import MAX_MODEL_LEN, serve_decoder, serve_tokenizer
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 STREAM_PROMPT, STREAM_TOKENS = [5, 9, 31, 4, 77, 2, 18], 60
-MAX_MODEL_LEN = 120
 
 
 @pytest.fixture(scope="module")
 def decoder():
-    from dmtp_jax.checkpoint.dflash_ckpt import init_drafter
-    from dmtp_jax.checkpoint.dmtp_ckpt import init_fusion
-    from dmtp_jax.checkpoint.hf import init_target
-    from dmtp_jax.checkpoint.mtp_ckpt import init_mtp
-    from dmtp_jax.decode import make_decoder
-    from dmtp_jax.models.drafter_shape import default_drafter_config
-    from dmtp_jax.tiny import tiny_target_config
-
-    cfg = tiny_target_config()
-    target = init_target(cfg, "float32", seed=0)
-    drafter = init_drafter(default_drafter_config(cfg, num_layers=1, block_size=4), seed=2)
-    return make_decoder("dmtp", target, drafter, mtp=init_mtp(cfg, seed=1),
-                        fusion=init_fusion("dmtp", cfg.hidden_size, cfg.rms_norm_eps, seed=3))
+    """The serve tests' tiny DMTP decoder (tests/serve_fixtures.py: one per process, its compiles shared)."""
+    return serve_decoder()
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from dmtp_jax.tiny import save_byte_tokenizer
-    from dmtp_jax.tokenizer import load_tokenizer
-    d = str(tmp_path_factory.mktemp("tok"))
-    save_byte_tokenizer(d)
-    return load_tokenizer(d, plain=True)
+def tokenizer():
+    return serve_tokenizer()
 
 
 @pytest.fixture(scope="module")
