@@ -345,7 +345,8 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or os.path.basename(os.path.normpath(target_dir))
     return serve(decoder, tokenizer, name, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
                  max_model_len=args.max_model_len, stop_ids=stops, limits=limits, api_key=api_key,
-                 enable_docs=args.enable_docs, sock=sock, prefix_cache_gb=args.prefix_cache_gb)
+                 enable_docs=args.enable_docs, sock=sock, max_top_k=args.max_top_k,
+                 prefix_cache_gb=args.prefix_cache_gb)
 
 
 def cmd_compare(args) -> int:
@@ -573,17 +574,21 @@ def server_limit_args(sp) -> None:
     from dmtp_jax.serve.protocol import ServerLimits
     d = ServerLimits()
     sp.add_argument("--api-key", default=None,
-                    help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}; "
-                         "unset: no key). /health stays open")
+                    help=f"require 'Authorization: Bearer KEY' on /v1/*, /metrics and every other path but "
+                         f"/health (default: ${API_KEY_ENV}; unset: no key)")
     sp.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)")
     sp.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20,
-                    help="largest request body in MiB; larger ones get 413 before they are parsed (default %(default)s)")
+                    help="largest request body in MiB; larger ones get 413 before they are parsed "
+                         "(default %(default)s)")
     sp.add_argument("--max-waiting", type=int, default=d.max_waiting,
                     help="requests that may wait for a row; more get 429 (default %(default)s)")
     sp.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
                     help="stop strings per request (default %(default)s)")
     sp.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
                     help="characters per stop string (default %(default)s)")
+    sp.add_argument("--max-top-k", type=int, default=256, metavar="K",
+                    help="largest top_k a request may ask (the sampled round's top-k search width; any k up "
+                         "to it compiles nothing; >= the vocabulary means off) (default %(default)s)")
     sp.add_argument("--header-timeout", type=float, default=d.header_timeout_s, metavar="S",
                     help="seconds a connection may take to send a whole request head (default %(default)s)")
 
@@ -592,7 +597,7 @@ def server_limits(args):
     """`ServerLimits` from serve's flags (each checked: an `InputError` names the flag)."""
     from dmtp_jax.serve.protocol import ServerLimits
     positive = {"--max-body-mb": args.max_body_mb, "--max-stop-chars": args.max_stop_chars,
-                "--header-timeout": args.header_timeout}
+                "--max-top-k": args.max_top_k, "--header-timeout": args.header_timeout}
     for flag, value in positive.items():
         if not value > 0:
             raise InputError(f"{flag} must be > 0, got {value}")

@@ -27,7 +27,7 @@ import json
 import sys
 
 from dmtp_jax.cli import (ArgumentParser, add_compile_cache_arg, add_plan_args, enable_compile_cache, int_list,
-                          finish_plan, load_config_file, plan_progress, run_command,
+                          finish_plan, load_config_file, plan_progress, run_command, skip_absent_gpu_plugin,
                           use_host_backend)
 
 
@@ -343,6 +343,7 @@ def main(argv=None) -> int:
     if args.command == "plan":
         use_host_backend()
     else:
+        skip_absent_gpu_plugin()
         enable_compile_cache(args.compile_cache)
     return run_command({"train": cmd_train, "export": cmd_export, "regen": cmd_regen, "calibrate": cmd_calibrate,
                         "pretrain": cmd_pretrain, "distil-mtp": cmd_distil, "plan": cmd_plan,

@@ -187,8 +187,9 @@ def main(argv=None) -> int:
 
     cfg = tiny_target_config()
     target = init_target(cfg, "float32", seed=0)
-    decoder = make_decoder("dmtp", target, init_drafter(default_drafter_config(cfg, num_layers=1, block_size=4), seed=2),
-                           mtp=init_mtp(cfg, seed=1), fusion=init_fusion("dmtp", cfg.hidden_size, cfg.rms_norm_eps, seed=3))
+    drafter = init_drafter(default_drafter_config(cfg, num_layers=1, block_size=4), seed=2)
+    decoder = make_decoder("dmtp", target, drafter, mtp=init_mtp(cfg, seed=1),
+                           fusion=init_fusion("dmtp", cfg.hidden_size, cfg.rms_norm_eps, seed=3))
     tok_dir = tempfile.mkdtemp()
     save_byte_tokenizer(tok_dir)
     tokenizer = load_tokenizer(tok_dir, plain=True)

@@ -36,3 +36,15 @@ def serve_reference() -> tuple:
     """`generate` of each prompt alone, greedy, no stop tokens."""
     dec = serve_decoder()
     return tuple(tuple(dec.generate([p], m, stop_ids=[]).output_ids[0]) for p, m in zip(PROMPTS, MAX_TOKENS))
+
+
+@functools.cache
+def serve_tokenizer():
+    """A byte-level tokenizer (`tiny.save_byte_tokenizer`) in a temporary directory, loaded plain."""
+    import tempfile
+
+    from dmtp_jax.tiny import save_byte_tokenizer
+    from dmtp_jax.tokenizer import load_tokenizer
+    d = tempfile.mkdtemp(prefix="dmtp-serve-tok-")
+    save_byte_tokenizer(d)
+    return load_tokenizer(d, plain=True)

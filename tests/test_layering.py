@@ -15,9 +15,9 @@ import collections
 import os
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dmtp_jax")
-LAYERS = [("errors", "paths", "platform", "counted_jit", "methods"), ("hf_config",), ("config",), ("sharding",), ("layers",),
-          ("models",), ("checkpoint", "tokenizer"), ("options",), ("decode",), ("train",), ("tiny",), ("plan",),
-          ("bench",), ("serve",), ("demo",), ("compare",), ("preflight",), ("cli",)]
+LAYERS = [("errors", "paths", "platform", "counted_jit", "methods"), ("hf_config",), ("config",), ("sharding",),
+          ("layers",), ("models",), ("checkpoint", "tokenizer"), ("options",), ("decode",), ("train",), ("tiny",),
+          ("plan",), ("bench",), ("serve",), ("demo",), ("compare",), ("preflight",), ("cli",)]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 

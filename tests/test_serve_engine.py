@@ -33,6 +33,12 @@ def auto(decoder):
     return AutoDecoder({"ar": make_decoder("ar", decoder.target), "dmtp": decoder}, store=VerdictStore(None))
 
 
+def new_compiles(engine, before: dict) -> dict:
+    """The compiles since `before` (the bank is shared by every engine of a decoder in this process,
+    so a test counts what its own engine added)."""
+    return {k: v - before.get(k, 0) for k, v in engine.compile_counts().items()}
+
+
 def run(engine, joins=None):
     """Steps the engine until idle; `joins`: `{step: [Request, ...]}` added after that step."""
     steps = 0
@@ -52,6 +58,7 @@ def test_insert_row_finds_each_leafs_batch_axis():
 
 def test_continuous_batching_equals_generate(decoder, reference):
     engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
+    before = engine.compile_counts()
     reqs = [engine.add(Request(PROMPTS[0], MAX_TOKENS[0])), engine.add(Request(PROMPTS[1], MAX_TOKENS[1]))]
     engine.step()
     assert all(len(r.output_ids) > 1 for r in reqs)       # a burst is admitted in one step
@@ -63,7 +70,7 @@ def test_continuous_batching_equals_generate(decoder, reference):
     assert all(r.finish_reason == "length" for r in reqs + late) and len(sampled.output_ids) == 12
     assert max(a for r in reqs + late for a in r.acceptance) > 1, "drafts should be partly accepted"
     assert engine.rows == 2                 # shrunk back to the smallest bucket
-    counts = engine.compile_counts()        # greedy + sampled per bucket at most
+    counts = new_compiles(engine, before)   # greedy + sampled per bucket at most
     assert counts["round/dmtp"] <= 2 * len(BUCKETS) and counts["move_row"] <= len(BUCKETS)
 
 
@@ -122,6 +129,7 @@ def test_rounds_switched_every_step_equal_generate(auto, reference):
     tests/test_spec_decode.py; here they would double the compiles.)"""
     from dmtp_jax.serve.metrics import ServerMetrics
     engine = Engine(auto, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
+    before = engine.compile_counts()
     assert engine.method == "auto" and set(engine.bank.methods) == {"ar", "dmtp", "mtp"}
     turns = itertools.cycle(engine.bank.methods)
     real_choose = engine.policy.choose
@@ -131,7 +139,7 @@ def test_rounds_switched_every_step_equal_generate(auto, reference):
     run(engine, {2: late[:2], 4: late[2:]})
     assert [r.output_ids for r in reqs + late] == reference
     assert all(engine.counters[f"rounds/{m}"] >= 3 for m in engine.bank.methods)
-    counts = engine.compile_counts()        # per method: one per bucket
+    counts = new_compiles(engine, before)   # per method: one per bucket
     assert all(counts[f"round/{m}"] <= len(BUCKETS) for m in engine.bank.methods), counts
     assert counts["prefill"] <= len(BUCKETS), counts
     # every method was timed at the buckets it ran: the choice rests on live numbers, shown in /metrics
@@ -150,6 +158,7 @@ def test_burst_is_one_prefill_and_k_rounds_per_dispatch(decoder, reference):
     dispatch (on-device stopping), outputs unchanged."""
     engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(4,),
                     rounds_per_dispatch=3)
+    before = engine.compile_counts()
     calls = []
     real = engine.bank.prefill_step
     engine.bank.prefill_step = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
@@ -160,8 +169,8 @@ def test_burst_is_one_prefill_and_k_rounds_per_dispatch(decoder, reference):
     steps = run(engine)
     assert [r.output_ids for r in reqs] == reference[:4]
     assert engine.counters["rounds"] > steps + 1        # several rounds per dispatch
-    counts = engine.compile_counts()
-    assert counts["multi_round/dmtp"] == 1 and counts["round/dmtp"] <= 2 * len(BUCKETS) + 1, counts
+    counts = new_compiles(engine, before)
+    assert counts["multi_round/dmtp"] <= 1 and counts["round/dmtp"] <= 2 * len(BUCKETS) + 1, counts
 
 
 def test_faults_end_their_requests_only(decoder, reference):

@@ -18,37 +18,22 @@ import httpx
 import pytest
 
 from dmtp_jax.serve.engine import Engine
+from tests.serve_fixtures import MAX_MODEL_LEN, serve_decoder, serve_tokenizer
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 STREAM_PROMPT, STREAM_TOKENS = [5, 9, 31, 4, 77, 2, 18], 60
-MAX_MODEL_LEN = 120
 
 
 @pytest.fixture(scope="module")
 def decoder():
-    from dmtp_jax.checkpoint.dflash_ckpt import init_drafter
-    from dmtp_jax.checkpoint.dmtp_ckpt import init_fusion
-    from dmtp_jax.checkpoint.hf import init_target
-    from dmtp_jax.checkpoint.mtp_ckpt import init_mtp
-    from dmtp_jax.decode import make_decoder
-    from dmtp_jax.models.drafter_shape import default_drafter_config
-    from dmtp_jax.tiny import tiny_target_config
-
-    cfg = tiny_target_config()
-    target = init_target(cfg, "float32", seed=0)
-    drafter = init_drafter(default_drafter_config(cfg, num_layers=1, block_size=4), seed=2)
-    return make_decoder("dmtp", target, drafter, mtp=init_mtp(cfg, seed=1),
-                        fusion=init_fusion("dmtp", cfg.hidden_size, cfg.rms_norm_eps, seed=3))
+    """The serve tests' tiny DMTP decoder (tests/serve_fixtures.py: one per process, its compiles shared)."""
+    return serve_decoder()
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from dmtp_jax.tiny import save_byte_tokenizer
-    from dmtp_jax.tokenizer import load_tokenizer
-    d = str(tmp_path_factory.mktemp("tok"))
-    save_byte_tokenizer(d)
-    return load_tokenizer(d, plain=True)
+def tokenizer():
+    return serve_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +127,7 @@ BAD_JSON = [  # (raw JSON body, status): each must be refused before the engine 
     (b'{"prompt": [-1], "max_tokens": 4}', 400),
     (b'{"prompt": [1], "max_tokens": 4, "top_k": "5"}', 400),
     (b'{"prompt": [1], "max_tokens": 4, "top_k": -2}', 400),
+    (b'{"prompt": [1], "max_tokens": 4, "top_k": 300}', 400),      # over --max-top-k (256), under the vocabulary
     (b'{"prompt": "a\\ud800b", "max_tokens": 4}', 400),
     (b'{"prompt": "\xff\xfe", "max_tokens": 4}', 400),
     (b'{"prompt": [1], "max_tokens": 4, "stop": ["a", "b", "c", "d", "e"]}', 400),
@@ -201,8 +187,8 @@ def test_a_failing_admission_ends_that_request_alone(server, slow_engine, stream
 def test_new_top_k_values_compile_nothing(server):
     base, scheduler = server
     before = scheduler.engine.compile_counts()
-    for k in (3, 17, 250):
-        r = post(base, {"prompt": [4, 8, 15], "max_tokens": 6, "temperature": 0.9, "top_k": k, "top_p": 0.95,
+    for k, top_p in ((3, 1.0), (17, 0.95), (250, 0.9), (320, 1.0), (0, 0.8)):     # 320: the vocabulary, off
+        r = post(base, {"prompt": [4, 8, 15], "max_tokens": 6, "temperature": 0.9, "top_k": k, "top_p": top_p,
                         "seed": k})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
     assert scheduler.engine.compile_counts() == before

@@ -4,15 +4,16 @@
 speculative decoding, the drafter's), so temperature / top-p / top-k reach both alike. Temperature 0
 means greedy: the distribution is one-hot on the argmax.
 
-Which filters are on is static (`top_k_on`, `top_p_on`: part of the `SamplingParams` pytree
-structure, so a jitted round compiles once per on/off combination): a filter that is off costs
-nothing -- no vocabulary sort -- and `top_p = 1` is exactly no filter (no cumulative sum that float
-rounding could push past 1 and so drop a tail token). The values are traced arrays: temperature,
-`top_p` and `top_k` are scalars, or `[B]` arrays of one value per row (broadcast over the leading
-batch axis: `per_row`), so changing them never recompiles, and greedy rows (temperature 0: one-hot)
-and sampled rows with their own temperature / top-p / top-k share a batch (the server's). Top-k
-sorts the vocabulary once and keeps the tokens at least as large as each row's k-th value (a row's
-k of 0, or >= the vocabulary, keeps all); top-p reuses that sort, or sorts once alone.
+Which filters run is static (`top_p_on`, and `top_k_cap`: the width of top-k's `lax.top_k`, 0 =
+off; part of the `SamplingParams` pytree structure, so a jitted round compiles once per flag
+combination): a filter that is off costs nothing -- no vocabulary sort -- and `top_p = 1` is exactly
+no filter (no cumulative sum that float rounding could push past 1 and so drop a tail token). The
+values are traced: temperature, `top_p` and `top_k` are scalars, or `[B]` arrays of one value per
+row (broadcast over the leading batch axis: `per_row`), so changing them never recompiles, and
+greedy rows (temperature 0: one-hot) and sampled rows with their own temperature / top-p / top-k
+(at most `top_k_cap`; 0 keeps all) share a batch (the server's). Top-k takes the `top_k_cap`
+largest values (`lax.top_k`) and cuts each row at its own k-th; top-p sorts the vocabulary once, or
+only those `top_k_cap` values when every row that uses top-p uses top-k too (`top_p_in_top_k`).
 
 Example:
     >>> sp = SamplingParams.make(temperature=0.0)
@@ -42,45 +43,57 @@ TOP_K_MAX = 2**31 - 1       # a larger k keeps every token, as any k >= the voca
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingParams:
-    """Sampling parameters; build them with `make` or `rows` (they validate and set the static flags).
+    """Sampling parameters; build them with `make` or `rows` (they validate and set the static fields).
 
     `temperature`, `top_p` and `top_k` are traced (f32, f32, i32; scalars or `[B]`); `top_p_on`
-    and `top_k_on` (static) say whether each filter runs at all.
+    and `top_k_cap` (static) say whether each filter runs at all, and how wide top-k's search is.
 
     Example:
         >>> sp = SamplingParams.make(temperature=0.7, top_p=0.9)
-        >>> sp.top_p_on, sp.top_k_on, int(sp.top_k), sp.is_greedy
-        (True, False, 0, False)
+        >>> sp.top_p_on, sp.top_k_cap, int(sp.top_k), sp.is_greedy
+        (True, 0, 0, False)
     """
     temperature: jax.Array   # f32 scalar or [B] (one per row); 0 = greedy
     top_p: jax.Array         # f32 scalar or [B]; filters only when `top_p_on` (a row's 1 keeps all)
-    top_k: jax.Array = 0     # i32 scalar or [B]; filters only when `top_k_on` (a row's 0 keeps all)
+    top_k: jax.Array = 0     # i32 scalar or [B], each <= top_k_cap; a row's 0 keeps all
     top_p_on: bool = dataclasses.field(default=False, metadata=dict(static=True))    # some top_p < 1
-    top_k_on: bool = dataclasses.field(default=False, metadata=dict(static=True))    # some top_k > 0
+    top_k_cap: int = dataclasses.field(default=0, metadata=dict(static=True))        # 0: top-k off
+    top_p_in_top_k: bool = dataclasses.field(default=False, metadata=dict(static=True))  # no top-p row without k
 
     @classmethod
     def make(cls, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> "SamplingParams":
-        """Validated parameters. Example: `SamplingParams.make(temperature=0.7, top_p=0.9)`."""
+        """Validated parameters, one top-k for every row (the cap: a compile per k). Example:
+        `SamplingParams.make(temperature=0.7, top_p=0.9)`."""
         check(temperature, top_p, top_k)
-        return cls(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(min(int(top_k), TOP_K_MAX)),
-                   bool(top_p < 1), bool(top_k > 0))
+        k = min(int(top_k), TOP_K_MAX)
+        return cls(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(k), bool(top_p < 1), k, k > 0)
 
     @classmethod
-    def rows(cls, temperature_b, top_p_b, top_k_b=0, filters_on: bool = False) -> "SamplingParams":
+    def rows(cls, temperature_b, top_p_b, top_k_b=0, top_k_cap: int | None = None,
+             top_p_on: bool | None = None) -> "SamplingParams":
         """One temperature, top-p and top-k per row (`[B]`, values checked by `check` per request;
-        `top_k_b` may be one shared value). A filter runs when any row uses it, or always with
-        `filters_on` (one compile whatever the rows ask: the server's sampled rounds); a row with
-        top_p 1 and top_k 0 keeps every token.
+        scalars count as one row). Top-p filters when any row's top_p < 1; top-k searches the
+        `top_k_cap` largest values (default: the largest k; fixed by the server, so no k compiles
+        anything); a row with top_p 1 and top_k 0 keeps every token. `top_p_on=True` runs top-p
+        over the whole sorted vocabulary whatever the values (one form for every request: the
+        server's sampled rounds).
 
         Example:
-            >>> sp = SamplingParams.rows([0.0, 1.0], [1.0, 0.5], [0, 20])
-            >>> sp.is_greedy, sp.top_p_on, sp.top_k_on, sp.top_k.tolist()
-            (False, True, True, [0, 20])
+            >>> sp = SamplingParams.rows([0.0, 1.0], [1.0, 0.5], [0, 20], top_k_cap=64)
+            >>> sp.is_greedy, sp.top_p_on, sp.top_k_cap, sp.top_k.tolist()
+            (False, True, 64, [0, 20])
         """
-        temperature_b, top_p_b = np.asarray(temperature_b, np.float32), np.asarray(top_p_b, np.float32)
-        top_k_b = np.minimum(np.asarray(top_k_b, np.int64), TOP_K_MAX).astype(np.int32)
-        return cls(temperature_b, top_p_b, top_k_b, bool(filters_on or (top_p_b < 1).any()),
-                   bool(filters_on or (top_k_b > 0).any()))
+        temperature_b = np.atleast_1d(np.asarray(temperature_b, np.float32))
+        top_p_b = np.atleast_1d(np.asarray(top_p_b, np.float32))
+        top_k_b = np.atleast_1d(np.minimum(np.asarray(top_k_b, np.int64), TOP_K_MAX).astype(np.int32))
+        cap = int(top_k_b.max(initial=0)) if top_k_cap is None else int(top_k_cap)
+        if (top_k_b > cap).any():
+            raise ValueError(f"top_k {top_k_b.max()} exceeds top_k_cap {cap}")
+        top_p_b, top_k_b = np.broadcast_arrays(top_p_b, top_k_b)
+        if top_p_on:
+            return cls(temperature_b, top_p_b, top_k_b, True, cap, False)
+        within = bool(cap > 0 and (top_k_b[top_p_b < 1] > 0).all())
+        return cls(temperature_b, top_p_b, top_k_b, bool((top_p_b < 1).any()), cap, within)
 
     @property
     def is_greedy(self) -> bool:
@@ -118,24 +131,25 @@ def filtered_probs(logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
     temperature = per_row(sp.temperature, logits)
     scaled = logits / jnp.maximum(temperature, 1e-6)
-    order = None
-    if sp.top_k_on:
-        # one descending sort (with its order when top-p reuses it); each row's k-th value is its cut
-        iota = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
-        neg_sorted, order = jax.lax.sort((-scaled, iota), dimension=scaled.ndim - 1, num_keys=1)
+    cap = sp.top_k_cap if 0 < sp.top_k_cap < v else 0        # a cap >= V never filters
+    if cap:
+        top_values, top_index = jax.lax.top_k(scaled, cap)      # sorted, descending
         k = per_row(sp.top_k, logits)
-        kth_index = jnp.where((k > 0) & (k < v), k, v) - 1
-        kth_index = jnp.broadcast_to(kth_index, scaled.shape[:-1] + (1,)).astype(jnp.int32)
-        kth = -jnp.take_along_axis(neg_sorted, kth_index, axis=-1)
+        kth_index = jnp.broadcast_to(jnp.clip(k, 1, cap) - 1, scaled.shape[:-1] + (1,)).astype(jnp.int32)
+        kth = jnp.take_along_axis(top_values, kth_index, axis=-1)
+        kth = jnp.where((k > 0) & (k < v), kth, -jnp.inf)      # a row's 0 (or k >= V) keeps all
         scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
     probs = jax.nn.softmax(scaled, axis=-1)
     if sp.top_p_on:
-        # probabilities in descending order: top-k's order, else one sort of the whole vocabulary
-        sorted_p = jnp.take_along_axis(probs, order, axis=-1) if order is not None else -jnp.sort(-probs, axis=-1)
+        # probabilities in descending order: top-k's values when every top-p row keeps at most those,
+        # else the whole vocabulary sorted (rows without top-k need all of it)
+        within = bool(cap) and sp.top_p_in_top_k
+        sorted_p = jnp.take_along_axis(probs, top_index, axis=-1) if within else -jnp.sort(-probs, axis=-1)
         mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
         top_p = per_row(sp.top_p, logits)
         kept = (mass_before < top_p) | (top_p >= 1)     # a row's top_p 1 is no filter (no rounding)
         threshold = jnp.min(jnp.where(kept, sorted_p, jnp.inf), axis=-1, keepdims=True)
+        threshold = jnp.where(top_p >= 1, 0.0, threshold)   # (top-k's values alone would cut a top_p 1 row)
         probs = jnp.where(probs >= threshold, probs, 0.0)
         probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
     return jnp.where(temperature > 0, probs, greedy)

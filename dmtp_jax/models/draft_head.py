@@ -23,8 +23,8 @@ rescores them from the rows it holds (`shortlist_logits`): the rows never cross 
                 bf16 head, every column scored)
 
 The factor is the rank-r truncated SVD of the LM head, made once at load time
-(`checkpoint.draft_head_ckpt.make_efficient_head`): with `W W^T = U S^2 U^T`, `A = U_r` and `B = U_r^T W`, the best rank-r
-approximation of `W`. It is model state (`down`, `up`; `up` sharded like the head's vocabulary
+(`checkpoint.draft_head_ckpt.make_efficient_head`): with `W W^T = U S^2 U^T`, `A = U_r` and
+`B = U_r^T W`, the best rank-r approximation of `W`. It is model state (`down`, `up`; `up` sharded like the head's vocabulary
 axis), so it travels into the jitted round as an argument and is never baked into the program.
 
 The efficient head's output is the same dense fp32 `[..., V]` as the full head's, with the exact

@@ -1,8 +1,8 @@
 """Batched admission: waiting prompts of one prompt-length bucket prefilled together.
 
-`form_group` takes the oldest waiting request and the next ones of its prompt bucket, as many as fit
-the free rows and the step's prefill budget (row bucket x chunk width tokens per call; a lone
-request always fits); `PrefillGroup` runs their prefill chunk by chunk on a state of a compiled row
+`form_group` takes the oldest waiting request and the next ones whose prompts fit its prompt bucket
+(padded to it), as many as fit the free rows and the step's prefill budget (row bucket x chunk width
+tokens per call; a lone request always fits); `PrefillGroup` runs their prefill chunk by chunk on a state of a compiled row
 bucket, and its finished rows go into the running state in one scatter (`rows.put_rows`). A request
 whose prefill failed in a group is prefilled alone afterwards (`solo`), so a fault is pinned on the
 request that causes it.
@@ -101,9 +101,9 @@ def resume_widths(prefill_chunk: int) -> list[int]:
 def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefill_chunk: int,
                solo: set, cache=None) -> list[Request]:
     """The requests to prefill together next (oldest first; empty when none can start): the oldest
-    admissible waiting request, then others of its prompt bucket while the row bucket times the chunk
-    width stays within `budget` tokens. A request in `solo`, or one starting from a stored state
-    (`start_of` with `cache`), goes alone.
+    admissible waiting request, then others whose prompt bucket is at most its own while the row
+    bucket times the chunk width stays within `budget` tokens. A request in `solo`, or one starting
+    from a stored state (`start_of` with `cache`), goes alone.
     """
     group: list[Request] = []
     for req in waiting:
@@ -111,8 +111,8 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
             break
         alone = req.id in solo or start_of(req, cache)[0] is not None
         if group:
-            width = chunk_length(prompt_bucket(group[0]), prefill_chunk)
-            if (alone or prompt_bucket(req) != prompt_bucket(group[0])
+            width = chunk_length(max(prompt_bucket(r) for r in group + [req]), prefill_chunk)
+            if (alone or prompt_bucket(req) > prompt_bucket(group[0])
                     or row_bucket(len(group) + 1, buckets) * width > budget):
                 continue
         group.append(req)
@@ -133,10 +133,12 @@ class PrefillGroup:
     chunks: list
     lengths_b: np.ndarray
     key: jax.Array
+    top_k_cap: int = 0
     first: list[int] | None = None
 
     @classmethod
-    def start(cls, bank, reqs: list[Request], rows: int, max_len: int, vocab_size: int, cache=None):
+    def start(cls, bank, reqs: list[Request], rows: int, max_len: int, vocab_size: int, top_k_cap: int = 0,
+              cache=None):
         """The group's padded prompts (validated; each request's length was checked on arrival) and
         its starting state (`start_of`; a resumed request is alone, on one row)."""
         batch = pad_prompts([r.prompt_ids for r in reqs], 1, vocab_size, batch_bucket=rows)
@@ -151,12 +153,12 @@ class PrefillGroup:
         # a lone request's seed seeds its first token; a group draws with its oldest request's
         key = jax.random.fold_in(jax.random.key(reqs[0].seed), 0)
         width = chunks[0][1].shape[1] if chunks else 0
-        return cls(list(reqs), rows, width, state, chunks, batch.lengths_b[:rows], key)
+        return cls(list(reqs), rows, width, state, chunks, batch.lengths_b[:rows], key, top_k_cap)
 
     def step(self, bank) -> bool:
         if self.chunks:
             start, chunk_bt, next_b = self.chunks.pop(0)
-            sp, greedy = row_sampling(self.reqs, self.rows)
+            sp, greedy = row_sampling(self.reqs, self.rows, self.top_k_cap)
             self.state = bank.prefill_step(bank.model_states(), chunk_bt, next_b, start, self.lengths_b, self.state,
                                            sp, self.key, greedy=greedy)
         if self.chunks:

@@ -263,10 +263,10 @@ def warm_up(engine: Engine, every_bucket: bool = True) -> None:
 def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
           max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
           limits: ServerLimits = ServerLimits(), api_key: str | None = None, enable_docs: bool = False,
-          sock=None, prefix_cache_gb: float = 0.0) -> int:
+          sock=None, max_top_k: int = 256, prefix_cache_gb: float = 0.0) -> int:
     """Binds `host:port` (unless given the bound `sock`; a port in use is an `InputError`), builds
-    the engine, compiles it, listens, prints "serving ..." and serves until SIGTERM / Ctrl-C (then exits 0: running requests are finished,
-    or cancelled after 30 s). `infer.py serve` calls it.
+    the engine, compiles it, listens, prints "serving ..." and serves until SIGTERM / Ctrl-C (then
+    exits 0: running requests are finished, or cancelled after 30 s). `infer.py serve` calls it.
 
     Example:
         >>> serve(make_decoder("dmtp", target, d, mtp=m, fusion=f), tok, "demo", port=8000)  # doctest: +SKIP
@@ -278,7 +278,7 @@ def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port:
     sock = sock or bind_socket(host, port)
     port = sock.getsockname()[1]
     engine = Engine(decoder, max_batch_size=max_batch_size, max_model_len=max_model_len, stop_ids=stop_ids,
-                    prefix_cache_gb=prefix_cache_gb)
+                    max_top_k=max_top_k, prefix_cache_gb=prefix_cache_gb)
     warm_up(engine)
     scheduler = Scheduler(engine, max_waiting=limits.max_waiting)
     app = build_app(scheduler, tokenizer, model_name, limits=limits, api_key=api_key, enable_docs=enable_docs)

@@ -6,11 +6,11 @@ models allow, all on one state) and one running state whose row count is a compi
 costs the rows in use, not `max_batch_size`. Each `step()`:
 
     cancel     rows whose request was cancelled (client gone, stop string) are freed at once
-    admit      waiting requests are prefilled in groups of one prompt bucket (`serve/admission.py`),
-               as many chunks per step as fit the prefill budget (`prefill_chunk` tokens: row
-               bucket x chunk width), so a burst of arrivals costs one prefill per group; a
-               finished group's rows go into the running state in one scatter (the state grows to
-               the next row bucket first)
+    admit      waiting requests are prefilled in groups padded to one prompt bucket
+               (`serve/admission.py`), as many chunks per step as fit the prefill budget (4 x
+               `prefill_chunk` tokens: row bucket x chunk width), so a burst of arrivals costs one
+               prefill per group; a finished group's rows go into the running state in one scatter
+               (the state grows to the next row bucket first)
     round      the policy (`serve/policy.py`) picks the round (`auto`: plain, MTP or the base
                method, from the live rows and the acceptance and round times measured live; else
                the decoder's method), which runs over the state's rows, the first `n` active; with
@@ -20,16 +20,14 @@ costs the rows in use, not `max_batch_size`. Each `step()`:
                every cache of the row moves) and the state shrinks to the smallest bucket that
                holds the rest once nobody waits.
 
-With `prefix_cache_gb` > 0 (`serve/prefix_cache.py`) a request whose prompt begins with a stored
-text starts from the longest stored 1-row state (`admission.start_of`: prefilled alone, over the
-rest of the prompt; a greedy repeat of a stored prompt runs no prefill); every admitted row, every
-row that finishes exactly at its text, and a speculative row its next dispatch may end by its budget
-(once, before it: `PrefixCache.before_round`) are offered to the cache. Outputs are those without it.
+With `prefix_cache_gb` > 0 a prompt that begins with a stored text resumes from its 1-row state
+(`admission.start_of`); admitted rows, rows ending exactly at their text and rows a dispatch may end
+(`PrefixCache.before_round`) are offered to the cache (`serve/prefix_cache.py`). Outputs are unchanged.
 
 A request's greedy output is `generate`'s on the same prompt whatever else is in the batch and
 whichever rounds ran: rows never read each other and every round commits the target's argmax.
-Sampled rows carry their own temperature / top-p / top-k (`request.row_sampling`: traced values, both
-filters on in every sampled round, so no request's values compile anything). A lone request's `seed`
+Sampled rows carry their own temperature / top-p / top-k (`request.row_sampling`: traced values in
+one form, top-k searching `max_top_k` and top-p on, so no request's values compile anything). A lone request's `seed`
 seeds its first token; rounds draw from the engine's round keys (lossless, not reproducible per
 request).
 
@@ -72,6 +70,7 @@ from dmtp_jax.serve.warmup import warm_up_engine
 __all__ = ["Engine", "Event", "Request", "insert_row"]
 
 log = logging.getLogger(__name__)
+PREFILL_BUDGET_CHUNKS = 4       # default prefill tokens per step: this many prefill chunks' worth
 
 
 class Engine:
@@ -80,7 +79,8 @@ class Engine:
     `max_model_len`: the most tokens (prompt + max_tokens) a request may use (default: the model's
     `max_position_embeddings`). `stop_ids`: the default stop tokens (default: the model's EOS ids).
     `buckets`: the running state's row counts (default `row_buckets(max_batch_size)`).
-    `prefill_budget`: prefill tokens per step (default: the decoder's `prefill_chunk`).
+    `prefill_budget`: prefill tokens per step (default: `PREFILL_BUDGET_CHUNKS` x the decoder's
+    `prefill_chunk`).
     `rounds_per_dispatch`: K rounds per dispatch when nobody waits (default: the decoder's).
     `prefix_cache_gb`: the prefix cache's budget in GiB (0: no cache; `serve/prefix_cache.py`).
     Not thread-safe: one thread calls `add`, `cancel` and `step` (the server's scheduler).
@@ -88,8 +88,9 @@ class Engine:
 
     def __init__(self, decoder, *, max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
                  seed: int = 0, buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
-                 rounds_per_dispatch: int | None = None, prefix_cache_gb: float = 0.0):
+                 rounds_per_dispatch: int | None = None, max_top_k: int = 256, prefix_cache_gb: float = 0.0):
         cfg = decoder.target.cfg
+        self.max_top_k = int(max_top_k)              # top-k's search width in sampled rounds (static)
         if max_batch_size < 1:
             raise RequestError(f"--max-batch-size must be >= 1, got {max_batch_size}")
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
@@ -116,7 +117,7 @@ class Engine:
         prior = {m: x.get("tau_per_verify") for m, x in (self.verdict.measured if self.verdict else {}).items()}
         self.policy = LoadPolicy(self.bank.slots, {m: t for m, t in prior.items() if t})
         self.max_len = round_up(self.max_model_len + self.bank.max_slots, 128)
-        self.prefill_budget = int(prefill_budget or self.bank.prefill_chunk)
+        self.prefill_budget = int(prefill_budget or PREFILL_BUDGET_CHUNKS * self.bank.prefill_chunk)
         self.base_key = jax.random.key(seed)
         one, two = self.bank.new_state(1, self.max_len), self.bank.new_state(2, self.max_len)
         axes, shardings = batch_axes(one, two), jax.tree.map(lambda x: x.sharding, one)
@@ -152,6 +153,9 @@ class Engine:
         check_sampling(req.temperature, req.top_p, req.top_k)
         if not -2**63 <= req.seed < 2**63:
             raise RequestError(f"seed must be a 64-bit integer, got {req.seed}")
+        if self.max_top_k < req.top_k < self.cfg.vocab_size:
+            raise RequestError(f"top_k must be <= {self.max_top_k} (--max-top-k), or 0 / >= the vocabulary "
+                               f"({self.cfg.vocab_size}) for none, got {req.top_k}")
         total = len(req.prompt_ids) + req.max_tokens
         if total > self.max_model_len:
             raise RequestError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
@@ -256,7 +260,7 @@ class Engine:
                 self.waiting.remove(req)
             try:
                 return PrefillGroup.start(self.bank, reqs, row_bucket(len(reqs), self.buckets), self.max_len,
-                                          self.cfg.vocab_size, self.prefix_cache)
+                                          self.cfg.vocab_size, self.max_top_k, self.prefix_cache)
             except Exception:
                 self._group_failed(reqs, events)
 
@@ -356,7 +360,7 @@ class Engine:
         active = np.arange(rows) < n
         limits = np.zeros(rows, np.int32)
         limits[:n] = [len(r.prompt_ids) + r.max_tokens for r in self.running]
-        sp, greedy = row_sampling(self.running, rows)
+        sp, greedy = row_sampling(self.running, rows, self.max_top_k)
         method = self.policy.choose(n, rows)
         k = self.rounds_per_dispatch if not self.waiting and self._group is None else 1
         stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if k > 1 else ()

@@ -191,6 +191,6 @@ def request_of(body: CompletionBody, prompt_ids: list[int], max_tokens: int | No
         raise ApiError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
     if body.top_k is not None and body.top_k < -1:
         raise ApiError(f"top_k must be -1 or 0 (off) or a positive k, got {body.top_k}", param="top_k")
-    top_k = min(body.top_k, vocab_size) if body.top_k and body.top_k > 0 else 0      # -1 / 0 / None: off
+    top_k = body.top_k if body.top_k and 0 < body.top_k < vocab_size else 0   # -1 / 0 / None / >= V: off
     return Request(list(prompt_ids), int(max_tokens), temperature=temperature, top_p=top_p, top_k=int(top_k),
                    seed=int(body.seed or 0))

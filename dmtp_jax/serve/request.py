@@ -72,22 +72,25 @@ class Event:
     finished: bool
 
 
-def row_sampling(reqs, rows: int) -> tuple[SamplingParams, bool]:
+def row_sampling(reqs, rows: int, top_k_cap: int = 0) -> tuple[SamplingParams, bool]:
     """`(SamplingParams.rows over `rows` rows, greedy)` for `reqs` in rows 0..len-1 (the rest, and
     greedy rows, temperature 0): every sampled round and prefill of the engine builds its
-    parameters here.
+    parameters here, in ONE form whatever the requests ask (top-k searching `top_k_cap`, top-p on:
+    a row's top_p 1 and top_k 0 keep every token), so no request's values compile anything. A top_k
+    above the cap keeps every token (`Engine.check` lets through only k >= the vocabulary there).
 
     Example:
-        >>> sp, greedy = row_sampling([Request([1], 2), Request([1], 2, temperature=0.5)], 4)
-        >>> sp.temperature.tolist(), greedy
-        ([0.0, 0.5, 0.0, 0.0], False)
+        >>> sp, greedy = row_sampling([Request([1], 2), Request([1], 2, temperature=0.5, top_k=9)], 4, 8)
+        >>> sp.temperature.tolist(), sp.top_k.tolist(), sp.top_k_cap, greedy
+        ([0.0, 0.5, 0.0, 0.0], [0, 0, 0, 0], 8, False)
     """
     temperature = np.zeros(rows, np.float32)
     top_p = np.ones(rows, np.float32)
     top_k = np.zeros(rows, np.int64)
     for i, r in enumerate(reqs):
         if not r.greedy:         # a greedy row's values change nothing
-            temperature[i], top_p[i], top_k[i] = r.temperature, r.top_p, r.top_k
+            temperature[i], top_p[i], top_k[i] = r.temperature, r.top_p, r.top_k if r.top_k <= top_k_cap else 0
     greedy = all(r.greedy for r in reqs)
-    # sampled: both filters always on, their values traced, so no request's values compile anything
-    return SamplingParams.rows(temperature, top_p, top_k, filters_on=not greedy), greedy
+    if greedy:
+        return SamplingParams.rows(temperature, top_p, top_k, top_k_cap=0), True
+    return SamplingParams.rows(temperature, top_p, top_k, top_k_cap=top_k_cap, top_p_on=True), False

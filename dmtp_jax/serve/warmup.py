@@ -29,7 +29,7 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
     dispatches = sorted({1, engine.rounds_per_dispatch})
     temperatures = (0.0, 1.0) if sampled else (0.0,)
     for rows, method, k, t in itertools.product(engine.buckets, engine.bank.methods, dispatches, temperatures):
-        sp, greedy = row_sampling([Request([0], 1, temperature=t)], rows)
+        sp, greedy = row_sampling([Request([0], 1, temperature=t)], rows, engine.max_top_k)
         engine.bank.run(method, engine.bank.new_state(rows, engine.max_len), np.zeros(rows, bool),
                         np.zeros(rows, np.int32), sp, engine.base_key, 1, greedy, k, engine.stop_ids)
     for rows, other in itertools.product(engine.buckets, engine.buckets):     # the row moves between buckets
@@ -43,7 +43,8 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
         for rows, t in itertools.product([r for r in engine.buckets if r == 1 or r * width <= engine.prefill_budget],
                                          temperatures):
             reqs = [Request([0] * min(bucket, engine.max_model_len - 2), 1, temperature=t) for _ in range(rows)]
-            group = PrefillGroup.start(engine.bank, reqs, rows, engine.max_len, engine.cfg.vocab_size)
+            group = PrefillGroup.start(engine.bank, reqs, rows, engine.max_len, engine.cfg.vocab_size,
+                                       engine.max_top_k)
             while not group.step(engine.bank):
                 pass
     if engine.prefix_cache is not None:
@@ -62,7 +63,8 @@ def warm_up_prefix_cache(engine, temperatures=(0.0, 1.0)) -> None:
     for width, t in itertools.product(resume_widths(engine.bank.prefill_chunk), temperatures):
         cache.offer(base + [0], one, greedy=False)
         req = Request(base + [0] * width, 1, temperature=t)      # resumes at 8: `width` tokens run
-        group = PrefillGroup.start(engine.bank, [req], 1, engine.max_len, engine.cfg.vocab_size, cache)
+        group = PrefillGroup.start(engine.bank, [req], 1, engine.max_len, engine.cfg.vocab_size, engine.max_top_k,
+                                   cache)
         while not group.step(engine.bank):
             pass
     cache.clear()
