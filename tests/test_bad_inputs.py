@@ -32,7 +32,7 @@ BAD_INPUTS = [
     ("top-p 0", "infer generate --target {tiny} --prompt-ids 1 --top-p 0", "error: top_p must be in (0, 1], got 0.0",
      False),
     ("negative temperature", "infer generate --target {tiny} --prompt-ids 1 --temperature -1",
-     "error: temperature must be >= 0, got -1.0", False),
+     "error: temperature must be a finite number >= 0, got -1.0", False),
     ("batch size 0", "infer generate --target {tiny} --prompt-ids 1 --batch-size 0",
      "error: --batch-size must be >= 1, got 0", False),
     ("mesh too large", "infer generate --target {tiny} --prompt-ids 1 --mesh tensor=64", "needs 64 devices", False),
