@@ -150,7 +150,7 @@ def test_a_compiler_refusal_is_a_plan_that_does_not_fit():
     """The TPU compiler refuses a program over the chip's memory (RESOURCE_EXHAUSTED) before any
     memory analysis exists: `plan` reports it as does-not-fit (exit 2), other errors stay errors."""
     from dmtp_jax.plan.compile import compile_function
-    from dmtp_jax.plan.report import DoesNotFitError
+    from dmtp_jax.plan.compile import DoesNotFitError
 
     def refused():
         raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "

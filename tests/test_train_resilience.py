@@ -169,6 +169,8 @@ def test_cut_off_and_corrupt_checkpoints_fall_back_with_a_warning(tiny_qwen3_dir
 def test_full_disk_is_one_clear_error_and_keeps_the_previous_checkpoint(tiny_qwen3_dir, tmp_path, monkeypatch):
     from dmtp_jax.errors import TrainingStopped, format_user_error
     from dmtp_jax.train import loop
+    from dmtp_jax.train.checkpoints import checkpoint_manager
+    from dmtp_jax.train.run import run_training
     data = write_random_data(str(tmp_path / "d.jsonl"), n=8, length=48)
     real_save, saves = loop.save_checkpoint, []
 
@@ -181,12 +183,12 @@ def test_full_disk_is_one_clear_error_and_keeps_the_previous_checkpoint(tiny_qwe
     monkeypatch.setattr(loop, "save_checkpoint", save_until_full)
     run = str(tmp_path / "run")
     with pytest.raises(TrainingStopped) as err:
-        loop.run_training(tiny_train_config(tiny_qwen3_dir, data, run, steps=6, batch_size=4, seq_len=48,
-                                            checkpoint_every=2))
+        run_training(tiny_train_config(tiny_qwen3_dir, data, run, steps=6, batch_size=4, seq_len=48,
+                                       checkpoint_every=2))
     lines = format_user_error(err.value).splitlines()
     assert lines[0] == "error: could not write checkpoint 4: no space left on device; checkpoint 2 is intact"
     assert len(lines) == 2 and lines[1].startswith("hint: ")
-    assert loop.checkpoint_manager(run, 3).all_steps() == [2] and metric_steps(run) == [1, 2, 3, 4]
+    assert checkpoint_manager(run, 3).all_steps() == [2] and metric_steps(run) == [1, 2, 3, 4]
 
 
 def test_nonfinite_losses_skip_their_updates_and_stop_the_run(tiny_qwen3_dir, tmp_path, poisoned_loss):
