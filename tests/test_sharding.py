@@ -41,7 +41,7 @@ def sharded_runs(request) -> dict:
              for name in FAMILIES}
     runs = {}
     for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=900)   # two processes of 8 fake devices on a loaded 2-core machine
         assert proc.returncode == 0, f"{name}: helper failed:\n{err[-4000:]}"
         runs[name] = next(iter(json.loads(out.strip().splitlines()[-1]).values()))
     return runs
