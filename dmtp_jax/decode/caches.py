@@ -1,16 +1,13 @@
 """The decode caches, created at their mesh sharding: the target's `TargetCache` (attention K/V,
-Gated DeltaNet conv windows and recurrent states) and plain `KVCache`s (the drafter's context, the
-MTP's private cache). The arrays themselves are `layers/kv_cache.py`; this module makes them.
-
-Every maker is one jitted function per (mesh, shape, dtype) whose output sits at the cache's
-sharding, so a donated cache never recompiles the function it is passed to.
+DeltaNet conv windows and recurrent states) and plain `KVCache`s (drafter context, MTP). The arrays
+are `layers/kv_cache.py`'s; each maker here is one jitted function per (mesh, shape, dtype) whose
+output sits at the cache's sharding, so a donated cache never recompiles its consumer.
 
 Example:
     >>> from dmtp_jax.sharding import make_mesh
     >>> cache = new_kv_cache(make_mesh("tensor=1"), (1, 2, 16, 1, 4), "float32")
     >>> cache.k_lbskd.shape
-    (1, 2, 16, 1, 4)
-"""
+    (1, 2, 16, 1, 4)"""
 
 from __future__ import annotations
 
@@ -35,10 +32,7 @@ def _zeros_cache_maker(mesh, shape, dtype):
 
 
 def new_kv_cache(mesh, shape, dtype) -> KVCache:
-    """A zero KV cache `[layers, B, S, kv, D]` created at its mesh sharding (so donating it never
-    recompiles); one jitted maker per (mesh, shape, dtype).
-
-    Example: see the module docstring."""
+    """A zero KV cache `[layers, B, S, kv, D]` created at its mesh sharding."""
     return _zeros_cache_maker(mesh, tuple(shape), jnp.dtype(dtype))()
 
 
@@ -48,24 +42,14 @@ def _zeros_maker(mesh, shape, dtype):
 
 
 def kv_cache_shape(cfg, batch: int, max_len: int, mesh=None, layers: int | None = None) -> tuple[int, ...]:
-    """`[attention layers (or layers), B, S, kv_heads, head_dim]`, the KV heads as laid out on
-    `mesh` (`sharding.cache_kv_heads`; the model's own without one).
-
-    Example:
-        >>> kv_cache_shape(cfg, batch=2, max_len=128)  # doctest: +SKIP
-        (28, 2, 128, 8, 128)
-    """
+    """`[attention layers (or layers), B, S, kv_heads, head_dim]`, the KV heads as laid out on `mesh`
+    (`sharding.cache_kv_heads`; the model's own without one)."""
     heads = cache_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads, mesh)
     return (len(cfg.attention_layers) if layers is None else layers, batch, max_len, heads, cfg.head_dim)
 
 
 def recurrent_state_shapes(cfg, batch: int):
-    """`(conv [Ll, B, K-1, C], ssm [Ll, B, nv, dk, dv])` of the DeltaNet layers, or None.
-
-    Example:
-        >>> recurrent_state_shapes(qwen3_cfg, 2) is None  # doctest: +SKIP
-        True
-    """
+    """`(conv [Ll, B, K-1, C], ssm [Ll, B, nv, dk, dv])` of the DeltaNet layers, or None."""
     n = len(cfg.linear_layers)
     if not n:
         return None
@@ -74,14 +58,9 @@ def recurrent_state_shapes(cfg, batch: int):
 
 
 def state_bytes_per_row(cfg, max_len: int, dtype_bytes: int = 2, verify_slots: int = 8) -> dict[str, int]:
-    """Bytes one row holds across rounds -- `kv` (K/V of the attention layers at `max_len` slots),
-    `conv` and `ssm` (fp32) of the DeltaNet layers -- and `verify_transient`: the per-token DeltaNet
-    inputs a verify round of `verify_slots` keeps for its commit (released after the round).
-    DeltaNet states are committed from the kept block inputs, so no per-slot snapshots exist.
-
-    Example:
-        >>> state_bytes_per_row(cfg, 32768)["ssm"]  # doctest: +SKIP
-    """
+    """Bytes one row holds across rounds (`kv`, and fp32 `conv` / `ssm` of the DeltaNet layers) and
+    `verify_transient`: the per-token DeltaNet inputs a verify round of `verify_slots` keeps until
+    its commit."""
     out = {"kv": 2 * int(np.prod(kv_cache_shape(cfg, 1, max_len))) * dtype_bytes, "conv": 0, "ssm": 0,
            "verify_transient": 0}
     shapes = recurrent_state_shapes(cfg, 1)
@@ -96,34 +75,19 @@ def state_bytes_per_row(cfg, max_len: int, dtype_bytes: int = 2, verify_slots: i
 
 
 def target_cache_shardings(mesh, cache: TargetCache) -> TargetCache:
-    """The sharding of every array of a target cache (or of its shapes) on `mesh`, as a `TargetCache`.
-
-    Example:
-        >>> target_cache_shardings(mesh, cache).kv.k_lbskd  # doctest: +SKIP
-    """
+    """The sharding of every array of a target cache (or of its shapes) on `mesh`, as a `TargetCache`."""
     state = lambda x: None if x is None else recurrent_state_sharding(mesh, x.shape)  # noqa: E731
     kv = kv_cache_sharding(mesh, cache.kv.k_lbskd.shape)
     return TargetCache(KVCache(kv, kv), state(cache.conv_lbwc), state(cache.ssm_lbhkv))
 
 
 def constrain_target_cache(mesh, cache: TargetCache) -> TargetCache:
-    """`cache` pinned at `target_cache_shardings` (inside a jitted function).
-
-    Example:
-        >>> cache = jax.jit(lambda c: constrain_target_cache(mesh, c))(cache)  # doctest: +SKIP
-    """
+    """`cache` pinned at `target_cache_shardings` (inside a jitted function)."""
     return jax.tree.map(jax.lax.with_sharding_constraint, cache, target_cache_shardings(mesh, cache))
 
 
 class TargetCaches:
-    """The target's `TargetCache` (attention K/V, DeltaNet conv windows and states): created and
-    pinned at their mesh sharding (sizes: `state_bytes_per_row`).
-
-    Example:
-        >>> cache = TargetCaches(load_target("/tmp/tiny-qwen3")).new(2, 128)  # doctest: +SKIP
-        >>> cache.max_len  # doctest: +SKIP
-        128
-    """
+    """The target's `TargetCache`, created and pinned at its mesh sharding."""
 
     def __init__(self, target: LoadedTarget):
         self.target = target

@@ -1,27 +1,19 @@
 """The speculative round as named, pure phase functions over explicit state.
 
-A round from `SpecState` (the caches, each row's committed length `L` and pending token `A`, the MTP
+A round from `SpecState` (caches, each row's committed length `L` and pending token `A`, the MTP
 hidden that predicts the next first candidate) with `n` verify slots:
 
     propose         a proposer (`decode/proposers.py`) drafts `[B, n-1]` tokens (and, sampled,
                     their probabilities): `Proposal`
-    verify_forward  the target over `[A, drafts]` at positions `L..L+n-1` (`speculative=True`):
-                    K/V written, DeltaNet block inputs kept for commit, drafter features captured
+    verify_forward  the target over `[A, drafts]` at positions `L..L+n-1`
     accept          greedy exact match or a lossless sampled verifier: `(accepted [B], bonus [B])`
     mtp_advance     the MTP over rows `(h_{L+j}, next committed token)`, `j <= accepted`
     write_context   the drafter's context K/V of the verify rows
     commit          all of the above into the next `SpecState` and the round's tokens
 
-`spec_round` composes them; `prefill_step` is the state's prefill chunk. Every function here is
-pure: models come in as a `RoundModels` (merged modules), every knob as an argument, so the same
-functions are jitted by the decoder (`decode/spec.py`), timed one by one by `bench/phases.py` and
-used by the exactness probe (`verify_forward`).
-
-Example:
-    >>> models = merge_models(graphdefs, states)  # doctest: +SKIP
-    >>> state, tokens_bn, accepted_b, t1_from_mtp_b = spec_round(
-    ...     proposer, "rejection", models, state, active_b, limits_b, sp, key, True, knobs)  # doctest: +SKIP
-"""
+`spec_round` composes them; `prefill_step` is the state's prefill chunk. Models come in as a
+`RoundModels` (merged modules) and every knob as an argument, so the decoder (`decode/spec.py`),
+`bench/phases.py` and the exactness probe jit the same functions."""
 
 from __future__ import annotations
 
@@ -53,7 +45,7 @@ class SpecState:
 @dataclasses.dataclass(frozen=True)
 class RoundModels:
     """The merged modules a round runs (`None` where the method uses none; `draft_head` None: the
-    drafting side uses the target's full LM head, `models/draft_head.py`)."""
+    drafting side uses the target's full LM head)."""
     target: nnx.Module
     drafter: nnx.Module | None = None
     mtp: nnx.Module | None = None
@@ -72,21 +64,15 @@ class RoundModels:
 
 def merge_models(graphdefs, states) -> RoundModels:
     """`RoundModels` from `(target, drafter, mtp, fusion, draft_head)` graphdefs and their states
-    (inside jit).
-
-    Example:
-        >>> models = merge_models((target.graphdef, None, None, None, None),
-        ...                       (target.state, None, None, None, None))  # doctest: +SKIP
-    """
+    (inside jit)."""
     return RoundModels(*(None if g is None else nnx.merge(g, s) for g, s in zip(graphdefs, states)))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Proposal:
-    """What a proposer drafts: tokens, their probabilities when sampling (`None` when greedy), the
-    MTP cache (a chained MTP writes speculative rows into it) and whose first candidate each row
-    verifies (`True`: MTP's)."""
+    """What a proposer drafts: tokens, their probabilities when sampling (`None` when greedy), the MTP
+    cache and whose first candidate each row verifies (`True`: MTP's)."""
     drafts_bn: jax.Array
     q_bnv: jax.Array | None
     mtp_cache: KVCache | None
@@ -96,9 +82,8 @@ class Proposal:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class VerifyForward:
-    """The target's verify forward: its inputs `[A, drafts]` at their positions and their
-    embeddings, its output (`TargetOutput`: hidden, captured features, cache, DeltaNet block inputs)
-    and logits."""
+    """The target's verify forward: inputs `[A, drafts]`, their positions and embeddings, the
+    `TargetOutput` and logits."""
     tokens_bn: jax.Array
     positions_bn: jax.Array
     embeds_bnh: jax.Array
@@ -145,11 +130,7 @@ def context_window(cache_lbskd: jax.Array, lengths_b: jax.Array, window: int):
 
 
 def state_shardings(mesh, st: SpecState) -> SpecState:
-    """The sharding of every array of a state (or of its shapes) on `mesh`, as a `SpecState` tree.
-
-    Example:
-        >>> state_shardings(target.mesh, state).lengths_b  # doctest: +SKIP
-    """
+    """The sharding of every array of a state (or of its shapes) on `mesh`, as a `SpecState` tree."""
     rep = replicated(mesh)
     kv = lambda c: None if c is None else KVCache(*(kv_cache_sharding(mesh, c.k_lbskd.shape),) * 2)  # noqa: E731
     return SpecState(target_cache_shardings(mesh, st.target_cache), kv(st.ctx_cache), kv(st.mtp_cache),
@@ -157,27 +138,16 @@ def state_shardings(mesh, st: SpecState) -> SpecState:
 
 
 def constrain_state(mesh, st: SpecState) -> SpecState:
-    """`st` pinned at `state_shardings` (inside a jitted function).
-
-    Example:
-        >>> state = jax.jit(lambda s: constrain_state(target.mesh, s))(state)  # doctest: +SKIP
-    """
+    """`st` pinned at `state_shardings` (inside a jitted function)."""
     return jax.tree.map(jax.lax.with_sharding_constraint, st, state_shardings(mesh, st))
 
 
 # ---- phases ------------------------------------------------------------------------------------
 def verify_forward(target, state: SpecState, drafts_bn: jax.Array,
                    capture_layers: tuple[int, ...] = (), active_b: jax.Array | None = None) -> VerifyForward:
-    """The target over `[pending, drafts]` at positions `L..L+n-1` from `state.target_cache`, as a
-    verify round runs it (`speculative=True`: DeltaNet states wait for `commit`). With no drafts and
-    `active_b` given (a plain step: its one token is always kept) the states advance in the forward
-    for the active rows only, as a decode step's, and `commit` has nothing left to do.
-
-    Example:
-        >>> fwd = verify_forward(models.target, state, proposal.drafts_bn, models.capture_layers)  # doctest: +SKIP
-        >>> fwd.logits_bnv.shape  # doctest: +SKIP
-        (2, 8, 151936)
-    """
+    """The target over `[pending, drafts]` at positions `L..L+n-1` (`speculative=True`: DeltaNet
+    states wait for `commit`). With no drafts and `active_b` given (a plain step) the states advance
+    in the forward for the active rows only and `commit` has nothing left to do."""
     n = drafts_bn.shape[1] + 1
     positions = state.lengths_b[:, None] + jnp.arange(n)
     tokens = jnp.concatenate([state.pending_b[:, None], drafts_bn], axis=1)
@@ -210,16 +180,9 @@ def accept(logits_bnv: jax.Array, drafts_bn: jax.Array, q_bnv: jax.Array | None,
 
 def mtp_advance(models: RoundModels, state: SpecState, mtp_cache: KVCache, fwd: VerifyForward, acc_b, bonus_b,
                 active_b):
-    """MTP over rows (h_{L+j}, next committed token) at L+j+1 for j <= accepted; the rest go to
-    scratch. Returns the cache, the hidden that predicts the next T1, and (for the DMTP context
-    variants, which feed every row to the drafter's context; else None) every row's hidden (row j is
-    aligned with context position L+j). Without the context variants only the last accepted row
-    runs the whole layer; the others only write their keys and values.
-
-    Example:
-        >>> mtp_cache, mtp_h_bh, rows = mtp_advance(models, state, proposal.mtp_cache, fwd, acc, bonus,
-        ...                                         active_b)  # doctest: +SKIP
-    """
+    """MTP over rows `(h_{L+j}, next committed token)` at `L+j+1` for `j <= accepted`; the rest go to
+    scratch. Returns `(cache, hidden predicting the next T1, every row's hidden or None)`; the last
+    is only for the DMTP context variants (row j aligned with context position `L+j`)."""
     target, mtp, fusion = models.target, models.mtp, models.fusion
     n = fwd.tokens_bn.shape[1]
     j = jnp.arange(n)[None]
@@ -239,13 +202,8 @@ def mtp_advance(models: RoundModels, state: SpecState, mtp_cache: KVCache, fwd: 
 
 
 def write_context(drafter, fusion, ctx_cache: KVCache, captured, positions_bt: jax.Array, mtp_h_bth) -> KVCache:
-    """Context K/V of new target rows (the captured target features at `positions_bt`); the DMTP
-    context variants mix in the MTP feature of row (h_p, x_{p+1}) (`mtp_h_bth`, aligned with p).
-
-    Example:
-        >>> ctx = write_context(models.drafter, models.fusion, state.ctx_cache, fwd.out.captured,
-        ...                     fwd.positions_bn, None)  # doctest: +SKIP
-    """
+    """Context K/V of new target rows (captured features at `positions_bt`); the DMTP context variants
+    mix in the MTP feature `mtp_h_bth` (aligned with p)."""
     features = jnp.concatenate(captured, axis=-1)
     ctx = (fusion.context(drafter, features, mtp_h_bth) if fusion is not None
            else drafter.project_context(features))
@@ -256,14 +214,9 @@ def write_context(drafter, fusion, ctx_cache: KVCache, captured, positions_bt: j
 
 def commit(models: RoundModels, state: SpecState, proposal: Proposal, fwd: VerifyForward, acc_b, bonus_b,
            active_b) -> tuple[SpecState, jax.Array]:
-    """The next state and the round's tokens `[B, n]` (a row committed `tokens[:accepted + 1]`, the
-    bonus at `accepted`): L += accepted + 1 for active rows; the target keeps the accepted prefix
-    (`target.commit`: K/V past L are never read, DeltaNet states advance over the kept tokens only);
-    `mtp_advance`; `write_context`. Finished (inactive) rows keep their state.
-
-    Example:
-        >>> state, tokens_bn = commit(models, state, proposal, fwd, acc, bonus, active_b)  # doctest: +SKIP
-    """
+    """`(next state, tokens [B, n])`: a row commits `tokens[:accepted + 1]` (bonus at `accepted`) and
+    `L += accepted + 1`; the target keeps the accepted prefix, then `mtp_advance`, `write_context`.
+    Inactive rows keep their state."""
     target, drafter = models.target, models.drafter
     ctx, mtp_cache, mtp_h, mtp_rows = state.ctx_cache, proposal.mtp_cache, state.mtp_h_bh, None
     if models.mtp is not None:
@@ -281,16 +234,10 @@ def commit(models: RoundModels, state: SpecState, proposal: Proposal, fwd: Verif
 
 def spec_round(proposer, verify_mode: str, models: RoundModels, state: SpecState, active_b, limits_b, sp,
                key: jax.Array, greedy: bool, knobs):
-    """One propose / verify / accept / commit round. Returns `(state, tokens [B, n], accepted [B],
-    t1_from_mtp [B])`: a row's committed tokens are `tokens[:accepted + 1]` (the bonus sits at
-    `accepted`), `t1_from_mtp` says whose first candidate the row verified (MTP's or the drafter's).
-    `limits_b`: each row's token budget (prompt + max_new_tokens; drafter rows past it are hidden);
-    `knobs`: the proposers' traced knobs (`proposers.RoundKnobs`).
-
-    Example:
-        >>> state, tokens_bn, acc_b, from_mtp_b = jax.jit(spec_round, static_argnums=(0, 1, 8))(
-        ...     proposer, "rejection", models, state, active_b, limits_b, sp, key, True, knobs)  # doctest: +SKIP
-    """
+    """One propose / verify / accept / commit round: `(state, tokens [B, n], accepted [B],
+    t1_from_mtp [B])`. A row's committed tokens are `tokens[:accepted + 1]`; `t1_from_mtp` says
+    whose first candidate it verified. `limits_b`: each row's token budget (prompt +
+    max_new_tokens); `knobs`: `proposers.RoundKnobs`."""
     k_draft, k_verify = jax.random.split(key)
     proposal = proposer.propose(models, state, sp, k_draft, greedy, limits_b, knobs)
     fwd = verify_forward(models.target, state, proposal.drafts_bn, models.capture_layers, jnp.asarray(active_b))
@@ -301,18 +248,12 @@ def spec_round(proposer, verify_mode: str, models: RoundModels, state: SpecState
 
 def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state: SpecState, sp, key,
                  greedy: bool = False) -> SpecState:
-    """One prefill chunk (`decode/prefill.py`) through the target (K/V, DeltaNet states, context
-    features) and the MTP; the first token is picked in the chunk that ends a row's prompt.
+    """One prefill chunk (`decode/prefill.py`) through the target and the MTP; the first token is
+    picked in the chunk that ends a row's prompt.
 
-    MTP row i pairs h_i with x_{i+1} at position i+1: the next prompt token, `next_b` (the token
-    after the chunk) for the chunk's last row, and the first new token for a row's last prompt
-    token; rows past the prompt go to scratch. `state.pending_b` / `state.mtp_h_bh` carry the
-    first token and the MTP hidden that predicts T1 until a row's prompt ends.
-
-    Example:
-        >>> state = prefill_step(models, chunk_bt, next_b, np.int32(0), lengths_b, state, sp, key,
-        ...                      True)  # doctest: +SKIP
-    """
+    MTP row i pairs h_i with x_{i+1} at position i+1 (`next_b` for the chunk's last row, the first
+    new token after a row's prompt; rows past the prompt go to scratch). `state.pending_b` /
+    `state.mtp_h_bh` carry the first token and T1's MTP hidden until a row's prompt ends."""
     target, drafter, mtp = models.target, models.drafter, models.mtp
     res = target_chunk(target, tokens_bt, start, lengths_b, state.target_cache, state.pending_b, sp, key,
                        greedy, models.capture_layers)

@@ -1,39 +1,16 @@
 """The speculative decode engine: one jitted round over fixed buffers, for every drafting method.
 
 State per batch row (`round.SpecState`): the target KV cache (and DeltaNet states), the drafter's
-context K/V cache and the MTP's private KV cache (all slot == position), the committed length `L`
-(tokens in the target KV), the pending token `A` (last committed, not yet run by the target) and,
-with MTP, the cached MTP hidden `h` that predicts the next first candidate.
+context cache and the MTP's cache (slot == position), the committed length `L`, the pending token
+`A` (committed, not yet run by the target) and, with MTP, the hidden that predicts the next first
+candidate. A round is `decode/round.py:spec_round`; the method only chooses the proposer
+(`decode/proposers.py`), so there are no method branches here.
 
-A round is the composition of public, pure phase functions (`decode/round.py:spec_round`):
-
-    propose         the method's proposer (`decode/proposers.py`): MTP chain (`mtp`), DFlash /
-                    DFlash2 (`dflash`), DMTP's fused block (`dmtp*`), or per-row arbitration
-                    between the two (`dmtp-adaptive`); one interface, no method branches here
-    verify_forward  the target on [A, T1..T(n-1)] at positions L.. (writes KV, captures features)
-    accept          greedy exact match, or lossless sampling ("rejection", "block" or
-                    "target-only", `decode/verify.py`) with the proposers' q
-    commit          L += accepted + 1; `target.commit` keeps the accepted prefix; `mtp_advance`
-                    and `write_context` update the MTP and drafter caches. Finished rows keep
-                    their state.
-
-This module validates the options (`check_spec_options`), binds the static setup (`RoundSetup`:
-graphdefs, mesh, proposer, verifier) to the jitted entry points (`prefill_step`, `round`,
-`multi_round`), and runs the host loop. Everything a jitted function reads is an argument or part
-of the frozen setup: the adaptive threshold is a traced knob (`proposers.RoundKnobs`), so changing
-`decoder.adaptive_threshold` takes effect without recompiling. The round folds its PRNG key from
-`(base_key, round index)` on device and the host fetches each round's tokens, accepted counts and
-first-candidate sources in one transfer.
-
-The round compiles once per (batch bucket, cache length, method, greedy/sampled). With
-`rounds_per_dispatch` K > 1, one jitted call runs up to K rounds with on-device stopping
-(`decode/multi_round.py`), compiled once per the same key.
-
-Example:
-    >>> engine = SpecDecoder(target, drafter)  # doctest: +SKIP
-    >>> res = engine.generate([[1, 2, 3]], max_new_tokens=32)  # doctest: +SKIP
-    >>> res.stats["per_verify_acceptance_length"]  # doctest: +SKIP
-"""
+This module checks the options (`check_spec_options`), binds the frozen setup (`RoundSetup`) to
+the jitted entry points (`prefill_step`, `round`, `multi_round`) and runs the host loop. Every
+value a jitted function reads is an argument or part of the setup (the adaptive threshold is a
+traced knob). One host transfer per round; one compile per (batch bucket, cache length, method,
+greedy/sampled)."""
 
 from __future__ import annotations
 
@@ -71,9 +48,8 @@ def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, bloc
                        mtp_steps: int = 4, verify: str = "rejection", adaptive_threshold: float | None = None,
                        rounds_per_dispatch: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK
                        ) -> tuple[int, float | None]:
-    """Every option of a `SpecDecoder`, checked in one place: returns `(verify slots, adaptive
-    threshold or None)`; raises `RequestError` naming the bad option.
-    The rules are `dmtp_jax.options`' (the models a method needs: `options.method_needs`).
+    """Every option of a `SpecDecoder`, checked in one place (rules: `dmtp_jax.options`): returns
+    `(verify slots, adaptive threshold or None)`; raises `RequestError` naming the bad option.
 
     Example:
         >>> check_spec_options("mtp", mtp=object(), mtp_steps=3)
@@ -81,12 +57,7 @@ def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, bloc
         >>> check_spec_options("mtp", mtp=object(), mtp_steps=0)
         Traceback (most recent call last):
         ...
-        dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 0
-        >>> check_spec_options("mtp", mtp=object(), prefill_chunk=0)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.RequestError: --prefill-chunk must be an integer >= 1, got 0
-    """
+        dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 0"""
     check_verify_mode(verify)
     check_method(method, SPEC_METHODS, what="speculative method")
     check_rounds_per_dispatch(rounds_per_dispatch)
@@ -116,7 +87,7 @@ def _pin(mesh, x):
 def prefill_entry(setup: RoundSetup, states, tokens_bt, next_b, start, lengths_b, state: SpecState, sp, key,
                   greedy: bool = False) -> SpecState:
     """`round.prefill_step` on the merged models, the state pinned at its shardings (jitted as
-    `SpecDecoder.prefill_step`). Example: `SpecDecoder.prefill` runs it chunk by chunk."""
+    `SpecDecoder.prefill_step`)."""
     models = merge_models(setup.graphdefs, states)
     state = prefill_step(models, tokens_bt, next_b, start, lengths_b, state, sp, key, greedy)
     return constrain_state(setup.mesh, state)
@@ -131,13 +102,8 @@ def _keyed_round(setup: RoundSetup, models, knobs, state, active_b, limits_b, sp
 
 def round_entry(setup: RoundSetup, states, state: SpecState, active_b, limits_b, sp, base_key, round_index, knobs,
                 greedy: bool):
-    """Round `round_index` of a request (`round.spec_round`, key `fold_in(base_key, round_index)` on
-    device), jitted as `SpecDecoder.round`: `(state, tokens [B, n], accepted [B], t1_from_mtp [B])`.
-
-    Example:
-        >>> state, tokens_bn, acc_b, from_mtp_b = decoder.round(decoder.model_states(), state, active_b, limits_b,
-        ...     sp, jax.random.key(0), np.int32(1), decoder.knobs(), greedy=True)  # doctest: +SKIP
-    """
+    """Round `round_index` of a request (`round.spec_round`, key `fold_in(base_key, round_index)`),
+    jitted as `SpecDecoder.round`: `(state, tokens [B, n], accepted [B], t1_from_mtp [B])`."""
     models = merge_models(setup.graphdefs, states)
     key = jax.random.fold_in(base_key, round_index)
     return _keyed_round(setup, models, knobs, state, active_b, limits_b, sp, key, greedy)
@@ -146,7 +112,7 @@ def round_entry(setup: RoundSetup, states, state: SpecState, active_b, limits_b,
 def multi_round_entry(setup: RoundSetup, states, state: SpecState, active_b, limits_b, sp, base_key, first_round,
                       stop_ids_s, knobs, greedy: bool):
     """Up to `setup.rounds_per_dispatch` rounds on device (`multi_round.run_rounds`), jitted as
-    `SpecDecoder.multi_round`. Example: `SpecDecoder.generate` with `rounds_per_dispatch > 1`."""
+    `SpecDecoder.multi_round`."""
     models = merge_models(setup.graphdefs, states)
     return run_rounds(functools.partial(_keyed_round, setup, models, knobs), state, active_b, limits_b, sp, base_key,
                       first_round, stop_ids_s, rounds=setup.rounds_per_dispatch, slots=setup.proposer.slots,
@@ -163,13 +129,8 @@ def _used(proposer: Proposer, target, drafter, mtp, fusion, draft_head) -> tuple
 
 def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: LoadedModel | None, batch: int,
                    max_len: int) -> SpecState:
-    """A zero `SpecState` of `batch` rows and `max_len` slots with the drafter's context cache and the
-    MTP's cache and hidden where those models are given, placed as the jitted calls leave it.
-
-    Example:
-        >>> new_spec_state(TargetCaches(target), None, None, 2, 128).ctx_cache is None  # doctest: +SKIP
-        True
-    """
+    """A zero `SpecState` of `batch` rows and `max_len` slots (with the drafter's and the MTP's caches
+    where those models are given), placed as the jitted calls leave it."""
     target = caches.target
     mesh = target.mesh
     rep = replicated(mesh)    # placed as the jitted calls leave them: one compile
@@ -198,23 +159,14 @@ def to_host(tree):
 class SpecDecoder:
     """Speculative decoding of a target with `method` in `SPEC_METHODS`.
 
-    `drafter` (DFlash / DFlash2) serves dflash and dmtp*; `mtp` (the native MTP head) serves mtp and
-    dmtp*; `fusion` (from `checkpoint.dmtp_ckpt`) the dmtp* methods. `verify` chooses sampled
-    verification: "rejection" (token by token, with the proposers' probabilities), "block" (block
-    verification with the same probabilities, `decode/verify.py:verify_block`) or "target-only"
-    (match target samples). Greedy (temperature 0) is always exact match. `strict`: fail with
-    `InexactBackendError` when the exactness probe finds this backend inexact (default: decode
-    plainly instead). `adaptive_threshold` (dmtp-adaptive): the MTP top-1 probability from which
-    a row takes MTP's T1 (default: the drafter's calibrated `dmtp_config.threshold`, else 0.5); it
-    may be changed between requests. `rounds_per_dispatch` K > 1 runs up to K rounds per jitted
-    call with on-device stopping (`decode/multi_round.py`): the host syncs, and `on_tokens` streams,
-    once per K rounds; outputs and statistics are those of K = 1. The method, slots, verifier,
-    context window and K are fixed at construction (read-only). `draft_head`: the drafting side's
-    efficient or int8 LM head (`checkpoint/draft_head_ckpt.py:make_draft_head`), None for the full head; part
-    of the static setup (its params are model state, arguments of the jitted calls).
-
-    Example: see the module docstring.
-    """
+    `drafter` (DFlash / DFlash2) serves dflash and dmtp*; `mtp` serves mtp and dmtp*; `fusion`
+    (`checkpoint.dmtp_ckpt`) the dmtp* methods; `draft_head`: the drafting side's efficient or int8
+    LM head (None: the full head). `verify`: sampled verification, "rejection", "block" or
+    "target-only" (greedy is always exact match). `strict`: raise `InexactBackendError` when the
+    exactness probe finds the backend inexact (default: decode plainly). `adaptive_threshold`
+    (dmtp-adaptive, changeable between requests): the MTP top-1 probability from which a row takes
+    MTP's T1 (default: the drafter's calibrated threshold, else 0.5). `rounds_per_dispatch` K > 1:
+    up to K rounds per jitted call (`decode/multi_round.py`), same outputs and statistics as K = 1."""
 
     def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None, *, method: str = "dflash",
                  mtp: LoadedModel | None = None, fusion: LoadedModel | None = None,
@@ -265,8 +217,7 @@ class SpecDecoder:
         return state_shardings(self.target.mesh, st)
 
     def model_states(self) -> tuple:
-        """`(target, drafter, mtp, fusion, draft_head)` weights as the jitted entry points take them
-        (None where the method uses none)."""
+        """`(target, drafter, mtp, fusion, draft_head)` weights as the jitted entry points take them."""
         return tuple(None if m is None else m.state
                      for m in _used(self.proposer, self.target, self.drafter, self.mtp, self.fusion, self.draft_head))
 
@@ -276,8 +227,8 @@ class SpecDecoder:
         return RoundKnobs.make(None if threshold is None else check_adaptive_threshold(threshold))
 
     def prefill(self, states, tokens_bt, lengths_b, state: SpecState, sp, key, greedy: bool = False) -> SpecState:
-        """The padded prompts through target, MTP and drafter context, chunk by chunk; returns the
-        state (donated) with each row's first token pending."""
+        """The padded prompts through target, MTP and drafter context, chunk by chunk: the state (donated)
+        with each row's first token pending."""
         for start, chunk_bt, next_b in prefill_chunks(tokens_bt, self.prefill_chunk):
             state = self.prefill_step(states, chunk_bt, next_b, start, lengths_b, state, sp, key, greedy=greedy)
         return state
@@ -286,11 +237,8 @@ class SpecDecoder:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None = None,
                  seed: int = 0, stop_ids=None,
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> GenerationResult:
-        """Speculative generation; same contract as `ARDecoder.generate`, plus acceptance stats.
-
-        `stats["acceptance_lengths"]` holds, per row, the tokens committed by each verify round
-        (accepted drafts + bonus) while the row was running.
-        """
+        """Speculative generation; `ARDecoder.generate`'s contract plus `stats["acceptance_lengths"]` (per
+        row, the tokens each verify round committed)."""
         cfg = self.target.cfg
         sp = sampling or SamplingParams.make()
         greedy = sp.is_greedy

@@ -1,19 +1,14 @@
 """Acceptance statistics, with the paper's definitions, in one place.
 
-An acceptance length is the number of tokens one verify round commits: accepted drafts + the bonus
-(so 1 .. block). With `hist[k]` = rounds that accepted exactly k drafts:
-
-* per-request mean: mean over requests of each request's mean acceptance length;
-* per-verify mean: `1 + sum(k * hist[k]) / sum(hist)` (pooled over all rounds);
-* first-candidate acceptance: `1 - hist[0] / sum(hist)`;
-* cumulative `P(L >= k)`: fraction of rounds that accepted at least k drafts, k = 1..block-1;
-* conditional acceptance at position k: `P(L >= k) / P(L >= k-1)` (with `P(L >= 0) = 1`).
+An acceptance length is the tokens one verify round commits: accepted drafts + the bonus (1 ..
+block). With `hist[k]` = rounds that accepted exactly k drafts: per-request mean (mean of each
+request's mean); per-verify mean `1 + sum(k * hist[k]) / sum(hist)`; first-candidate acceptance
+`1 - hist[0] / sum(hist)`; `P(L >= k)`, k = 1..block-1; conditional `P(L >= k) / P(L >= k-1)`.
 
 Example:
     >>> s = acceptance_stats([[3, 1, 8], [2]], block_size=8)
     >>> s["histogram"][:3], round(s["per_verify_acceptance_length"], 3)
-    ([1, 1, 1], 3.5)
-"""
+    ([1, 1, 1], 3.5)"""
 
 from __future__ import annotations
 
@@ -69,14 +64,13 @@ def first_candidate_by_source(acceptance_lengths: list[list[int]], t1_from_mtp: 
 
 
 def format_stats(stats: dict) -> str:
-    """`generate`'s stats (`SpecDecoder.generate(...).stats` / `ARDecoder`'s) as the lines it prints on
-    stderr: tokens, forwards, speed; acceptance; the exactness probe's verdict.
+    """`generate`'s stats as the lines it prints on stderr: tokens, forwards, speed; acceptance; the
+    exactness probe's verdict.
 
     Example:
         >>> print(format_stats({"method": "ar", "new_tokens": 8, "target_forwards": 8, "ttft_s": 0.01,
         ...                     "decode_tokens_per_s": 90.0, "compiles": 2}))
-        method=ar new_tokens=8 target_forwards=8 ttft=0.010s decode=90.0 tok/s compiles=2
-    """
+        method=ar new_tokens=8 target_forwards=8 ttft=0.010s decode=90.0 tok/s compiles=2"""
     line = ("method={method} new_tokens={new_tokens} target_forwards={target_forwards} "
             "ttft={ttft_s:.3f}s decode={decode_tokens_per_s:.1f} tok/s compiles={compiles}").format(**stats)
     if "draft_head" in stats:
