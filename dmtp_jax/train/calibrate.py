@@ -1,24 +1,13 @@
 """dmtp-adaptive's arbitration threshold, calibrated on target-written text (never on eval prompts).
 
-A round of `dmtp-adaptive` gives MTP's T1 to a row when the MTP's top-1 probability is at least the
-threshold, else the drafter drafts T1 itself (`models/fusion.py`). On text the target wrote greedily
-(`train.py regen` of training prompts), teacher forcing gives each anchor A both outcomes exactly as
-greedy verification would score them:
+Teacher forcing on the target's greedy text scores each anchor A in both modes as greedy
+verification would (tokens committed: accepted drafts + bonus):
 
     MTP mode    : 1 + (MTP's T1 == x_{A+1}) * (1 + matching prefix of the drafter's T2..T7)
     DFlash mode : 1 + matching prefix of the drafter's own T1..T7
 
-(tokens committed by the round: accepted drafts + the bonus). The threshold maximises the mean over
-anchors of the chosen mode's tokens, over a grid of probabilities; threshold 0 is always-MTP (the
-`dmtp` regime) and a threshold above 1 never-MTP (the `dflash` regime).
-
-    python train.py calibrate --target demo/target --draft demo/dmtp_adaptive \\
-        --data demo_out/calibration.jsonl           # writes dmtp_config.threshold into --draft
-
-Example:
-    >>> table = calibration_table(top_p, tokens_mtp, tokens_drafter)  # doctest: +SKIP
-    >>> best_threshold(table)["threshold"]  # doctest: +SKIP
-"""
+The threshold maximises the mean committed tokens over a grid of MTP top-1 probabilities (0:
+always MTP, above 1: never). Usage: docs/training.md#dmtp-adaptive-calibrate-its-threshold."""
 
 from __future__ import annotations
 
@@ -48,12 +37,8 @@ class CalibrateConfig:
 
 
 def anchor_outcomes(target, mtp, drafter, fusion, tokens_bt, loss_mask_bt, anchors_bn, keep_bn):
-    """Per anchor: MTP top-1 probability, and the tokens the round commits in MTP mode and in
-    DFlash mode (teacher-forced greedy, see the module docstring). All `[B, N]`.
-
-    Example:
-        >>> p, t_mtp, t_own = anchor_outcomes(target, mtp, dr, fu, tokens, mask, anchors, keep)  # doctest: +SKIP
-    """
+    """Per anchor, all `[B, N]`: MTP top-1 probability, and the tokens the round commits in MTP mode and
+    in DFlash mode (teacher-forced greedy)."""
     import jax.numpy as jnp
 
     from dmtp_jax.models.fusion import mtp_first_candidate
@@ -89,8 +74,7 @@ def calibration_table(top_p, tokens_mtp, tokens_drafter, grid=GRID) -> list[dict
     Example:
         >>> t = calibration_table(np.array([0.9, 0.2]), np.array([3, 1]), np.array([2, 2]), grid=(0.0, 0.5, 1.01))
         >>> [(r["threshold"], r["tokens_per_verify"], r["mtp_fraction"]) for r in t]
-        [(0.0, 2.0, 1.0), (0.5, 2.5, 0.5), (1.01, 2.0, 0.0)]
-    """
+        [(0.0, 2.0, 1.0), (0.5, 2.5, 0.5), (1.01, 2.0, 0.0)]"""
     top_p, tokens_mtp, tokens_drafter = (np.asarray(x, np.float64) for x in (top_p, tokens_mtp, tokens_drafter))
     out = []
     for t in grid:
@@ -106,13 +90,8 @@ def best_threshold(table: list[dict]) -> dict:
 
 
 def run_calibrate(cfg: CalibrateConfig) -> dict:
-    """Collects anchor outcomes over `cfg.data`, picks the threshold, writes it (and the table, as
-    `calibration.json`) into the drafter directory; returns the summary.
-
-    Example:
-        >>> run_calibrate(CalibrateConfig(target="demo/target", draft="demo/dmtp_adaptive",
-        ...                               data="demo_out/calibration.jsonl"))  # doctest: +SKIP
-    """
+    """Collects anchor outcomes over `cfg.data`, picks the threshold and writes it (and the table, as
+    `calibration.json`) into the drafter directory; returns the summary."""
     import jax
     import jax.numpy as jnp
     from flax import nnx

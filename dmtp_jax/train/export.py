@@ -1,13 +1,5 @@
-"""`export`: a run's latest (or chosen) checkpoint -> an HF-format drafter directory.
-
-The directory is what `save_drafter` writes (`config.json` with the nested `dflash_config` +
-safetensors), so `load_drafter` / `infer.py --draft` and `dflash.model.DFlashDraftModel.from_pretrained`
-load it.
-
-Example:
-    >>> export_run("/tmp/run", "/tmp/my-drafter")  # doctest: +SKIP
-    {'step': 100, 'out': '/tmp/my-drafter'}
-"""
+"""`export`: a run's checkpoint -> an HF-format drafter directory (`save_drafter`'s `config.json`
+with `dflash_config` + safetensors), loadable by `infer.py --draft` and `dflash`."""
 
 from __future__ import annotations
 
@@ -28,12 +20,8 @@ def read_run_config(run_dir: str) -> dict:
 
 
 def export_run(run_dir: str, out_dir: str, step: int | None = None, dtype: str | None = None) -> dict:
-    """Writes the drafter of `run_dir` at `step` (default: latest) to `out_dir` in `dtype`
-    (default: float32, the master params).
-
-    Example:
-        >>> export_run("/tmp/run", "/tmp/d", dtype="bfloat16")  # doctest: +SKIP
-    """
+    """Writes the drafter of `run_dir` at `step` (default: latest) to `out_dir` in `dtype` (default
+    float32, the master params): `{"step", "out"}`."""
     from dmtp_jax.checkpoint.dflash_ckpt import LoadedDrafter, save_drafter
     from dmtp_jax.checkpoint.dmtp_ckpt import save_dmtp_drafter
     from dmtp_jax.checkpoint.hf import LoadedModel

@@ -25,15 +25,12 @@ class OptimConfig:
 
 
 def optim_config(cfg) -> OptimConfig:
-    """The `OptimConfig` of a run's config (`TrainConfig`, the demo's `PretrainConfig`, any
-    `train.window.WindowRunConfig`): its `lr`, `steps`, `warmup_steps`, `min_lr_ratio`,
-    `weight_decay`, `max_grad_norm`.
+    """The `OptimConfig` of a run's config (`TrainConfig`, `PretrainConfig`, any `WindowRunConfig`).
 
     Example:
         >>> from dmtp_jax.demo.distil import DistilConfig
         >>> optim_config(DistilConfig(steps=5, lr=0.1)).total_steps
-        5
-    """
+        5"""
     return OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio,
                        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
 
@@ -51,11 +48,7 @@ def lr_schedule(ocfg: OptimConfig) -> optax.Schedule:
 
 
 def make_optimizer(ocfg: OptimConfig) -> optax.GradientTransformation:
-    """`clip_by_global_norm` then AdamW on the schedule.
-
-    Example:
-        >>> tx = make_optimizer(OptimConfig())
-    """
+    """`clip_by_global_norm` then AdamW on the schedule."""
     return optax.chain(optax.clip_by_global_norm(ocfg.max_grad_norm),
                        optax.adamw(lr_schedule(ocfg), b1=ocfg.b1, b2=ocfg.b2, weight_decay=ocfg.weight_decay))
 
@@ -69,30 +62,22 @@ class TrainState:
 
 
 def new_state(tx: optax.GradientTransformation, params) -> TrainState:
-    """Step 0: `params`, `tx`'s fresh optimizer state, a zero step counter (every trainer's start).
-
-    Example:
-        >>> state = new_state(make_optimizer(OptimConfig()), {"w": jnp.ones(2)})
-        >>> int(state.step), state.params["w"].shape
-        (0, (2,))
-    """
+    """Step 0: `params`, `tx`'s fresh optimizer state, a zero step counter."""
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
 
 def apply_gradients(tx: optax.GradientTransformation, ocfg: OptimConfig, state: TrainState, grads,
                     loss) -> tuple[TrainState, dict]:
-    """The update every trainer makes (drafter, demo pretraining, MTP distillation): `tx` on
-    `grads`, except that a non-finite loss or gradient norm keeps the params and optimizer state
-    it was given (`jnp.where`: no recompile); the step counter still advances, so the schedule and
-    the data stay in step. Metrics: `grad_norm`, `lr` (of this step), `nonfinite` (1: skipped).
+    """`tx` on `grads`, except that a non-finite loss or gradient norm keeps the params and optimizer
+    state (`jnp.where`: no recompile); the step counter always advances. Metrics: `grad_norm`, `lr`,
+    `nonfinite` (1: skipped).
 
     Example:
         >>> tx, ocfg = make_optimizer(OptimConfig(lr=0.1)), OptimConfig(lr=0.1)
         >>> state = new_state(tx, {"w": jnp.ones(2)})
         >>> new, m = apply_gradients(tx, ocfg, state, {"w": jnp.full(2, jnp.nan)}, jnp.float32(1.0))
         >>> int(new.step), int(m["nonfinite"]), new.params["w"].tolist()
-        (1, 1, [1.0, 1.0])
-    """
+        (1, 1, [1.0, 1.0])"""
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

@@ -1,18 +1,9 @@
 """Regeneration: the frozen target answers the training prompts (DFlash trains on this text).
 
-Each input record gives a prompt (`prompt_ids`): `input_ids` up to the first supervised token,
-or `messages` without the trailing assistant turns rendered with the chat template and the
-generation prompt, or `text`. Output: one JSONL line per answered record,
-`{"source_index": i, "input_ids": prompt + answer, "loss_mask": [0]*len(prompt) + [1]*len(answer)}`
-(plus `"messages"` with the decoded answer when a tokenizer is present). `input_ids` take
-precedence when the file is read back for training, so the ids are exact.
-
-Resumable: records whose `source_index` is already in the output are skipped; each batch is
-appended and flushed when it is done.
-
-Example:
-    >>> run_regen(RegenConfig(target="/tmp/tiny", data="prompts.jsonl", out="regen.jsonl"))  # doctest: +SKIP
-"""
+Each record gives a prompt (`prompt_of`); each answered record is one JSONL line
+`{"source_index", "input_ids": prompt + answer, "loss_mask": [0]*len(prompt) + [1]*len(answer)}`
+(plus `"messages"` when a tokenizer is present). Resumable: records whose `source_index` is in the
+output are skipped; each batch is appended and flushed when done."""
 
 from __future__ import annotations
 
@@ -98,12 +89,7 @@ def done_indices(out_path: str) -> set[int]:
 
 
 def run_regen(cfg: RegenConfig) -> dict:
-    """Answers every not-yet-answered prompt; returns `{"written", "skipped_done", "malformed"}`.
-
-    Example:
-        >>> run_regen(RegenConfig(target=t, data=d, out=o, max_new_tokens=32))["written"]  # doctest: +SKIP
-        100
-    """
+    """Answers every not-yet-answered prompt: `{"written", "skipped_done", "malformed"}`."""
     from tqdm.auto import tqdm
 
     from dmtp_jax.checkpoint.dflash_ckpt import load_drafter

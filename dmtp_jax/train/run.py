@@ -1,11 +1,5 @@
 """A drafter training run (`train.py train`): the target, the drafter's starting params, the
-`train.step.Trainer` and its batches (`setup`), driven by the one loop (`train.loop.run_loop`).
-
-Example:
-    >>> cfg = TrainConfig(target="/tmp/tiny", data="d.jsonl", out="/tmp/run", steps=20,
-    ...                   batch_size=4, seq_len=64)
-    >>> summary = run_training(cfg)  # doctest: +SKIP
-"""
+`train.step.Trainer` and its batches (`setup`), driven by `train.loop.run_loop`."""
 
 from __future__ import annotations
 
@@ -75,13 +69,8 @@ def setup(cfg: TrainConfig):
 
 
 class DrafterBatches:
-    """The drafter's batch source for `run_loop`: this process's `BatchIterator` rows as global
-    `[B, L]` arrays (`{"tokens_bt", "loss_mask_bt", "malformed"}`, what `Trainer.step` takes);
-    `get_state` / `set_state` are the iterator's (checkpointed with every step).
-
-    Example:
-        >>> batch = DrafterBatches(iterator, trainer, (8, 512)).next()  # doctest: +SKIP
-    """
+    """`run_loop`'s batch source for drafters: this process's `BatchIterator` rows as global `[B, L]`
+    arrays (`{"tokens_bt", "loss_mask_bt", "malformed"}`); state: the iterator's."""
 
     def __init__(self, iterator, trainer, global_shape):
         self.iterator, self.trainer, self.global_shape = iterator, trainer, tuple(global_shape)
@@ -100,13 +89,8 @@ class DrafterBatches:
 
 
 def run_training(cfg: TrainConfig) -> dict:
-    """Trains a drafter `cfg.steps` optimizer steps through `run_loop` (resuming when asked);
-    returns its summary (without the state) plus `malformed`. Raises `TrainingStopped` after
-    `max_nonfinite` non-finite steps in a row (after writing a checkpoint) or on a full disk.
-
-    Example:
-        >>> run_training(TrainConfig(target=t, data=d, out=o, steps=10, batch_size=4, seq_len=64))  # doctest: +SKIP
-    """
+    """Trains a drafter `cfg.steps` optimizer steps through `run_loop`: its summary (without the state)
+    plus `malformed`. Raises `TrainingStopped` as `run_loop` does."""
     if not cfg.resume and latest_complete(cfg.out) is not None:       # before any model is loaded
         raise InputError(f"{cfg.out} already has checkpoints; pass --resume to continue or use a new --out")
     _, params, trainer, batches = setup(cfg)
