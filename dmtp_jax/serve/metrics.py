@@ -42,14 +42,13 @@ class Histogram:
 
 
 def choice_lines(choice: dict, prefix: str = "dmtp") -> list[str]:
-    """The engine's current round choice (`Engine.choice`) and what it rests on: the method and why,
-    the rows and bucket it was chosen for, and each method's live tau and estimated tokens/s.
+    """The engine's current round choice (`Engine.choice`): the method and why, the rows and bucket, and
+    each method's live tau and estimated tokens/s.
 
     Example:
         >>> print("\\n".join(choice_lines({"method": "ar", "why": "highest estimated tok/s", "rows": 3,
         ...     "bucket": 4, "estimates": {"ar": 90.0}, "tau": {"ar": 1.0}})[2:3]))
-        dmtp_engine_choice{method="ar",why="highest estimated tok/s",rows="3",bucket="4"} 1
-    """
+        dmtp_engine_choice{method="ar",why="highest estimated tok/s",rows="3",bucket="4"} 1"""
     if not choice.get("method"):
         return []
     out = [f"# HELP {prefix}_engine_choice the round the engine runs now, why, and for how many rows",
@@ -84,12 +83,7 @@ class ServerMetrics:
             self.tpot.observe((req.finished_s - req.first_token_s) / (len(req.output_ids) - 1))
 
     def render(self, engine, prefix: str = "dmtp") -> str:
-        """The exposition text for `engine` (an `engine.Engine`).
-
-        Example:
-            >>> "dmtp_requests_total" in ServerMetrics().render(engine)  # doctest: +SKIP
-            True
-        """
+        """The exposition text for `engine` (an `engine.Engine`)."""
         c, m = engine.counters, f'method="{engine.method}"'
         rows = max(c["row_rounds"], 1)
         gauges = [

@@ -1,26 +1,17 @@
-"""Which round the engine runs next: the method of the highest estimated output tokens/s at the
-live batch.
+"""Which round the engine runs next: the method of the highest estimated output tokens/s at the live
+batch, `rows x tau(method) / round_s(method, bucket)`.
 
-For `rows` running rows in a state of `bucket` rows, a method's estimate is
-
-    rows x tau(method) / round_s(method, bucket)
-
-`tau`: tokens a row commits per round, measured live (exponential average over the rows of its
-rounds; `ar`: 1; before any round of the method: the auto verdict's `tau_per_verify` for the bucket,
-else `slots / 2`); `round_s`: seconds per round of the method at that bucket, measured live (a
-dispatch that compiled is not counted). A method not yet timed at a bucket is run once to time it
-(its first run compiles unless the engine was warmed up, and is not counted). Every
-`refresh_every` choices the speculative method whose tau is oldest runs once, so a method that
-stopped paying is measured again when the text makes it pay. `describe` says what the choice rests
-on (for `/metrics`).
+`tau`: tokens a row commits per round, an exponential average over live rounds (`ar`: 1; before
+any round: the auto verdict's `tau_per_verify`, else `slots / 2`); `round_s`: live seconds per
+round at that bucket (compiling dispatches not counted). An untimed method is run once to time it;
+every `refresh_every` choices the speculative method with the oldest tau runs once.
 
 Example:
     >>> p = LoadPolicy({"ar": 1, "dmtp": 8})
     >>> p.observe("ar", 1, rounds=1, seconds=0.01, row_rounds=1, committed=1)
     >>> p.observe("dmtp", 1, rounds=1, seconds=0.02, row_rounds=1, committed=4)
     >>> p.choose(rows=1, bucket=1)
-    'dmtp'
-"""
+    'dmtp'"""
 
 from __future__ import annotations
 

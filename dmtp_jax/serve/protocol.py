@@ -1,17 +1,14 @@
 """The OpenAI request bodies and their checks: everything a request is validated against before it
 reaches the scheduler, and OpenAI's error object.
 
-Types are strict: a JSON `true` is not the token id 1 nor the number 1, numbers must be finite
-(JSON's NaN / Infinity are refused), a seed is a 64-bit integer, token ids lie in `[0, vocab)`, text
-is valid Unicode (a lone surrogate from a `\\ud800` escape cannot be tokenised), and stop strings are
-capped in number and length (`ServerLimits`). A text prompt longer than `max_model_len` times the
-tokenizer's longest token (in characters) cannot fit and is refused before it is tokenised.
+Types are strict: a JSON `true` is not 1, numbers are finite, a seed is a 64-bit integer, token
+ids lie in `[0, vocab)`, text is valid Unicode, stop strings are capped (`ServerLimits`), and a
+text prompt too long to fit `max_model_len` whatever its tokenisation is refused untokenised.
 
 Example:
     >>> body = CompletionBody(prompt=[1, 2], max_tokens=4, seed=7)
     >>> one_prompt(body.prompt), body.seed
-    ([1, 2], 7)
-"""
+    ([1, 2], 7)"""
 
 from __future__ import annotations
 
@@ -96,12 +93,10 @@ def one_prompt(prompt) -> str | list[int]:
 
 
 def check_text(value, param: str) -> None:
-    """Raises a 400 when a string anywhere in `value` (strings, lists, dicts) is not valid Unicode
-    (a lone surrogate): no tokenizer or template can take it.
+    """Raises a 400 when a string anywhere in `value` (strings, lists, dicts) is not valid Unicode.
 
     Example:
-        >>> check_text(["ok", {"content": "fine"}], "messages")
-    """
+        >>> check_text(["ok", {"content": "fine"}], "messages")"""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -128,13 +123,11 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
 
 
 def check_prompt_chars(chars: int, max_model_len: int, max_token_chars: int) -> None:
-    """A 413 for a text prompt of `chars` characters that needs more than `max_model_len` tokens
-    however it is tokenised (no token is longer than `max_token_chars` characters), so it is never
-    tokenised.
+    """Raises a 413 for a text prompt of `chars` characters that needs more than `max_model_len` tokens
+    however tokenised (no token is longer than `max_token_chars`).
 
     Example:
-        >>> check_prompt_chars(100, 64, 2)
-    """
+        >>> check_prompt_chars(100, 64, 2)"""
     if chars > max_model_len * max_token_chars:
         raise ApiError(f"prompt: {chars} characters cannot fit the maximum model length {max_model_len} "
                        f"(no token is longer than {max_token_chars} characters)", 413, param="prompt")
