@@ -1,22 +1,8 @@
-"""A hardware-independent efficiency figure for a decode method: XLA's own count of the bytes a
-compiled round (or AR step) accesses and the FLOPs it runs, per round and per committed token,
-next to the analytic minimum of a memory-bound round -- the weights of every model the method runs
-(target, drafter, MTP head, DMTP fusion) plus its caches, each read once.
-
-`bytes accessed` is XLA's sum over the compiled HLO of every operand and result each instruction
-touches (after fusion): a fused kernel that reads its weights once counts them once, but a tensor
-copied or rewritten whole (a KV-cache update that XLA cannot do in place, a transposed weight)
-counts again. `ratio` = accessed / minimum is therefore 1.0 for an ideal memory-bound step; what
-is above it is traffic the round adds (see docs/benchmarks.md, "Efficiency").
-
-The minimum uses the caches at their allocated size (the static-shape round attends over all
-`max_len` slots; the drafter only over its context window) -- what a round of these shapes must read.
-
-Example:
-    >>> cost = round_cost(decoder, batch=1, max_len=256)  # doctest: +SKIP
-    >>> cost["bytes_per_round"] / cost["min_bytes_per_round"]  # doctest: +SKIP
-    1.18
-"""
+"""A hardware-independent efficiency figure for a decode method: XLA's count of the bytes a compiled
+greedy round (or AR step) accesses and the FLOPs it runs, per round and per committed token, next
+to the analytic minimum of a memory-bound round (every model's weights plus the caches at their
+allocated size, each read once). `ratio` = accessed / minimum is 1.0 for an ideal memory-bound
+step. Reading the figures: docs/benchmarks.md#efficiency."""
 
 from __future__ import annotations
 
@@ -42,12 +28,8 @@ def _models(decoder) -> dict:
 
 
 def round_cost(decoder, batch: int, max_len: int) -> dict:
-    """XLA's cost of one greedy round (`SpecDecoder.round`) or AR step (`ARDecoder.decode_step`) at
-    `[batch, max_len]`, and the analytic minimum (bytes) of that round.
-
-    Lowering again with arrays of the shapes the bench ran hits JAX's compile caches (no new compile
-    where the bench already compiled this shape).
-    """
+    """XLA's cost of one greedy round (`SpecDecoder.round`) or AR step at `[batch, max_len]`, and the
+    analytic minimum bytes of that round (lowering hits JAX's compile caches for shapes already run)."""
     from dmtp_jax.decode.sampling import SamplingParams
     sp = SamplingParams.make()
     key = jax.random.key(0)
@@ -79,8 +61,8 @@ def round_cost(decoder, batch: int, max_len: int) -> dict:
 
 
 def method_efficiency(decoder, run) -> dict | None:
-    """`round_cost` at the shape a bench run spent most rounds in, plus per committed token
-    (the round's cost over the tokens a round committed on average); None when nothing ran."""
+    """`round_cost` at the shape a bench run spent most rounds in, plus per committed token; None when
+    nothing ran."""
     shapes = getattr(run, "shapes", None) or {}
     if not shapes or not run.loop_steps:
         return None
@@ -103,8 +85,8 @@ def _si(x: float | None, unit: str) -> str:
 
 
 def format_efficiency(eff: dict) -> str:
-    """The bench's efficiency table: per method, XLA's bytes and FLOPs per round and per committed
-    token, the analytic minimum bytes per round, and accessed / minimum.
+    """The bench's efficiency table: per method, bytes and FLOPs per round and per committed token, the
+    minimum bytes per round, and accessed / minimum.
 
     Example:
         >>> print(format_efficiency({}))
