@@ -1,24 +1,10 @@
 """`train.py distil-mtp`: the MTP-only phase of the demo target (`demo.pretrain.MtpDistiller`).
 
-The target is frozen. Its MTP head, as joint pretraining left it (the *corpus head*: trained to
-predict the corpus two tokens ahead), is trained further to predict the target's own next-token
-distribution on text the target wrote (`train.py regen` output, the drafters' training data), the
-role a native MTP head plays when it proposes the first candidate. Steps of `run_distil(cfg)`:
-
-1. the corpus head is kept: written once to `cfg.corpus_head_dir` (`mtp.*` tensors and a card),
-   and every run starts from that copy, so re-running never distils a distilled head;
-2. data: the regen rows (`input_ids`) of every file, joined with EOS into one stream; batch `s` is
-   `window_batch(stream, ..., seed, s)` (`train.window.WindowBatches`: resumable bit for bit);
-3. the loop (`train.loop.run_loop`, the drafter's: signals, non-finite losses, full disk, cut-off
-   checkpoints; a stopped run replaces nothing and resumes with `--resume`), then the evaluation
-   of both heads on held-out windows (`val_tokens.npy`: the held-out modules, text the target
-   never trained on; `agree` = MTP top-1 equals the target's top-1);
-4. the distilled head replaces the `mtp.*` tensors of the target directory (in `save_dtype`); the
-   target's own tensors are copied byte for byte.
-
-Example:
-    >>> summary = run_distil(DistilConfig.from_dict(get_config()))  # doctest: +SKIP
-"""
+The target is frozen; its MTP head as pretraining left it (the corpus head, kept once in
+`cfg.corpus_head_dir`, so every run starts from it) learns the target's own next-token
+distribution on regen text (`train.window.WindowBatches` over one EOS-joined stream) in
+`train.loop.run_loop`. Both heads are evaluated on held-out windows; the distilled head then
+replaces the target directory's `mtp.*` tensors (the target's own tensors copied byte for byte)."""
 
 from __future__ import annotations
 
@@ -47,8 +33,8 @@ Same format as the target's `mtp.*` tensors (bf16); loads with `--mtp {name}`.
 
 @dataclasses.dataclass
 class DistilConfig(WindowRunConfig):
-    """The MTP-only phase (`configs/demo_mtp.py` fills it; flags override); the optimisation and
-    run fields are `WindowRunConfig`'s."""
+    """The MTP-only phase (`configs/demo_mtp.py` fills it; flags override); optimisation and run fields
+    are `WindowRunConfig`'s."""
     target: str = "demo/target"                 # frozen target; its mtp.* tensors are replaced
     data: str | tuple[str, ...] = "demo/regen.jsonl"    # text the target wrote (one file or several)
     corpus_head_dir: str = "demo/mtp_corpus"    # the pretrained (corpus-only) head, kept
@@ -71,12 +57,8 @@ class DistilConfig(WindowRunConfig):
 
 
 def regen_stream(paths: str | tuple[str, ...], eos_id: int) -> np.ndarray:
-    """The tokens of every regen record of `paths` (one file or several, in order), each followed
-    by `eos_id`, as one int32 stream (`train.data.token_stream`, no tokenizer: `input_ids` records).
-
-    Example:
-        >>> regen_stream("demo/regen.jsonl", 0)[:4]  # doctest: +SKIP
-    """
+    """The tokens of every regen record of `paths` (one file or several), each followed by `eos_id`, as
+    one int32 stream."""
     from dmtp_jax.train.data import read_records, token_stream
 
     paths = (paths,) if isinstance(paths, str) else tuple(paths)
@@ -118,13 +100,8 @@ def replace_mtp_tensors(target_dir: str, mtp_tensors: dict[str, np.ndarray]) -> 
 
 
 def run_distil(cfg: DistilConfig) -> dict:
-    """Keeps the corpus head, distils, evaluates both heads, writes the distilled head into the
-    target; returns the summary (also `<run_dir>/summary.json`). A run stopped by SIGTERM / SIGINT
-    returns the loop's summary (`stopped_by`) with a checkpoint written and the target untouched.
-
-    Example:
-        >>> run_distil(DistilConfig(steps=2, target="/tmp/t", data="/tmp/regen.jsonl"))  # doctest: +SKIP
-    """
+    """Keeps the corpus head, distils, evaluates both heads and writes the distilled head into the
+    target: the summary (also `<run_dir>/summary.json`). A stopped run leaves the target untouched."""
     import jax
 
     from dmtp_jax.checkpoint.hf import load_target
