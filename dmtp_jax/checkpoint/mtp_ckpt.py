@@ -1,9 +1,5 @@
-"""`mtp.*` tensors <-> the MTP head: read from a target directory (or a separate one), written
-next to the target's tensors.
-
-Example:
-    >>> mtp = load_mtp("/path/to/target-with-mtp", target.cfg, "float32", target.mesh)  # doctest: +SKIP
-"""
+"""`mtp.*` tensors <-> the MTP head: read from a target directory (or a separate one), written next to
+the target's tensors."""
 
 from __future__ import annotations
 
