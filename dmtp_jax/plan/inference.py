@@ -1,15 +1,5 @@
-"""`infer.py plan`: the functions `generate` would compile for a method, at a batch / prompt /
-budget, lowered on abstract weights and state for the plan's mesh.
-
-`inference_calls` builds the decoder `generate` builds (`decode.make_decoder`) over abstract models
-and returns, per jitted entry point, a thunk that lowers it with the argument shapes and shardings
-a request of that size gets (the same bucketing: `decode.batch.pad_prompts`).
-
-Example:
-    >>> calls = inference_calls(decoder, batch=1, prompt_len=1024, max_new_tokens=256)  # doctest: +SKIP
-    >>> [c.name for c in calls]  # doctest: +SKIP
-    ['prefill', 'round']
-"""
+"""`infer.py plan`: per jitted entry point of the decoder `generate` builds (over abstract models), a
+thunk lowering it with the shapes and shardings a request of that size gets."""
 
 from __future__ import annotations
 

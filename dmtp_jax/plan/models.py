@@ -1,15 +1,6 @@
-"""Abstract models for planning: every parameter a `jax.ShapeDtypeStruct` placed at its mesh
-sharding, nothing allocated, built from a checkpoint directory or a bare `config.json` in seconds.
-
-The result is the same `LoadedModel` the decoders and the trainer take, so `plan` lowers the very
-jitted functions a run compiles.
-
-Example:
-    >>> from dmtp_jax.sharding import make_mesh
-    >>> m = plan_models("configs/models/qwen3.6-27b.json", "dmtp", make_mesh(), "bfloat16")  # doctest: +SKIP
-    >>> sorted(m)  # doctest: +SKIP
-    ['drafter', 'fusion', 'mtp', 'target']
-"""
+"""Abstract models for planning: every parameter a `jax.ShapeDtypeStruct` at its mesh sharding,
+nothing allocated, from a checkpoint directory or a bare `config.json`; the same `LoadedModel`s
+the decoders and the trainer take."""
 
 from __future__ import annotations
 
@@ -81,12 +72,9 @@ def drafter_config_of(path: str | None, target_cfg: TargetConfig, block_size: in
 
 def plan_models(target_path: str, method: str, mesh: Mesh, dtype, draft_path: str | None = None,
                 block_size: int | None = None) -> dict[str, LoadedModel]:
-    """`{"target", and as `method` needs them "drafter", "mtp", "fusion"}`, all abstract.
-
-    The MTP head is the target's native one (`mtp_config_for`); a target whose config declares no
-    MTP layer (`mtp_num_hidden_layers`) gets one all the same (Qwen3-Next ships `mtp.*` without
-    declaring it) and the caller is told so through `models["mtp"].model_dir is None`.
-    """
+    """`{"target", and as `method` needs them "drafter", "mtp", "fusion"}`, all abstract. A target whose
+    config declares no MTP layer still gets one (Qwen3-Next ships `mtp.*` undeclared);
+    `models["mtp"].model_dir is None` then says so."""
     from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
     from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
     from dmtp_jax.models.fusion import T1Fusion

@@ -1,14 +1,10 @@
-"""The machine a plan compiles for, without the machine: TPU slices through libtpu, GPU hosts
-through the CUDA plugin and a device spec, or N host CPU devices.
+"""The machine a plan compiles for, without the machine (`--topology`):
 
-Names (`--topology`):
-- TPU slices as libtpu spells them: `v5p:2x2x1` (4 chips), `v5p:2x2x2`, `v5p:4x4x4` (64 chips),
-  `v5e:4x4`, `v6e:2x4`, `v4:2x2x1`. Needs the `plan-tpu` extra (libtpu).
-- GPU hosts: `h100x8`, `h200x8`, `b200x8` (or `x1`, `x2`, `x4`). Needs the `plan-gpu` extra (the
-  CUDA plugin and its compiler). The device spec below is XLA's GPU target-config proto, filled
-  from each part's datasheet (SM count, memory, bandwidth, compute capability).
-- `cpu:N`: N host CPU devices (must be set before JAX starts its CPU backend). Memory and bytes
-  on CPU are not evidence for an accelerator: the CPU backend computes bf16 in fp32.
+- TPU slices as libtpu spells them (`v5p:2x2x1`, `v5e:4x4`, `v6e:2x4`, ...): the `plan-tpu` extra.
+- GPU hosts `h100x8`, `h200x8`, `b200x8` (or x1, x2, x4): the `plan-gpu` extra (CUDA plugin),
+  with XLA's GPU target config filled from each part's datasheet.
+- `cpu:N`: N host CPU devices (set before JAX starts its CPU backend; CPU computes bf16 in fp32,
+  so its memory and bytes are no evidence for an accelerator).
 
 Example:
     >>> topo = open_topology("cpu:1")
@@ -151,8 +147,8 @@ def _cpu(name: str, count: int) -> Topology:
 
 
 def parse_topology(name: str) -> tuple[str, str, int]:
-    """`(kind, part, count)` of a topology name, checked without loading any compiler: kind is
-    "cpu", "gpu" or "tpu" (part and count: the GPU part and devices; for TPU the whole name).
+    """`(kind, part, count)` of a topology name, checked without loading a compiler: kind "cpu", "gpu"
+    or "tpu" (for TPU, part is the whole name).
 
     Example:
         >>> parse_topology("h100x8"), parse_topology("v5p:2x2x2"), parse_topology("cpu:4")
@@ -177,13 +173,8 @@ def parse_topology(name: str) -> tuple[str, str, int]:
 
 
 def open_topology(name: str) -> Topology:
-    """The compile-only devices of `name` (see the module docstring); one-line `TopologyError`s
-    for unknown names and missing compiler packages.
-
-    Example:
-        >>> open_topology("h100x8").hbm_bytes  # doctest: +SKIP
-        84978434048
-    """
+    """The compile-only devices of `name`; one-line `TopologyError`s for unknown names and missing
+    compiler packages."""
     kind, part, count = parse_topology(name)
     name = name.strip().lower()
     if kind == "cpu":
