@@ -70,15 +70,10 @@ def validate_decoder_stack(cfg, where: str, extra_positive: tuple[str, ...] = ()
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """A decoder-only Qwen-family target: Qwen3 dense / MoE, and the hybrid Qwen3.5 / Qwen3.6
-    (`qwen3_5` dense, `qwen3_5_moe`) and Qwen3-Next families.
-
-    `layer_types[i]` is "full_attention", "sliding_attention" (keys with `q_pos - k_pos <
-    sliding_window`; with no window, like transformers, a full one) or "linear_attention" (Gated
-    DeltaNet, hybrid families only); `hf_config.py` derives them from HF keys. MoE fields are
-    zero/empty for dense models. Hybrid families use zero-centred `(1 + w)` RMSNorms, a sigmoid
-    output gate on attention and partial rotary embeddings (`rotary_dim` of `head_dim`).
-    """
+    """A decoder-only Qwen-family target: Qwen3 dense / MoE, hybrid Qwen3.5 / Qwen3.6 (`qwen3_5`,
+    `qwen3_5_moe`) and Qwen3-Next. `layer_types[i]`: "full_attention", "sliding_attention" or
+    "linear_attention" (Gated DeltaNet); MoE fields are empty for dense models. Hybrid families use
+    zero-centred `(1 + w)` RMSNorms, a sigmoid attention output gate and partial rotary embeddings."""
 
     model_type: str
     vocab_size: int
@@ -175,8 +170,8 @@ class TargetConfig:
         return self.shared_expert_intermediate_size > 0
 
     def is_moe_layer(self, i: int) -> bool:
-        """Which layers carry a sparse MLP: every layer of `qwen3_5_moe`; transformers' Qwen3-MoE /
-        Qwen3-Next rule (`mlp_only_layers`, `decoder_sparse_step`) otherwise."""
+        """Which layers carry a sparse MLP: every layer of `qwen3_5_moe`; else transformers' rule
+        (`mlp_only_layers`, `decoder_sparse_step`)."""
         if self.model_type == "qwen3_5_moe":
             return True
         return (self.model_type in ("qwen3_moe", "qwen3_next") and i not in self.mlp_only_layers
@@ -277,8 +272,8 @@ class TargetConfig:
 
 
 def read_config_json(model_dir: str | os.PathLike) -> dict[str, Any]:
-    """Reads `<model_dir>/config.json` (or `model_dir` itself when it is a `.json` file: a config
-    without weights, for planning), with one clear error when it is missing or unreadable."""
+    """Reads `<model_dir>/config.json` (or `model_dir` itself when a `.json` file); one clear error when
+    missing or unreadable."""
     path = os.path.join(model_dir, "config.json")
     if str(model_dir).endswith(".json") and os.path.isfile(model_dir):
         path = model_dir
@@ -294,20 +289,12 @@ def read_config_json(model_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_target_config(model_dir: str | os.PathLike) -> TargetConfig:
-    """Loads and validates the target config of an HF model directory.
-
-    Example:
-        >>> cfg = load_target_config("/path/to/Qwen3-0.6B")  # doctest: +SKIP
-    """
+    """Loads and validates the target config of an HF model directory."""
     return TargetConfig.from_hf_dict(read_config_json(model_dir))
 
 
 def check_config_keys(cls, d: dict, what: str) -> None:
-    """Raises one `InputError` naming the keys of `d` that are not fields of the dataclass `cls`.
-
-    Example:
-        >>> check_config_keys(TargetConfig, {}, "demo")   # no fields, no keys: fine
-    """
+    """Raises one `InputError` naming the keys of `d` that are not fields of the dataclass `cls`."""
     names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     unknown = sorted(set(d) - names)
     if unknown:

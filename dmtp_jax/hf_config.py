@@ -1,7 +1,6 @@
-"""One parser of the fields every Qwen3-style stack shares, for targets (`config.TargetConfig`) and
-DFlash drafters (`models.dflash_config.DFlashConfig`, a `Qwen3Config`): sizes, head dims, RMSNorm eps,
-RoPE and the per-layer attention types. Keys a config leaves out take the value transformers'
-config class of that family gives them (transformers 5.x, `models/<family>/configuration_*.py`):
+"""One parser of the fields every Qwen3-style stack shares (targets' `config.TargetConfig`, DFlash
+drafters' `DFlashConfig`): sizes, head dims, RMSNorm eps, RoPE and per-layer attention types. A
+key left out takes the value transformers 5.x's config class of that family gives it:
 
 | family                            | `head_dim` unset   | `layer_types` unset                                         |
 | --------------------------------- | ------------------ | ----------------------------------------------------------- |
@@ -9,10 +8,8 @@ config class of that family gives them (transformers 5.x, `models/<family>/confi
 | `qwen3_moe`                       | hidden / heads     | every layer "sliding_attention" when the window is on (no `max_window_layers`)  |
 | `qwen3_next`, `qwen3_5`, `qwen3_5_moe` | 256           | "full_attention" every `full_attention_interval` (4) layers, else "linear_attention" |
 
-The window is on when `use_sliding_window` is true; `sliding_window` is then its length (4096 when
-the key is absent), else None -- a "sliding_attention" layer without a window attends like a full one.
-`num_key_value_heads` unset means one KV head per attention head. The hybrid families' partial
-rotary factor defaults to 0.25.
+The window is on when `use_sliding_window` is true (length `sliding_window`, 4096 when absent);
+`num_key_value_heads` unset: one per attention head; hybrid partial rotary factor: 0.25.
 
 Example:
     >>> f = stack_fields({"num_hidden_layers": 30, "num_attention_heads": 4, "hidden_size": 32,
@@ -36,14 +33,7 @@ HYBRID_ROTARY_FACTOR = 0.25
 
 
 def require(d: dict, key: str, where: str):
-    """`d[key]`, or a `ConfigError` naming the missing key.
-
-    Example:
-        >>> require({}, "hidden_size", "config (qwen3)")
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.ConfigError: config (qwen3): missing required key 'hidden_size'
-    """
+    """`d[key]`, or a `ConfigError` naming the missing key."""
     if key not in d or d[key] is None:
         raise ConfigError(f"{where}: missing required key '{key}'")
     return d[key]
@@ -51,8 +41,7 @@ def require(d: dict, key: str, where: str):
 
 def rope(d: dict, where: str, family: str = "qwen3") -> tuple[float, float]:
     """`(rope_theta, partial_rotary_factor)` from `rope_parameters` (transformers >= 5), the v4
-    `rope_scaling` or the top-level keys. Qwen3.5's interleaved multi-axis RoPE (`mrope_section`) is
-    plain 1-D RoPE for text (all three position streams equal), so it is accepted as default RoPE.
+    `rope_scaling` or top-level keys; Qwen3.5's `mrope_section` is plain 1-D RoPE for text.
 
     Example:
         >>> rope({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}, "x", "qwen3_5")
@@ -69,12 +58,7 @@ def rope(d: dict, where: str, family: str = "qwen3") -> tuple[float, float]:
 
 
 def sliding_window(d: dict) -> int | None:
-    """The attention window: `sliding_window` (4096 when absent) if `use_sliding_window`, else None.
-
-    Example:
-        >>> sliding_window({"sliding_window": 64}), sliding_window({"use_sliding_window": True})
-        (None, 4096)
-    """
+    """The attention window: `sliding_window` (4096 when absent) if `use_sliding_window`, else None."""
     if not d.get("use_sliding_window", False):
         return None
     window = d.get("sliding_window", DEFAULT_SLIDING_WINDOW)
@@ -82,14 +66,11 @@ def sliding_window(d: dict) -> int | None:
 
 
 def layer_types(d: dict, family: str, n_layers: int, window: int | None) -> tuple[str, ...]:
-    """Each layer's attention type: the config's `layer_types` when given, else the family's rule
-    (module table). Qwen3-MoE has no per-layer types: its window applies to every layer.
+    """Each layer's attention type: the config's `layer_types` when given, else the family's rule.
 
     Example:
         >>> layer_types({}, "qwen3_next", 4, None)
         ('linear_attention', 'linear_attention', 'linear_attention', 'full_attention')
-        >>> layer_types({"max_window_layers": 1}, "qwen3", 2, 8)
-        ('full_attention', 'sliding_attention')
     """
     if family == "qwen3_moe":
         rule = ("sliding_attention" if window is not None else "full_attention",) * n_layers
@@ -109,22 +90,16 @@ def layer_types(d: dict, family: str, n_layers: int, window: int | None) -> tupl
 
 
 def default_head_dim(family: str, hidden: int, n_heads: int) -> int:
-    """`head_dim` when the config leaves it out (module table).
-
-    Example:
-        >>> default_head_dim("qwen3", 1024, 16), default_head_dim("qwen3_moe", 1024, 16)
-        (128, 64)
-    """
+    """`head_dim` when the config leaves it out (module table)."""
     if family == "qwen3_moe":
         return hidden // n_heads
     return 256 if family in HYBRID_FAMILIES else 128
 
 
 def stack_fields(d: dict[str, Any], family: str, where: str) -> dict[str, Any]:
-    """The shared stack fields of a config dict, by the family's rules: `hidden_size`,
-    `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `head_dim`, `rms_norm_eps`,
-    `rope_theta`, `partial_rotary_factor`, `attention_bias`, `layer_types`, `sliding_window`
-    (the names `TargetConfig` and `DFlashConfig` share).
+    """The shared stack fields of a config dict by the family's rules (the names `TargetConfig` and
+    `DFlashConfig` share: sizes, heads, `head_dim`, eps, RoPE, `attention_bias`, `layer_types`,
+    `sliding_window`).
 
     Example:
         >>> f = stack_fields({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 32,

@@ -1,12 +1,5 @@
-"""A tiny random Qwen3 checkpoint with a byte-level tokenizer, built on the fly (no download).
-
-`infer.py` uses it when no `--target` is given, so the CLI runs on a fresh machine. The weights are
-random: the text it writes is noise, but every code path (tokenizer, load, prefill, decode, stop
-tokens) is the real one.
-
-Example:
-    >>> path = ensure_tiny_target()  # doctest: +SKIP
-"""
+"""A tiny random Qwen3 checkpoint with a byte-level tokenizer, built on the fly (no download):
+`infer.py`'s default target, random weights but every real code path."""
 
 from __future__ import annotations
 
