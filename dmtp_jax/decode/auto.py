@@ -47,11 +47,7 @@ def timed_generate(decoder, prompts, max_new_tokens, sampling, seed, stop_ids, r
 
 def fingerprint(model_dir: str | None) -> str | None:
     """A short hash naming a checkpoint directory by its files (config.json; each safetensors file's
-    name, size, first and last MiB), not by its path.
-
-    Example:
-        >>> fingerprint(None) is None
-        True"""
+    name, size, first and last MiB), not by its path; None for None."""
     if model_dir is None:
         return None
     h = hashlib.sha1()
@@ -71,14 +67,8 @@ def fingerprint(model_dir: str | None) -> str | None:
 
 
 class VerdictStore:
-    """Auto's verdicts by key, in memory and (with a `path`) in a JSON file, written atomically; an
-    unreadable file is reported once and replaced.
-
-    Example:
-        >>> store = VerdictStore(None)
-        >>> store.put("k", {"method": "ar"}); store.get("k")["method"]
-        'ar'
-    """
+    """Auto's verdicts by key, in memory and (with a `path`) in a JSON file written atomically; an
+    unreadable file is reported once and replaced."""
 
     FILE = "auto-verdicts.json"
 
@@ -131,12 +121,7 @@ class Verdict:
 
 
 def decode_tokens(stats: dict) -> float:
-    """Tokens a generate call decoded after each row's first (its decode rate x its decode time).
-
-    Example:
-        >>> decode_tokens({"decode_tokens_per_s": 40.0, "decode_s": 0.5})
-        20.0
-    """
+    """Tokens a generate call decoded after each row's first (decode rate x decode time)."""
     return stats["decode_tokens_per_s"] * stats["decode_s"]
 
 
@@ -148,7 +133,8 @@ def describe_verdict(verdict: dict) -> str:
         >>> describe_verdict({"method": "dmtp", "source": "measured", "measure_s": 2.0, "batch_bucket": 1,
         ...     "measured": {"ar": {"decode_tokens_per_s": 50.0, "tau_per_verify": 1.0},
         ...                  "dmtp": {"decode_tokens_per_s": 80.0, "tau_per_verify": 4.2}}})
-        'batch bucket 1: dmtp (measured in 2.0 s; decode tok/s ar 50.0 (tau 1.00), dmtp 80.0 (tau 4.20))'"""
+        'batch bucket 1: dmtp (measured in 2.0 s; decode tok/s ar 50.0 (tau 1.00), dmtp 80.0 (tau 4.20))'
+    """
     seen = ", ".join(f"{c} {x['decode_tokens_per_s']:.1f} (tau {x['tau_per_verify']:.2f})"
                      + (" declined" if x.get("declined") else "") for c, x in verdict["measured"].items())
     how = {"measured": f"measured in {verdict.get('measure_s', 0.0):.1f} s", "cache": "cached verdict",
@@ -160,13 +146,7 @@ def describe_verdict(verdict: dict) -> str:
 
 
 def fastest(measured: dict) -> str:
-    """The candidate of the highest decode tokens/s among those not declined (ties: the first).
-
-    Example:
-        >>> fastest({"ar": {"decode_tokens_per_s": 50.0}, "dmtp": {"decode_tokens_per_s": 80.0},
-        ...          "mtp": {"decode_tokens_per_s": 90.0, "declined": True}})
-        'dmtp'
-    """
+    """The candidate of the highest decode tokens/s among those not declined (ties: the first)."""
     usable = {m: v for m, v in measured.items() if not v.get("declined")}
     if not usable:
         raise RequestError("auto: every candidate method was declined")
@@ -183,7 +163,8 @@ def probe_measurement(runs: list[dict]) -> dict:
         ...                     "per_verify_acceptance_length": 2.0},
         ...                    {"decode_tokens_per_s": 20.0, "decode_s": 1.0, "target_forwards": 11,
         ...                     "per_verify_acceptance_length": 2.0}])
-        {'decode_tokens_per_s': 40.0, 'tau_per_verify': 2.0, 'round_s': 0.05, 'declined': False}"""
+        {'decode_tokens_per_s': 40.0, 'tau_per_verify': 2.0, 'round_s': 0.05, 'declined': False}
+    """
     rounds = [max(1, int(s.get("target_forwards", 1)) - 1) for s in runs]
     round_s = min(float(s["decode_s"]) / r for s, r in zip(runs, rounds))
     per_round = sum(decode_tokens(s) for s in runs) / sum(rounds)

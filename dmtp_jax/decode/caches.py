@@ -7,7 +7,8 @@ Example:
     >>> from dmtp_jax.sharding import make_mesh
     >>> cache = new_kv_cache(make_mesh("tensor=1"), (1, 2, 16, 1, 4), "float32")
     >>> cache.k_lbskd.shape
-    (1, 2, 16, 1, 4)"""
+    (1, 2, 16, 1, 4)
+"""
 
 from __future__ import annotations
 

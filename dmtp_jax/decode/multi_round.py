@@ -21,8 +21,8 @@ NO_STOP = -1            # padding of the stop-id array (never a token)
 
 
 def pad_stop_ids(stop_ids) -> np.ndarray:
-    """Stop ids as a fixed-size int32 array, padded with `NO_STOP` to a power of two >= 8, so one
-    compile serves every request with up to 8 stop ids.
+    """Stop ids as an int32 array padded with `NO_STOP` to a power of two >= 8 (one compile for up to 8
+    stop ids).
 
     Example:
         >>> pad_stop_ids([127, 3]).tolist()
@@ -44,7 +44,8 @@ def rows_still_running(tokens_bn: jax.Array, accepted_b: jax.Array, lengths_b: j
         ...                          jnp.array([4, 6]), jnp.array([20, 20]), jnp.array([9, -1]),
         ...                          jnp.array([True, True]))
         >>> run.tolist()          # row 1 committed the stop id 9
-        [True, False]"""
+        [True, False]
+    """
     committed_bn = jnp.arange(tokens_bn.shape[1])[None] <= accepted_b[:, None]
     hit_stop_b = (committed_bn & (tokens_bn[..., None] == stop_ids_s).any(-1)).any(-1)
     budget_spent_b = lengths_b + 1 >= limits_b
@@ -99,7 +100,8 @@ def feed_rounds(tracker: StopTracker, acceptance: list[list[int]], first_source:
         ...             np.array([[True, False]]), np.array([[True, True]]), 2, lambda row, toks: print(row, toks))
         0 [5, 6, 9]
         >>> tracker.outputs, acc, src, bool(tracker.done[0])
-        ([[5, 6, 9]], [[2, 1]], [[True, False]], True)"""
+        ([[5, 6, 9]], [[2, 1]], [[True, False]], True)
+    """
     kept_rows: list[list[int]] = [[] for _ in range(len(acceptance))]
     for k in range(rounds_run):
         for row in range(len(acceptance)):

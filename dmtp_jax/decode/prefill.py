@@ -9,7 +9,8 @@ the one a single call would draw.
 
 Example:
     >>> [(int(s), t.shape, n.shape) for s, t, n in prefill_chunks(np.zeros((2, 100), np.int32), 64)]
-    [(0, (2, 64), (2,)), (64, (2, 64), (2,))]"""
+    [(0, (2, 64), (2,)), (64, (2, 64), (2,))]
+"""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ never recompiles.
 
 Example:
     >>> make_proposer("dmtp", slots=8, context_window=4096).needs
-    {'drafter': True, 'mtp': True, 'fusion': True}"""
+    {'drafter': True, 'mtp': True, 'fusion': True}
+"""
 
 from __future__ import annotations
 
@@ -225,7 +226,8 @@ def make_proposer(method: str, slots: int, context_window: int = 4096) -> Propos
 
     Example:
         >>> type(make_proposer("dmtp-adaptive", 8)).__name__
-        'AdaptiveProposer'"""
+        'AdaptiveProposer'
+    """
     return PROPOSERS[METHODS[method].proposer](method, slots, context_window)
 
 

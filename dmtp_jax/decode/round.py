@@ -44,8 +44,8 @@ class SpecState:
 
 @dataclasses.dataclass(frozen=True)
 class RoundModels:
-    """The merged modules a round runs (`None` where the method uses none; `draft_head` None: the
-    drafting side uses the target's full LM head)."""
+    """The merged modules a round runs (`None` where the method uses none; `draft_head` None: the full
+    LM head drafts)."""
     target: nnx.Module
     drafter: nnx.Module | None = None
     mtp: nnx.Module | None = None
@@ -92,36 +92,19 @@ class VerifyForward:
 
 
 def gather_rows(x_bt_: jax.Array, index_b: jax.Array) -> jax.Array:
-    """`x[b, index[b]]` for every row.
-
-    Example:
-        >>> gather_rows(jnp.arange(6).reshape(2, 3), jnp.array([2, 0])).tolist()
-        [2, 3]
-    """
+    """`x[b, index[b]]` for every row."""
     return jnp.take_along_axis(x_bt_, index_b.reshape((-1,) + (1,) * (x_bt_.ndim - 1)), axis=1)[:, 0]
 
 
 def write_all_layers(cache_lbskd: jax.Array, new_lbtkd: jax.Array, positions_bt: jax.Array) -> jax.Array:
-    """`write_layer` for every layer of a stacked cache.
-
-    Example:
-        >>> out = write_all_layers(jnp.zeros((1, 1, 4, 1, 1)), jnp.ones((1, 1, 1, 1, 1)), jnp.array([[2]]))
-        >>> out[0, 0, :, 0, 0].tolist()
-        [0.0, 0.0, 1.0, 0.0]
-    """
+    """`write_layer` for every layer of a stacked cache."""
     for i in range(cache_lbskd.shape[0]):
         cache_lbskd = write_layer(cache_lbskd, i, new_lbtkd[i], positions_bt)
     return cache_lbskd
 
 
 def context_window(cache_lbskd: jax.Array, lengths_b: jax.Array, window: int):
-    """The last `window` slots before each row's length: `([L, B, W, kv, D], positions [B, W])`.
-
-    Example:
-        >>> ctx, pos = context_window(jnp.zeros((1, 1, 8, 1, 1)), jnp.array([6]), 4)
-        >>> pos.tolist()
-        [[2, 3, 4, 5]]
-    """
+    """The last `window` slots before each row's length: `([L, B, W, kv, D], positions [B, W])`."""
     s = cache_lbskd.shape[2]
     w = min(window, s)
     start_b = jnp.clip(lengths_b - w, 0, s - w)
@@ -248,12 +231,9 @@ def spec_round(proposer, verify_mode: str, models: RoundModels, state: SpecState
 
 def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state: SpecState, sp, key,
                  greedy: bool = False) -> SpecState:
-    """One prefill chunk (`decode/prefill.py`) through the target and the MTP; the first token is
-    picked in the chunk that ends a row's prompt.
-
-    MTP row i pairs h_i with x_{i+1} at position i+1 (`next_b` for the chunk's last row, the first
-    new token after a row's prompt; rows past the prompt go to scratch). `state.pending_b` /
-    `state.mtp_h_bh` carry the first token and T1's MTP hidden until a row's prompt ends."""
+    """One prefill chunk (`decode/prefill.py`) through the target and the MTP (row i pairs h_i with
+    x_{i+1}; rows past the prompt go to scratch). The first token is picked in the chunk that ends a
+    row's prompt and carried in `state.pending_b` / `state.mtp_h_bh`."""
     target, drafter, mtp = models.target, models.drafter, models.mtp
     res = target_chunk(target, tokens_bt, start, lengths_b, state.target_cache, state.pending_b, sp, key,
                        greedy, models.capture_layers)

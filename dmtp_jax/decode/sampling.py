@@ -4,15 +4,7 @@
 Temperature 0 is greedy (one-hot argmax). Which filters run is static (`top_p_on`, `top_k_cap`,
 part of the `SamplingParams` pytree structure); their values are traced scalars or `[B]` arrays,
 so greedy and sampled rows share a batch and changing a value never recompiles. A filter that is
-off costs nothing, and `top_p = 1` is exactly no filter.
-
-Example:
-    >>> sp = SamplingParams.make(temperature=0.0)
-    >>> int(sample_tokens(jnp.array([[0.1, 2.0, 0.3]]), sp, jax.random.key(0))[0])
-    1
-    >>> probs = filtered_probs(jnp.log(jnp.array([[0.5, 0.3, 0.2]])), SamplingParams.make(1.0, top_k=2))
-    >>> [round(float(p), 3) for p in probs[0]]
-    [0.625, 0.375, 0.0]"""
+off costs nothing, and `top_p = 1` is exactly no filter."""
 
 from __future__ import annotations
 
@@ -35,12 +27,7 @@ TOP_K_MAX = 2**31 - 1       # a larger k keeps every token, as any k >= the voca
 class SamplingParams:
     """Sampling parameters; build them with `make` or `rows` (they validate and set the static fields).
     `temperature`, `top_p`, `top_k` are traced (f32, f32, i32; scalars or `[B]`); `top_p_on` and
-    `top_k_cap` are static.
-
-    Example:
-        >>> sp = SamplingParams.make(temperature=0.7, top_p=0.9)
-        >>> sp.top_p_on, sp.top_k_cap, int(sp.top_k), sp.is_greedy
-        (True, 0, 0, False)"""
+    `top_k_cap` are static."""
     temperature: jax.Array   # f32 scalar or [B] (one per row); 0 = greedy
     top_p: jax.Array         # f32 scalar or [B]; filters only when `top_p_on` (a row's 1 keeps all)
     top_k: jax.Array = 0     # i32 scalar or [B], each <= top_k_cap; a row's 0 keeps all
@@ -65,7 +52,8 @@ class SamplingParams:
         Example:
             >>> sp = SamplingParams.rows([0.0, 1.0], [1.0, 0.5], [0, 20], top_k_cap=64)
             >>> sp.is_greedy, sp.top_p_on, sp.top_k_cap, sp.top_k.tolist()
-            (False, True, 64, [0, 20])"""
+            (False, True, 64, [0, 20])
+        """
         temperature_b = np.atleast_1d(np.asarray(temperature_b, np.float32))
         top_p_b = np.atleast_1d(np.asarray(top_p_b, np.float32))
         top_k_b = np.atleast_1d(np.minimum(np.asarray(top_k_b, np.int64), TOP_K_MAX).astype(np.int32))
@@ -101,7 +89,8 @@ def filtered_probs(logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:
     Example:
         >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
         >>> [round(float(p), 3) for p in filtered_probs(logits, SamplingParams.make(1.0, top_p=0.7))[0]]
-        [0.625, 0.375, 0.0, 0.0]"""
+        [0.625, 0.375, 0.0, 0.0]
+    """
     logits = logits_bv.astype(jnp.float32)
     v = logits.shape[-1]
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
@@ -132,12 +121,7 @@ def filtered_probs(logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:
 
 
 def sample_from_probs(probs: jax.Array, key: jax.Array) -> jax.Array:
-    """One draw per row of `probs [..., V]` (zeros never drawn).
-
-    Example:
-        >>> int(sample_from_probs(jnp.array([[0.0, 1.0, 0.0]]), jax.random.key(0))[0])
-        1
-    """
+    """One draw per row of `probs [..., V]` (zeros never drawn)."""
     return jax.random.categorical(key, jnp.log(jnp.maximum(probs, 0.0)), axis=-1).astype(jnp.int32)
 
 

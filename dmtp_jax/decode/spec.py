@@ -57,7 +57,8 @@ def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, bloc
         >>> check_spec_options("mtp", mtp=object(), mtp_steps=0)
         Traceback (most recent call last):
         ...
-        dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 0"""
+        dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 0
+    """
     check_verify_mode(verify)
     check_method(method, SPEC_METHODS, what="speculative method")
     check_rounds_per_dispatch(rounds_per_dispatch)
@@ -147,12 +148,7 @@ def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: Loade
 
 
 def to_host(tree):
-    """Every array of `tree` on the host in one transfer (`jax.device_get`): the round's only sync.
-
-    Example:
-        >>> to_host((jax.numpy.ones(2), jax.numpy.zeros(1)))[0].tolist()
-        [1.0, 1.0]
-    """
+    """Every array of `tree` on the host in one transfer (`jax.device_get`): the round's only sync."""
     return jax.device_get(tree)
 
 

@@ -8,7 +8,8 @@ request's mean); per-verify mean `1 + sum(k * hist[k]) / sum(hist)`; first-candi
 Example:
     >>> s = acceptance_stats([[3, 1, 8], [2]], block_size=8)
     >>> s["histogram"][:3], round(s["per_verify_acceptance_length"], 3)
-    ([1, 1, 1], 3.5)"""
+    ([1, 1, 1], 3.5)
+"""
 
 from __future__ import annotations
 
@@ -43,13 +44,8 @@ def acceptance_stats(acceptance_lengths: list[list[int]], block_size: int) -> di
 
 
 def first_candidate_by_source(acceptance_lengths: list[list[int]], t1_from_mtp: list[list[bool]]) -> dict:
-    """dmtp-adaptive's split: the fraction of rounds whose first candidate was MTP's, and the
-    first-candidate acceptance and tokens per verify of each kind of round (None when none ran).
-
-    Example:
-        >>> first_candidate_by_source([[3, 1], [1]], [[True, True], [False]])["mtp_t1_fraction"]
-        0.6666666666666666
-    """
+    """dmtp-adaptive's split: the fraction of rounds whose first candidate was MTP's, and each kind's
+    first-candidate acceptance and tokens per verify (None when none ran)."""
     split: dict = {True: [], False: []}
     for lengths, sources in zip(acceptance_lengths, t1_from_mtp):
         for length, from_mtp in zip(lengths, sources):
@@ -70,7 +66,8 @@ def format_stats(stats: dict) -> str:
     Example:
         >>> print(format_stats({"method": "ar", "new_tokens": 8, "target_forwards": 8, "ttft_s": 0.01,
         ...                     "decode_tokens_per_s": 90.0, "compiles": 2}))
-        method=ar new_tokens=8 target_forwards=8 ttft=0.010s decode=90.0 tok/s compiles=2"""
+        method=ar new_tokens=8 target_forwards=8 ttft=0.010s decode=90.0 tok/s compiles=2
+    """
     line = ("method={method} new_tokens={new_tokens} target_forwards={target_forwards} "
             "ttft={ttft_s:.3f}s decode={decode_tokens_per_s:.1f} tok/s compiles={compiles}").format(**stats)
     if "draft_head" in stats:

@@ -19,7 +19,8 @@ Example:
     >>> hidden = drafter(jnp.zeros((1, 8, 32)), 5 + jnp.arange(8)[None], k, v, jnp.arange(5)[None],
     ...                  jnp.ones((1, 5), bool))
     >>> hidden.shape
-    (1, 8, 32)"""
+    (1, 8, 32)
+"""
 
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ class DFlashConfig:
         ...     "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 128,
         ...     "dflash_config": {"block_size": 8, "mask_token_id": 120, "target_layer_ids": [0, 1]}})
         >>> dcfg.version, dcfg.block_size, dcfg.to_hf_dict()["dflash_config"]["block_size"]
-        (1, 8, 8)"""
+        (1, 8, 8)
+    """
 
     version: int
     hidden_size: int

@@ -45,7 +45,8 @@ def default_drafter_config(target_cfg, num_layers: int = DEFAULT_DRAFT_LAYERS, b
         ...     "intermediate_size": 32, "num_hidden_layers": 8, "num_attention_heads": 2,
         ...     "num_key_value_heads": 1, "head_dim": 8})
         >>> default_drafter_config(t).target_layer_ids, default_drafter_config(t, num_layers=2).num_hidden_layers
-        ((1, 2, 3, 4, 5), 2)"""
+        ((1, 2, 3, 4, 5), 2)
+    """
     inter = intermediate_size or target_cfg.intermediate_size
     if inter < target_cfg.hidden_size and not intermediate_size:     # an all-MoE target: no dense MLP width
         inter = 3 * target_cfg.hidden_size

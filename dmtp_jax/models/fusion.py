@@ -20,7 +20,8 @@ continue training from exactly its own behaviour.
 Example:
     >>> fusion = T1Fusion("dmtp", hidden=32, rank=0, eps=1e-6, dtype=jnp.float32, rngs=nnx.Rngs(0))
     >>> e = jnp.ones((2, 32)); fusion.t1_input(e, e).shape
-    (2, 32)"""
+    (2, 32)
+"""
 
 from __future__ import annotations
 
@@ -114,7 +115,8 @@ def mtp_confidence(logits_bv: jax.Array, rest_lse_b: jax.Array | None = None) ->
 
     Example:
         >>> round(float(mtp_confidence(jnp.log(jnp.array([0.7, 0.2, 0.1])))), 4)
-        0.7"""
+        0.7
+    """
     logits = logits_bv.astype(jnp.float32)
     top = jnp.max(logits, axis=-1)
     partition = jnp.sum(jnp.exp(logits - top[..., None]), axis=-1)
@@ -131,7 +133,8 @@ def block_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
         >>> block_layout("dflash", 8)
         ((0, 1, 2, 3, 4, 5, 6, 7), 1)
         >>> block_layout("dmtp", 8)[1], block_layout("dmtp-single", 8)
-        (2, ((1, 2, 3, 4, 5, 6, 7), 1))"""
+        (2, ((1, 2, 3, 4, 5, 6, 7), 1))
+    """
     if method in ("dflash", ADAPTIVE):
         return tuple(range(slots)), 1
     anchors = METHODS[method].anchors

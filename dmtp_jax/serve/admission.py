@@ -26,12 +26,7 @@ def prompt_bucket(req: Request) -> int:
 
 
 def row_bucket(n: int, buckets: tuple[int, ...]) -> int:
-    """The smallest compiled row bucket holding `n` rows.
-
-    Example:
-        >>> row_bucket(3, (1, 2, 4, 8))
-        4
-    """
+    """The smallest compiled row bucket holding `n` rows."""
     return next(b for b in buckets if b >= n)
 
 
@@ -66,19 +61,15 @@ def resume_tokens(suffix) -> np.ndarray:
 
     Example:
         >>> resume_tokens([7, 8, 9]).shape, resume_tokens(list(range(40))).shape, resume_tokens([1] * 70).shape
-        ((1, 16), (1, 64), (1, 128))"""
+        ((1, 16), (1, 64), (1, 128))
+    """
     tokens = np.zeros((1, next_pow2(len(suffix), RESUME_BUCKET_FLOOR)), np.int32)
     tokens[0, :len(suffix)] = suffix
     return tokens
 
 
 def resume_widths(prefill_chunk: int) -> list[int]:
-    """The resumed prefills' token widths below the prompt buckets (what `Engine.warm_up` adds).
-
-    Example:
-        >>> resume_widths(512), resume_widths(16)
-        ([16, 32], [16])
-    """
+    """The resumed prefills' token widths below the prompt buckets (what `Engine.warm_up` adds)."""
     return sorted({chunk_length(w, prefill_chunk) for w in range(RESUME_BUCKET_FLOOR, PROMPT_BUCKET_FLOOR)
                    if w & (w - 1) == 0})
 

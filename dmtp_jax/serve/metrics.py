@@ -48,7 +48,8 @@ def choice_lines(choice: dict, prefix: str = "dmtp") -> list[str]:
     Example:
         >>> print("\\n".join(choice_lines({"method": "ar", "why": "highest estimated tok/s", "rows": 3,
         ...     "bucket": 4, "estimates": {"ar": 90.0}, "tau": {"ar": 1.0}})[2:3]))
-        dmtp_engine_choice{method="ar",why="highest estimated tok/s",rows="3",bucket="4"} 1"""
+        dmtp_engine_choice{method="ar",why="highest estimated tok/s",rows="3",bucket="4"} 1
+    """
     if not choice.get("method"):
         return []
     out = [f"# HELP {prefix}_engine_choice the round the engine runs now, why, and for how many rows",

@@ -11,7 +11,8 @@ Example:
     >>> p.observe("ar", 1, rounds=1, seconds=0.01, row_rounds=1, committed=1)
     >>> p.observe("dmtp", 1, rounds=1, seconds=0.02, row_rounds=1, committed=4)
     >>> p.choose(rows=1, bucket=1)
-    'dmtp'"""
+    'dmtp'
+"""
 
 from __future__ import annotations
 

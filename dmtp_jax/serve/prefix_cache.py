@@ -24,7 +24,8 @@ Example:
     >>> hit.start, hit.ready
     (3, False)
     >>> cache.lookup([1, 2, 3], greedy=True).ready
-    True"""
+    True
+"""
 
 from __future__ import annotations
 
@@ -40,12 +41,7 @@ from dmtp_jax.decode.batch import RequestError
 
 
 def prefix_cache_bytes(gb: float) -> int:
-    """`--prefix-cache-gb` in bytes (GiB, 2**30); raises `RequestError` when negative.
-
-    Example:
-        >>> prefix_cache_bytes(0.5)
-        536870912
-    """
+    """`--prefix-cache-gb` in bytes (GiB, 2**30); raises `RequestError` when negative."""
     if not gb >= 0:
         raise RequestError(f"--prefix-cache-gb must be >= 0, got {gb}")
     return int(gb * (1 << 30))
@@ -56,18 +52,14 @@ def prefix_key(tokens) -> tuple[int, bytes]:
 
     Example:
         >>> prefix_key([1, 2])[0], prefix_key([1, 2]) == prefix_key((1, 2)), prefix_key([1, 2]) == prefix_key([2, 1])
-        (2, True, False)"""
+        (2, True, False)
+    """
     ids = np.asarray(tokens, np.int32)
     return len(ids), hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
 
 
 def state_nbytes(state) -> int:
-    """Bytes of every leaf of a state or of its shapes (global sizes).
-
-    Example:
-        >>> state_nbytes({"a": jnp.zeros((2, 3)), "b": None})
-        24
-    """
+    """Bytes of every leaf of a state or of its shapes (global sizes)."""
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
 
 

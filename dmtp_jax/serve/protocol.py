@@ -8,7 +8,8 @@ text prompt too long to fit `max_model_len` whatever its tokenisation is refused
 Example:
     >>> body = CompletionBody(prompt=[1, 2], max_tokens=4, seed=7)
     >>> one_prompt(body.prompt), body.seed
-    ([1, 2], 7)"""
+    ([1, 2], 7)
+"""
 
 from __future__ import annotations
 
@@ -34,12 +35,7 @@ class ApiError(Exception):
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:
-    """OpenAI's error object.
-
-    Example:
-        >>> error_body("bad", param="n")["error"]["param"]
-        'n'
-    """
+    """OpenAI's error object `{"error": {"message", "type", "param", "code"}}`."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -93,10 +89,7 @@ def one_prompt(prompt) -> str | list[int]:
 
 
 def check_text(value, param: str) -> None:
-    """Raises a 400 when a string anywhere in `value` (strings, lists, dicts) is not valid Unicode.
-
-    Example:
-        >>> check_text(["ok", {"content": "fine"}], "messages")"""
+    """Raises a 400 when a string anywhere in `value` (strings, lists, dicts) is not valid Unicode."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -112,11 +105,7 @@ def check_text(value, param: str) -> None:
 
 
 def check_token_ids(ids: list[int], vocab_size: int) -> None:
-    """Raises a 400 naming the first id outside `[0, vocab_size)`.
-
-    Example:
-        >>> check_token_ids([0, 5], 10)
-    """
+    """Raises a 400 naming the first id outside `[0, vocab_size)`."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ApiError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
@@ -124,22 +113,14 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
 
 def check_prompt_chars(chars: int, max_model_len: int, max_token_chars: int) -> None:
     """Raises a 413 for a text prompt of `chars` characters that needs more than `max_model_len` tokens
-    however tokenised (no token is longer than `max_token_chars`).
-
-    Example:
-        >>> check_prompt_chars(100, 64, 2)"""
+    however tokenised (no token is longer than `max_token_chars`)."""
     if chars > max_model_len * max_token_chars:
         raise ApiError(f"prompt: {chars} characters cannot fit the maximum model length {max_model_len} "
                        f"(no token is longer than {max_token_chars} characters)", 413, param="prompt")
 
 
 def stops_of(body: CompletionBody, limits: ServerLimits) -> list[str]:
-    """The request's stop strings, checked against the limits.
-
-    Example:
-        >>> stops_of(CompletionBody(stop="END"), ServerLimits())
-        ['END']
-    """
+    """The request's stop strings, checked against the limits."""
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > limits.max_stop_strings:
         raise ApiError(f"stop: at most {limits.max_stop_strings} stop strings (--max-stop-strings), got {len(stops)}",

@@ -3,7 +3,8 @@
 
 Example:
     >>> Request([1, 2, 3], max_tokens=4).greedy
-    True"""
+    True
+"""
 
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def row_sampling(reqs, rows: int, top_k_cap: int = 0) -> tuple[SamplingParams, b
     Example:
         >>> sp, greedy = row_sampling([Request([1], 2), Request([1], 2, temperature=0.5, top_k=9)], 4, 8)
         >>> sp.temperature.tolist(), sp.top_k.tolist(), sp.top_k_cap, greedy
-        ([0.0, 0.5, 0.0, 0.0], [0, 0, 0, 0], 8, False)"""
+        ([0.0, 0.5, 0.0, 0.0], [0, 0, 0, 0], 8, False)
+    """
     temperature = np.zeros(rows, np.float32)
     top_p = np.ones(rows, np.float32)
     top_k = np.zeros(rows, np.int64)

@@ -8,7 +8,8 @@ Example:
     >>> ts.add([ord(c) for c in "abcE"]), ts.add([ord(c) for c in "Nx"]), ts.add([ord(c) for c in "EN"])
     ('abc', 'ENx', '')
     >>> ts.add([ord("D")]), ts.stopped
-    ('', True)"""
+    ('', True)
+"""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def held_back(text: str, stops: list[str]) -> int:
 
     Example:
         >>> held_back("x = 1\\n#", ["\\n##"]), held_back("abc", ["\\n##"])
-        (2, 0)"""
+        (2, 0)
+    """
     hold = 0
     for stop in stops:
         for k in range(min(len(stop) - 1, len(text)), hold, -1):
@@ -72,6 +74,7 @@ def max_token_chars(tokenizer) -> int:
         >>> class Tok:
         ...     def get_vocab(self): return {"a": 0, "Ġthe": 1}
         >>> max_token_chars(Tok())
-        4"""
+        4
+    """
     vocab = tokenizer.get_vocab()
     return max((len(t) for t in vocab), default=1) or 1

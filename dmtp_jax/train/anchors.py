@@ -16,7 +16,8 @@ def valid_anchor_mask(loss_mask_bt: jax.Array, block_size: int, first_label: int
 
     Example:
         >>> valid_anchor_mask(jnp.array([[0, 1, 1, 1, 1]]), 3).tolist()
-        [[False, True, True, False, False]]"""
+        [[False, True, True, False, False]]
+    """
     lm = loss_mask_bt.astype(bool)
     length = lm.shape[1]
     ok = lm

@@ -74,7 +74,8 @@ def calibration_table(top_p, tokens_mtp, tokens_drafter, grid=GRID) -> list[dict
     Example:
         >>> t = calibration_table(np.array([0.9, 0.2]), np.array([3, 1]), np.array([2, 2]), grid=(0.0, 0.5, 1.01))
         >>> [(r["threshold"], r["tokens_per_verify"], r["mtp_fraction"]) for r in t]
-        [(0.0, 2.0, 1.0), (0.5, 2.5, 0.5), (1.01, 2.0, 0.0)]"""
+        [(0.0, 2.0, 1.0), (0.5, 2.5, 0.5), (1.01, 2.0, 0.0)]
+    """
     top_p, tokens_mtp, tokens_drafter = (np.asarray(x, np.float64) for x in (top_p, tokens_mtp, tokens_drafter))
     out = []
     for t in grid:

@@ -11,7 +11,8 @@ its devices hold; the iterator state is grain's, JSON-serialisable.
 Example:
     >>> ds = TokenDataset.from_records([{"input_ids": [1, 2, 3]}], seq_len=4)
     >>> ds.encode(0)
-    (array([1, 2, 3, 0], dtype=int32), array([1, 1, 1, 0], dtype=int32), False)"""
+    (array([1, 2, 3, 0], dtype=int32), array([1, 1, 1, 0], dtype=int32), False)
+"""
 
 from __future__ import annotations
 
@@ -39,14 +40,7 @@ class MalformedRecord(ValueError):
 def read_records(path: str) -> list[Any]:
     """Raw records of a data file (training data and benchmark workloads): a JSON-lines file (`.gz` or
     not) gives its non-blank lines unparsed; a `.json` list its items; a `.parquet` file its rows as
-    dicts. A missing or empty file or a broken JSON list is a `DataError`.
-
-    Example:
-        >>> import pathlib, tempfile
-        >>> path = pathlib.Path(tempfile.mkdtemp()) / "train.jsonl"
-        >>> _ = path.write_text('{"text": "hello"}\\n\\n{"text": "bye"}\\n')
-        >>> read_records(str(path))
-        ['{"text": "hello"}', '{"text": "bye"}']"""
+    dicts. A missing or empty file or a broken JSON list is a `DataError`."""
     if not os.path.isfile(path):
         raise DataError(f"data file not found: {path}")
     if path.endswith(".parquet"):
@@ -169,7 +163,8 @@ def token_stream(records, eos_id: int, tokenizer=None, vocab_size: int | None = 
 
     Example:
         >>> token_stream([{"input_ids": [5, 6, 8]}, "bad", {"input_ids": [7]}], 0, seq_len=2).tolist()
-        [5, 6, 0, 7, 0]"""
+        [5, 6, 0, 7, 0]
+    """
     ids: list[int] = []
     for raw in records:
         try:
@@ -181,12 +176,7 @@ def token_stream(records, eos_id: int, tokenizer=None, vocab_size: int | None = 
 
 
 def pad_row(ids: Sequence[int], mask: Sequence[int], seq_len: int, pad_id: int = 0):
-    """Truncates / right-pads to `seq_len`: `(tokens_l int32, loss_mask_l int32)`.
-
-    Example:
-        >>> pad_row([7, 8], [0, 1], 4)
-        (array([7, 8, 0, 0], dtype=int32), array([0, 1, 0, 0], dtype=int32))
-    """
+    """Truncates / right-pads to `seq_len`: `(tokens_l int32, loss_mask_l int32)`."""
     tokens = np.full((seq_len,), pad_id, np.int32)
     loss_mask = np.zeros((seq_len,), np.int32)
     n = min(len(ids), seq_len)
@@ -230,11 +220,7 @@ class TokenDataset:
         return len(self._bad)
 
     def first_valid_record(self) -> int:
-        """Index of the first record that encodes, else a `DataError` naming the first problem.
-
-        Example:
-            >>> TokenDataset.from_records(["nope", '{"input_ids": [1]}'], 4).first_valid_record()
-            1"""
+        """Index of the first record that encodes, else a `DataError` naming the first problem."""
         first_problem = None
         for index, raw in enumerate(self.records):
             try:
@@ -289,7 +275,8 @@ class BatchIterator:
     Example:
         >>> it = BatchIterator(TokenDataset.from_records([{"input_ids": [1, 2]}] * 4, 8), 2, (0, 2))
         >>> it.next()["tokens_bt"].shape
-        (2, 8)"""
+        (2, 8)
+    """
 
     def __init__(self, dataset: TokenDataset, global_batch: int, rows: tuple[int, int], seed: int = 0):
         self.dataset, self.rows = dataset, rows

@@ -3,7 +3,8 @@
 
 Example:
     >>> initialize_distributed()          # single process: does nothing
-    False"""
+    False
+"""
 
 from __future__ import annotations
 

@@ -4,13 +4,7 @@ For each of the N anchors `a` of a sequence, one block of `block_size` rows at `
 blocks are independent: a block sees the context features before its anchor and its own rows.
 Slot k is labelled with the data token at `a+k`; known slots get no loss, predicted slots
 `w_k = exp(-(k-1)/gamma)` times the loss mask. Losses are sums (`loss_sum`, `weight_sum`), so the
-train step normalises over the whole optimiser step; `token_ce` never holds `[tokens, V]` logits.
-
-Example:
-    >>> b = block_inputs("dflash", jnp.array([[5, 6, 7, 8]]), jnp.ones((1, 4), jnp.int32),
-    ...                  jnp.array([[1]]), jnp.array([[True]]), 3, mask_token_id=0, gamma=None)
-    >>> b.tokens_bnk.tolist(), b.labels_bnk.tolist(), b.weights_bnk.tolist()
-    ([[[6, 0, 0]]], [[[6, 7, 8]]], [[[0.0, 1.0, 1.0]]])"""
+train step normalises over the whole optimiser step; `token_ce` never holds `[tokens, V]` logits."""
 
 from __future__ import annotations
 
@@ -29,11 +23,7 @@ from dmtp_jax.models.qwen3 import lm_head_logits
 
 def method_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
     """`(row offsets from the anchor A, first predicted row)`, shared with the decode round
-    (`models.fusion.block_layout`); raises for unknown methods.
-
-    Example:
-        >>> method_layout("dmtp", 4)
-        ((0, 1, 2, 3), 2)"""
+    (`models.fusion.block_layout`); raises for unknown methods."""
     check_method(method, TRAIN_METHODS, InputError, "training method")
     return block_layout(method, slots)
 
@@ -68,7 +58,8 @@ def block_inputs(method: str, tokens_bt: jax.Array, loss_mask_bt: jax.Array, anc
         >>> b = block_inputs("dmtp", jnp.array([[5, 6, 7, 8, 9]]), jnp.ones((1, 5), jnp.int32),
         ...                  jnp.array([[1]]), jnp.array([[True]]), 4, mask_token_id=0, gamma=None)
         >>> b.tokens_bnk.tolist(), b.labels_bnk.tolist(), b.weights_bnk.tolist()
-        ([[[6, 7, 0, 0]]], [[[6, 7, 8, 9]]], [[[0.0, 0.0, 1.0, 1.0]]])"""
+        ([[[6, 7, 0, 0]]], [[[6, 7, 8, 9]]], [[[0.0, 0.0, 1.0, 1.0]]])
+    """
     offsets, known = method_layout(method, block_size)
     if (method == ADAPTIVE) != (t1_masked_bn is not None):
         raise ValueError("t1_masked_bn is given for dmtp-adaptive and only for it")
@@ -153,12 +144,7 @@ def map_row_chunks(fn: Callable, chunk: int, weight, *rows_bt: jax.Array):
     """`fn(weight, *rows)` over the positions of `[B, T, ...]` arrays: its per-position outputs.
     `chunk` > 0: a `lax.scan` over slices of `chunk` positions (batch axis whole, padding dropped),
     each under `jax.checkpoint`, so at most one slice's intermediates are live; `chunk` = 0: all at
-    once. Gradients flow to `weight` and `rows_bt`.
-
-    Example:
-        >>> out = map_row_chunks(lambda w, x: (x * w).sum(-1), 2, 2.0, jnp.ones((1, 3, 4)))
-        >>> out.tolist()
-        [[8.0, 8.0, 8.0]]"""
+    once. Gradients flow to `weight` and `rows_bt`."""
     if chunk <= 0:
         return fn(weight, *rows_bt)
     b, t = rows_bt[0].shape[:2]
@@ -182,19 +168,14 @@ def token_ce(logits_fn: Callable, weight, hidden_bth: jax.Array, labels_bt: jax.
         >>> f = lambda w, h: h @ w
         >>> ce, top = token_ce(f, jnp.eye(4), jnp.eye(4)[None, :3], jnp.array([[0, 1, 3]]), chunk=2)
         >>> [round(float(x), 4) for x in ce[0]], top.tolist()
-        ([0.7437, 0.7437, 1.7437], [[0, 1, 2]])"""
+        ([0.7437, 0.7437, 1.7437], [[0, 1, 2]])
+    """
     return map_row_chunks(lambda w, x, y: _ce_top1(logits_fn(w, x), y), chunk, weight, hidden_bth, labels_bt)
 
 
 def ce_sums(ce_bnk: jax.Array, top1_bnk: jax.Array, blocks: BlockInputs) -> dict:
     """`loss_sum` (sum of w*CE), `weight_sum`, and per block slot `correct_k` / `count_k` `[K]` (top-1
-    hits and valid predicted slots) from `token_ce`'s outputs.
-
-    Example:
-        >>> s = ce_sums(jnp.ones((1, 1, 2)), jnp.zeros((1, 1, 2), jnp.int32), BlockInputs(
-        ...     *(jnp.zeros((1, 1, 2), jnp.int32),) * 3, jnp.array([[[0.0, 2.0]]]), jnp.array([[[False, True]]])))
-        >>> float(s["loss_sum"]), s["correct_k"].tolist()
-        (2.0, [0, 1])"""
+    hits and valid predicted slots) from `token_ce`'s outputs."""
     hit = (top1_bnk == blocks.labels_bnk) & blocks.valid_bnk
     return {"loss_sum": jnp.sum(blocks.weights_bnk * ce_bnk), "weight_sum": jnp.sum(blocks.weights_bnk),
             "correct_k": jnp.sum(hit, axis=(0, 1)).astype(jnp.int32),
@@ -216,7 +197,8 @@ def acceptance_proxy(correct_k, count_k, known_slots: int = 1, base: int | None 
 
     Example:
         >>> acceptance_proxy([0, 5, 2], [0, 10, 10])
-        ([0.5, 0.2], 0.35, 1.6)"""
+        ([0.5, 0.2], 0.35, 1.6)
+    """
     accs = [c / n if n else 0.0 for c, n in zip(list(correct_k)[known_slots:], list(count_k)[known_slots:])]
     total = sum(count_k[known_slots:])
     mean = float(sum(correct_k[known_slots:]) / total) if total else 0.0

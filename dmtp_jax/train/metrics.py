@@ -15,7 +15,8 @@ def step_record(step: int, metrics: dict, derived: dict, tokens: int, seconds: f
     Example:
         >>> step_record(3, {"loss": np.float32(2.5), "nonfinite": np.int32(0), "count_k": np.ones(4)},
         ...             {"acc": 0.5}, tokens=100, seconds=0.5)
-        {'step': 3, 'loss': 2.5, 'nonfinite': 0, 'acc': 0.5, 'tokens_per_s': 200.0, 'step_s': 0.5, 'malformed': 0}"""
+        {'step': 3, 'loss': 2.5, 'nonfinite': 0, 'acc': 0.5, 'tokens_per_s': 200.0, 'step_s': 0.5, 'malformed': 0}
+    """
     rec = {"step": step}
     for k, v in metrics.items():
         v = np.asarray(v)

@@ -25,23 +25,13 @@ class OptimConfig:
 
 
 def optim_config(cfg) -> OptimConfig:
-    """The `OptimConfig` of a run's config (`TrainConfig`, `PretrainConfig`, any `WindowRunConfig`).
-
-    Example:
-        >>> from dmtp_jax.demo.distil import DistilConfig
-        >>> optim_config(DistilConfig(steps=5, lr=0.1)).total_steps
-        5"""
+    """The `OptimConfig` of a run's config (`TrainConfig`, `PretrainConfig`, any `WindowRunConfig`)."""
     return OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio,
                        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
 
 
 def lr_schedule(ocfg: OptimConfig) -> optax.Schedule:
-    """Warmup (at most the run length) then cosine.
-
-    Example:
-        >>> float(lr_schedule(OptimConfig(lr=1.0, total_steps=10, warmup_steps=2))(2))
-        1.0
-    """
+    """Warmup (at most the run length) then cosine."""
     warmup = min(ocfg.warmup_steps, max(ocfg.total_steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(0.0, ocfg.lr, warmup, max(ocfg.total_steps, warmup + 1),
                                               ocfg.lr * ocfg.min_lr_ratio)
@@ -77,7 +67,8 @@ def apply_gradients(tx: optax.GradientTransformation, ocfg: OptimConfig, state: 
         >>> state = new_state(tx, {"w": jnp.ones(2)})
         >>> new, m = apply_gradients(tx, ocfg, state, {"w": jnp.full(2, jnp.nan)}, jnp.float32(1.0))
         >>> int(new.step), int(m["nonfinite"]), new.params["w"].tolist()
-        (1, 1, [1.0, 1.0])"""
+        (1, 1, [1.0, 1.0])
+    """
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

@@ -14,7 +14,8 @@ docs/training.md#interruptions).
 Example:
     >>> guard = NonFiniteGuard(limit=2)
     >>> guard.update(5, finite=False), guard.update(6, finite=True), guard.total
-    (False, False, 1)"""
+    (False, False, 1)
+"""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ class StopSignals:
         >>> with StopSignals() as stop:
         ...     os.kill(os.getpid(), signal.SIGTERM)
         ...     stop.requested
-        'SIGTERM'"""
+        'SIGTERM'
+    """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -122,22 +124,16 @@ class NonFiniteGuard:
 
 
 def finite_record(rec: dict) -> dict:
-    """A metrics record with non-finite floats as null (strict JSON), e.g. a skipped step's loss.
-
-    Example:
-        >>> finite_record({"loss": float("nan"), "step": 3})
-        {'loss': None, 'step': 3}
-    """
+    """A metrics record with non-finite floats as null (strict JSON)."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
 
 
 # ---- disk full ---------------------------------------------------------------------------------
 def disk_full(error: BaseException | None) -> bool:
-    """Whether `error` (or anything in its cause / context chain) says the disk or quota is full.
+    """Whether `error` (or anything in its cause / context chain) says the disk or quota is full
+    (ENOSPC / EDQUOT, also as tensorstore reports it).
 
     Example:
-        >>> disk_full(OSError(errno.ENOSPC, "No space left on device"))
-        True
         >>> disk_full(ValueError("RESOURCE_EXHAUSTED: ... [os_error_code='28']"))
         True
     """
@@ -169,12 +165,7 @@ class QuietDiskFull(logging.Filter):
 
 class DropTracebacks:
     """Context: `sys.stderr` passes text through except Python tracebacks whose last line contains
-    `pattern` (held back per thread until that line decides).
-
-    Example:
-        >>> import sys
-        >>> with DropTracebacks("Event loop is closed"):
-        ...     print("kept", file=sys.stderr)"""
+    `pattern` (held back per thread until that line decides)."""
 
     HEADER = "Traceback (most recent call last):"
 
@@ -278,7 +269,8 @@ def restore_latest_good(steps, restore, quarantine):
 
     Example:
         >>> restore_latest_good([1, 2], lambda s: {"s": s}, print)
-        (2, {'s': 2})"""
+        (2, {'s': 2})
+    """
     from dmtp_jax.checkpoint.safetensors_io import CheckpointError
     failed = []
     for step in sorted(steps, reverse=True):

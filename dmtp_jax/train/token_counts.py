@@ -5,7 +5,8 @@ encoded as training encodes them; malformed ones are skipped with a warning.
 Example:
     >>> from dmtp_jax.train.data import TokenDataset
     >>> count_tokens(TokenDataset.from_records([{"input_ids": [1, 2, 2], "loss_mask": [0, 1, 1]}], 4), 4).tolist()
-    [0, 0, 2, 0]"""
+    [0, 0, 2, 0]
+"""
 
 from __future__ import annotations
 

@@ -18,11 +18,7 @@ from dmtp_jax.train.optim import OptimConfig, TrainState, apply_gradients, make_
 
 
 def window_batch(stream: np.ndarray, batch_size: int, length: int, seed: int, step: int) -> np.ndarray:
-    """Batch `step`: `batch_size` random windows of `length` tokens of `stream`, pure in `(seed, step)`.
-
-    Example:
-        >>> window_batch(np.arange(100), 2, 5, seed=0, step=3).shape
-        (2, 5)"""
+    """Batch `step`: `batch_size` random windows of `length` tokens of `stream`, pure in `(seed, step)`."""
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(stream) - length + 1, size=batch_size)
     return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
@@ -35,7 +31,8 @@ class WindowBatches:
     Example:
         >>> batches = WindowBatches(np.arange(100), 2, 5, seed=0)
         >>> batches.next()["tokens_bt"].shape, batches.get_state()
-        ((2, 5), {'step': 1})"""
+        ((2, 5), {'step': 1})
+    """
 
     def __init__(self, stream: np.ndarray, batch_size: int, length: int, seed: int):
         self.stream, self.batch_size, self.length, self.seed, self.index = stream, batch_size, length, seed, 0
@@ -76,12 +73,7 @@ class WindowRunConfig:
 
 
 def window_run_options(cfg, out: str):
-    """`train.loop.RunOptions` of a window run config writing to `out`.
-
-    Example:
-        >>> from dmtp_jax.demo.distil import DistilConfig
-        >>> window_run_options(DistilConfig(steps=5, batch_size=2, seq_len=8), "/tmp/run").tokens_per_step
-        16"""
+    """`train.loop.RunOptions` of a window run config writing to `out`."""
     return RunOptions(out=out, steps=cfg.steps, resume=cfg.resume, checkpoint_every=cfg.checkpoint_every,
                       keep_checkpoints=cfg.keep_checkpoints, max_nonfinite=cfg.max_nonfinite, progress=cfg.progress,
                       tokens_per_step=cfg.batch_size * cfg.seq_len)
