@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from tokenizers import Tokenizer
 
 # tokenizer_config.json keys that change nothing `tokenizer.json` does not already say
 _PLAIN_KEYS = {"backend", "tokenizer_class", "model_max_length", "eos_token", "pad_token", "mask_token",
@@ -69,7 +70,6 @@ def plain_tokenizer(model_dir: str) -> PlainTokenizer | None:
     if any(os.path.isfile(os.path.join(model_dir, f)) for f in ("special_tokens_map.json", "added_tokens.json")):
         return None
     try:
-        from tokenizers import Tokenizer
         return PlainTokenizer(Tokenizer.from_file(path), config)
     except Exception:                   # anything unusual: transformers knows best
         return None
@@ -84,7 +84,7 @@ def load_tokenizer(model_dir: str, plain: bool = False):
         tok = plain_tokenizer(model_dir)
         if tok is not None:
             return tok
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer     # lazy: transformers imports torch (seconds), the CLI's plain path skips it
     return AutoTokenizer.from_pretrained(model_dir)
 
 

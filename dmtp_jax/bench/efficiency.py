@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.plan.compile import cost_of
 
 
@@ -30,7 +31,6 @@ def _models(decoder) -> dict:
 def round_cost(decoder, batch: int, max_len: int) -> dict:
     """XLA's cost of one greedy round (`SpecDecoder.round`) or AR step at `[batch, max_len]`, and the
     analytic minimum bytes of that round (lowering hits JAX's compile caches for shapes already run)."""
-    from dmtp_jax.decode.sampling import SamplingParams
     sp = SamplingParams.make()
     key = jax.random.key(0)
     weights = {name: tree_bytes(loaded.state) for name, loaded in _models(decoder).items()}

@@ -10,15 +10,14 @@ import numpy as np
 from flax import nnx
 
 from dmtp_jax.decode.batch import next_pow2
+from dmtp_jax.models.fusion import mtp_first_candidate
+from dmtp_jax.train.features import mtp_hidden
 
 
 def agreement_counts(target, mtp, head, tokens_bt: jax.Array, valid_bt: jax.Array,
                      counted_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(positions where the drafting head's T1 equals the full head's, positions compared)` over the
     `counted_bt` positions of `tokens_bt` (`valid_bt`: real tokens); pure, on merged modules."""
-    from dmtp_jax.models.fusion import mtp_first_candidate
-    from dmtp_jax.train.features import mtp_hidden
-
     positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     hidden = target(tokens_bt, positions, None, kv_valid_bt=valid_bt).hidden_bth
     h = mtp_hidden(mtp, target, tokens_bt, hidden)[:, 1:]           # position 0 has no MTP row

@@ -20,6 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dmtp_jax.decode.round import accept, commit, merge_models, verify_forward
+from dmtp_jax.decode.sampling import SamplingParams
+
 PHASES = ("propose-mtp", "propose-drafter", "verify", "accept", "commit")
 
 
@@ -44,9 +47,6 @@ def phase_breakdown(decoder, state=None, *, repeats: int = 10, warmup: int = 2, 
     """Milliseconds per phase of one greedy round of `decoder` from `state` (default: the state its last
     `generate` left), their sum, and the fused round on the same state; None for a phase not run:
     `{"batch", "max_len", "repeats", "phases_ms", "sum_ms", "round_ms"}`."""
-    from dmtp_jax.decode.round import accept, commit, merge_models, verify_forward
-    from dmtp_jax.decode.sampling import SamplingParams
-
     state = decoder.last_state if state is None else state
     if state is None:
         raise ValueError("no decoder state: run a request first (or pass state)")

@@ -16,10 +16,10 @@ Example:
 from __future__ import annotations
 
 import collections
-
 import json
 
 from dmtp_jax.bench.runner import MethodRun
+from dmtp_jax.decode.auto import describe_verdict
 from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
 from dmtp_jax.errors import InputError
 
@@ -152,7 +152,6 @@ def format_auto(report: dict) -> str:
         >>> print(format_auto(rep))
         auto, batch bucket 1: ar (cached verdict; decode tok/s ar 50.0 (tau 1.00))
     """
-    from dmtp_jax.decode.auto import describe_verdict
     lines = []
     for name, m in report["methods"].items():
         lines += [f"{name}, {describe_verdict(v)}" for v in (m.get("auto") or {}).values()]
@@ -214,6 +213,7 @@ def write_outputs(runs: dict[str, MethodRun], path: str, tokenizer=None) -> None
 def plot_cumulative(report: dict, path: str, title: str | None = None) -> None:
     """PNG of the cumulative acceptance `P(L >= k)` by draft position, one line per method ("method
     (variant)" dashed in its method's colour). Agg backend, no global matplotlib state."""
+    # lazy: matplotlib takes seconds to import and only --plot needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -277,7 +277,7 @@ def plot_backend():
         'FigureCanvasAgg'
     """
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.backends.backend_agg import FigureCanvasAgg     # lazy: seconds to import
     except ImportError:
         raise InputError("--plot needs matplotlib, which is not installed",
                          hint="pip install matplotlib (a dependency of dmtp-jax: pip install -e .)") from None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tqdm import tqdm
+
 from dmtp_jax.bench.workloads import Request, Workload, check_tokenizer, render_prompt
 from dmtp_jax.decode.auto import timed_generate
 from dmtp_jax.decode.batch import RequestError
@@ -69,8 +71,6 @@ def run_method(name: str, decoder, workload: Workload, tokenizer, *, max_new_tok
                batch_size: int = 1, sampling=None, seed: int = 0, stop_ids=(), max_positions: int | None = None,
                retime: bool = True, progress: bool = False) -> MethodRun:
     """Runs one decoder over the workload: its `MethodRun`."""
-    from tqdm import tqdm
-
     if batch_size < 1:
         raise RequestError(f"--batch-size must be >= 1, got {batch_size}")
     check_tokenizer(workload, tokenizer)

@@ -63,7 +63,7 @@ def sibling_data_dir() -> str:
 @contextlib.contextmanager
 def quiet_hub():
     """`datasets` / `huggingface_hub` logging at ERROR, no progress bars, no warnings, restored after."""
-    import datasets
+    import datasets     # optional (the `data` extra); callers checked it imports
     ds_logging = getattr(datasets, "logging", None)
     level = ds_logging.get_verbosity() if ds_logging else None
     hub_logger = logging.getLogger("huggingface_hub")
@@ -89,7 +89,7 @@ def hub_records(source: HubSource) -> list[dict]:
     """The rows of a hub dataset as dicts; `HubUnavailable` (with the reason) when `datasets` is missing
     or the hub does not answer."""
     try:
-        import datasets
+        import datasets     # optional: the `data` extra
     except ImportError:
         raise HubUnavailable("the `datasets` library is not installed") from None
     with quiet_hub():

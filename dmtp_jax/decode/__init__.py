@@ -1,6 +1,10 @@
 """Decoding: plain (`ar`) and speculative methods behind one factory, `make_decoder`."""
 
 from dmtp_jax.options import DECODE_METHODS as METHODS, check_decode_options, method_needs  # noqa: F401
+# the decoders after the names above: modules of this package import `method_needs` from it
+from dmtp_jax.decode.ar import ARDecoder  # noqa: E402
+from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK  # noqa: E402
+from dmtp_jax.decode.spec import SpecDecoder  # noqa: E402
 
 
 def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, block_size: int | None = None,
@@ -16,8 +20,6 @@ def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, bl
     probe (`decode/probe.py`) finds the backend inexact instead of decoding plainly;
     `rounds_per_dispatch`, `prefill_chunk`, `draft_head`: see `SpecDecoder` (`ar` ignores the first
     and last)."""
-    from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK
-
     prefill_chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
     # the options' ranges, as preflight checks them (`dmtp_jax/options.py`); the decoders check
     # what depends on the loaded models (`options.check_models_given`, `options.verify_slots`)
@@ -25,9 +27,7 @@ def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, bl
                          adaptive_threshold=adaptive_threshold, verify=verify,
                          mtp_steps=mtp_steps, block_size=block_size)
     if method == "ar":
-        from dmtp_jax.decode.ar import ARDecoder
         return ARDecoder(target, prefill_chunk=prefill_chunk)
-    from dmtp_jax.decode.spec import SpecDecoder
     return SpecDecoder(target, drafter, method=method, mtp=mtp, fusion=fusion, block_size=block_size,
                        mtp_steps=mtp_steps, verify=verify, strict=strict, adaptive_threshold=adaptive_threshold,
                        rounds_per_dispatch=rounds_per_dispatch, prefill_chunk=prefill_chunk, draft_head=draft_head)

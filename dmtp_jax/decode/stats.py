@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dmtp_jax.decode.auto import describe_verdict
+
 
 def acceptance_stats(acceptance_lengths: list[list[int]], block_size: int) -> dict:
     """Statistics of per-row acceptance-length sequences (see module docstring)."""
@@ -79,7 +81,6 @@ def format_stats(stats: dict) -> str:
         line += "\nconditional acceptance by position: " + " ".join(
             f"{p:.2f}" for p in stats["conditional_acceptance"])
     if "auto" in stats:
-        from dmtp_jax.decode.auto import describe_verdict
         line += "\nauto, " + describe_verdict(stats["auto"])
     probe = stats.get("exactness_probe")
     if probe:

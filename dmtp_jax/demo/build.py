@@ -13,11 +13,21 @@ import json
 import os
 import time
 
+import jax
 import numpy as np
 
-from dmtp_jax.config import check_config_keys
-from dmtp_jax.train.window import WindowBatches, WindowRunConfig, window_run_options
+from dmtp_jax.checkpoint.hf import LoadedModel, abstract_target, save_target
+from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp, mtp_tensors
+from dmtp_jax.config import TargetConfig, check_config_keys
+from dmtp_jax.demo import corpus
+from dmtp_jax.demo.corpus import build_prompts
+from dmtp_jax.demo.pretrain import PretrainStep, Pretrainer
 from dmtp_jax.errors import InputError
+from dmtp_jax.models.mtp import mtp_config_for
+from dmtp_jax.sharding import make_mesh
+from dmtp_jax.train.loop import run_loop
+from dmtp_jax.train.optim import optim_config
+from dmtp_jax.train.window import WindowBatches, WindowRunConfig, window_run_options
 
 
 @dataclasses.dataclass
@@ -79,8 +89,6 @@ class PretrainConfig(WindowRunConfig):
             >>> PretrainConfig(model_type="qwen3_5").target_hf_config(0)["layer_types"][:4]
             ['linear_attention', 'linear_attention', 'linear_attention', 'full_attention']
         """
-        from dmtp_jax.config import TargetConfig
-
         if self.model_type not in ("qwen3", "qwen3_5"):
             raise InputError(f"pretrain model_type must be 'qwen3' or 'qwen3_5', not '{self.model_type}'")
         d = {"model_type": self.model_type, "vocab_size": self.vocab_size,
@@ -116,7 +124,6 @@ def drafter_prompts(train_files: list[str], stream: np.ndarray, tokenizer, num: 
                     seed: int) -> list[dict]:
     """Half docstring prompts of training modules, half random code windows of `window` tokens, as
     `{"input_ids": ...}` records with no supervised token."""
-    from dmtp_jax.demo.corpus import build_prompts
     texts = build_prompts(train_files, num // 2, seed=seed, max_chars=500)
     recs = [{"text": t} for t in texts]
     rng = np.random.default_rng([seed, 1])
@@ -131,9 +138,8 @@ def drafter_prompts(train_files: list[str], stream: np.ndarray, tokenizer, num: 
 
 def prepare_data(cfg: PretrainConfig) -> dict:
     """Builds (or reuses) the tokenizer, token streams and prompt files; returns the manifest."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer     # lazy: transformers imports torch (seconds)
 
-    from dmtp_jax.demo import corpus
 
     p = _paths(cfg)
     if os.path.isfile(p["manifest"]):
@@ -172,9 +178,8 @@ def prepare_data(cfg: PretrainConfig) -> dict:
 def write_extra_prompts(cfg: PretrainConfig, paths: dict) -> None:
     """Where missing, `calibration_prompts.jsonl` and `mtp_prompts.jsonl`, drawn like the drafter
     prompts (training modules only) with other seeds."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer     # lazy: transformers imports torch (seconds)
 
-    from dmtp_jax.demo import corpus
     wanted = [(key, num, cfg.seed + offset) for key, num, offset in
               (("calibration_prompts", cfg.num_calibration_prompts, 1000), ("mtp_prompts", cfg.num_mtp_prompts, 2000))
               if not os.path.isfile(paths[key])]
@@ -192,11 +197,6 @@ def write_extra_prompts(cfg: PretrainConfig, paths: dict) -> None:
 def export_target(cfg: PretrainConfig, params, target_cfg, tokenizer_dir: str) -> str:
     """Writes the HF directory (target + `mtp.*` in `save_dtype`, tokenizer, generation config); returns
     its path."""
-    from dmtp_jax.checkpoint.hf import LoadedModel, abstract_target, save_target
-    from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp, mtp_tensors
-    from dmtp_jax.models.mtp import mtp_config_for
-    from dmtp_jax.sharding import make_mesh
-
     mesh = make_mesh()
     tgd, _ = abstract_target(target_cfg, "float32")
     mgd, _ = abstract_mtp(target_cfg, "float32")
@@ -216,12 +216,6 @@ def run_pretrain(cfg: PretrainConfig) -> dict:
     """Data, training (resumable), evaluation and export: the summary (also
     `<work_dir>/target_run/summary.json`). A run stopped by SIGTERM / SIGINT returns the loop's
     summary with a checkpoint written, without evaluating or exporting."""
-    import jax
-
-    from dmtp_jax.config import TargetConfig
-    from dmtp_jax.demo.pretrain import Pretrainer, PretrainStep
-    from dmtp_jax.train.loop import run_loop
-    from dmtp_jax.train.optim import optim_config
 
     p = _paths(cfg)
     manifest = prepare_data(cfg)

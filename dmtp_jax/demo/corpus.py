@@ -16,6 +16,7 @@ import os
 import sysconfig
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
@@ -92,8 +93,7 @@ def train_tokenizer(texts, out_dir: str, vocab_size: int = 4096, min_frequency: 
         >>> tok.eos_token_id, tok.decode(tok("def f(x):").input_ids)
         (0, 'def f(x):')
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast     # lazy: transformers imports torch (seconds)
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -12,11 +12,19 @@ import dataclasses
 import json
 import os
 
+import jax
 import numpy as np
 
+from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.checkpoint.mtp_ckpt import MTP_PREFIX, has_mtp, load_mtp, mtp_tensors
+from dmtp_jax.checkpoint.safetensors_io import CheckpointReader, SafetensorsFile, write_safetensors
 from dmtp_jax.config import check_config_keys
-from dmtp_jax.train.window import WindowBatches, WindowRunConfig, window_run_options
+from dmtp_jax.demo.pretrain import MtpDistiller
 from dmtp_jax.errors import InputError
+from dmtp_jax.train.data import read_records, token_stream
+from dmtp_jax.train.loop import run_loop
+from dmtp_jax.train.optim import optim_config
+from dmtp_jax.train.window import WindowBatches, WindowRunConfig, window_run_options
 
 CORPUS_HEAD_CARD = """# {name}: the demo target's corpus-only MTP head
 
@@ -59,8 +67,6 @@ class DistilConfig(WindowRunConfig):
 def regen_stream(paths: str | tuple[str, ...], eos_id: int) -> np.ndarray:
     """The tokens of every regen record of `paths` (one file or several), each followed by `eos_id`, as
     one int32 stream."""
-    from dmtp_jax.train.data import read_records, token_stream
-
     paths = (paths,) if isinstance(paths, str) else tuple(paths)
     ids = np.concatenate([token_stream(read_records(path), eos_id) for path in paths])
     if not len(ids):
@@ -70,9 +76,6 @@ def regen_stream(paths: str | tuple[str, ...], eos_id: int) -> np.ndarray:
 
 def keep_corpus_head(target_dir: str, out_dir: str, card: str) -> None:
     """Copies the target's `mtp.*` tensors to `out_dir` unless it already holds a head."""
-    from dmtp_jax.checkpoint.mtp_ckpt import MTP_PREFIX, has_mtp
-    from dmtp_jax.checkpoint.safetensors_io import CheckpointReader, write_safetensors
-
     if os.path.isdir(out_dir) and has_mtp(out_dir):
         return
     reader = CheckpointReader(target_dir)
@@ -87,9 +90,6 @@ def keep_corpus_head(target_dir: str, out_dir: str, card: str) -> None:
 
 def replace_mtp_tensors(target_dir: str, mtp_tensors: dict[str, np.ndarray]) -> None:
     """Rewrites the target's single `model.safetensors` with `mtp.*` replaced (atomic)."""
-    from dmtp_jax.checkpoint.mtp_ckpt import MTP_PREFIX
-    from dmtp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
-
     path = os.path.join(target_dir, "model.safetensors")
     if not os.path.isfile(path):
         raise InputError(f"{target_dir}: distil-mtp writes single-file targets (model.safetensors)")
@@ -102,13 +102,6 @@ def replace_mtp_tensors(target_dir: str, mtp_tensors: dict[str, np.ndarray]) -> 
 def run_distil(cfg: DistilConfig) -> dict:
     """Keeps the corpus head, distils, evaluates both heads and writes the distilled head into the
     target: the summary (also `<run_dir>/summary.json`). A stopped run leaves the target untouched."""
-    import jax
-
-    from dmtp_jax.checkpoint.hf import load_target
-    from dmtp_jax.checkpoint.mtp_ckpt import load_mtp, mtp_tensors
-    from dmtp_jax.demo.pretrain import MtpDistiller
-    from dmtp_jax.train.loop import run_loop
-    from dmtp_jax.train.optim import optim_config
 
     name = os.path.basename(os.path.normpath(cfg.corpus_head_dir))
     keep_corpus_head(cfg.target, cfg.corpus_head_dir, CORPUS_HEAD_CARD.format(name=name, mtp_lambda=cfg.mtp_lambda))

@@ -18,6 +18,7 @@ from typing import Callable
 import jax
 
 from dmtp_jax.errors import UserError
+from dmtp_jax.platform import unrolled_layers
 
 
 @dataclasses.dataclass
@@ -87,7 +88,6 @@ def compile_function(name: str, lower: Callable[[], jax.stages.Lowered], *, min_
     mem = compiled.memory_analysis()
     cost = cost_of(compiled)
     if exact_cost and cost:
-        from dmtp_jax.platform import unrolled_layers
         jax.clear_caches()          # the jit's trace cache would hand back the scanned program
         with unrolled_layers():
             cost = cost_of(compile_or_refuse(name, lower))

@@ -12,9 +12,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
 from dmtp_jax.checkpoint.hf import LoadedModel, abstract_target, place_abstract
+from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
 from dmtp_jax.config import ConfigError, TargetConfig, read_config_json
 from dmtp_jax.decode import method_needs
+from dmtp_jax.models.dflash_config import DFlashConfig, check_fits_target
+from dmtp_jax.models.drafter_shape import DEFAULT_PLAN_BLOCK, default_drafter_config
+from dmtp_jax.models.fusion import T1Fusion
+from dmtp_jax.models.mtp import mtp_config_for
 from dmtp_jax.sharding import replicated
 
 
@@ -58,8 +64,6 @@ def abstract_target_model(path: str, mesh: Mesh, dtype) -> LoadedModel:
 def drafter_config_of(path: str | None, target_cfg: TargetConfig, block_size: int | None):
     """The drafter config of `--draft DIR|CONFIG.json`, or `default_drafter_config` for the target;
     `(DFlashConfig, the stored dmtp_config block or None)`."""
-    from dmtp_jax.models.dflash_config import DFlashConfig, check_fits_target
-    from dmtp_jax.models.drafter_shape import DEFAULT_PLAN_BLOCK, default_drafter_config
     if path is None:
         return default_drafter_config(target_cfg, block_size=block_size or DEFAULT_PLAN_BLOCK), None
     raw = read_config_json(path)
@@ -75,11 +79,6 @@ def plan_models(target_path: str, method: str, mesh: Mesh, dtype, draft_path: st
     """`{"target", and as `method` needs them "drafter", "mtp", "fusion"}`, all abstract. A target whose
     config declares no MTP layer still gets one (Qwen3-Next ships `mtp.*` undeclared);
     `models["mtp"].model_dir is None` then says so."""
-    from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
-    from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
-    from dmtp_jax.models.fusion import T1Fusion
-    from dmtp_jax.models.mtp import mtp_config_for
-
     target = abstract_target_model(target_path, mesh, dtype)
     models = {"target": target}
     needs = method_needs(method)

@@ -18,6 +18,9 @@ import dataclasses
 import os
 import re
 
+import jax
+from jax.experimental import topologies
+
 from dmtp_jax.errors import UserError
 
 GB = 1e9
@@ -104,12 +107,11 @@ device_description_str: "{part.description}"
 def _tpu(name: str) -> Topology:
     chip = name.split(":", 1)[0]
     try:
-        import libtpu  # noqa: F401
+        import libtpu  # noqa: F401     optional: the `plan-tpu` extra
     except ImportError:
         raise TopologyError(f"compiling for '{name}' needs libtpu: pip install -e \".[plan-tpu]\"") from None
     # compile-only: no chip is opened, so several planners (or a planner beside a TPU job) may share libtpu
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from jax.experimental import topologies
     try:
         desc = topologies.get_topology_desc(topology_name=name, platform="tpu")
     except Exception as e:      # libtpu's own message names what is wrong with the shape
@@ -121,11 +123,10 @@ def _tpu(name: str) -> Topology:
 def _gpu(name: str, part_name: str, count: int) -> Topology:
     part = GPU_PARTS[part_name]
     try:
-        import jax_cuda12_plugin  # noqa: F401
+        import jax_cuda12_plugin  # noqa: F401     optional: the `plan-gpu` extra
     except ImportError:
         raise TopologyError(f"compiling for '{name}' needs the CUDA plugin: pip install -e \".[plan-gpu]\"") from None
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    from jax.experimental import topologies
     desc = topologies.get_topology_desc(part_name, "cuda", target_config=gpu_target_config(part),
                                         topology=f"1x1x{count}")
     return Topology(name, "gpu", tuple(desc.devices), part.description, part.memory_bytes, part.bandwidth,
@@ -133,7 +134,6 @@ def _gpu(name: str, part_name: str, count: int) -> Topology:
 
 
 def _cpu(name: str, count: int) -> Topology:
-    import jax
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except Exception:           # the CPU backend already started: use what it has

@@ -19,9 +19,11 @@ import contextlib
 import json
 import logging
 import signal
+import sys
 import time
 import uuid
 
+import uvicorn
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -29,10 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dmtp_jax.errors import RequestError
 from dmtp_jax.serve.engine import Engine
-from dmtp_jax.serve.request import Request
 from dmtp_jax.serve.limits import ApiKeyAuth, BodyLimit, bind_socket, header_timeout_protocol
-from dmtp_jax.serve.protocol import (ApiError, ChatBody, CompletionBody, ServerLimits, check_prompt_chars,
-                                     check_text, error_body, one_prompt, request_of, stops_of)
+from dmtp_jax.serve.protocol import (ApiError, ChatBody, CompletionBody, ServerLimits, check_prompt_chars, check_text,
+                                     error_body, one_prompt, request_of, stops_of)
+from dmtp_jax.serve.request import Request
 from dmtp_jax.serve.scheduler import Scheduler
 from dmtp_jax.serve.text import TextStream, max_token_chars
 
@@ -247,9 +249,6 @@ def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port:
     """Binds `host:port` (or uses the bound `sock`; a port in use is an `InputError`), builds and compiles
     the engine, prints "serving ..." and serves until SIGTERM / Ctrl-C (exit 0: running requests
     finished, or cancelled after 30 s). `infer.py serve` calls it."""
-    import sys
-
-    import uvicorn
 
     sock = sock or bind_socket(host, port)
     port = sock.getsockname()[1]

@@ -15,10 +15,23 @@ import dataclasses
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
 
+from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
+from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
+from dmtp_jax.config import read_config_json
 from dmtp_jax.errors import InputError
+from dmtp_jax.models.fusion import mtp_first_candidate
 from dmtp_jax.options import NEVER_MTP_THRESHOLD
+from dmtp_jax.train.anchors import sample_anchors
+from dmtp_jax.train.data import TokenDataset
+from dmtp_jax.train.features import mtp_hidden, target_features
+from dmtp_jax.train.loss import block_inputs, drafter_block_logits
 
 GRID = tuple(round(0.05 * i, 2) for i in range(21)) + (NEVER_MTP_THRESHOLD,)     # never MTP's T1
 
@@ -39,11 +52,6 @@ class CalibrateConfig:
 def anchor_outcomes(target, mtp, drafter, fusion, tokens_bt, loss_mask_bt, anchors_bn, keep_bn):
     """Per anchor, all `[B, N]`: MTP top-1 probability, and the tokens the round commits in MTP mode and
     in DFlash mode (teacher-forced greedy)."""
-    import jax.numpy as jnp
-
-    from dmtp_jax.models.fusion import mtp_first_candidate
-    from dmtp_jax.train.features import mtp_hidden, target_features
-    from dmtp_jax.train.loss import block_inputs, drafter_block_logits
 
     dcfg = drafter.cfg
     valid_bt = loss_mask_bt >= 0
@@ -93,17 +101,6 @@ def best_threshold(table: list[dict]) -> dict:
 def run_calibrate(cfg: CalibrateConfig) -> dict:
     """Collects anchor outcomes over `cfg.data`, picks the threshold and writes it (and the table, as
     `calibration.json`) into the drafter directory; returns the summary."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from tqdm.auto import tqdm
-
-    from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
-    from dmtp_jax.checkpoint.hf import load_target
-    from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
-    from dmtp_jax.config import read_config_json
-    from dmtp_jax.train.anchors import sample_anchors
-    from dmtp_jax.train.data import TokenDataset
 
     stored = read_config_json(cfg.draft).get("dmtp_config") or {}
     if stored.get("method") != "dmtp-adaptive":

@@ -45,7 +45,7 @@ def read_records(path: str) -> list[Any]:
         raise DataError(f"data file not found: {path}")
     if path.endswith(".parquet"):
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq     # optional: only .parquet files need it
         except ImportError:
             raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
         return pq.read_table(path).to_pylist()
@@ -249,7 +249,7 @@ class TokenDataset:
 def index_pipeline(num_records: int, global_batch: int, seed: int):
     """grain pipeline of global batches of record indices: shuffled anew each epoch, infinite; its
     iterator's `get_state()` / `set_state()` is the data checkpoint."""
-    import grain.python as grain
+    import grain.python as grain     # lazy: seconds to import; readers of records (bench, regen) skip it
     ds = grain.MapDataset.range(num_records).shuffle(seed=seed).repeat(None).batch(global_batch)
     return ds.to_iter_dataset()
 

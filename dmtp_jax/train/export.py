@@ -6,9 +6,15 @@ from __future__ import annotations
 import json
 import os
 
+from dmtp_jax.checkpoint.dflash_ckpt import LoadedDrafter, save_drafter
+from dmtp_jax.checkpoint.dmtp_ckpt import save_dmtp_drafter
+from dmtp_jax.checkpoint.hf import LoadedModel
 from dmtp_jax.errors import InputError
+from dmtp_jax.models.dflash_config import DFlashConfig
+from dmtp_jax.sharding import make_mesh
 from dmtp_jax.train.checkpoints import restore_params
 from dmtp_jax.train.loop import RUN_CONFIG
+from dmtp_jax.train.step import StepConfig, abstract_params
 
 
 def read_run_config(run_dir: str) -> dict:
@@ -22,13 +28,6 @@ def read_run_config(run_dir: str) -> dict:
 def export_run(run_dir: str, out_dir: str, step: int | None = None, dtype: str | None = None) -> dict:
     """Writes the drafter of `run_dir` at `step` (default: latest) to `out_dir` in `dtype` (default
     float32, the master params): `{"step", "out"}`."""
-    from dmtp_jax.checkpoint.dflash_ckpt import LoadedDrafter, save_drafter
-    from dmtp_jax.checkpoint.dmtp_ckpt import save_dmtp_drafter
-    from dmtp_jax.checkpoint.hf import LoadedModel
-    from dmtp_jax.models.dflash_config import DFlashConfig
-    from dmtp_jax.sharding import make_mesh
-    from dmtp_jax.train.step import StepConfig, abstract_params
-
     run = read_run_config(run_dir)
     dcfg = DFlashConfig.from_hf_dict(run["drafter"])
     method, rank = run["train"].get("method", "dflash"), int(run["train"].get("fusion_rank") or 0)

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from dmtp_jax.errors import InputError
 from dmtp_jax.train import resilience
@@ -125,7 +126,6 @@ def run_loop(run: RunOptions, trainer: TrainerInterface, start, batches: BatchSo
     Returns `(state, summary)`: `first_loss`, `last_loss`, `losses`, `records`, `last`, `steps_run`,
     `start_step`, `step`, `compile_count`, `last_checkpoint`, `tokens_per_s` (median, first step left
     out), `train_seconds`, `nonfinite_steps`, `stopped_by` (signal or None), `exit_status`."""
-    from tqdm.auto import tqdm
     mngr, state, meta = resume_or_init(run, trainer, start, batches)
     del start
     begin = int(meta["step"]) if meta else 0

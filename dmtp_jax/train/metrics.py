@@ -35,7 +35,7 @@ class TensorboardLog:
         self.writer = None
         if enabled:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter     # optional: torch + tensorboard
                 self.writer = SummaryWriter(os.path.join(out_dir, "tb"))
             except Exception:   # tensorboard not installed: JSONL only
                 self.writer = None

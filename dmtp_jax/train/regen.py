@@ -12,7 +12,15 @@ import json
 import logging
 import os
 
+from tqdm.auto import tqdm
+
+from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
+from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.decode import make_decoder
+from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.errors import DataError, InputError
+from dmtp_jax.sharding import make_mesh
+from dmtp_jax.tokenizer import load_tokenizer, stop_token_ids
 from dmtp_jax.train.data import MalformedRecord, parse_record, read_records
 
 log = logging.getLogger(__name__)
@@ -90,14 +98,6 @@ def done_indices(out_path: str) -> set[int]:
 
 def run_regen(cfg: RegenConfig) -> dict:
     """Answers every not-yet-answered prompt: `{"written", "skipped_done", "malformed"}`."""
-    from tqdm.auto import tqdm
-
-    from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
-    from dmtp_jax.checkpoint.hf import load_target
-    from dmtp_jax.decode import make_decoder
-    from dmtp_jax.decode.sampling import SamplingParams
-    from dmtp_jax.sharding import make_mesh
-    from dmtp_jax.tokenizer import load_tokenizer, stop_token_ids
 
     for name in ("target", "data", "out"):
         if not getattr(cfg, name):

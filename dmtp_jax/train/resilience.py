@@ -28,9 +28,15 @@ import os
 import re
 import shutil
 import signal
+import sys
 import threading
 import time
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from dmtp_jax.checkpoint.safetensors_io import CheckpointError
 from dmtp_jax.errors import TrainingStopped
 
 log = logging.getLogger(__name__)
@@ -87,11 +93,8 @@ class StopSignals:
 
 def agreed(flag: bool) -> bool:
     """`flag` of any process (an all-gather with several processes), so all stop at the same step."""
-    import jax
     if jax.process_count() == 1:
         return flag
-    import numpy as np
-    from jax.experimental import multihost_utils
     return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
 
 
@@ -200,12 +203,10 @@ class DropTracebacks:
         return getattr(self._real, name)
 
     def __enter__(self):
-        import sys
         self._real, sys.stderr = sys.stderr, self
         return self
 
     def __exit__(self, *exc):
-        import sys
         sys.stderr = self._real
         for held in self._held.values():
             self._real.write(held)
@@ -271,7 +272,6 @@ def restore_latest_good(steps, restore, quarantine):
         >>> restore_latest_good([1, 2], lambda s: {"s": s}, print)
         (2, {'s': 2})
     """
-    from dmtp_jax.checkpoint.safetensors_io import CheckpointError
     failed = []
     for step in sorted(steps, reverse=True):
         try:

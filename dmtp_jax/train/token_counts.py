@@ -13,13 +13,17 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from tqdm.auto import tqdm
 
+from dmtp_jax.checkpoint.draft_head_ckpt import TOKEN_COUNTS
+from dmtp_jax.config import load_target_config
 from dmtp_jax.errors import InputError
+from dmtp_jax.tokenizer import load_tokenizer
+from dmtp_jax.train.data import TokenDataset
 
 
 def count_tokens(dataset, vocab: int, progress: bool = False) -> np.ndarray:
     """`int64 [vocab]`: how often each id is a loss-masked token of `dataset`'s rows."""
-    from tqdm.auto import tqdm
     counts = np.zeros(vocab, np.int64)
     for index in tqdm(range(len(dataset)), disable=not progress, unit="rec", desc="counting tokens"):
         tokens, mask, malformed = dataset.encode(index)
@@ -31,11 +35,6 @@ def count_tokens(dataset, vocab: int, progress: bool = False) -> np.ndarray:
 def write_token_counts(target: str, data: str, out: str, seq_len: int = 4096, progress: bool = True) -> dict:
     """Counts the supervised tokens of `data` with `target`'s tokenizer and writes them atomically to
     `out` (a directory: `out/token_counts.npy`; else the file); returns a summary."""
-    from dmtp_jax.config import load_target_config
-    from dmtp_jax.checkpoint.draft_head_ckpt import TOKEN_COUNTS
-    from dmtp_jax.tokenizer import load_tokenizer
-    from dmtp_jax.train.data import TokenDataset
-
     if seq_len < 1:
         raise InputError(f"--seq-len must be >= 1, got {seq_len}")
     vocab = load_target_config(target).vocab_size
