@@ -28,7 +28,7 @@ def tiny_target_config(vocab_size: int = 320, eos_id: int = 256) -> TargetConfig
 def save_byte_tokenizer(out_dir: str) -> int:
     """Writes a byte-level tokenizer (256 byte tokens + `<|endoftext|>`) that AutoTokenizer loads;
     returns the EOS id."""
-    from transformers import PreTrainedTokenizerFast   # lazy: transformers imports torch (seconds); only on the first build
+    from transformers import PreTrainedTokenizerFast   # lazy: imports torch (seconds); only on the first build
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}

@@ -84,7 +84,7 @@ def load_tokenizer(model_dir: str, plain: bool = False):
         tok = plain_tokenizer(model_dir)
         if tok is not None:
             return tok
-    from transformers import AutoTokenizer     # lazy: transformers imports torch (seconds), the CLI's plain path skips it
+    from transformers import AutoTokenizer     # lazy: imports torch (seconds); the plain path skips it
     return AutoTokenizer.from_pretrained(model_dir)
 
 
