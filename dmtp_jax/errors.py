@@ -1,14 +1,9 @@
 """Our own error types: the only exceptions the CLIs print as one `error:` line (exit status 2).
-
 Bad input derives from `UserError` (most also from `ValueError`); any other exception keeps its
-traceback. `str(error)` is the line; `error.hint` (optional) one more, printed as `hint: ...`. This
-module imports nothing from the project.
+traceback. `str(error)` is the line, `error.hint` an optional second. Imports nothing of ours.
 
 Example:
-    >>> try:
-    ...     raise UserError("--steps must be >= 1, got 0", hint="e.g. --steps 100")
-    ... except UserError as e:
-    ...     print(format_user_error(e))
+    >>> print(format_user_error(UserError("--steps must be >= 1, got 0", hint="e.g. --steps 100")))
     error: --steps must be >= 1, got 0
     hint: e.g. --steps 100
 """

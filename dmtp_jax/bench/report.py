@@ -1,17 +1,9 @@
 """The benchmark report: pooled statistics per method, the paper-style table, the JSON and the PNG.
 
-Acceptance statistics are pooled over the workload (`decode.stats.acceptance_stats`; every
-generation is one request). Plain decoding counts as a block of size 1 (acceptance lengths 1.0,
-first-candidate acceptance 0.0, empty conditional lists). `mean_round_s`: decode time per round of
-the whole batch. `tokens_per_second`: new tokens / wall time of the timed calls (prefill in,
-compiles out); `decode_tokens_per_second`: the engines' decode timer; speedups are over `ar` (null
-without it). JSON: `{"methods": {name: summary}, "config": {...}}`.
-
-Example:
-    >>> rep = build_report({"ar": MethodRun("ar", new_tokens=10, wall_s=1.0)}, {"workload": "x"})
-    >>> rep["methods"]["ar"]["per_verify_acceptance_length"], rep["methods"]["ar"]["speedup_vs_ar"]
-    (1.0, 1.0)
-"""
+Acceptance statistics are pooled over the workload (`decode.stats.acceptance_stats`); plain
+decoding counts as a block of size 1. `tokens_per_second`: new tokens / wall time of the timed
+calls (prefill in, compiles out); `decode_tokens_per_second`: the engines' decode timer; speedups
+are over `ar` (null without it). JSON: `{"methods": {name: summary}, "config": {...}}`."""
 
 from __future__ import annotations
 

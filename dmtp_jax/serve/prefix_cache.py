@@ -1,20 +1,13 @@
 """An exact prefix cache for the serving engine: 1-row decode states keyed by the tokens they hold.
 
-A snapshot is the engine's whole 1-row state (target K/V, DeltaNet states, MTP and drafter caches,
-length / pending token / MTP hidden) with `L` tokens consumed and token `L` pending; its key is
-those `L + 1` tokens (their length and hash, ids compared on a hit). Snapshots are offered after a
-prefill, at a finish that ends exactly at the text, and once before a speculative round that may
-reach a row's budget (`before_round`). A prompt of `p` tokens reuses the longest match:
-
-    resume    a key that is a prefix of the prompt with `L + 1 <= p`: a copy of the state runs the
-              decoder's prefill from position `L` (at least the pending token re-runs); greedy
-              tokens equal a full prefill's, sampled first tokens are drawn as it draws them
-    repeat    greedy only: a key equal to the prompt plus one token: that token is the greedy
-              pick and the state is used as is
-
-DeltaNet states exist only where produced, so there is no partial match inside a key. Snapshots
-stay on the device, counted by `nbytes` against the budget, least recently used evicted first.
-Behaviour and metrics: docs/serving.md#prefix-cache.
+A snapshot is the engine's whole 1-row state with `L` tokens consumed and token `L` pending, keyed
+by those `L + 1` tokens; it is offered after a prefill, at a finish that ends exactly at the text,
+and once before a speculative round that may reach a row's budget. A prompt reuses the longest
+match: resume (a key that is a prefix of the prompt, `L + 1 <= p`: the decoder's prefill runs from
+position `L` on a copy, re-running at least the pending token) or, greedy only, repeat (a key equal
+to the prompt plus one token: the state is used as is). DeltaNet states exist only where produced,
+so there is no partial match inside a key. Snapshots stay on the device under a byte budget, least
+recently used evicted first. Outputs equal a full prefill's (docs/serving.md#prefix-cache).
 
 Example:
     >>> cache = PrefixCache(1 << 20)

@@ -1,15 +1,7 @@
-"""What keeps a training run whole: preemption signals, checkpoints cut off mid-write, non-finite
-losses, a full disk, and a metrics file holding every step once (behaviour:
-docs/training.md#interruptions).
-
-* `StopSignals`: SIGTERM / SIGINT ask the loop to stop after the step; a second one stops at once.
-* `cut_off_saves` / `restore_latest_good`: resume from the newest checkpoint that restores,
-  warning about cut-off saves; unreadable ones move to `<run>/corrupt_checkpoints/` once an older
-  one restored.
-* `NonFiniteGuard`: counts skipped non-finite steps, stops after `limit` in a row.
-* `disk_full` / `disk_full_error`: a full disk becomes one `TrainingStopped` line.
-* `append_metrics` / `truncate_metrics`: one JSON line per step, written before that step's
-  checkpoint; on resume later lines are dropped.
+"""What keeps a training run whole (docs/training.md#interruptions): stop signals (`StopSignals`),
+checkpoints cut off mid-write or unreadable (`cut_off_saves`, `restore_latest_good`), non-finite
+steps (`NonFiniteGuard`), a full disk (`disk_full`), and a metrics file holding every step once
+(`append_metrics`, `truncate_metrics`).
 
 Example:
     >>> guard = NonFiniteGuard(limit=2)
