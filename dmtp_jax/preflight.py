@@ -49,7 +49,8 @@ def check_decode_options(mtp_steps: int | None, block_size: int | None, max_new_
 
 def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | None,
                         demo_drafters: bool = False) -> None:
-    """Every model directory the methods need exists (and an MTP head is in the safetensors).
+    """Every model directory the methods need exists (and an MTP head is in the safetensors); a
+    draft model (`--method draft-model --draft DIR`) is a target config of the target's vocabulary.
 
     `demo_drafters`: the shipped demo supplies the drafters when `--draft` is not given.
 
@@ -68,6 +69,10 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
     for method, need in zip(methods, needs):
         if need["drafter"] and not draft and not demo_drafters:
             raise options.missing_model_error(method, "drafter")
+        if need["draft_model"]:
+            if not draft:
+                raise options.missing_model_error(method, "draft_model")
+            options.check_draft_vocab(target_config(target_dir).vocab_size, target_config(draft).vocab_size, draft)
     if any(n["mtp"] for n in needs):
         from dmtp_jax.checkpoint.mtp_ckpt import MissingMtpError, has_mtp
         mtp_dir = mtp or target_dir

@@ -11,7 +11,7 @@ from dmtp_jax.options import DECODE_METHODS as METHODS, check_decode_options, me
 def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, block_size: int | None = None,
                  mtp_steps: int = 4, verify: str = "rejection", strict: bool = False,
                  adaptive_threshold: float | None = None, rounds_per_dispatch: int = 1,
-                 prefill_chunk: int | None = None, draft_head=None):
+                 prefill_chunk: int | None = None, draft_head=None, draft_model=None):
     """The decoder for `method` in `METHODS`; every decoder has `.generate(...)` -> GenerationResult
     and `.compile_counts()`. `drafter` is a `LoadedDrafter` (dflash, dmtp*), `mtp` the native MTP
     head (`checkpoint.mtp_ckpt.load_mtp`; mtp, dmtp*), `fusion` the DMTP fusion
@@ -27,7 +27,8 @@ def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, bl
     `prefill_chunk` (default `decode.prefill.DEFAULT_PREFILL_CHUNK`): prompts longer than this many
     tokens are prefilled in chunks of it, bounding the prefill's activations (`decode/prefill.py`).
     `draft_head`: the drafting side's efficient or int8 LM head (`checkpoint/draft_head_ckpt.py:make_draft_head`;
-    None: the full head; `ar` ignores it)."""
+    None: the full head; `ar` ignores it). `draft_model`: draft-model's smaller target of the same
+    vocabulary (`checkpoint.hf.load_target`)."""
     from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK
 
     prefill_chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
@@ -42,4 +43,5 @@ def make_decoder(method: str, target, drafter=None, *, mtp=None, fusion=None, bl
     from dmtp_jax.decode.spec import SpecDecoder
     return SpecDecoder(target, drafter, method=method, mtp=mtp, fusion=fusion, block_size=block_size,
                        mtp_steps=mtp_steps, verify=verify, strict=strict, adaptive_threshold=adaptive_threshold,
-                       rounds_per_dispatch=rounds_per_dispatch, prefill_chunk=prefill_chunk, draft_head=draft_head)
+                       rounds_per_dispatch=rounds_per_dispatch, prefill_chunk=prefill_chunk, draft_head=draft_head,
+                       draft_model=draft_model)

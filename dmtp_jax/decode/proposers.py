@@ -13,6 +13,8 @@ two apart (`bench/phases.py`) with the very functions the round runs.
 | `dflash`         | `DFlashProposer`   | -                    | DFlash block `[A, MASK..]` (DFlash2: selector)   |
 | `dmtp`, `dmtp-*` | `DmtpProposer`     | MTP                  | DFlash block, MTP's T1 fused in (`fusion.py`)    |
 | `dmtp-adaptive`  | `AdaptiveProposer` | MTP, where confident | one pass: `dmtp`'s block or DFlash's, per row    |
+| `lookup`         | `LookupProposer`   | -                    | the row's longest recent n-gram match (`lookup.py`)|
+| `draft-model`    | `DraftModelProposer` | -                  | a smaller target chained (`draft_model.py`)      |
 
 Every vocabulary projection a proposer makes goes through the drafting side's head
 (`RoundModels.draft_logits`, `mtp_first_candidate(..., models.draft_head)`: the full LM head or the
@@ -24,7 +26,7 @@ new drafting method is a new proposer in `PROPOSERS`. Knobs a proposer reads at 
 
 Example:
     >>> make_proposer("dmtp", slots=8, context_window=4096).needs
-    {'drafter': True, 'mtp': True, 'fusion': True}
+    {'drafter': True, 'mtp': True, 'fusion': True, 'draft_model': False}
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dmtp_jax.decode.draft_model import draft_chain
+from dmtp_jax.decode.lookup import lookup_drafts
 from dmtp_jax.decode.round import Proposal, RoundModels, SpecState, context_window
 from dmtp_jax.decode.sampling import filtered_probs, sample_from_probs
 from dmtp_jax.decode.verify import candidate_probs_to_dense
@@ -229,6 +233,27 @@ class AdaptiveProposer(DmtpProposer):
         return Proposal(drafts, q, state.mtp_cache, from_mtp)
 
 
+class LookupProposer(Proposer):
+    """`lookup`: prompt lookup over the state's token buffer (`decode/lookup.py`), no model; sampled,
+    its proposal probabilities are one-hot (the drafts are deterministic given the history)."""
+
+    def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
+        drafts = lookup_drafts(state.tokens_bs, state.lengths_b, self.slots - 1)
+        q = None if greedy else jax.nn.one_hot(drafts, models.target.cfg.vocab_size, dtype=jnp.float32)
+        return Proposal(drafts, q, state.mtp_cache, jnp.zeros(state.pending_b.shape, bool))
+
+
+class DraftModelProposer(Proposer):
+    """`draft-model`: a smaller target of the same vocabulary chained `slots - 1` steps through its
+    own cache (`decode/draft_model.py`; `round.commit` rolls that cache back to the accepted prefix)."""
+
+    def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
+        keys = self._keys(key)
+        drafts, q, cache = draft_chain(models.draft_model, state.draft_cache, state.pending_b, state.lengths_b,
+                                       self.slots - 1, lambda logits, j: pick(logits, sp, keys[j], greedy))
+        return Proposal(drafts, q, state.mtp_cache, jnp.zeros(state.pending_b.shape, bool), cache)
+
+
 class PlainProposer(Proposer):
     """`ar` on a speculative state: no drafts (one verify slot), so the round is a plain target step
     that still advances the MTP and writes the drafter's context (`round.commit`): a state that
@@ -242,7 +267,8 @@ class PlainProposer(Proposer):
 
 # proposer kind (`methods.Method.proposer`) -> class
 PROPOSERS: dict[str, type[Proposer]] = {"dflash": DFlashProposer, "mtp-chain": MtpChainProposer, "dmtp": DmtpProposer,
-                                        ADAPTIVE: AdaptiveProposer}
+                                        ADAPTIVE: AdaptiveProposer, "lookup": LookupProposer,
+                                        "draft-model": DraftModelProposer}
 
 
 def make_proposer(method: str, slots: int, context_window: int = 4096) -> Proposer:

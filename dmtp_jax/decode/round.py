@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dmtp_jax.decode.caches import target_cache_shardings
+from dmtp_jax.decode.draft_model import commit_draft_cache, prefill_draft_cache
 from dmtp_jax.decode.prefill import target_chunk
 from dmtp_jax.decode.sampling import filtered_probs
 from dmtp_jax.decode.verify import verify_block, verify_greedy, verify_rejection, verify_target_only
@@ -48,6 +49,8 @@ class SpecState:
     mtp_h_bh: jax.Array | None  # MTP pre-norm hidden that predicts the next T1
     lengths_b: jax.Array        # committed tokens in the target KV == position of the pending token
     pending_b: jax.Array        # last committed token (A), not yet run by the target
+    tokens_bs: jax.Array | None = None          # the row's tokens at slot == position, A at L (int32)
+    draft_cache: TargetCache | None = None      # a draft model's own cache (`decode/draft_model.py`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,7 @@ class RoundModels:
     mtp: nnx.Module | None = None
     fusion: nnx.Module | None = None
     draft_head: nnx.Module | None = None
+    draft_model: nnx.Module | None = None
 
     def draft_logits(self, hidden: jax.Array) -> jax.Array:
         """The drafting side's fp32 logits of post-norm hidden states (`draft_head.draft_scores`)."""
@@ -71,8 +75,8 @@ class RoundModels:
 
 
 def merge_models(graphdefs, states) -> RoundModels:
-    """`RoundModels` from `(target, drafter, mtp, fusion, draft_head)` graphdefs and their states
-    (inside jit).
+    """`RoundModels` from `(target, drafter, mtp, fusion, draft_head, draft_model)` graphdefs and their
+    states (inside jit; a shorter tuple leaves the rest None).
 
     Example:
         >>> models = merge_models((target.graphdef, None, None, None, None),
@@ -85,12 +89,13 @@ def merge_models(graphdefs, states) -> RoundModels:
 @dataclasses.dataclass
 class Proposal:
     """What a proposer drafts: tokens, their probabilities when sampling (`None` when greedy), the
-    MTP cache (a chained MTP writes speculative rows into it) and whose first candidate each row
-    verifies (`True`: MTP's)."""
+    MTP cache (a chained MTP writes speculative rows into it), whose first candidate each row
+    verifies (`True`: MTP's) and a draft model's cache after its chain."""
     drafts_bn: jax.Array
     q_bnv: jax.Array | None
     mtp_cache: KVCache | None
     t1_from_mtp_b: jax.Array
+    draft_cache: TargetCache | None = None      # a draft model's cache after its chain (None: the state's)
 
 
 @jax.tree_util.register_dataclass
@@ -114,6 +119,22 @@ def gather_rows(x_bt_: jax.Array, index_b: jax.Array) -> jax.Array:
         [2, 3]
     """
     return jnp.take_along_axis(x_bt_, index_b.reshape((-1,) + (1,) * (x_bt_.ndim - 1)), axis=1)[:, 0]
+
+
+def write_tokens(tokens_bs: jax.Array | None, new_bt: jax.Array, positions_bt: jax.Array, valid_bt: jax.Array):
+    """The token buffer with `new_bt` written at `positions_bt` where `valid_bt` (the rest dropped);
+    None stays None.
+
+    Example:
+        >>> write_tokens(jnp.zeros((1, 4), jnp.int32), jnp.array([[5, 6]]), jnp.array([[1, 2]]),
+        ...              jnp.array([[True, False]])).tolist()
+        [[0, 5, 0, 0]]
+    """
+    if tokens_bs is None:
+        return None
+    s = tokens_bs.shape[1]
+    rows = jnp.broadcast_to(jnp.arange(tokens_bs.shape[0])[:, None], positions_bt.shape)
+    return tokens_bs.at[rows, jnp.where(valid_bt, positions_bt, s)].set(new_bt.astype(tokens_bs.dtype), mode="drop")
 
 
 def write_all_layers(cache_lbskd: jax.Array, new_lbtkd: jax.Array, positions_bt: jax.Array) -> jax.Array:
@@ -153,7 +174,8 @@ def state_shardings(mesh, st: SpecState) -> SpecState:
     rep = replicated(mesh)
     kv = lambda c: None if c is None else KVCache(*(kv_cache_sharding(mesh, c.k_lbskd.shape),) * 2)  # noqa: E731
     return SpecState(target_cache_shardings(mesh, st.target_cache), kv(st.ctx_cache), kv(st.mtp_cache),
-                     None if st.mtp_h_bh is None else rep, rep, rep)
+                     None if st.mtp_h_bh is None else rep, rep, rep, None if st.tokens_bs is None else rep,
+                     None if st.draft_cache is None else target_cache_shardings(mesh, st.draft_cache))
 
 
 def constrain_state(mesh, st: SpecState) -> SpecState:
@@ -259,7 +281,8 @@ def commit(models: RoundModels, state: SpecState, proposal: Proposal, fwd: Verif
     """The next state and the round's tokens `[B, n]` (a row committed `tokens[:accepted + 1]`, the
     bonus at `accepted`): L += accepted + 1 for active rows; the target keeps the accepted prefix
     (`target.commit`: K/V past L are never read, DeltaNet states advance over the kept tokens only);
-    `mtp_advance`; `write_context`. Finished (inactive) rows keep their state.
+    `mtp_advance`; `write_context`; a draft model keeps the same prefix (`commit_draft_cache`); the
+    token buffer takes the committed tokens. Finished (inactive) rows keep their state.
 
     Example:
         >>> state, tokens_bn = commit(models, state, proposal, fwd, acc, bonus, active_b)  # doctest: +SKIP
@@ -273,9 +296,16 @@ def commit(models: RoundModels, state: SpecState, proposal: Proposal, fwd: Verif
     drafts = proposal.drafts_bn         # [B, n-1]; n = 1 (no drafts) is a plain step
     slot = jnp.arange(drafts.shape[1] + 1)[None]
     tokens = jnp.where(slot < acc_b[:, None], jnp.concatenate([drafts, bonus_b[:, None]], axis=1), bonus_b[:, None])
-    target_cache = target.commit(fwd.out.cache, fwd.out.pending, jnp.where(active_b, acc_b + 1, 0))
+    keep_b = jnp.where(active_b, acc_b + 1, 0)
+    target_cache = target.commit(fwd.out.cache, fwd.out.pending, keep_b)
+    draft_cache = state.draft_cache
+    if models.draft_model is not None:
+        start = state.draft_cache if proposal.draft_cache is None else proposal.draft_cache
+        draft_cache = commit_draft_cache(models.draft_model, start, fwd.tokens_bn, fwd.positions_bn, keep_b)
+    history = write_tokens(state.tokens_bs, tokens, fwd.positions_bn + 1, (slot <= acc_b[:, None]) & active_b[:, None])
     lengths = jnp.where(active_b, state.lengths_b + acc_b + 1, state.lengths_b)
-    new = SpecState(target_cache, ctx, mtp_cache, mtp_h, lengths, jnp.where(active_b, bonus_b, state.pending_b))
+    new = SpecState(target_cache, ctx, mtp_cache, mtp_h, lengths, jnp.where(active_b, bonus_b, state.pending_b),
+                    history, draft_cache)
     return new, tokens
 
 
@@ -302,7 +332,8 @@ def spec_round(proposer, verify_mode: str, models: RoundModels, state: SpecState
 def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state: SpecState, sp, key,
                  greedy: bool = False) -> SpecState:
     """One prefill chunk (`decode/prefill.py`) through the target (K/V, DeltaNet states, context
-    features) and the MTP; the first token is picked in the chunk that ends a row's prompt.
+    features), the MTP and a draft model, the chunk's tokens into the token buffer; the first token
+    is picked in the chunk that ends a row's prompt (and written at the row's length).
 
     MTP row i pairs h_i with x_{i+1} at position i+1: the next prompt token, `next_b` (the token
     after the chunk) for the chunk's last row, and the first new token for a row's last prompt
@@ -326,4 +357,9 @@ def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state
         mtp_h = jnp.where(res.ends_b[:, None], gather_rows(h, res.last_b), state.mtp_h_bh)
     if drafter is not None:      # MTP row i (h_i, x_{i+1}) is aligned with context position i
         ctx = write_context(drafter, models.fusion, state.ctx_cache, out.captured, positions, h)
-    return SpecState(out.cache, ctx, mtp_cache, mtp_h, lengths_b.astype(jnp.int32), first)
+    draft_cache = state.draft_cache
+    if models.draft_model is not None:
+        draft_cache = prefill_draft_cache(models.draft_model, draft_cache, tokens_bt, positions, lengths_b)
+    history = write_tokens(state.tokens_bs, tokens_bt, positions, positions < lengths_b[:, None])
+    history = write_tokens(history, first[:, None], lengths_b[:, None], res.ends_b[:, None])
+    return SpecState(out.cache, ctx, mtp_cache, mtp_h, lengths_b.astype(jnp.int32), first, history, draft_cache)
