@@ -1,6 +1,6 @@
 """Prompt lookup (`--method lookup`) and a full-model drafter (`--method draft-model`): greedy output
 equals `ar` for every row on a Qwen3 and a hybrid Qwen3.5 target, one compile per bucket, sampled
-draft-model and lookup reproduce the target's distribution, a drafter of another vocabulary is refused
+draft-model reproduces the target's distribution (lookup's proposal probabilities are one-hot), a drafter of another vocabulary is refused
 before any load, and the n-gram lookup itself picks the longest, latest match.
 
 The draft models are smaller targets cut from the target itself (some layers kept, every weight
@@ -21,6 +21,7 @@ from dmtp_jax.decode.lookup import lookup_drafts
 from dmtp_jax.decode.sampling import SamplingParams
 
 PROMPTS = [[5, 9, 31, 4, 77, 2, 18, 5, 9, 31], [3], [100, 101, 7, 66, 12, 9, 43, 8, 8, 1, 60, 21, 94], [42, 17]]
+SLOTS = 4
 KEEP_LAYERS = {"qwen3": [0], "qwen3_5": [0, 3]}     # the draft model's layers (hybrid: one DeltaNet + attention)
 
 
@@ -57,8 +58,9 @@ def models(request, tmp_path_factory):
     src = request.getfixturevalue("tiny_qwen3_dir" if request.param == "qwen3" else "tiny_qwen3_5_dir")
     draft_dir = smaller_draft(src, str(tmp_path_factory.mktemp("draft") / "d"), KEEP_LAYERS[request.param])
     target, draft = load_target(src), load_target(draft_dir)
-    decoders = {"ar": make_decoder("ar", target), "lookup": make_decoder("lookup", target),
-                "draft-model": make_decoder("draft-model", target, draft_model=draft)}
+    # one block size for both: one exactness probe per target (memoized by target and width)
+    decoders = {"ar": make_decoder("ar", target), "lookup": make_decoder("lookup", target, block_size=SLOTS),
+                "draft-model": make_decoder("draft-model", target, draft_model=draft, block_size=SLOTS)}
     return target, draft, decoders
 
 
@@ -90,17 +92,28 @@ def test_finished_rows_do_no_harm(models):
             assert got[row] == free[row][:cut], (method, row)
 
 
-@pytest.mark.parametrize("method", ["draft-model", "lookup"])
-def test_sampled_decoding_reproduces_target_distribution(method, tiny_qwen3_dir, tmp_path_factory):
-    """Chi-square of 4096 sampled 3-token continuations against the exact target joint (lookup: a
-    prompt that repeats, so its one-hot proposals are accepted now and then)."""
-    target = load_target(tiny_qwen3_dir)
-    if method == "lookup":
-        dec, prompt = make_decoder("lookup", target, block_size=4), [7, 7, 7, 7, 7, 7]
-    else:
-        draft = load_target(smaller_draft(tiny_qwen3_dir, str(tmp_path_factory.mktemp("sdraft") / "d"), [0, 1]))
-        dec, prompt = make_decoder("draft-model", target, draft_model=draft, block_size=4), PROMPTS[0]
-    assert_matches_target_joint(dec, target, prompt, SamplingParams.make(temperature=1.0, top_k=3))
+def test_sampled_draft_model_reproduces_target_distribution(peaked_target_dir, tmp_path_factory):
+    """Chi-square of 4096 sampled 3-token continuations against the exact target joint."""
+    target = load_target(peaked_target_dir)
+    draft = load_target(smaller_draft(peaked_target_dir, str(tmp_path_factory.mktemp("sdraft") / "d"), [0]))
+    assert_matches_target_joint(make_decoder("draft-model", target, draft_model=draft, block_size=SLOTS), target,
+                                PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
+
+
+def test_lookup_proposes_one_hot_probabilities():
+    """Sampled lookup is lossless by the verifier's rule when q is the one-hot of its drafts."""
+    import jax
+    import jax.numpy as jnp
+    from types import SimpleNamespace
+    from dmtp_jax.decode.proposers import RoundKnobs, make_proposer
+    from dmtp_jax.decode.round import RoundModels
+    tokens = jnp.array([[3, 4, 5, 3, 4, 0, 0, 0, 0]])
+    state = SimpleNamespace(tokens_bs=tokens, lengths_b=jnp.array([4]), pending_b=jnp.array([4]), mtp_cache=None)
+    models = RoundModels(SimpleNamespace(cfg=SimpleNamespace(vocab_size=8)))
+    prop = make_proposer("lookup", SLOTS).propose(models, state, None, jax.random.key(0), False, None,
+                                                  RoundKnobs.make())
+    assert prop.drafts_bn.tolist() == [[5, 3, 4]]
+    assert prop.q_bnv.tolist() == jax.nn.one_hot(prop.drafts_bn, 8).tolist()
 
 
 def test_lookup_picks_the_longest_then_latest_match():
