@@ -560,9 +560,12 @@ def default_method(args) -> str:
         'ar'
     """
     from dmtp_jax.config import read_config_json
+    from dmtp_jax.preflight import draft_is_target
     if args.draft:
         try:
             stored = read_config_json(args.draft).get("dmtp_config") or {}
+            if draft_is_target(args.draft):
+                return "draft-model"
         except Exception:       # noqa: BLE001 -- a missing / bad directory is preflight's error to report
             stored = {}
         return stored.get("method") or "dflash"

@@ -56,7 +56,7 @@ class RoundBank:
     """Jitted prefill, rounds (`round[method]`) and K-round dispatches (`multi_round(method, K)`, built
     on first use) over one set of models, and the state they share (see the module docstring).
 
-    `models`: `(target, drafter, mtp, fusion, draft_head)` `LoadedModel`s, None where absent;
+    `models`: `(target, drafter, mtp, fusion, draft_head, draft_model)` `LoadedModel`s, None where absent;
     `slots`: `{method: verify slots}` (`ar`: 1); `knobs`: the proposers' `RoundKnobs`;
     `rounds_per_dispatch`: the decoder's K (the engine's default).
     """
@@ -89,14 +89,14 @@ class RoundBank:
     @classmethod
     def for_decoder(cls, decoder, candidates: dict | None = None, switching: bool = False) -> "RoundBank":
         """The bank of a decoder: an `ARDecoder` runs `ar` on the target alone; a `SpecDecoder` its
-        method, and with `switching` also `ar` and (with an MTP head) `mtp`, whose slots come from
-        `candidates`' mtp decoder when there is one."""
+        method, and with `switching` also `ar`, (with an MTP head) `mtp`, whose slots come from
+        `candidates`' mtp decoder when there is one, and `lookup` when it is a candidate."""
         k = getattr(decoder, "rounds_per_dispatch", 1)
         if isinstance(decoder, ARDecoder):
-            return cls((decoder.target, None, None, None, None), {"ar": 1}, prefill_chunk=decoder.prefill_chunk,
+            return cls((decoder.target, None, None, None, None, None), {"ar": 1}, prefill_chunk=decoder.prefill_chunk,
                        rounds_per_dispatch=k)
         models = _used(decoder.proposer, decoder.target, decoder.drafter, decoder.mtp, decoder.fusion,
-                       decoder.draft_head)
+                       decoder.draft_head, decoder.draft_model)
         slots = {decoder.method: decoder.slots}
         if switching:
             slots = {"ar": 1, **slots}
@@ -105,6 +105,8 @@ class RoundBank:
                 slots["mtp"] = (mtp.slots if mtp is not None else
                                 verify_slots("mtp", mtp_steps=DEFAULT_MTP_STEPS, block_size=None,
                                              drafter_block_size=None))
+            if "lookup" in (candidates or {}) and "lookup" not in slots:     # needs no model: the token buffer
+                slots["lookup"] = candidates["lookup"].slots
         return cls(models, slots, verify_mode=decoder.verify_mode, context_window=decoder.context_window,
                    rounds_per_dispatch=k, prefill_chunk=decoder.prefill_chunk,
                    knobs=decoder.knobs())
@@ -122,7 +124,7 @@ class RoundBank:
 
     def new_state(self, rows: int, max_len: int):
         """A zero state of `rows` rows with every cache of the bank's models."""
-        return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len)
+        return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len, self.models[5])
 
     def run(self, method: str, state, active_b, limits_b, sp, base_key, first_round: int, greedy: bool,
             rounds: int = 1, stop_ids=()):
