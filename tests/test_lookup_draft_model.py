@@ -92,6 +92,22 @@ def test_finished_rows_do_no_harm(models):
             assert got[row] == free[row][:cut], (method, row)
 
 
+def test_server_engine_switches_between_them_on_one_state(models):
+    """`serve --method auto` over ar, lookup and draft-model: one state (token buffer, draft-model
+    cache) for the three rounds, switched live; every request gets `generate`'s tokens."""
+    from dmtp_jax.decode.auto import AutoDecoder, VerdictStore
+    from dmtp_jax.serve.engine import Engine, Request
+    _, _, decoders = models
+    engine = Engine(AutoDecoder(decoders, store=VerdictStore(None)), max_batch_size=2, max_model_len=128,
+                    buckets=(2,))
+    assert engine.bank.slots == {"ar": 1, "draft-model": SLOTS, "lookup": SLOTS}
+    reqs = [engine.add(Request(p, max_tokens=12, stop_ids=())) for p in PROMPTS]
+    while not all(r.finished for r in reqs):
+        engine.step()
+    assert [r.output_ids for r in reqs] == decoders["ar"].generate(PROMPTS, 12, stop_ids=[]).output_ids
+    assert {m for m, _ in engine.policy.round_s} == {"ar", "draft-model", "lookup"}
+
+
 def test_sampled_draft_model_reproduces_target_distribution(peaked_target_dir, tmp_path_factory):
     """Chi-square of 4096 sampled 3-token continuations against the exact target joint."""
     target = load_target(peaked_target_dir)
