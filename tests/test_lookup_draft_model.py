@@ -92,6 +92,7 @@ def test_finished_rows_do_no_harm(models):
             assert got[row] == free[row][:cut], (method, row)
 
 
+@pytest.mark.parametrize("models", ["qwen3"], indirect=True)    # the rounds are the greedy test's, on both families
 def test_server_engine_switches_between_them_on_one_state(models):
     """`serve --method auto` over ar, lookup and draft-model: one state (token buffer, draft-model
     cache) for the three rounds, switched live; every request gets `generate`'s tokens."""
