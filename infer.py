@@ -16,8 +16,9 @@ pretrained on the Python standard library with its native MTP head, and the draf
 `demo/dmtp`, `demo/dmtp_adaptive` (plus `demo/mtp_corpus`, the corpus-only head, and its drafters
 `demo/*_corpus`); without a `demo/` directory, the built-in tiny random checkpoint. One default
 method per model for generate, bench and serve: with `--draft DIR`, that drafter's own method (its
-`dmtp_config`, else dflash); on the demo, dmtp; else ar. `python infer.py` with no arguments runs
-`bench` on the demo: methods ar, mtp, dflash, dmtp, dmtp-adaptive, auto over prompts cut from stdlib
+`dmtp_config`, else dflash; draft-model when DIR is a smaller target checkpoint); on the demo, dmtp;
+else ar. `python infer.py` with no arguments runs `bench` on the demo: methods ar, mtp, dflash, dmtp,
+dmtp-adaptive, lookup, auto over prompts cut from stdlib
 modules held out of training (`demo/prompts.jsonl`), greedy, then the MTP methods again with the
 corpus-only head.
 
@@ -42,7 +43,7 @@ from dmtp_jax.errors import InputError
 DTYPES = ["float32", "bfloat16", "float16"]
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 DEMO_OUT = os.path.join(tempfile.gettempdir(), "dmtp-jax-demo")
-DEMO_METHODS = "ar,mtp,dflash,dmtp,dmtp-adaptive,auto"
+DEMO_METHODS = "ar,mtp,dflash,dmtp,dmtp-adaptive,lookup,auto"
 DEMO_WEAK_METHODS = "mtp,dmtp,dmtp-adaptive"     # the second table: the same methods with the corpus-only head
 DEMO_CORPUS_HEAD = os.path.join(DEMO_DIR, "mtp_corpus")
 DEMO_BENCH_ARGV = ["bench", "--methods", DEMO_METHODS, "--num-prompts", "12", "--max-new-tokens", "64",
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     method_args(b, verify_list=True)
     b.add_argument("--methods", default=None,
                    help="comma-separated methods, `auto` among them (default: ar,dflash with --draft; the demo: "
-                        "ar,mtp,dflash,dmtp,dmtp-adaptive,auto; else ar)")
+                        "ar,mtp,dflash,dmtp,dmtp-adaptive,lookup,auto; else ar)")
     b.add_argument("--workload", default=None,
                    help="default: the demo's held-out prompts (demo/prompts.jsonl) on the demo, else gsm8k. "
                         "gsm8k|math500|humaneval|mt_bench|alpaca_eval|spec_bench|bfcl, or a .jsonl of "
@@ -560,9 +561,12 @@ def default_method(args) -> str:
         'ar'
     """
     from dmtp_jax.config import read_config_json
+    from dmtp_jax.preflight import draft_is_target
     if args.draft:
         try:
             stored = read_config_json(args.draft).get("dmtp_config") or {}
+            if draft_is_target(args.draft):
+                return "draft-model"
         except Exception:       # noqa: BLE001 -- a missing / bad directory is preflight's error to report
             stored = {}
         return stored.get("method") or "dflash"

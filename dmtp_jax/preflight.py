@@ -49,7 +49,8 @@ def check_decode_options(mtp_steps: int | None, block_size: int | None, max_new_
 
 def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | None,
                         demo_drafters: bool = False) -> None:
-    """Every model directory the methods need exists (and an MTP head is in the safetensors).
+    """Every model directory the methods need exists (and an MTP head is in the safetensors); a
+    draft model (`--method draft-model --draft DIR`) is a target config of the target's vocabulary.
 
     `demo_drafters`: the shipped demo supplies the drafters when `--draft` is not given.
 
@@ -68,6 +69,10 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
     for method, need in zip(methods, needs):
         if need["drafter"] and not draft and not demo_drafters:
             raise options.missing_model_error(method, "drafter")
+        if need["draft_model"]:
+            if not draft:
+                raise options.missing_model_error(method, "draft_model")
+            options.check_draft_vocab(target_config(target_dir).vocab_size, target_config(draft).vocab_size, draft)
     if any(n["mtp"] for n in needs):
         from dmtp_jax.checkpoint.mtp_ckpt import MissingMtpError, has_mtp
         mtp_dir = mtp or target_dir
@@ -78,11 +83,25 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
                                   "mtp / dmtp need a target that carries one, or --mtp DIR")
 
 
+def draft_is_target(draft: str) -> bool:
+    """`--draft` is a (smaller) target checkpoint for `draft-model`, not a DFlash / DMTP drafter: its
+    config names a causal-LM architecture (`*ForCausalLM`, `*ForConditionalGeneration`).
+
+    Example:
+        >>> draft_is_target("/models/Qwen3-0.6B")  # doctest: +SKIP
+        True
+    """
+    from dmtp_jax.config import read_config_json
+    archs = read_config_json(draft).get("architectures") or []
+    return any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in archs)
+
+
 def auto_candidates(target_dir: str, draft: str | None, mtp: str | None, demo_drafters: bool = False) -> list[str]:
     """The methods `--method auto` chooses from, by the models given (configs and tensor names
-    read, no weights): `ar`; `mtp` when the target (or `--mtp`) carries an MTP head; with `--draft`,
-    the DMTP method its `dmtp_config` names (when there is an MTP head), else `dflash`; the shipped
-    demo's drafters give dflash, dmtp and dmtp-adaptive.
+    read, no weights): `ar`, `lookup` (it needs no model); `mtp` when the target (or `--mtp`) carries
+    an MTP head; with `--draft`, `draft-model` when it is a target checkpoint (`draft_is_target`),
+    else the DMTP method its `dmtp_config` names (when there is an MTP head), else `dflash`; the
+    shipped demo's drafters give dflash, dmtp and dmtp-adaptive.
 
     Example:
         >>> auto_candidates("/models/no-mtp", None, None)  # doctest: +SKIP
@@ -93,8 +112,10 @@ def auto_candidates(target_dir: str, draft: str | None, mtp: str | None, demo_dr
     if mtp and not os.path.isdir(mtp):
         raise InputError(f"MTP directory not found: {mtp}")
     with_mtp = has_mtp(mtp or target_dir)
-    out = ["ar"] + (["mtp"] if with_mtp else [])
-    if draft:
+    out = ["ar", "lookup"] + (["mtp"] if with_mtp else [])
+    if draft and draft_is_target(draft):
+        out += ["draft-model"]
+    elif draft:
         from dmtp_jax.config import read_config_json
         stored = (read_config_json(draft).get("dmtp_config") or {}).get("method")
         out += [stored] if stored and with_mtp else [] if stored else ["dflash"]

@@ -21,7 +21,7 @@ def tree_bytes(tree) -> int:
 
 def _models(decoder) -> dict:
     out = {"target": decoder.target}
-    for name in ("drafter", "mtp", "fusion", "draft_head"):
+    for name in ("drafter", "mtp", "fusion", "draft_head", "draft_model"):
         loaded = getattr(decoder, name, None)
         if loaded is not None:
             out[name] = loaded
@@ -42,6 +42,8 @@ def round_cost(decoder, batch: int, max_len: int) -> dict:
         compiled = decoder.round.lower(decoder.model_states(), state, np.ones(batch, bool), limits, sp, key,
                                        np.int32(1), decoder.knobs(), greedy=True).compile()
         caches = {"target_cache": tree_bytes(state.target_cache), "mtp_cache": tree_bytes(state.mtp_cache)}
+        if state.draft_cache is not None:
+            caches["draft_cache"] = tree_bytes(state.draft_cache)
         if state.ctx_cache is not None:     # the drafter attends over its context window only
             ctx = tree_bytes(state.ctx_cache)
             caches["ctx_cache"] = ctx * min(1.0, decoder.context_window / max_len)

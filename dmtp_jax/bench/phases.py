@@ -68,7 +68,7 @@ def phase_breakdown(decoder, state=None, *, repeats: int = 10, warmup: int = 2, 
         st = dataclasses.replace(st, mtp_cache=mtp_cache)
         return proposer.propose(models(states), st, sp, k_draft, True, limits, knobs)
     propose = jax.jit(propose, donate_argnames=("mtp_cache",))
-    if not proposer.needs["drafter"]:
+    if proposer.needs["mtp"] and not proposer.needs["drafter"]:     # the MTP chain
         ms["propose-mtp"], proposal = time_it(propose, lambda: (states, state, _copy(state.mtp_cache)))
     else:
         first = None

@@ -29,12 +29,20 @@ def _load_fusion(args, target, method):
     return load_dmtp_drafter(args.draft, target.cfg, method, args.dtype, target.mesh)[1]
 
 
+def _load_draft_model(args, target, method):
+    if not getattr(args, "draft", None):
+        return None
+    from dmtp_jax.checkpoint.hf import load_target
+    return load_target(args.draft, args.dtype, target.mesh)
+
+
 # make_decoder keyword -> (loader(args, target, method) -> model or None, one model per method?).
 # Only the kinds `method_needs(method)` asks for are loaded. A new model kind is one line here.
 MODEL_LOADERS = {
     "drafter": (_load_drafter, False),
     "mtp": (_load_mtp, False),          # native MTP head: --mtp DIR, else the target directory
     "fusion": (_load_fusion, True),     # DMTP fusion of --draft (zero fusion for a plain DFlash dir)
+    "draft_model": (_load_draft_model, False),  # draft-model: --draft is a smaller target of the same vocabulary
 }
 
 

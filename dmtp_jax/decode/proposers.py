@@ -11,6 +11,8 @@ returns a `round.Proposal`. `propose` is `draft(first(...))`: `first` is MTP's f
 | `dflash`         | `DFlashProposer`   | -                    | DFlash block `[A, MASK..]` (DFlash2: selector)   |
 | `dmtp`, `dmtp-*` | `DmtpProposer`     | MTP                  | DFlash block, MTP's T1 fused in (`fusion.py`)    |
 | `dmtp-adaptive`  | `AdaptiveProposer` | MTP, where confident | one pass: `dmtp`'s block or DFlash's, per row    |
+| `lookup`         | `LookupProposer`   | -                    | the row's longest recent n-gram match (`lookup.py`)|
+| `draft-model`    | `DraftModelProposer` | -                  | a smaller target chained (`draft_model.py`)      |
 
 Proposers project to the vocabulary through the drafting side's head (`RoundModels.draft_logits`);
 verification always uses the full head. Run-time knobs are traced (`RoundKnobs`), so changing them
@@ -18,7 +20,7 @@ never recompiles.
 
 Example:
     >>> make_proposer("dmtp", slots=8, context_window=4096).needs
-    {'drafter': True, 'mtp': True, 'fusion': True}
+    {'drafter': True, 'mtp': True, 'fusion': True, 'draft_model': False}
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dmtp_jax.decode.draft_model import draft_chain
+from dmtp_jax.decode.lookup import lookup_drafts
 from dmtp_jax.decode.round import Proposal, RoundModels, SpecState, context_window
 from dmtp_jax.decode.sampling import filtered_probs, sample_from_probs
 from dmtp_jax.decode.verify import candidate_probs_to_dense
@@ -205,6 +209,27 @@ class AdaptiveProposer(DmtpProposer):
         return Proposal(drafts, q, state.mtp_cache, from_mtp)
 
 
+class LookupProposer(Proposer):
+    """`lookup`: prompt lookup over the state's token buffer (`decode/lookup.py`), no model; sampled,
+    its proposal probabilities are one-hot (the drafts are deterministic given the history)."""
+
+    def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
+        drafts = lookup_drafts(state.tokens_bs, state.lengths_b, self.slots - 1)
+        q = None if greedy else jax.nn.one_hot(drafts, models.target.cfg.vocab_size, dtype=jnp.float32)
+        return Proposal(drafts, q, state.mtp_cache, jnp.zeros(state.pending_b.shape, bool))
+
+
+class DraftModelProposer(Proposer):
+    """`draft-model`: a smaller target of the same vocabulary chained `slots - 1` steps through its
+    own cache (`decode/draft_model.py`; `round.commit` rolls that cache back to the accepted prefix)."""
+
+    def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
+        keys = self._keys(key)
+        drafts, q, cache = draft_chain(models.draft_model, state.draft_cache, state.pending_b, state.lengths_b,
+                                       self.slots - 1, lambda logits, j: pick(logits, sp, keys[j], greedy))
+        return Proposal(drafts, q, state.mtp_cache, jnp.zeros(state.pending_b.shape, bool), cache)
+
+
 class PlainProposer(Proposer):
     """`ar` on a speculative state: one verify slot, so the round is a plain target step that still
     advances the MTP and the drafter's context (a state can switch between plain and speculative
@@ -218,7 +243,8 @@ class PlainProposer(Proposer):
 
 # proposer kind (`methods.Method.proposer`) -> class
 PROPOSERS: dict[str, type[Proposer]] = {"dflash": DFlashProposer, "mtp-chain": MtpChainProposer, "dmtp": DmtpProposer,
-                                        ADAPTIVE: AdaptiveProposer}
+                                        ADAPTIVE: AdaptiveProposer, "lookup": LookupProposer,
+                                        "draft-model": DraftModelProposer}
 
 
 def make_proposer(method: str, slots: int, context_window: int = 4096) -> Proposer:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dmtp_jax.decode.caches import target_cache_shardings
+from dmtp_jax.decode.draft_model import commit_draft_cache, prefill_draft_cache
 from dmtp_jax.decode.prefill import target_chunk
 from dmtp_jax.decode.sampling import filtered_probs
 from dmtp_jax.decode.verify import verify_block, verify_greedy, verify_rejection, verify_target_only
@@ -40,6 +41,8 @@ class SpecState:
     mtp_h_bh: jax.Array | None  # MTP pre-norm hidden that predicts the next T1
     lengths_b: jax.Array        # committed tokens in the target KV == position of the pending token
     pending_b: jax.Array        # last committed token (A), not yet run by the target
+    tokens_bs: jax.Array | None = None          # the row's tokens at slot == position, A at L (int32)
+    draft_cache: TargetCache | None = None      # a draft model's own cache (`decode/draft_model.py`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,7 @@ class RoundModels:
     mtp: nnx.Module | None = None
     fusion: nnx.Module | None = None
     draft_head: nnx.Module | None = None
+    draft_model: nnx.Module | None = None
 
     def draft_logits(self, hidden: jax.Array) -> jax.Array:
         """The drafting side's fp32 logits of post-norm hidden states (`draft_head.draft_scores`)."""
@@ -63,8 +67,8 @@ class RoundModels:
 
 
 def merge_models(graphdefs, states) -> RoundModels:
-    """`RoundModels` from `(target, drafter, mtp, fusion, draft_head)` graphdefs and their states
-    (inside jit)."""
+    """`RoundModels` from `(target, drafter, mtp, fusion, draft_head, draft_model)` graphdefs and their
+    states (inside jit; a shorter tuple leaves the rest None)."""
     return RoundModels(*(None if g is None else nnx.merge(g, s) for g, s in zip(graphdefs, states)))
 
 
@@ -72,11 +76,13 @@ def merge_models(graphdefs, states) -> RoundModels:
 @dataclasses.dataclass
 class Proposal:
     """What a proposer drafts: tokens, their probabilities when sampling (`None` when greedy), the MTP
-    cache and whose first candidate each row verifies (`True`: MTP's)."""
+    cache, whose first candidate each row verifies (`True`: MTP's) and a draft model's cache after its
+    chain."""
     drafts_bn: jax.Array
     q_bnv: jax.Array | None
     mtp_cache: KVCache | None
     t1_from_mtp_b: jax.Array
+    draft_cache: TargetCache | None = None      # a draft model's cache after its chain (None: the state's)
 
 
 @jax.tree_util.register_dataclass
@@ -94,6 +100,22 @@ class VerifyForward:
 def gather_rows(x_bt_: jax.Array, index_b: jax.Array) -> jax.Array:
     """`x[b, index[b]]` for every row."""
     return jnp.take_along_axis(x_bt_, index_b.reshape((-1,) + (1,) * (x_bt_.ndim - 1)), axis=1)[:, 0]
+
+
+def write_tokens(tokens_bs: jax.Array | None, new_bt: jax.Array, positions_bt: jax.Array, valid_bt: jax.Array):
+    """The token buffer with `new_bt` written at `positions_bt` where `valid_bt` (the rest dropped);
+    None stays None.
+
+    Example:
+        >>> write_tokens(jnp.zeros((1, 4), jnp.int32), jnp.array([[5, 6]]), jnp.array([[1, 2]]),
+        ...              jnp.array([[True, False]])).tolist()
+        [[0, 5, 0, 0]]
+    """
+    if tokens_bs is None:
+        return None
+    s = tokens_bs.shape[1]
+    rows = jnp.broadcast_to(jnp.arange(tokens_bs.shape[0])[:, None], positions_bt.shape)
+    return tokens_bs.at[rows, jnp.where(valid_bt, positions_bt, s)].set(new_bt.astype(tokens_bs.dtype), mode="drop")
 
 
 def write_all_layers(cache_lbskd: jax.Array, new_lbtkd: jax.Array, positions_bt: jax.Array) -> jax.Array:
@@ -117,7 +139,8 @@ def state_shardings(mesh, st: SpecState) -> SpecState:
     rep = replicated(mesh)
     kv = lambda c: None if c is None else KVCache(*(kv_cache_sharding(mesh, c.k_lbskd.shape),) * 2)  # noqa: E731
     return SpecState(target_cache_shardings(mesh, st.target_cache), kv(st.ctx_cache), kv(st.mtp_cache),
-                     None if st.mtp_h_bh is None else rep, rep, rep)
+                     None if st.mtp_h_bh is None else rep, rep, rep, None if st.tokens_bs is None else rep,
+                     None if st.draft_cache is None else target_cache_shardings(mesh, st.draft_cache))
 
 
 def constrain_state(mesh, st: SpecState) -> SpecState:
@@ -198,8 +221,9 @@ def write_context(drafter, fusion, ctx_cache: KVCache, captured, positions_bt: j
 def commit(models: RoundModels, state: SpecState, proposal: Proposal, fwd: VerifyForward, acc_b, bonus_b,
            active_b) -> tuple[SpecState, jax.Array]:
     """`(next state, tokens [B, n])`: a row commits `tokens[:accepted + 1]` (bonus at `accepted`) and
-    `L += accepted + 1`; the target keeps the accepted prefix, then `mtp_advance`, `write_context`.
-    Inactive rows keep their state."""
+    `L += accepted + 1`; the target keeps the accepted prefix, then `mtp_advance`, `write_context`, a
+    draft model keeps the same prefix (`commit_draft_cache`) and the token buffer takes the committed
+    tokens. Inactive rows keep their state."""
     target, drafter = models.target, models.drafter
     ctx, mtp_cache, mtp_h, mtp_rows = state.ctx_cache, proposal.mtp_cache, state.mtp_h_bh, None
     if models.mtp is not None:
@@ -209,9 +233,16 @@ def commit(models: RoundModels, state: SpecState, proposal: Proposal, fwd: Verif
     drafts = proposal.drafts_bn         # [B, n-1]; n = 1 (no drafts) is a plain step
     slot = jnp.arange(drafts.shape[1] + 1)[None]
     tokens = jnp.where(slot < acc_b[:, None], jnp.concatenate([drafts, bonus_b[:, None]], axis=1), bonus_b[:, None])
-    target_cache = target.commit(fwd.out.cache, fwd.out.pending, jnp.where(active_b, acc_b + 1, 0))
+    keep_b = jnp.where(active_b, acc_b + 1, 0)
+    target_cache = target.commit(fwd.out.cache, fwd.out.pending, keep_b)
+    draft_cache = state.draft_cache
+    if models.draft_model is not None:
+        start = state.draft_cache if proposal.draft_cache is None else proposal.draft_cache
+        draft_cache = commit_draft_cache(models.draft_model, start, fwd.tokens_bn, fwd.positions_bn, keep_b)
+    history = write_tokens(state.tokens_bs, tokens, fwd.positions_bn + 1, (slot <= acc_b[:, None]) & active_b[:, None])
     lengths = jnp.where(active_b, state.lengths_b + acc_b + 1, state.lengths_b)
-    new = SpecState(target_cache, ctx, mtp_cache, mtp_h, lengths, jnp.where(active_b, bonus_b, state.pending_b))
+    new = SpecState(target_cache, ctx, mtp_cache, mtp_h, lengths, jnp.where(active_b, bonus_b, state.pending_b),
+                    history, draft_cache)
     return new, tokens
 
 
@@ -231,9 +262,10 @@ def spec_round(proposer, verify_mode: str, models: RoundModels, state: SpecState
 
 def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state: SpecState, sp, key,
                  greedy: bool = False) -> SpecState:
-    """One prefill chunk (`decode/prefill.py`) through the target and the MTP (row i pairs h_i with
-    x_{i+1}; rows past the prompt go to scratch). The first token is picked in the chunk that ends a
-    row's prompt and carried in `state.pending_b` / `state.mtp_h_bh`."""
+    """One prefill chunk (`decode/prefill.py`) through the target, the MTP (row i pairs h_i with
+    x_{i+1}; rows past the prompt go to scratch) and a draft model; the chunk's tokens go into the
+    token buffer. The first token is picked in the chunk that ends a row's prompt and carried in
+    `state.pending_b` / `state.mtp_h_bh`."""
     target, drafter, mtp = models.target, models.drafter, models.mtp
     res = target_chunk(target, tokens_bt, start, lengths_b, state.target_cache, state.pending_b, sp, key,
                        greedy, models.capture_layers)
@@ -247,4 +279,9 @@ def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state
         mtp_h = jnp.where(res.ends_b[:, None], gather_rows(h, res.last_b), state.mtp_h_bh)
     if drafter is not None:      # MTP row i (h_i, x_{i+1}) is aligned with context position i
         ctx = write_context(drafter, models.fusion, state.ctx_cache, out.captured, positions, h)
-    return SpecState(out.cache, ctx, mtp_cache, mtp_h, lengths_b.astype(jnp.int32), first)
+    draft_cache = state.draft_cache
+    if models.draft_model is not None:
+        draft_cache = prefill_draft_cache(models.draft_model, draft_cache, tokens_bt, positions, lengths_b)
+    history = write_tokens(state.tokens_bs, tokens_bt, positions, positions < lengths_b[:, None])
+    history = write_tokens(history, first[:, None], lengths_b[:, None], res.ends_b[:, None])
+    return SpecState(out.cache, ctx, mtp_cache, mtp_h, lengths_b.astype(jnp.int32), first, history, draft_cache)

@@ -36,7 +36,7 @@ from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
 from dmtp_jax.models.draft_head import head_name
 from dmtp_jax.options import (SPEC_METHODS, VERIFY_MODES, adaptive_threshold_for,  # noqa: F401
-                              check_adaptive_threshold, check_method, check_models_given,
+                              check_adaptive_threshold, check_draft_vocab, check_method, check_models_given,
                               check_prefill_chunk, check_rounds_per_dispatch, check_verify_mode,
                               verify_slots)
 from dmtp_jax.sharding import replicated
@@ -46,8 +46,8 @@ DEFAULT_CONTEXT_WINDOW = 4096
 
 def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, block_size: int | None = None,
                        mtp_steps: int = 4, verify: str = "rejection", adaptive_threshold: float | None = None,
-                       rounds_per_dispatch: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK
-                       ) -> tuple[int, float | None]:
+                       rounds_per_dispatch: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                       draft_model=None) -> tuple[int, float | None]:
     """Every option of a `SpecDecoder`, checked in one place (rules: `dmtp_jax.options`): returns
     `(verify slots, adaptive threshold or None)`; raises `RequestError` naming the bad option.
 
@@ -63,7 +63,7 @@ def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, bloc
     check_method(method, SPEC_METHODS, what="speculative method")
     check_rounds_per_dispatch(rounds_per_dispatch)
     check_prefill_chunk(prefill_chunk)
-    check_models_given(method, drafter=drafter, mtp=mtp, fusion=fusion)
+    check_models_given(method, drafter=drafter, mtp=mtp, fusion=fusion, draft_model=draft_model)
     slots = verify_slots(method, mtp_steps=mtp_steps, block_size=block_size,
                          drafter_block_size=None if drafter is None else drafter.cfg.block_size)
     threshold = adaptive_threshold_for(method, adaptive_threshold,
@@ -74,7 +74,7 @@ def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, bloc
 @dataclasses.dataclass(frozen=True)
 class RoundSetup:
     """What the jitted entry points read besides their arguments; frozen, bound before jitting."""
-    graphdefs: tuple              # (target, drafter, mtp, fusion, draft_head); None where unused / full head
+    graphdefs: tuple              # (target, drafter, mtp, fusion, draft_head, draft_model); None where unused
     mesh: object
     proposer: Proposer
     verify_mode: str
@@ -120,23 +120,24 @@ def multi_round_entry(setup: RoundSetup, states, state: SpecState, active_b, lim
                       greedy=greedy)
 
 
-def _used(proposer: Proposer, target, drafter, mtp, fusion, draft_head) -> tuple:
-    """`(target, drafter, mtp, fusion, draft_head)` with the models the proposer does not need set to
-    None (`draft_head` None: the full LM head drafts)."""
+def _used(proposer: Proposer, target, drafter, mtp, fusion, draft_head, draft_model=None) -> tuple:
+    """`(target, drafter, mtp, fusion, draft_head, draft_model)` with the models the proposer does not
+    need set to None (`draft_head` None: the full LM head drafts)."""
     needs = proposer.needs
     return (target, drafter if needs["drafter"] else None, mtp if needs["mtp"] else None,
-            fusion if needs["fusion"] else None, draft_head)
+            fusion if needs["fusion"] else None, draft_head, draft_model if needs["draft_model"] else None)
 
 
 def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: LoadedModel | None, batch: int,
-                   max_len: int) -> SpecState:
-    """A zero `SpecState` of `batch` rows and `max_len` slots (with the drafter's and the MTP's caches
-    where those models are given), placed as the jitted calls leave it."""
+                   max_len: int, draft_model: LoadedModel | None = None) -> SpecState:
+    """A zero `SpecState` of `batch` rows and `max_len` slots (with the drafter's, the MTP's and a draft
+    model's caches where those models are given, and the token buffer), placed as the jitted calls
+    leave it."""
     target = caches.target
     mesh = target.mesh
     rep = replicated(mesh)    # placed as the jitted calls leave them: one compile
-    zeros = lambda: jax.device_put(np.zeros(batch, np.int32), rep)  # noqa: E731  (two buffers: both donated)
-    ctx = mtp_cache = mtp_h = None
+    zeros = lambda *shape: jax.device_put(np.zeros((batch, *shape), np.int32), rep)  # noqa: E731  (own buffers)
+    ctx = mtp_cache = mtp_h = draft_cache = None
     if drafter is not None:
         d = drafter.cfg
         ctx = new_kv_cache(mesh, kv_cache_shape(d, batch, max_len, mesh, d.num_hidden_layers), drafter.state_dtype)
@@ -144,7 +145,9 @@ def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: Loade
         c = target.cfg
         mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, 1), mtp.state_dtype)
         mtp_h = jax.device_put(np.zeros((batch, c.hidden_size), mtp.state_dtype), rep)
-    return SpecState(caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros())
+    if draft_model is not None:
+        draft_cache = TargetCaches(draft_model).new(batch, max_len)
+    return SpecState(caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros(), zeros(max_len), draft_cache)
 
 
 def to_host(tree):
@@ -156,7 +159,8 @@ class SpecDecoder:
     """Speculative decoding of a target with `method` in `SPEC_METHODS`.
 
     `drafter` (DFlash / DFlash2) serves dflash and dmtp*; `mtp` serves mtp and dmtp*; `fusion`
-    (`checkpoint.dmtp_ckpt`) the dmtp* methods; `draft_head`: the drafting side's efficient or int8
+    (`checkpoint.dmtp_ckpt`) the dmtp* methods; `draft_model` (a smaller target of the same
+    vocabulary) draft-model; `lookup` needs none; `draft_head`: the drafting side's efficient or int8
     LM head (None: the full head). `verify`: sampled verification, "rejection", "block" or
     "target-only" (greedy is always exact match). `strict`: raise `InexactBackendError` when the
     exactness probe finds the backend inexact (default: decode plainly). `adaptive_threshold`
@@ -169,20 +173,24 @@ class SpecDecoder:
                  block_size: int | None = None, mtp_steps: int = 4, verify: str = "rejection",
                  context_window: int = DEFAULT_CONTEXT_WINDOW, strict: bool = False,
                  adaptive_threshold: float | None = None, rounds_per_dispatch: int = 1,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft_head: LoadedModel | None = None):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft_head: LoadedModel | None = None,
+                 draft_model: LoadedModel | None = None):
         slots, threshold = check_spec_options(method, drafter, mtp, fusion, block_size=block_size,
                                               mtp_steps=mtp_steps, verify=verify,
                                               adaptive_threshold=adaptive_threshold,
-                                              rounds_per_dispatch=rounds_per_dispatch, prefill_chunk=prefill_chunk)
+                                              rounds_per_dispatch=rounds_per_dispatch, prefill_chunk=prefill_chunk,
+                                              draft_model=draft_model)
+        if draft_model is not None:
+            check_draft_vocab(target.cfg.vocab_size, draft_model.cfg.vocab_size, draft_model.model_dir or "")
         self.adaptive_threshold = threshold
         self.target, self.drafter, self.mtp, self.fusion = target, drafter, mtp, fusion
-        self.draft_head = draft_head
+        self.draft_head, self.draft_model = draft_head, draft_model
         self.strict = strict        # exactness probe mismatch: raise instead of plain decoding
         self.caches = TargetCaches(target)
         self.prefill_chunk = int(prefill_chunk)
         proposer = make_proposer(method, slots, context_window)
         graphdefs = tuple(None if m is None else m.graphdef
-                          for m in _used(proposer, target, drafter, mtp, fusion, draft_head))
+                          for m in _used(proposer, target, drafter, mtp, fusion, draft_head, draft_model))
         self.setup = RoundSetup(graphdefs, target.mesh, proposer, verify, int(rounds_per_dispatch))
         self.prefill_step = counted_jit(functools.partial(prefill_entry, self.setup), donate_argnames=("state",),
                                         static_argnames=("greedy",))
@@ -206,16 +214,19 @@ class SpecDecoder:
         """A zero state of `batch` rows and `max_len` slots, placed as the jitted calls leave it."""
         needs = self.proposer.needs
         return new_spec_state(self.caches, self.drafter if needs["drafter"] else None,
-                              self.mtp if needs["mtp"] else None, batch, max_len)
+                              self.mtp if needs["mtp"] else None, batch, max_len,
+                              self.draft_model if needs["draft_model"] else None)
 
     def state_shardings(self, st: SpecState) -> SpecState:
         """The sharding of every array of a state (or of its shapes), as a `SpecState` tree."""
         return state_shardings(self.target.mesh, st)
 
     def model_states(self) -> tuple:
-        """`(target, drafter, mtp, fusion, draft_head)` weights as the jitted entry points take them."""
+        """`(target, drafter, mtp, fusion, draft_head, draft_model)` weights as the jitted entry points take
+        them."""
         return tuple(None if m is None else m.state
-                     for m in _used(self.proposer, self.target, self.drafter, self.mtp, self.fusion, self.draft_head))
+                     for m in _used(self.proposer, self.target, self.drafter, self.mtp, self.fusion, self.draft_head,
+                                    self.draft_model))
 
     def knobs(self) -> RoundKnobs:
         """The proposers' traced knobs from the decoder's current settings (`adaptive_threshold`)."""

@@ -62,7 +62,8 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
         decoder = make_decoder(method, models["target"], models.get("drafter"), mtp=models.get("mtp"),
                                fusion=models.get("fusion"), block_size=block_size, mtp_steps=mtp_steps,
                                verify=verify, rounds_per_dispatch=rounds_per_dispatch,
-                               prefill_chunk=prefill_chunk, draft_head=models.get("draft_head"))
+                               prefill_chunk=prefill_chunk, draft_head=models.get("draft_head"),
+                               draft_model=models.get("draft_model"))
         calls = inference_calls(decoder, batch_size, prompt_len, max_new_tokens, temperature, accept_len)
         functions = []
         for call in calls:

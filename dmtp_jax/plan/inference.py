@@ -56,7 +56,7 @@ def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, t
     args = lambda *xs: abstract_args(xs, mesh)  # noqa: E731
     weights = {"target": shard_bytes(target.state)}
     if speculative:
-        for name in ("drafter", "mtp", "fusion", "draft_head"):
+        for name in ("drafter", "mtp", "fusion", "draft_head", "draft_model"):
             loaded = getattr(decoder, name)
             if loaded is not None:
                 weights[name] = shard_bytes(loaded.state)
@@ -65,6 +65,8 @@ def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, t
         caches = {"target_cache": shard_bytes(state.target_cache)}
         if state.mtp_cache is not None:
             caches["mtp_cache"] = shard_bytes(state.mtp_cache)
+        if state.draft_cache is not None:
+            caches["draft_cache"] = shard_bytes(state.draft_cache)
         read = dict(caches)
         if state.ctx_cache is not None:     # the drafter reads its context window, not the whole cache
             caches["ctx_cache"] = shard_bytes(state.ctx_cache)

@@ -76,7 +76,8 @@ def drafter_config_of(path: str | None, target_cfg: TargetConfig, block_size: in
 
 def plan_models(target_path: str, method: str, mesh: Mesh, dtype, draft_path: str | None = None,
                 block_size: int | None = None) -> dict[str, LoadedModel]:
-    """`{"target", and as `method` needs them "drafter", "mtp", "fusion"}`, all abstract. A target whose
+    """`{"target", and as `method` needs them "drafter", "mtp", "fusion", "draft_model"}`, all
+    abstract (the draft model: the target checkpoint at `draft_path`). A target whose
     config declares no MTP layer still gets one (Qwen3-Next ships `mtp.*` undeclared);
     `models["mtp"].model_dir is None` then says so."""
     target = abstract_target_model(target_path, mesh, dtype)
@@ -96,6 +97,10 @@ def plan_models(target_path: str, method: str, mesh: Mesh, dtype, draft_path: st
             cfg = {"method": method, "rank": rank, **({"threshold": stored["threshold"]} if "threshold" in stored
                                                        else {})}
             models["fusion"] = place_abstract(cfg, *nnx.split(fusion), mesh, draft_path)
+    if needs["draft_model"]:
+        if not draft_path:
+            raise ConfigError(f"method '{method}' needs a smaller target of the same vocabulary (--draft DIR)")
+        models["draft_model"] = abstract_target_model(draft_path, mesh, dtype)
     if needs["mtp"]:
         models["mtp"] = place_abstract(mtp_config_for(target.cfg), *abstract_mtp(target.cfg, dtype), mesh,
                                        target_path if target.cfg.mtp_num_hidden_layers else None)

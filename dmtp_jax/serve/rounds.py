@@ -40,7 +40,7 @@ def base_decoder(candidates: dict):
 class RoundBank:
     """Jitted prefill, rounds (`round[method]`) and K-round dispatches (`multi_round(method, K)`, built on
     first use) over one set of models, and the state they share. `models`: `(target, drafter, mtp,
-    fusion, draft_head)` `LoadedModel`s or None; `slots`: `{method: verify slots}`; `knobs`:
+    fusion, draft_head, draft_model)` `LoadedModel`s or None; `slots`: `{method: verify slots}`; `knobs`:
     `RoundKnobs`; `rounds_per_dispatch`: the engine's default K."""
 
     def __init__(self, models: tuple, slots: dict[str, int], *, verify_mode: str = "rejection",
@@ -71,13 +71,14 @@ class RoundBank:
     @classmethod
     def for_decoder(cls, decoder, candidates: dict | None = None, switching: bool = False) -> "RoundBank":
         """The bank of a decoder: an `ARDecoder` runs `ar`; a `SpecDecoder` its method, and with `switching`
-        also `ar` and (with an MTP head) `mtp`."""
+        also `ar`, (with an MTP head) `mtp`, and `lookup` when it is a
+        candidate."""
         k = getattr(decoder, "rounds_per_dispatch", 1)
         if isinstance(decoder, ARDecoder):
-            return cls((decoder.target, None, None, None, None), {"ar": 1}, prefill_chunk=decoder.prefill_chunk,
+            return cls((decoder.target, None, None, None, None, None), {"ar": 1}, prefill_chunk=decoder.prefill_chunk,
                        rounds_per_dispatch=k)
         models = _used(decoder.proposer, decoder.target, decoder.drafter, decoder.mtp, decoder.fusion,
-                       decoder.draft_head)
+                       decoder.draft_head, decoder.draft_model)
         slots = {decoder.method: decoder.slots}
         if switching:
             slots = {"ar": 1, **slots}
@@ -86,6 +87,8 @@ class RoundBank:
                 slots["mtp"] = (mtp.slots if mtp is not None else
                                 verify_slots("mtp", mtp_steps=DEFAULT_MTP_STEPS, block_size=None,
                                              drafter_block_size=None))
+            if "lookup" in (candidates or {}) and "lookup" not in slots:     # needs no model: the token buffer
+                slots["lookup"] = candidates["lookup"].slots
         return cls(models, slots, verify_mode=decoder.verify_mode, context_window=decoder.context_window,
                    rounds_per_dispatch=k, prefill_chunk=decoder.prefill_chunk,
                    knobs=decoder.knobs())
@@ -103,7 +106,7 @@ class RoundBank:
 
     def new_state(self, rows: int, max_len: int):
         """A zero state of `rows` rows with every cache of the bank's models."""
-        return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len)
+        return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len, self.models[5])
 
     def run(self, method: str, state, active_b, limits_b, sp, base_key, first_round: int, greedy: bool,
             rounds: int = 1, stop_ids=()):
