@@ -58,7 +58,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     _dmtp("dmtp-ctx-fusion", 1, "ctx-fusion"),
     _dmtp("dmtp-ctx-mtp", 1, "ctx-mtp"),
     _dmtp(ADAPTIVE, 2, "t1-residual", proposer=ADAPTIVE),
-    Method("eagle3", drafter=True, proposer="eagle3-chain"),
+    Method("eagle3", drafter=True, proposer="eagle3-chain", trains=True),
 )}
 EAGLE3 = "eagle3"       # its drafter is an EAGLE-3 one (`models/eagle3.py`), not a DFlash drafter
 DMTP_METHODS = tuple(m for m in METHODS if METHODS[m].fusion)

@@ -93,25 +93,6 @@ def eagle3_config(d: dict, num_target_layers: int, own_embeddings: bool = False)
         block_size=int(eagle.get("dmtp_block_size", DEFAULT_BLOCK_SIZE)))
 
 
-def config_dict(cfg: Eagle3Config) -> dict:
-    """The `config.json` dict of a drafter (the published fields, plus `eagle_config.dmtp_block_size`).
-
-    Example:
-        >>> config_dict(cfg)["architectures"]  # doctest: +SKIP
-        ['LlamaForCausalLMEagle3']
-    """
-    return {
-        "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "attention_bias": False,
-        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.target_layer_ids),
-                         "use_aux_hidden_state": True, "dmtp_block_size": cfg.block_size},
-    }
-
-
 def _abstract(cfg: Eagle3Config, dtype):
     model = nnx.eval_shape(lambda: Eagle3Drafter(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
     return nnx.split(model)
@@ -204,7 +185,7 @@ def save_eagle3(loaded: LoadedModel, out_dir: str, dtype=None, max_shard_bytes: 
     tensors["t2d"] = t2d
     os.makedirs(out_dir, exist_ok=True)
     write_sharded(out_dir, tensors, max_shard_bytes)
-    hf = config_dict(cfg)
+    hf = cfg.to_hf_dict()
     hf["torch_dtype"] = np.dtype(jnp.dtype(dtype or jax.tree.leaves(loaded.state.filter(nnx.Param))[0].dtype)).name
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
         json.dump(hf, fh, indent=2)

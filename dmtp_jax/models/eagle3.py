@@ -95,6 +95,24 @@ class Eagle3Config:
     def num_context_features(self) -> int:
         return len(self.target_layer_ids) * self.hidden_size
 
+    def to_hf_dict(self) -> dict:
+        """The `config.json` dict: the published fields, plus `eagle_config.dmtp_block_size`.
+
+        Example:
+            >>> cfg.to_hf_dict()["architectures"]  # doctest: +SKIP
+            ['LlamaForCausalLMEagle3']
+        """
+        return {
+            "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "attention_bias": False,
+            "max_position_embeddings": self.max_position_embeddings, "tie_word_embeddings": False,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.target_layer_ids),
+                             "use_aux_hidden_state": True, "dmtp_block_size": self.block_size},
+        }
+
 
 class DraftVocab(nnx.Variable):
     """The target id of every draft id (int32, not trained)."""
