@@ -79,6 +79,9 @@ def method_args(sp, verify_list: bool = False):
     `verify_list`: `--verify` takes a comma-separated list (bench runs every verifier)."""
     from dmtp_jax.options import VERIFY_MODES
     sp.add_argument("--draft", help="DFlash / DFlash2 / DMTP drafter directory (dflash, dmtp*)")
+    sp.add_argument("--eagle3", default=None, metavar="DIR",
+                    help="EAGLE-3 drafter directory (eagle3; the LlamaForCausalLMEagle3 layout of SpecForge / "
+                         "SGLang / vLLM, or `train.py export` of a --method eagle3 run)")
     sp.add_argument("--mtp", default=None, help="directory with the native MTP head (mtp, dmtp*; "
                                                 "default: the target directory)")
     sp.add_argument("--mtp-steps", type=int, default=None, help="chain length of mtp (default 4: MTP415)")
@@ -291,10 +294,11 @@ def decoder_methods(args, target_dir: str, methods: list[str]) -> tuple[list[str
     from dmtp_jax import preflight
     from dmtp_jax.decode.auto import AUTO
     demo = uses_demo(args)
-    candidates = preflight.auto_candidates(target_dir, args.draft, args.mtp, demo) if AUTO in methods else []
+    eagle3 = getattr(args, "eagle3", None)
+    candidates = preflight.auto_candidates(target_dir, args.draft, args.mtp, demo, eagle3) if AUTO in methods else []
     built = list(dict.fromkeys([*(m for m in methods if m != AUTO), *candidates]))
-    preflight.check_method_models(built, target_dir, args.draft, args.mtp, demo_drafters=demo)
-    preflight.check_drafter_block(built, args.draft, args.block_size)
+    preflight.check_method_models(built, target_dir, args.draft, args.mtp, demo_drafters=demo, eagle3=eagle3)
+    preflight.check_drafter_block(built, args.draft, args.block_size, eagle3)
     return built, candidates
 
 
@@ -435,7 +439,8 @@ def run_bench(args) -> dict:
     target_dir = resolve_target(args.target)
     preflight.target_config(target_dir)             # "model directory not found" before anything else
     demo = uses_demo(args)
-    default_methods = f"ar,{default_method(args)}" if args.draft else (DEMO_METHODS if demo else "ar")
+    default_methods = (f"ar,{default_method(args)}" if args.draft or getattr(args, "eagle3", None)
+                       else DEMO_METHODS if demo else "ar")
     methods = [m.strip() for m in (args.methods or default_methods).split(",") if m.strip()]
     if args.workload is None:
         args.workload = os.path.join(DEMO_DIR, "prompts.jsonl") if demo else "gsm8k"
@@ -562,10 +567,14 @@ def default_method(args) -> str:
     from dmtp_jax.config import read_config_json
     if args.draft:
         try:
-            stored = read_config_json(args.draft).get("dmtp_config") or {}
+            config = read_config_json(args.draft)
         except Exception:       # noqa: BLE001 -- a missing / bad directory is preflight's error to report
-            stored = {}
-        return stored.get("method") or "dflash"
+            config = {}
+        if "LlamaForCausalLMEagle3" in (config.get("architectures") or []):
+            return "eagle3"
+        return (config.get("dmtp_config") or {}).get("method") or "dflash"
+    if getattr(args, "eagle3", None):
+        return "eagle3"
     return "dmtp" if uses_demo(args) else "ar"
 
 

@@ -172,12 +172,21 @@ def test_export_reloads_bit_identically(target, drafter, published, tmp_path):
 
 
 @pytest.mark.parametrize("change", [{"hidden_size": 48}, {"vocab_size": 256}])
-def test_a_drafter_that_does_not_fit_is_refused_before_any_tensor(target, published, tmp_path, change):
+def test_a_drafter_that_does_not_fit_is_refused_before_any_load(target, published, peaked_target_dir, tmp_path,
+                                                                change, capsys, monkeypatch):
+    import infer
     _, _, config = published
     path = write_dir(str(tmp_path / "bad"), None, {**config, **change})     # no tensors at all
     with pytest.raises(ConfigError, match="EAGLE-3 drafter does not fit the target") as e:
         load_eagle3(path, target.cfg)
     assert "\n" not in str(e.value) and next(iter(change)) in str(e.value)
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the drafter was checked")
+    monkeypatch.setattr("dmtp_jax.checkpoint.hf.load_target", no_load)
+    rc = infer.main(["generate", "--target", peaked_target_dir, "--eagle3", path, "--prompt-ids", "1"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: EAGLE-3 drafter does not fit"), lines
 
 
 def test_greedy_eagle3_equals_ar_on_qwen3(greedy_decoder, ar_outputs):
@@ -212,12 +221,12 @@ def test_sampled_eagle3_is_lossless(target, drafter):
 
 
 def write_counting_data(path: str, n: int = 16, length: int = 40, seed: int = 0) -> str:
-    """Learnable records: each row counts up by a step of its own from a random start (mod 120), the
+    """Learnable records: each row counts up by one from a random start (mod 120), the
     first 4 tokens unsupervised."""
     rng = np.random.default_rng(seed)
     with open(path, "w") as fh:
         for _ in range(n):
-            start, step = rng.integers(0, 120), rng.integers(1, 4)
+            start, step = rng.integers(0, 120), 1
             fh.write(json.dumps({"input_ids": [int((start + step * i) % 120) for i in range(length)],
                                  "loss_mask": [0] * 4 + [1] * (length - 4)}) + "\n")
     return path
@@ -227,12 +236,12 @@ def test_train_eagle3_loss_falls_and_exports_the_published_layout(peaked_target_
     from dmtp_jax.train.export import export_run
     from dmtp_jax.train.run import run_training
     data = write_counting_data(str(tmp_path / "d.jsonl"))
-    cfg = tiny_train_config(peaked_target_dir, data, str(tmp_path / "run"), method="eagle3", steps=8,
+    cfg = tiny_train_config(peaked_target_dir, data, str(tmp_path / "run"), method="eagle3", steps=20,
                             batch_size=4, seq_len=40, block_size=4, lr=3e-2, warmup_steps=1,
-                            target_layer_ids=tuple(TAPS), checkpoint_every=8)
+                            target_layer_ids=tuple(TAPS), checkpoint_every=20)
     summary = run_training(cfg)
     losses = summary["losses"]
-    assert summary["compile_count"] == 1 and np.mean(losses[-2:]) < 0.85 * np.mean(losses[:2]), losses
+    assert summary["compile_count"] == 1 and np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
     assert summary["last"]["acc_1"] > 0 and summary["last"]["acc_2"] > 0     # the unrolled passes learn too
     export_run(str(tmp_path / "run"), str(tmp_path / "exported"))
     trained = load_eagle3(str(tmp_path / "exported"), target.cfg)
