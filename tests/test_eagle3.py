@@ -1,7 +1,8 @@
 """EAGLE-3: a checkpoint written in the published layout (from its documented key names and
 config fields) loads and computes what the published math says; an exported one is bit-identical;
 a drafter that does not fit the target is refused before any tensor is read; greedy `eagle3` equals
-`ar` on every row (Qwen3 and the hybrid Qwen3.5 target, drafts partly accepted); sampled `eagle3`
+`ar` on every row (Qwen3 and the hybrid Qwen3.5 target, drafts partly accepted), in `generate`
+and in the server's engine; sampled `eagle3`
 is lossless (chi-square); `train.py --method eagle3` lowers its loss and exports the published layout."""
 
 import json
@@ -195,6 +196,20 @@ def test_greedy_eagle3_equals_ar_on_qwen3(greedy_decoder, ar_outputs):
     lengths = [n for row in res.stats["acceptance_lengths"] for n in row]
     assert max(lengths) > 1 and min(lengths) == 1, "drafts must be partly accepted"
     assert greedy_decoder.compile_counts() == {"prefill": 1, "round": 1}
+
+
+def test_served_eagle3_equals_generate(greedy_decoder, ar_outputs):
+    """The server's engine (continuous batching: a row joins a running batch) on an eagle3 decoder:
+    every request's tokens are `ar`'s."""
+    from dmtp_jax.serve.engine import Engine, Request
+    engine = Engine(greedy_decoder, max_batch_size=4, max_model_len=64, stop_ids=[], buckets=(4,))
+    reqs = [engine.add(Request(p, NEW)) for p in PROMPTS[:3]]
+    engine.step()
+    reqs.append(engine.add(Request(PROMPTS[3], NEW)))
+    while engine.busy:
+        engine.step()
+    assert [r.output_ids for r in reqs] == ar_outputs
+    assert max(a for r in reqs for a in r.acceptance) > 1
 
 
 def test_greedy_eagle3_equals_ar_on_the_hybrid_target(tiny_qwen3_5_dir):

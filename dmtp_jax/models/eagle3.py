@@ -114,6 +114,24 @@ class Eagle3Config:
         }
 
 
+def default_eagle3_config(target_cfg, block_size: int = DEFAULT_BLOCK_SIZE, intermediate_size: int | None = None,
+                          layer_ids: tuple[int, ...] | None = None) -> Eagle3Config:
+    """A fresh drafter for a target: its attention shapes, its intermediate size (unless given), the
+    full vocabulary as the draft vocabulary, the published taps (unless given).
+
+    Example:
+        >>> default_eagle3_config(target.cfg).draft_vocab_size == target.cfg.vocab_size  # doctest: +SKIP
+        True
+    """
+    t = target_cfg
+    ids = tuple(layer_ids) if layer_ids else default_layer_ids(t.num_hidden_layers)
+    return Eagle3Config(hidden_size=t.hidden_size, intermediate_size=intermediate_size or t.intermediate_size,
+                        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                        head_dim=t.head_dim, vocab_size=t.vocab_size, draft_vocab_size=t.vocab_size,
+                        target_layer_ids=ids, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
+                        max_position_embeddings=t.max_position_embeddings, block_size=block_size)
+
+
 class DraftVocab(nnx.Variable):
     """The target id of every draft id (int32, not trained)."""
 

@@ -26,7 +26,7 @@ from flax import nnx
 from dmtp_jax.checkpoint.eagle3_ckpt import eagle3_config, init_eagle3, load_eagle3, save_eagle3
 from dmtp_jax.checkpoint.hf import LoadedModel, load_target
 from dmtp_jax.config import load_target_config
-from dmtp_jax.models.eagle3 import DraftVocab, Eagle3Config, Eagle3Drafter, default_layer_ids
+from dmtp_jax.models.eagle3 import DraftVocab, Eagle3Config, Eagle3Drafter, default_eagle3_config
 from dmtp_jax.sharding import batch_sharding, make_mesh
 from dmtp_jax.tokenizer import load_tokenizer
 from dmtp_jax.train.data import TokenDataset
@@ -38,20 +38,13 @@ DRAFT_VOCAB_FILE = "draft_vocab.npy"     # beside run_config.json: the target id
 
 
 def fresh_eagle3_config(cfg, target_cfg) -> Eagle3Config:
-    """The drafter a run starts from without `--init-from`: the target's attention shapes, its
-    intermediate size (or `--draft-intermediate-size`), the full vocabulary as the draft vocabulary,
-    the published taps (or `--target-layer-ids`) and the run's `--block-size`.
+    """The drafter a run starts from without `--init-from` (`models.eagle3.default_eagle3_config`):
+    `--draft-intermediate-size`, `--target-layer-ids` and `--block-size` when given.
 
     Example:
         >>> fresh_eagle3_config(TrainConfig(method="eagle3"), target.cfg).draft_vocab_size  # doctest: +SKIP
     """
-    t = target_cfg
-    ids = tuple(cfg.target_layer_ids) if cfg.target_layer_ids else default_layer_ids(t.num_hidden_layers)
-    return Eagle3Config(hidden_size=t.hidden_size, intermediate_size=cfg.draft_intermediate_size or t.intermediate_size,
-                        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-                        head_dim=t.head_dim, vocab_size=t.vocab_size, draft_vocab_size=t.vocab_size,
-                        target_layer_ids=ids, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
-                        max_position_embeddings=t.max_position_embeddings, block_size=cfg.block_size)
+    return default_eagle3_config(target_cfg, cfg.block_size, cfg.draft_intermediate_size, cfg.target_layer_ids)
 
 
 def eagle3_loss(drafter: Eagle3Drafter, target, tokens_bt: jax.Array, loss_mask_bt: jax.Array, passes: int,
