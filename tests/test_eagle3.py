@@ -94,8 +94,9 @@ def drafter(target, published):
 
 
 @pytest.fixture(scope="module")
-def greedy_decoder(target, drafter):
-    return make_decoder("eagle3", target, drafter, block_size=5)
+def decoder(target, drafter):
+    """One eagle3 decoder (greedy and sampled rounds; the exactness probe runs once)."""
+    return make_decoder("eagle3", target, drafter, block_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -190,19 +191,19 @@ def test_a_drafter_that_does_not_fit_is_refused_before_any_load(target, publishe
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: EAGLE-3 drafter does not fit"), lines
 
 
-def test_greedy_eagle3_equals_ar_on_qwen3(greedy_decoder, ar_outputs):
-    res = greedy_decoder.generate(PROMPTS, NEW, stop_ids=[])
+def test_greedy_eagle3_equals_ar_on_qwen3(decoder, ar_outputs):
+    res = decoder.generate(PROMPTS, NEW, stop_ids=[])
     assert res.output_ids == ar_outputs
     lengths = [n for row in res.stats["acceptance_lengths"] for n in row]
     assert max(lengths) > 1 and min(lengths) == 1, "drafts must be partly accepted"
-    assert greedy_decoder.compile_counts() == {"prefill": 1, "round": 1}
+    assert decoder.compile_counts() == {"prefill": 1, "round": 1}
 
 
-def test_served_eagle3_equals_generate(greedy_decoder, ar_outputs):
+def test_served_eagle3_equals_generate(decoder, ar_outputs):
     """The server's engine (continuous batching: a row joins a running batch) on an eagle3 decoder:
     every request's tokens are `ar`'s."""
     from dmtp_jax.serve.engine import Engine, Request
-    engine = Engine(greedy_decoder, max_batch_size=4, max_model_len=64, stop_ids=[], buckets=(4,))
+    engine = Engine(decoder, max_batch_size=4, max_model_len=64, stop_ids=[], buckets=(4,))
     reqs = [engine.add(Request(p, NEW)) for p in PROMPTS[:3]]
     engine.step()
     reqs.append(engine.add(Request(PROMPTS[3], NEW)))
@@ -214,7 +215,7 @@ def test_served_eagle3_equals_generate(greedy_decoder, ar_outputs):
 
 def test_greedy_eagle3_equals_ar_on_the_hybrid_target(tiny_qwen3_5_dir):
     hybrid = load_target(tiny_qwen3_5_dir)
-    cfg = fresh_eagle3_config(tiny_train_config(tiny_qwen3_5_dir, "", "", method="eagle3", block_size=4,
+    cfg = fresh_eagle3_config(tiny_train_config(tiny_qwen3_5_dir, "", "", method="eagle3", block_size=3,
                                                 target_layer_ids=(0, 1, 3)), hybrid.cfg)
     drafter = init_eagle3(cfg, seed=2)
     # the draft head is the target's (the boosted rows): drafts are partly accepted
@@ -230,9 +231,8 @@ def test_greedy_eagle3_equals_ar_on_the_hybrid_target(tiny_qwen3_5_dir):
     assert max(n for row in res.stats["acceptance_lengths"] for n in row) > 1
 
 
-def test_sampled_eagle3_is_lossless(target, drafter):
-    engine = make_decoder("eagle3", target, drafter, block_size=5)
-    assert_matches_target_joint(engine, target, PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
+def test_sampled_eagle3_is_lossless(target, decoder):
+    assert_matches_target_joint(decoder, target, PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
 
 
 def write_counting_data(path: str, n: int = 16, length: int = 40, seed: int = 0) -> str:
@@ -250,16 +250,16 @@ def write_counting_data(path: str, n: int = 16, length: int = 40, seed: int = 0)
 def test_train_eagle3_loss_falls_and_exports_the_published_layout(peaked_target_dir, target, tmp_path):
     from dmtp_jax.train.export import export_run
     from dmtp_jax.train.run import run_training
-    data = write_counting_data(str(tmp_path / "d.jsonl"))
+    data = write_counting_data(str(tmp_path / "d.jsonl"), length=32)
     cfg = tiny_train_config(peaked_target_dir, data, str(tmp_path / "run"), method="eagle3", steps=20,
-                            batch_size=4, seq_len=40, block_size=4, lr=3e-2, warmup_steps=1,
+                            batch_size=4, seq_len=32, block_size=3, lr=3e-2, warmup_steps=1,
                             target_layer_ids=tuple(TAPS), checkpoint_every=20)
     summary = run_training(cfg)
     losses = summary["losses"]
     assert summary["compile_count"] == 1 and np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
-    assert summary["last"]["acc_1"] > 0 and summary["last"]["acc_2"] > 0     # the unrolled passes learn too
+    assert summary["last"]["acc_1"] > 0      # the unrolled pass learns too
     export_run(str(tmp_path / "run"), str(tmp_path / "exported"))
     trained = load_eagle3(str(tmp_path / "exported"), target.cfg)
-    assert trained.cfg.block_size == 4 and trained.cfg.target_layer_ids == tuple(TAPS)
+    assert trained.cfg.block_size == 3 and trained.cfg.target_layer_ids == tuple(TAPS)
     assert {"d2t", "t2d", "fc.weight", "midlayer.self_attn.q_proj.weight"} <= set(
         CheckpointReader(str(tmp_path / "exported")).keys())
