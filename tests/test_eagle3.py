@@ -159,6 +159,30 @@ def test_published_layout_loads_and_matches_the_published_math(target, drafter, 
     assert drafter.cfg.target_layer_ids == tuple(TAPS) and drafter.cfg.draft_vocab_size == DRAFT_VOCAB
 
 
+def test_training_time_test_sees_what_the_decode_chain_sees(target, drafter, published):
+    """Pass k of `unrolled` at row p (teacher-forced tokens) equals the decode chain's step k from the
+    committed position p - k: the cache rows (features, next token) up to p - k, then the drafter's
+    own outputs."""
+    _, _, config = published
+    model, module = nnx.merge(target.graphdef, target.state), nnx.merge(drafter.graphdef, drafter.state)
+    rng = np.random.default_rng(2)
+    n, h, passes = 10, config["hidden_size"], 3
+    features = jnp.asarray(rng.standard_normal((1, n, 3 * h)).astype(np.float32))
+    tokens = jnp.asarray(rng.integers(0, config["vocab_size"], (1, n + 1)))
+    embeds = model.embed(tokens[:, 1:])                   # row p reads x_{p+1}
+    unrolled = module.unrolled(embeds, features, jnp.ones((1, n), bool), passes)
+    for p0 in (2, 5):                                     # the chain's last committed position
+        cache = KVCache.zeros(1, 1, 16, 2, 8, jnp.float32)
+        rows = jnp.arange(p0 + 1)[None]
+        hs, cache = module.step(embeds[:, :p0 + 1], module.fuse(features[:, :p0 + 1]), rows, cache)
+        g = hs[:, p0]
+        assert np.abs(np.asarray(g - unrolled[0, :, p0])).max() < 1e-4
+        for k in range(1, passes):
+            out, cache = module.step(embeds[:, p0 + k][:, None], g[:, None], jnp.array([[p0 + k]]), cache)
+            g = out[:, 0]
+            assert np.abs(np.asarray(g - unrolled[k, :, p0 + k])).max() < 1e-4, (p0, k)
+
+
 def test_export_reloads_bit_identically(target, drafter, published, tmp_path):
     path, tensors, _ = published
     save_eagle3(drafter, str(tmp_path / "exported"))
