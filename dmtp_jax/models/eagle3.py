@@ -257,22 +257,20 @@ class Eagle3Drafter(nnx.Module):
             qg = q.reshape(b, t, kv, heads // kv, -1)
             base = jnp.einsum("btkgd,bskd->bkgts", qg, keys[0], preferred_element_type=jnp.float32) * scale
             allowed = (idx[None, :] <= idx[:, None] - k)[None] & valid_bt[:, None, :]
-            scores = [jnp.where(allowed[:, None, None], base, -jnp.inf)]
-            shifted_v = []
-            for j in range(1, k + 1):       # pass j's key at position p - (k - j)
-                kj = jnp.roll(keys[j], k - j, axis=1)
-                vj = jnp.roll(values[j], k - j, axis=1)
-                d = jnp.einsum("btkgd,btkd->bkgt", qg, kj, preferred_element_type=jnp.float32) * scale
-                ok = (idx >= k - j)[None, None, None]
-                scores.append(jnp.where(ok, d, -jnp.inf)[..., None])
-                shifted_v.append(vj)
-            s = jnp.concatenate(scores, axis=-1)
-            s_max = jnp.max(s, axis=-1, keepdims=True)
-            w = jnp.exp(s - jnp.where(jnp.isfinite(s_max), s_max, 0.0))
+            scores = jnp.where(allowed[:, None, None], base, -jnp.inf)
+            if k:       # pass j's key at position p - (k - j), j = 1..k: one stacked "diagonal" per pass
+                shift = k - jnp.arange(1, k + 1)
+                dk = jnp.stack([jnp.roll(keys[j], k - j, axis=1) for j in range(1, k + 1)], axis=2)
+                dv = jnp.stack([jnp.roll(values[j], k - j, axis=1) for j in range(1, k + 1)], axis=2)
+                diag = jnp.einsum("btkgd,btjkd->bkgtj", qg, dk, preferred_element_type=jnp.float32) * scale
+                diag = jnp.where((idx[:, None] >= shift[None])[None, None, None], diag, -jnp.inf)
+                scores = jnp.concatenate([scores, diag], axis=-1)
+            s_max = jnp.max(scores, axis=-1, keepdims=True)
+            w = jnp.exp(scores - jnp.where(jnp.isfinite(s_max), s_max, 0.0))
             w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1e-30)
             out = jnp.einsum("bkgts,bskd->btkgd", w[..., :t].astype(values[0].dtype), values[0])
-            for j, vj in enumerate(shifted_v, start=1):
-                out = out + jnp.einsum("bkgt,btkd->btkgd", w[..., t + j - 1].astype(vj.dtype), vj)
+            if k:
+                out = out + jnp.einsum("bkgtj,btjkd->btkgd", w[..., t:].astype(dv.dtype), dv)
             h = self._finish(hidden, out.reshape(b, t, heads, -1))
             outs.append(h)
             hidden = jnp.pad(h[:, :-1], ((0, 0), (1, 0), (0, 0)))
