@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(g)
     g.add_argument("--method", default=None, choices=METHODS + (AUTO,),
                    help="ar (plain), mtp (native MTP chained --mtp-steps), dflash, dmtp (main: MTP's T1 + "
-                        "DFlash with two anchors), a DMTP ablation, or auto (measures the methods the models "
+                        "DFlash with two anchors), a DMTP ablation, eagle3 (an EAGLE-3 drafter, --eagle3 DIR), or auto (measures the methods the models "
                         "allow on the first request of each batch size and keeps the fastest; the verdict is "
                         "cached in $DMTP_JAX_CACHE/auto-verdicts.json). Default: " + DEFAULT_METHOD_HELP)
     method_args(g)
