@@ -80,6 +80,9 @@ def method_args(sp, verify_list: bool = False):
     `verify_list`: `--verify` takes a comma-separated list (bench runs every verifier)."""
     from dmtp_jax.options import VERIFY_MODES
     sp.add_argument("--draft", help="DFlash / DFlash2 / DMTP drafter directory (dflash, dmtp*)")
+    sp.add_argument("--eagle3", default=None, metavar="DIR",
+                    help="EAGLE-3 drafter directory (eagle3; the LlamaForCausalLMEagle3 layout of SpecForge / "
+                         "SGLang / vLLM, or `train.py export` of a --method eagle3 run)")
     sp.add_argument("--mtp", default=None, help="directory with the native MTP head (mtp, dmtp*; "
                                                 "default: the target directory)")
     sp.add_argument("--mtp-steps", type=int, default=None, help="chain length of mtp (default 4: MTP415)")
@@ -128,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(g)
     g.add_argument("--method", default=None, choices=METHODS + (AUTO,),
                    help="ar (plain), mtp (native MTP chained --mtp-steps), dflash, dmtp (main: MTP's T1 + "
-                        "DFlash with two anchors), a DMTP ablation, or auto (measures the methods the models "
+                        "DFlash with two anchors), a DMTP ablation, eagle3 (an EAGLE-3 drafter, --eagle3 DIR), or auto (measures the methods the models "
                         "allow on the first request of each batch size and keeps the fastest; the verdict is "
                         "cached in $DMTP_JAX_CACHE/auto-verdicts.json). Default: " + DEFAULT_METHOD_HELP)
     method_args(g)
@@ -292,10 +295,11 @@ def decoder_methods(args, target_dir: str, methods: list[str]) -> tuple[list[str
     from dmtp_jax import preflight
     from dmtp_jax.decode.auto import AUTO
     demo = uses_demo(args)
-    candidates = preflight.auto_candidates(target_dir, args.draft, args.mtp, demo) if AUTO in methods else []
+    eagle3 = getattr(args, "eagle3", None)
+    candidates = preflight.auto_candidates(target_dir, args.draft, args.mtp, demo, eagle3) if AUTO in methods else []
     built = list(dict.fromkeys([*(m for m in methods if m != AUTO), *candidates]))
-    preflight.check_method_models(built, target_dir, args.draft, args.mtp, demo_drafters=demo)
-    preflight.check_drafter_block(built, args.draft, args.block_size)
+    preflight.check_method_models(built, target_dir, args.draft, args.mtp, demo_drafters=demo, eagle3=eagle3)
+    preflight.check_drafter_block(built, args.draft, args.block_size, eagle3)
     return built, candidates
 
 
@@ -436,7 +440,8 @@ def run_bench(args) -> dict:
     target_dir = resolve_target(args.target)
     preflight.target_config(target_dir)             # "model directory not found" before anything else
     demo = uses_demo(args)
-    default_methods = f"ar,{default_method(args)}" if args.draft else (DEMO_METHODS if demo else "ar")
+    default_methods = (f"ar,{default_method(args)}" if args.draft or getattr(args, "eagle3", None)
+                       else DEMO_METHODS if demo else "ar")
     methods = [m.strip() for m in (args.methods or default_methods).split(",") if m.strip()]
     if args.workload is None:
         args.workload = os.path.join(DEMO_DIR, "prompts.jsonl") if demo else "gsm8k"
@@ -564,12 +569,16 @@ def default_method(args) -> str:
     from dmtp_jax.preflight import draft_is_target
     if args.draft:
         try:
-            stored = read_config_json(args.draft).get("dmtp_config") or {}
+            config = read_config_json(args.draft)
             if draft_is_target(args.draft):
                 return "draft-model"
         except Exception:       # noqa: BLE001 -- a missing / bad directory is preflight's error to report
-            stored = {}
-        return stored.get("method") or "dflash"
+            config = {}
+        if "LlamaForCausalLMEagle3" in (config.get("architectures") or []):
+            return "eagle3"
+        return (config.get("dmtp_config") or {}).get("method") or "dflash"
+    if getattr(args, "eagle3", None):
+        return "eagle3"
     return "dmtp" if uses_demo(args) else "ar"
 
 

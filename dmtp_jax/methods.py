@@ -63,5 +63,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     _dmtp(ADAPTIVE, 2, "t1-residual", proposer=ADAPTIVE),
     Method("lookup", proposer="lookup", slots=8),
     Method("draft-model", draft_model=True, proposer="draft-model", slots=5),
+    Method("eagle3", drafter=True, proposer="eagle3-chain", trains=True),
 )}
+EAGLE3 = "eagle3"       # its drafter is an EAGLE-3 one (`models/eagle3.py`), not a DFlash drafter
 DMTP_METHODS = tuple(m for m in METHODS if METHODS[m].fusion)

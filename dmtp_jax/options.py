@@ -35,7 +35,7 @@ from __future__ import annotations
 import numbers
 
 from dmtp_jax.errors import InputError, RequestError
-from dmtp_jax.methods import ADAPTIVE, METHODS
+from dmtp_jax.methods import ADAPTIVE, EAGLE3, METHODS
 
 DECODE_METHODS = tuple(METHODS)                                           # `infer.py --method`
 SPEC_METHODS = tuple(m for m in METHODS if METHODS[m].speculative)        # the speculative decoder's
@@ -215,7 +215,8 @@ def missing_model_error(method: str, kind: str) -> RequestError:
         >>> print(missing_model_error("dmtp", "mtp"))
         method 'dmtp' needs the target's native MTP head
     """
-    return RequestError(f"method '{method}' needs {MISSING_MODEL[kind]}")
+    what = "an EAGLE-3 drafter (--eagle3 DIR)" if method == EAGLE3 and kind == "drafter" else MISSING_MODEL[kind]
+    return RequestError(f"method '{method}' needs {what}")
 
 
 def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None, draft_model=None) -> None:
@@ -233,6 +234,9 @@ def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None, draf
     for kind, model in (("drafter", drafter), ("mtp", mtp), ("fusion", fusion), ("draft_model", draft_model)):
         if needs[kind] and model is None:
             raise missing_model_error(method, kind)
+    if needs["drafter"] and drafter.cfg.chained != (method == EAGLE3):
+        raise RequestError(f"method '{method}' needs " + ("an EAGLE-3 drafter (--eagle3 DIR)" if method == EAGLE3 else
+                                                         f"a DFlash drafter, not the EAGLE-3 one at {drafter.model_dir}"))
     if method == ADAPTIVE and drafter.cfg.version != 1:
         raise RequestError("dmtp-adaptive needs a DFlash (version 1) drafter")
 

@@ -8,9 +8,30 @@ Example:
 from __future__ import annotations
 
 from dmtp_jax.decode import method_needs
+from dmtp_jax.methods import EAGLE3
+
+
+def eagle3_dir(args) -> str | None:
+    """The EAGLE-3 drafter directory of CLI-style arguments: `--eagle3`, else a `--draft` directory
+    whose config names `LlamaForCausalLMEagle3`, else None.
+
+    Example:
+        >>> import argparse
+        >>> eagle3_dir(argparse.Namespace(eagle3="runs/e3", draft=None))
+        'runs/e3'
+    """
+    from dmtp_jax.checkpoint.eagle3_ckpt import is_eagle3_dir
+    draft = getattr(args, "draft", None)
+    return getattr(args, "eagle3", None) or (draft if draft and is_eagle3_dir(draft) else None)
 
 
 def _load_drafter(args, target, method):
+    if method == EAGLE3:
+        path = eagle3_dir(args)
+        if not path:
+            return None         # the factory then says that eagle3 needs --eagle3
+        from dmtp_jax.checkpoint.eagle3_ckpt import load_eagle3
+        return load_eagle3(path, target.cfg, args.dtype, target.mesh)
     if not getattr(args, "draft", None):
         return None             # the factory then says which method needs --draft
     from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
@@ -36,13 +57,13 @@ def _load_draft_model(args, target, method):
     return load_target(args.draft, args.dtype, target.mesh)
 
 
-# make_decoder keyword -> (loader(args, target, method) -> model or None, one model per method?).
-# Only the kinds `method_needs(method)` asks for are loaded. A new model kind is one line here.
+# make_decoder keyword -> (loader(args, target, method) -> model or None, which methods share one:
+# method -> key). Only the kinds `method_needs(method)` asks for are loaded. A new model kind is one line here.
 MODEL_LOADERS = {
-    "drafter": (_load_drafter, False),
-    "mtp": (_load_mtp, False),          # native MTP head: --mtp DIR, else the target directory
-    "fusion": (_load_fusion, True),     # DMTP fusion of --draft (zero fusion for a plain DFlash dir)
-    "draft_model": (_load_draft_model, False),  # draft-model: --draft is a smaller target of the same vocabulary
+    "drafter": (_load_drafter, lambda m: m == EAGLE3),  # --draft's DFlash drafter; eagle3: --eagle3's
+    "mtp": (_load_mtp, lambda m: None),         # native MTP head: --mtp DIR, else the target directory
+    "fusion": (_load_fusion, lambda m: m),      # DMTP fusion of --draft (zero fusion for a plain DFlash dir)
+    "draft_model": (_load_draft_model, lambda m: None),  # draft-model: --draft is a smaller target
 }
 
 
@@ -69,10 +90,10 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
     for method in methods:
         needs = method_needs(method)
         out[method] = {} if head is None or method == "ar" else {"draft_head": head}
-        for kind, (loader, per_method) in MODEL_LOADERS.items():
+        for kind, (loader, share) in MODEL_LOADERS.items():
             if not needs.get(kind):
                 continue
-            key = (kind, method if per_method else None)
+            key = (kind, share(method))
             if key not in loaded:
                 loaded[key] = loader(args, target, method)
             if loaded[key] is not None:

@@ -13,6 +13,7 @@ returns a `round.Proposal`. `propose` is `draft(first(...))`: `first` is MTP's f
 | `dmtp-adaptive`  | `AdaptiveProposer` | MTP, where confident | one pass: `dmtp`'s block or DFlash's, per row    |
 | `lookup`         | `LookupProposer`   | -                    | the row's longest recent n-gram match (`lookup.py`)|
 | `draft-model`    | `DraftModelProposer` | -                  | a smaller target chained (`draft_model.py`)      |
+| `eagle3`         | `Eagle3Proposer`   | -                    | the EAGLE-3 layer chained on its own outputs     |
 
 Proposers project to the vocabulary through the drafting side's head (`RoundModels.draft_logits`);
 verification always uses the full head. Run-time knobs are traced (`RoundKnobs`), so changing them
@@ -230,6 +231,30 @@ class DraftModelProposer(Proposer):
         return Proposal(drafts, q, state.mtp_cache, jnp.zeros(state.pending_b.shape, bool), cache)
 
 
+class Eagle3Proposer(Proposer):
+    """`eagle3`: the EAGLE-3 drafter chained k steps. T1 from the hidden its advance left (the target's
+    tapped features of the committed tokens); each later step runs its layer on (its own previous
+    output, the last drafted token) over a private copy of its cache (the speculative rows are
+    dropped: commit writes the accepted ones from the target's features). Draws stay inside its
+    draft vocabulary (`Eagle3Drafter.target_logits`)."""
+
+    def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
+        drafter, keys = models.drafter, self._keys(key)
+        h, cache = state.mtp_h_bh, state.ctx_cache
+        token, q = pick(drafter.target_logits(h), sp, keys[0], greedy)
+        drafts, qs = [token], [q]
+        for j in range(2, self.slots):
+            pos = (state.lengths_b + j - 2)[:, None]
+            h, cache = drafter.step(drafter.embed(token[:, None], models.target), h[:, None].astype(cache.k_lbskd.dtype),
+                                    pos, cache)
+            h = h[:, 0]
+            token, q = pick(drafter.target_logits(h), sp, keys[j - 1], greedy)
+            drafts.append(token)
+            qs.append(q)
+        q_all = None if greedy else jnp.stack(qs, axis=1)
+        return Proposal(jnp.stack(drafts, axis=1), q_all, state.mtp_cache, jnp.zeros(state.pending_b.shape, bool))
+
+
 class PlainProposer(Proposer):
     """`ar` on a speculative state: one verify slot, so the round is a plain target step that still
     advances the MTP and the drafter's context (a state can switch between plain and speculative
@@ -244,7 +269,7 @@ class PlainProposer(Proposer):
 # proposer kind (`methods.Method.proposer`) -> class
 PROPOSERS: dict[str, type[Proposer]] = {"dflash": DFlashProposer, "mtp-chain": MtpChainProposer, "dmtp": DmtpProposer,
                                         ADAPTIVE: AdaptiveProposer, "lookup": LookupProposer,
-                                        "draft-model": DraftModelProposer}
+                                        "draft-model": DraftModelProposer, "eagle3-chain": Eagle3Proposer}
 
 
 def make_proposer(method: str, slots: int, context_window: int = 4096) -> Proposer:

@@ -36,9 +36,9 @@ from dmtp_jax.sharding import kv_cache_sharding, replicated
 @dataclasses.dataclass
 class SpecState:
     target_cache: TargetCache   # K/V and, for hybrid targets, DeltaNet states (one protocol)
-    ctx_cache: KVCache | None   # drafter context K/V, [draft_layers, B, S, kv, D]
+    ctx_cache: KVCache | None   # drafter context K/V, [draft_layers, B, S, kv, D] (EAGLE-3: its own K/V)
     mtp_cache: KVCache | None   # MTP private K/V, [1, B, S, kv, D]
-    mtp_h_bh: jax.Array | None  # MTP pre-norm hidden that predicts the next T1
+    mtp_h_bh: jax.Array | None  # MTP (or EAGLE-3) pre-norm hidden that predicts the next T1
     lengths_b: jax.Array        # committed tokens in the target KV == position of the pending token
     pending_b: jax.Array        # last committed token (A), not yet run by the target
     tokens_bs: jax.Array | None = None          # the row's tokens at slot == position, A at L (int32)
@@ -218,6 +218,26 @@ def write_context(drafter, fusion, ctx_cache: KVCache, captured, positions_bt: j
                    write_all_layers(ctx_cache.v_lbskd, v, positions_bt))
 
 
+def chained_advance(models: RoundModels, state: SpecState, fwd: VerifyForward, acc_b, bonus_b, active_b):
+    """A chained drafter's (EAGLE-3's) advance: its cache rows `(features of verify row j, next
+    committed token)` at positions L+j for j <= accepted (the rest go to scratch), and the output of
+    the last accepted row, which predicts the next first candidate. Returns `(cache, hidden [B, H])`.
+
+    Example:
+        >>> ctx, h_bh = chained_advance(models, state, fwd, acc, bonus, active_b)  # doctest: +SKIP
+    """
+    drafter = models.drafter
+    n = fwd.tokens_bn.shape[1]
+    j = jnp.arange(n)[None]
+    shifted = jnp.concatenate([fwd.tokens_bn[:, 1:], fwd.tokens_bn[:, :1]], axis=1)
+    nxt = jnp.where(j < acc_b[:, None], shifted, bonus_b[:, None])
+    valid = (j <= acc_b[:, None]) & active_b[:, None]
+    pos = jnp.where(valid, fwd.positions_bn, state.ctx_cache.max_len)
+    h, ctx = drafter.step(drafter.embed(nxt, models.target), drafter.fuse(jnp.concatenate(fwd.out.captured, -1)),
+                          pos, state.ctx_cache, acc_b)
+    return ctx, jnp.where(active_b[:, None], h.astype(state.mtp_h_bh.dtype), state.mtp_h_bh)
+
+
 def commit(models: RoundModels, state: SpecState, proposal: Proposal, fwd: VerifyForward, acc_b, bonus_b,
            active_b) -> tuple[SpecState, jax.Array]:
     """`(next state, tokens [B, n])`: a row commits `tokens[:accepted + 1]` (bonus at `accepted`) and
@@ -228,7 +248,9 @@ def commit(models: RoundModels, state: SpecState, proposal: Proposal, fwd: Verif
     ctx, mtp_cache, mtp_h, mtp_rows = state.ctx_cache, proposal.mtp_cache, state.mtp_h_bh, None
     if models.mtp is not None:
         mtp_cache, mtp_h, mtp_rows = mtp_advance(models, state, mtp_cache, fwd, acc_b, bonus_b, active_b)
-    if drafter is not None:
+    if drafter is not None and drafter.chained:    # EAGLE-3: rows (features, next token), as the MTP's
+        ctx, mtp_h = chained_advance(models, state, fwd, acc_b, bonus_b, active_b)
+    elif drafter is not None:
         ctx = write_context(drafter, models.fusion, ctx, fwd.out.captured, fwd.positions_bn, mtp_rows)
     drafts = proposal.drafts_bn         # [B, n-1]; n = 1 (no drafts) is a plain step
     slot = jnp.arange(drafts.shape[1] + 1)[None]
@@ -277,7 +299,14 @@ def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state
         mtp_pos = jnp.where(positions < lengths_b[:, None], positions + 1, state.mtp_cache.max_len)
         h, mtp_cache = mtp(target.embed(nxt), out.hidden_bth, mtp_pos, state.mtp_cache)
         mtp_h = jnp.where(res.ends_b[:, None], gather_rows(h, res.last_b), state.mtp_h_bh)
-    if drafter is not None:      # MTP row i (h_i, x_{i+1}) is aligned with context position i
+    if drafter is not None and drafter.chained:     # row i pairs the features at i with x_{i+1}
+        nxt = jnp.concatenate([tokens_bt[:, 1:], next_b[:, None]], axis=1)
+        nxt = jnp.where(positions == lengths_b[:, None] - 1, first[:, None], nxt)
+        pos = jnp.where(positions < lengths_b[:, None], positions, state.ctx_cache.max_len)
+        h_last, ctx = drafter.step(drafter.embed(nxt, target), drafter.fuse(jnp.concatenate(out.captured, -1)), pos,
+                                   state.ctx_cache, res.last_b)
+        mtp_h = jnp.where(res.ends_b[:, None], h_last.astype(state.mtp_h_bh.dtype), state.mtp_h_bh)
+    elif drafter is not None:      # MTP row i (h_i, x_{i+1}) is aligned with context position i
         ctx = write_context(drafter, models.fusion, state.ctx_cache, out.captured, positions, h)
     draft_cache = state.draft_cache
     if models.draft_model is not None:

@@ -141,6 +141,8 @@ def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: Loade
     if drafter is not None:
         d = drafter.cfg
         ctx = new_kv_cache(mesh, kv_cache_shape(d, batch, max_len, mesh, d.num_hidden_layers), drafter.state_dtype)
+        if d.chained:       # EAGLE-3: the hidden its chain starts from
+            mtp_h = jax.device_put(np.zeros((batch, d.hidden_size), drafter.state_dtype), rep)
     if mtp is not None:
         c = target.cfg
         mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, 1), mtp.state_dtype)

@@ -165,6 +165,7 @@ class DFlashLayer(nnx.Module):
 
 class DFlashDrafter(nnx.Module):
     """The DFlash / DFlash2 drafter; every method is a pure function of params and inputs."""
+    chained = False     # its context rows are target features only (`decode/round.py:commit`)
 
     def __init__(self, dcfg: DFlashConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = dcfg

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from dmtp_jax.config import ConfigError, validate_decoder_stack
 from dmtp_jax.hf_config import require, stack_fields
@@ -67,6 +67,7 @@ class DFlashConfig:
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    chained: ClassVar[bool] = False     # an EAGLE-3 drafter's config says True (`models/eagle3.py`)
 
     def __post_init__(self):
         where = f"drafter config (DFlash v{self.version})"

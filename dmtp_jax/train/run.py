@@ -12,10 +12,12 @@ from dmtp_jax.checkpoint.hf import load_target
 from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
 from dmtp_jax.config import load_target_config
 from dmtp_jax.errors import InputError
+from dmtp_jax.methods import EAGLE3
 from dmtp_jax.sharding import make_mesh
 from dmtp_jax.tokenizer import load_tokenizer
 from dmtp_jax.train.checkpoints import latest_complete
 from dmtp_jax.train.config import TrainConfig, fresh_drafter_config
+from dmtp_jax.train.eagle3 import eagle3_setup, run_drafter_config
 from dmtp_jax.train.data import BatchIterator, TokenDataset, process_rows
 from dmtp_jax.train.loop import run_loop
 from dmtp_jax.train.loss import method_layout, uses_mtp
@@ -28,6 +30,9 @@ log = logging.getLogger(__name__)
 def setup(cfg: TrainConfig):
     """`(target, params, trainer, batches)`: the loaded target, the drafter's starting params,
     the `Trainer` and its `DrafterBatches`."""
+    if cfg.method == EAGLE3:
+        target, trainer, dataset = eagle3_setup(cfg)
+        return target, trainer.initial_params(cfg.seed), trainer, drafter_batches(cfg, trainer, dataset)
     cfg.validate()
     method_layout(cfg.method, cfg.block_size)           # unknown methods end here
     # cheap checks before any model is loaded: the target's config, the mesh, the data file
@@ -61,11 +66,16 @@ def setup(cfg: TrainConfig):
                       ce_chunk=cfg.ce_chunk, remat=cfg.remat)
     ocfg = optim_config(cfg)
     trainer = Trainer(target, dcfg, scfg, ocfg, mesh, mtp=mtp)
-    shape = (cfg.batch_size, cfg.seq_len)
-    batches = DrafterBatches(BatchIterator(dataset, cfg.batch_size, process_rows(trainer.batch_sharding(shape), shape),
-                                           seed=cfg.seed), trainer, shape)
     params = {"drafter": drafter.state, **({"fusion": fusion.state} if fusion is not None else {})}
-    return target, params, trainer, batches
+    return target, params, trainer, drafter_batches(cfg, trainer, dataset)
+
+
+def drafter_batches(cfg: TrainConfig, trainer, dataset) -> "DrafterBatches":
+    """The run's `DrafterBatches` over `dataset` (global `[batch_size, seq_len]`, at the trainer's
+    batch sharding)."""
+    shape = (cfg.batch_size, cfg.seq_len)
+    return DrafterBatches(BatchIterator(dataset, cfg.batch_size, process_rows(trainer.batch_sharding(shape), shape),
+                                        seed=cfg.seed), trainer, shape)
 
 
 class DrafterBatches:
@@ -94,8 +104,8 @@ def run_training(cfg: TrainConfig) -> dict:
     if not cfg.resume and latest_complete(cfg.out) is not None:       # before any model is loaded
         raise InputError(f"{cfg.out} already has checkpoints; pass --resume to continue or use a new --out")
     _, params, trainer, batches = setup(cfg)
-    _, summary = run_loop(cfg.run_options(), trainer, params, batches,
-                          {"train": cfg.to_json(), "drafter": trainer.dcfg.to_hf_dict()})
+    drafter = run_drafter_config(trainer, cfg.out) if cfg.method == EAGLE3 else trainer.dcfg.to_hf_dict()
+    _, summary = run_loop(cfg.run_options(), trainer, params, batches, {"train": cfg.to_json(), "drafter": drafter})
     malformed = batches.dataset.malformed
     if malformed:
         log.warning("%d malformed records were skipped", malformed)
