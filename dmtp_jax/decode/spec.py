@@ -50,7 +50,7 @@ from dmtp_jax.checkpoint.hf import LoadedModel
 from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.ar import GenerationResult
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
-from dmtp_jax.decode.caches import TargetCaches, kv_cache_shape, new_kv_cache
+from dmtp_jax.decode.caches import TargetCaches, kv_cache_shape, kv_cache_value_dim, new_kv_cache
 from dmtp_jax.decode.multi_round import feed_rounds, pad_stop_ids, run_rounds
 from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK, prefill_chunks
 from dmtp_jax.decode.proposers import PROPOSERS, Proposer, RoundKnobs, make_proposer
@@ -180,7 +180,8 @@ def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: Loade
         ctx = new_kv_cache(mesh, kv_cache_shape(d, batch, max_len, mesh, d.num_hidden_layers), drafter.state_dtype)
     if mtp is not None:
         c = target.cfg
-        mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, 1), mtp.state_dtype)
+        mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, 1), mtp.state_dtype,
+                                 kv_cache_value_dim(c))
         mtp_h = jax.device_put(np.zeros((batch, c.hidden_size), mtp.state_dtype), rep)
     return SpecState(caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros())
 
