@@ -120,9 +120,9 @@ def grouped_sigmoid_top_k(x_nh: jax.Array, router_he: jax.Array, bias_e: jax.Arr
     the weights are the plain scores of those, optionally renormalised, times `scaling`.
 
     Example:
-        >>> w, e = grouped_sigmoid_top_k(jnp.ones((1, 2)), jnp.eye(2, 4), jnp.zeros(4), 1, 2, 1, True, 2.5)
+        >>> w, e = grouped_sigmoid_top_k(jnp.array([[1.0, 0.5]]), jnp.eye(2, 4), jnp.zeros(4), 1, 2, 1, True, 2.5)
         >>> e.tolist(), w.tolist()
-        [[0]], [[2.5]]
+        ([[0]], [[2.5]])
     """
     e = router_he.shape[-1]
     scores_ne = jax.nn.sigmoid(x_nh.astype(jnp.float32) @ router_he.astype(jnp.float32))
