@@ -120,35 +120,59 @@ def build(family, out_dir, seed):
     return model, layer
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """`get(family)`: its tiny checkpoint (built once per module), the HF model, the torch next-token
+    layer, and our target and MTP head loaded from the directory."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            d = str(tmp_path_factory.mktemp(name))
+            model, layer = build(name, d, seed=len(name))
+            target = load_target(d)
+            made[name] = dict(name=name, dir=d, hf=model, nextn=layer, target=target, mtp=load_mtp(d, target.cfg))
+        return made[name]
+    return get
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
-    d = str(tmp_path_factory.mktemp(request.param))
-    model, layer = build(request.param, d, seed=len(request.param))
-    target = load_target(d)
-    return dict(name=request.param, dir=d, hf=model, nextn=layer, target=target, mtp=load_mtp(d, target.cfg))
+def family(request, checkpoints):
+    return checkpoints(request.param)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def uncached_logits(graphdef, state, mtp_graphdef, mtp_state, ids_bt):
+    """The target's logits of a whole sequence (no cache), and the MTP head's over every row
+    `(h_t, x_{t+1})` at position t + 1 (one compile per family)."""
+    tm, mm = nnx.merge(graphdef, state), nnx.merge(mtp_graphdef, mtp_state)
+    b, t = ids_bt.shape
+    out = tm(ids_bt, jnp.broadcast_to(jnp.arange(t), (b, t)))
+    h, _ = mm(tm.embed(ids_bt[:, 1:]), out.hidden_bth[:, :-1], jnp.broadcast_to(jnp.arange(1, t), (b, t - 1)))
+    return tm.logits(out.hidden_bth), tm.logits(mm.post_norm(h))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def forward(graphdef, state, ids_bt, positions_bt, cache=None):
-    """The target's fp32 logits and cache (one compile per shape)."""
+def cached_logits(graphdef, state, ids_bt, positions_bt, cache):
+    """The target's logits of new tokens through a cache, and the cache."""
     model = nnx.merge(graphdef, state)
     out = model(ids_bt, positions_bt, cache)
     return model.logits(out.hidden_bth), out.cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def mtp_logits(graphdef, state, mtp_graphdef, mtp_state, ids_bt):
-    """Logits of the MTP head over every row `(h_t, x_{t+1})` at position t + 1."""
-    tm, mm = nnx.merge(graphdef, state), nnx.merge(mtp_graphdef, mtp_state)
-    n = ids_bt.shape[1] - 1
-    hidden = tm(ids_bt, jnp.arange(n + 1)[None]).hidden_bth[:, :-1]
-    out, _ = mm(tm.embed(ids_bt[:, 1:]), hidden, jnp.arange(1, n + 1)[None])
-    return tm.logits(mm.post_norm(out))
-
-
 def hf_logits(model, ids):
     with torch.no_grad():
         return model(torch.tensor(ids)).logits.numpy()
+
+
+IDS = np.array([PROMPTS[2], PROMPTS[0] + PROMPTS[3] + [9, 70, 3, 11]], np.int32)     # [2, 13]
+
+
+@pytest.fixture(scope="module")
+def ours(family):
+    target, mtp = family["target"], family["mtp"]
+    return tuple(map(np.asarray, uncached_logits(target.graphdef, target.state, mtp.graphdef, mtp.state,
+                                                 jnp.asarray(IDS))))
 
 
 def test_config_reads_the_mla_fields(family):
@@ -161,59 +185,50 @@ def test_config_reads_the_mla_fields(family):
     assert bool(cfg.rope_scaling) == (family["name"] == "deepseek_v3")
 
 
-def test_logits_match_transformers(family):
+def test_logits_match_transformers(family, ours):
     """fp32 logits of the whole forward (no cache: the latent attention over the prompt's own
     latents) within 1e-4 of transformers, for two rows of different content."""
+    assert np.abs(ours[0] - hf_logits(family["hf"], IDS)).max() < 1e-4
+
+
+def test_latent_cache_holds_one_latent_per_token_and_chunks_match(family):
+    """The cache is `[layers, B, S, 1, kv_lora_rank + rope]` (values zero-wide), and two 6-token
+    chunks through it (the second reads the first's latents) give transformers' logits. One-token
+    steps through it are the decode tests' `ar`."""
     target = family["target"]
-    ids = np.array([PROMPTS[2][:12], PROMPTS[0] + PROMPTS[3] + [9, 70, 3]], np.int32)
-    want = hf_logits(family["hf"], ids)
-    got = np.asarray(forward(target.graphdef, target.state, jnp.asarray(ids), jnp.broadcast_to(jnp.arange(12), (2, 12)))[0])
-    assert np.abs(got - want).max() < 1e-4
+    cache = TargetCaches(target).new(2, 32)
+    assert cache.kv.k_lbskd.shape == (2, 2, 32, 1, 16 + 8) and cache.kv.v_lbskd.shape[-1] == 0
+    assert state_bytes_per_row(target.cfg, 32, dtype_bytes=2)["kv"] == 2 * 32 * (16 + 8) * 2
+    logits = []
+    for start in (0, 6):
+        pos = jnp.broadcast_to(jnp.arange(start, start + 6), (2, 6))
+        step, cache = cached_logits(target.graphdef, target.state, jnp.asarray(IDS[:, start:start + 6]), pos, cache)
+        logits.append(np.asarray(step))
+    assert np.abs(np.concatenate(logits, axis=1) - hf_logits(family["hf"], IDS)[:, :12]).max() < 1e-4
 
 
-def test_latent_cache_holds_one_latent_per_token_and_decode_matches(family):
-    """The cache is `[layers, B, S, 1, kv_lora_rank + rope]` (values zero-wide), and prefill then
-    one-token decode steps through it give transformers' logits of the whole sequence."""
-    target = family["target"]
-    cfg = target.cfg
-    cache = TargetCaches(target).new(1, 32)
-    assert cache.kv.k_lbskd.shape == (2, 1, 32, 1, 16 + 8) and cache.kv.v_lbskd.shape[-1] == 0
-    assert state_bytes_per_row(cfg, 32, dtype_bytes=2)["kv"] == 2 * 32 * (16 + 8) * 2
-    ids = PROMPTS[2]
-    first, cache = forward(target.graphdef, target.state, jnp.asarray([ids[:8]]), jnp.arange(8)[None], cache)
-    logits = [np.asarray(first)[0]]
-    for t in range(8, len(ids)):
-        step, cache = forward(target.graphdef, target.state, jnp.asarray([[ids[t]]]), jnp.asarray([[t]]), cache)
-        logits.append(np.asarray(step)[0])
-    assert np.abs(np.concatenate(logits) - hf_logits(family["hf"], [ids])[0]).max() < 1e-4
-
-
-def test_nextn_layer_is_the_mtp_head(family):
+def test_nextn_layer_is_the_mtp_head(family, ours):
     """Our MTP head loaded from `model.layers.{L}.*` equals the next-token layer's formula in torch:
     `shared_head.norm(block(eh_proj([enorm(embed(x_{t+1})) ; hnorm(h_t)])))` -> the target's head,
     rows at positions t + 1, causal over the layer's own rows."""
     hf, layer = family["hf"], family["nextn"]
-    ids = torch.tensor([PROMPTS[2]])
+    ids = torch.tensor(IDS)
     n = ids.shape[1] - 1
     with torch.no_grad():
         h = hf.model(ids).last_hidden_state[:, :-1]
-        pos = torch.arange(1, n + 1)[None]
+        pos = torch.arange(1, n + 1)[None].expand(2, n)
         u = layer["eh_proj"](torch.cat([layer["enorm"](hf.model.embed_tokens(ids[:, 1:])), layer["hnorm"](h)], -1))
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
         y = layer["block"](u, attention_mask=mask, position_ids=pos,
                            position_embeddings=hf.model.rotary_emb(u, pos))
         want = hf.lm_head(layer["head_norm"](y)).numpy()
-    target, mtp = family["target"], family["mtp"]
-    got = np.asarray(mtp_logits(target.graphdef, target.state, mtp.graphdef, mtp.state, jnp.asarray(ids.numpy())))
-    assert np.abs(got - want).max() < 1e-4
+    assert np.abs(ours[1] - want).max() < 1e-4
 
 
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("ds-decode"))
-    build("deepseek_v3", d, seed=11)
-    target = load_target(d)
-    return target, load_mtp(d, target.cfg)
+def deepseek(checkpoints):
+    made = checkpoints("deepseek_v3")
+    return made["target"], made["mtp"]
 
 
 @pytest.fixture(scope="module")
