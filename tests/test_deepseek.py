@@ -246,7 +246,7 @@ def drafters(deepseek, tmp_path_factory):
 def decoder(method, deepseek, drafters, **options):
     target, mtp = deepseek
     if method == "mtp":
-        return make_decoder("mtp", target, None, mtp=mtp, **options)
+        return make_decoder("mtp", target, None, mtp=mtp, mtp_steps=2, **options)
     if method == "dflash":
         return make_decoder("dflash", target, drafters[0], **options)
     drafter, fusion = drafters[1]
