@@ -280,7 +280,8 @@ def load_target(model_dir: str, dtype="float32", mesh: Mesh | None = None,
     rules = image_text_rules(target_rules(cfg)) if image_text else target_rules(cfg)
     state, used = load_params(abstract, reader, mesh, dtype, rules=rules, mesh_rules=mesh_rules)
     unexpected = [k for k in reader.keys() if k not in used and not k.startswith(IGNORED_PREFIXES)
-                  and not k.endswith(IGNORED_SUFFIXES) and not is_nextn_tensor(k, cfg.num_hidden_layers)
+                  and not k.endswith(IGNORED_SUFFIXES)
+                  and not (cfg.is_mla and is_nextn_tensor(k, cfg.num_hidden_layers))
                   and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
