@@ -16,7 +16,8 @@ import os
 from typing import Any
 
 from dmtp_jax.errors import ConfigError, InputError  # noqa: F401  (ConfigError re-exported: callers import it from here)
-from dmtp_jax.hf_config import FAMILIES, HYBRID_FAMILIES, MLA_FAMILIES, mla_fields, require, stack_fields
+from dmtp_jax.hf_config import (FAMILIES, HYBRID_FAMILIES, MLA_FAMILIES, mla_fields, require,
+                                stack_fields)
 
 SUPPORTED_TARGET_TYPES = FAMILIES
 # Hybrid (Gated DeltaNet + gated attention) families and the text-only spellings of their saves.
