@@ -263,7 +263,8 @@ def test_greedy_methods_equal_ar_on_deepseek(method, deepseek, drafters, ar_outp
     engine = decoder(method, deepseek, drafters)
     res = engine.generate(PROMPTS, 16, stop_ids=[])
     assert res.output_ids == ar_output
-    assert res.stats["histogram"][0] > 0 or method == "mtp"
+    hist = res.stats["histogram"]
+    assert hist[0] > 0 and sum(hist[1:]) > 0, f"acceptance should be partial, got {hist}"
     assert engine.compile_counts() == {"prefill": 1, "round": 1}
 
 
