@@ -25,7 +25,8 @@ from typing import Any
 from dmtp_jax.errors import ConfigError
 
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-FAMILIES = ("qwen3", "qwen3_moe") + HYBRID_FAMILIES
+MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite")      # MLA attention + DeepSeek MoE (`mla_fields`)
+FAMILIES = ("qwen3", "qwen3_moe") + HYBRID_FAMILIES + MLA_FAMILIES
 DEFAULT_SLIDING_WINDOW = 4096      # Qwen3Config / Qwen3MoeConfig
 DEFAULT_MAX_WINDOW_LAYERS = 28     # Qwen3Config
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
@@ -49,8 +50,10 @@ def rope(d: dict, where: str, family: str = "qwen3") -> tuple[float, float]:
     """
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only 'default')")
+    allowed = ("default", "yarn") if family in MLA_FAMILIES else ("default",)
+    if rope_type not in allowed + (None,):
+        raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only "
+                          f"{' or '.join(repr(a) for a in allowed)})")
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
     default_factor = HYBRID_ROTARY_FACTOR if family in HYBRID_FAMILIES else 1.0
     factor = params.get("partial_rotary_factor", d.get("partial_rotary_factor", default_factor))
@@ -93,6 +96,8 @@ def default_head_dim(family: str, hidden: int, n_heads: int) -> int:
     """`head_dim` when the config leaves it out (module table)."""
     if family == "qwen3_moe":
         return hidden // n_heads
+    if family in MLA_FAMILIES:
+        return 192       # DeepSeek-V3's qk_nope_head_dim + qk_rope_head_dim (`mla_fields` sets the real one)
     return 256 if family in HYBRID_FAMILIES else 128
 
 
@@ -123,4 +128,53 @@ def stack_fields(d: dict[str, Any], family: str, where: str) -> dict[str, Any]:
         attention_bias=bool(d.get("attention_bias", False)),
         layer_types=layer_types(d, family, n_layers, window),
         sliding_window=window,
+    )
+
+
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate")
+
+
+def mla_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """The DeepSeek-V3 / GLM-4.7-Flash (`glm4_moe_lite`) fields (transformers' config defaults where
+    a key is absent): MLA sizes (`q_lora_rank` 0 = a plain `q_proj`), the query / key head dim
+    `qk_nope_head_dim + qk_rope_head_dim` as `head_dim` (rotary on its last `qk_rope_head_dim`),
+    one K/V "head" per query head, DeepSeek MoE routing, which layers are dense, the yarn RoPE
+    parameters and the next-token layers (`num_nextn_predict_layers`).
+
+    Example:
+        >>> f = mla_fields({"num_hidden_layers": 3, "first_k_dense_replace": 1, "q_lora_rank": None,
+        ...                 "num_attention_heads": 4}, "x")
+        >>> f["q_lora_rank"], f["head_dim"], f["mlp_only_layers"]
+        (0, 192, (0,))
+    """
+    n_layers = int(require(d, "num_hidden_layers", where))
+    nope, rope_dim = int(d.get("qk_nope_head_dim", 128)), int(d.get("qk_rope_head_dim", 64))
+    if d.get("mlp_layer_types"):
+        dense = tuple(i for i, t in enumerate(d["mlp_layer_types"]) if t != "sparse")
+    else:
+        first = d.get("first_k_dense_replace")
+        first = (1 if d.get("model_type") == "glm4_moe_lite" else 3) if first is None else int(first)
+        dense = tuple(range(min(first, n_layers)))
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    yarn = params.get("rope_type", params.get("type")) == "yarn"
+    scaling = tuple((k, params[k]) for k in YARN_KEYS if yarn and params.get(k) is not None)
+    if yarn and "original_max_position_embeddings" not in dict(scaling):
+        scaling += (("original_max_position_embeddings", int(d.get("max_position_embeddings", 4096))),)
+    n_heads = int(require(d, "num_attention_heads", where))
+    return dict(
+        q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(d.get("kv_lora_rank", 512)),
+        qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=int(d.get("v_head_dim") or 128),
+        head_dim=nope + rope_dim, num_key_value_heads=n_heads,
+        partial_rotary_factor=rope_dim / (nope + rope_dim), rope_interleave=bool(d.get("rope_interleave", True)),
+        rope_scaling=scaling,
+        num_experts=int(d.get("n_routed_experts") or d.get("num_local_experts") or 0),
+        num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+        shared_expert_intermediate_size=int(d.get("moe_intermediate_size") or 0) * int(d.get("n_shared_experts") or 0),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        n_group=int(d.get("n_group") or 1), topk_group=int(d.get("topk_group") or 1),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        mlp_only_layers=dense,
+        mtp_num_hidden_layers=int(d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0),
     )

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from dmtp_jax.checkpoint.mla_names import is_nextn_tensor, mla_target_rules
 from dmtp_jax.checkpoint.safetensors_io import CheckpointError, CheckpointReader, write_sharded
 from dmtp_jax.config import TargetConfig, load_target_config
 from dmtp_jax.models import build_target
@@ -53,6 +54,11 @@ TEXT_PREFIX, IMAGE_TEXT_PREFIX = "model.", "model.language_model."
 # Tensors a target directory may carry that the target itself does not use.
 IGNORED_PREFIXES = ("mtp.", "model.visual.")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def target_rules(cfg: TargetConfig):
+    """The name table of `cfg`'s family (the MLA families add theirs, `checkpoint/mla_names.py`)."""
+    return mla_target_rules(QWEN_NAME_RULES) if cfg.is_mla else QWEN_NAME_RULES
 
 
 def image_text_rules(rules=QWEN_NAME_RULES):
@@ -246,10 +252,11 @@ def load_target(model_dir: str, dtype="float32", mesh: Mesh | None = None,
     graphdef, abstract = abstract_target(cfg, dtype, scan_layers)
     reader = CheckpointReader(model_dir)
     image_text = f"{IMAGE_TEXT_PREFIX}embed_tokens.weight" in reader
-    rules = image_text_rules() if image_text else QWEN_NAME_RULES
+    rules = image_text_rules(target_rules(cfg)) if image_text else target_rules(cfg)
     state, used = load_params(abstract, reader, mesh, dtype, rules=rules, mesh_rules=mesh_rules)
     unexpected = [k for k in reader.keys() if k not in used and not k.startswith(IGNORED_PREFIXES)
                   and not k.endswith(IGNORED_SUFFIXES)
+                  and not (cfg.is_mla and is_nextn_tensor(k, cfg.num_hidden_layers))
                   and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
@@ -277,7 +284,7 @@ def save_target(target: LoadedTarget, out_dir: str, dtype=None, max_shard_bytes:
                 extra_tensors: dict[str, np.ndarray] | None = None, copy_files_from: str | None = None):
     """Writes `config.json` + safetensors (sharded with an index past `max_shard_bytes`), `extra_tensors`
     (e.g. `mtp.*`) alongside, tokenizer and generation files copied from `copy_files_from`."""
-    tensors = export_tensors(target.state, dtype=dtype)
+    tensors = export_tensors(target.state, rules=target_rules(target.cfg), dtype=dtype)
     tensors.update(extra_tensors or {})
     os.makedirs(out_dir, exist_ok=True)
     write_sharded(out_dir, tensors, max_shard_bytes)

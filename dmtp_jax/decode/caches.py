@@ -27,14 +27,17 @@ if TYPE_CHECKING:
 
 
 @functools.lru_cache(maxsize=None)
-def _zeros_cache_maker(mesh, shape, dtype):
+def _zeros_cache_maker(mesh, shape, dtype, v_shape):
     s = kv_cache_sharding(mesh, shape)
-    return jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), out_shardings=KVCache(s, s))
+    return jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(v_shape, dtype)), out_shardings=KVCache(s, s))
 
 
-def new_kv_cache(mesh, shape, dtype) -> KVCache:
-    """A zero KV cache `[layers, B, S, kv, D]` created at its mesh sharding."""
-    return _zeros_cache_maker(mesh, tuple(shape), jnp.dtype(dtype))()
+def new_kv_cache(mesh, shape, dtype, value_dim: int | None = None) -> KVCache:
+    """A zero KV cache `[layers, B, S, kv, D]` created at its mesh sharding; `value_dim`: the values'
+    last dim when it is not the keys' (`kv_cache_value_dim`: 0 for an MLA latent cache)."""
+    shape = tuple(shape)
+    v_shape = shape if value_dim is None else shape[:-1] + (value_dim,)
+    return _zeros_cache_maker(mesh, shape, jnp.dtype(dtype), v_shape)()
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,8 +48,21 @@ def _zeros_maker(mesh, shape, dtype):
 def kv_cache_shape(cfg, batch: int, max_len: int, mesh=None, layers: int | None = None) -> tuple[int, ...]:
     """`[attention layers (or layers), B, S, kv_heads, head_dim]`, the KV heads as laid out on `mesh`
     (`sharding.cache_kv_heads`; the model's own without one)."""
-    heads = cache_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads, mesh)
-    return (len(cfg.attention_layers) if layers is None else layers, batch, max_len, heads, cfg.head_dim)
+    kv, q_heads, k_dim, _ = cache_dims(cfg)
+    heads = cache_kv_heads(kv, q_heads, mesh)
+    return (len(cfg.attention_layers) if layers is None else layers, batch, max_len, heads, k_dim)
+
+
+def cache_dims(cfg) -> tuple[int, int, int, int]:
+    """`(kv heads, query heads, key dim, value dim)` of one layer's cache: the config's
+    `kv_cache_dims` (a target's: MLA keeps one latent per token), else per-head K/V (drafters)."""
+    dims = getattr(cfg, "kv_cache_dims", None)
+    return dims or (cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim, cfg.head_dim)
+
+
+def kv_cache_value_dim(cfg) -> int:
+    """The values' last dim of `cfg`'s cache (`cache_dims`), for `new_kv_cache`."""
+    return cache_dims(cfg)[3]
 
 
 def recurrent_state_shapes(cfg, batch: int):
@@ -59,10 +75,12 @@ def recurrent_state_shapes(cfg, batch: int):
 
 
 def state_bytes_per_row(cfg, max_len: int, dtype_bytes: int = 2, verify_slots: int = 8) -> dict[str, int]:
-    """Bytes one row holds across rounds (`kv`, and fp32 `conv` / `ssm` of the DeltaNet layers) and
-    `verify_transient`: the per-token DeltaNet inputs a verify round of `verify_slots` keeps until
-    its commit."""
-    out = {"kv": 2 * int(np.prod(kv_cache_shape(cfg, 1, max_len))) * dtype_bytes, "conv": 0, "ssm": 0,
+    """Bytes one row holds across rounds (`kv`: K/V of the attention layers, MLA: the latent; fp32
+    `conv` / `ssm` of the DeltaNet layers) and `verify_transient`: the per-token DeltaNet inputs a
+    verify round of `verify_slots` keeps until its commit."""
+    k_shape = kv_cache_shape(cfg, 1, max_len)
+    per_slot = int(np.prod(k_shape[:-1])) * (k_shape[-1] + kv_cache_value_dim(cfg))
+    out = {"kv": per_slot * dtype_bytes, "conv": 0, "ssm": 0,
            "verify_transient": 0}
     shapes = recurrent_state_shapes(cfg, 1)
     if shapes:
@@ -108,7 +126,8 @@ class TargetCaches:
     def new(self, batch: int, max_len: int) -> TargetCache:
         """A zero cache of `batch` rows and `max_len` slots at its sharding."""
         mesh = self.target.mesh
-        kv = new_kv_cache(mesh, self.shape(batch, max_len), self.target.state_dtype)
+        kv = new_kv_cache(mesh, self.shape(batch, max_len), self.target.state_dtype,
+                          kv_cache_value_dim(self.target.cfg))
         shapes = recurrent_state_shapes(self.target.cfg, batch)
         if shapes is None:
             return TargetCache(kv)

@@ -27,7 +27,7 @@ from dmtp_jax.checkpoint.hf import LoadedModel
 from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.ar import GenerationResult
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
-from dmtp_jax.decode.caches import TargetCaches, kv_cache_shape, new_kv_cache
+from dmtp_jax.decode.caches import TargetCaches, kv_cache_shape, kv_cache_value_dim, new_kv_cache
 from dmtp_jax.decode.multi_round import feed_rounds, pad_stop_ids, run_rounds
 from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK, prefill_chunks
 from dmtp_jax.decode.proposers import PROPOSERS, Proposer, RoundKnobs, make_proposer
@@ -145,7 +145,8 @@ def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: Loade
             mtp_h = jax.device_put(np.zeros((batch, d.hidden_size), drafter.state_dtype), rep)
     if mtp is not None:
         c = target.cfg
-        mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, 1), mtp.state_dtype)
+        mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, 1), mtp.state_dtype,
+                                 kv_cache_value_dim(c))
         mtp_h = jax.device_put(np.zeros((batch, c.hidden_size), mtp.state_dtype), rep)
     if draft_model is not None:
         draft_cache = TargetCaches(draft_model).new(batch, max_len)

@@ -23,8 +23,8 @@ from dmtp_jax.config import TargetConfig
 from dmtp_jax.layers import params
 from dmtp_jax.layers.kv_cache import KVCache
 from dmtp_jax.layers.norms import rms_norm
-from dmtp_jax.layers.rope import rope_cos_sin
-from dmtp_jax.models.qwen3 import DecoderLayer
+from dmtp_jax.layers.rope import rope_tables
+from dmtp_jax.models.deepseek import decoder_layer_class
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,8 @@ class MtpHead(nnx.Module):
         self.pre_fc_norm_embedding = norm_init((h,), (None,), dtype)
         self.pre_fc_norm_hidden = norm_init((h,), (None,), dtype)
         self.fc = params.weight(rngs, (2 * h, h), ("features", "embed"), dtype)
-        self.layers = nnx.List([DecoderLayer(mcfg.layer_cfg, 0, dtype, rngs, first_key_slot=1, stacked=False)])
+        layer_cls = decoder_layer_class(mcfg.layer_cfg)
+        self.layers = nnx.List([layer_cls(mcfg.layer_cfg, 0, dtype, rngs, first_key_slot=1, stacked=False)])
         self.norm = norm_init((h,), (None,), dtype)
 
     def _norm(self, x, w):
@@ -80,8 +81,7 @@ class MtpHead(nnx.Module):
                                 self._norm(hidden_bth, self.pre_fc_norm_hidden)], axis=-1) @ self.fc[...]
 
     def _rope(self, positions_bt, dtype):
-        cfg = self.mcfg.layer_cfg
-        return rope_cos_sin(positions_bt, cfg.rotary_dim, cfg.rope_theta, dtype)
+        return rope_tables(self.mcfg.layer_cfg, positions_bt, dtype)
 
     def advance(self, embeds_bth: jax.Array, hidden_bth: jax.Array, positions_bt: jax.Array, cache: KVCache,
                 last_b: jax.Array) -> tuple[jax.Array, KVCache]:

@@ -42,7 +42,7 @@ from dmtp_jax.layers.attention import DENSE_MAX_QUERIES, MaskRule, grouped_atten
 from dmtp_jax.layers.kv_cache import KVCache, PendingBlock, TargetCache, write_layer
 from dmtp_jax.layers.mlp import moe_mlp, swiglu
 from dmtp_jax.layers.norms import rms_norm
-from dmtp_jax.layers.rope import apply_rope, rope_cos_sin
+from dmtp_jax.layers.rope import apply_rope, rope_tables
 from dmtp_jax.models.deltanet import GatedDeltaNet, commit_states
 from dmtp_jax.models.layer_stack import Context, captured_outputs, plan_stacks, run_stacks, stacked
 
@@ -243,7 +243,9 @@ def lm_head_logits(hidden: jax.Array, weight: jax.Array, *, tied: bool) -> jax.A
 class QwenTarget(nnx.Module):
     """A Qwen-family causal LM. Params use `[in, out]` kernels; HF names map in `checkpoint.hf`.
     The decoder layers are scanned stacks of a repeating group (`models/layer_stack.py`; params
-    `stacks.{s}.{j}.*` stacked `[groups, ...]`); `scan_layers=False` makes one unrolled stack."""
+    `stacks.{s}.{j}.*` stacked `[groups, ...]`); `scan_layers=False` makes one unrolled stack.
+    `decoder_layer`: the layer class (`models/deepseek.py` subclasses this target with its MLA layer)."""
+    decoder_layer = DecoderLayer
 
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs, scan_layers: bool = True):
         self.cfg = cfg
@@ -253,7 +255,7 @@ class QwenTarget(nnx.Module):
         kv_index = {layer: j for j, layer in enumerate(cfg.attention_layers)}
 
         def group(spec):
-            return lambda r: nnx.List([DecoderLayer(cfg, i, dtype, r, kv_index=kv_index.get(i))
+            return lambda r: nnx.List([self.decoder_layer(cfg, i, dtype, r, kv_index=kv_index.get(i))
                                        for i in range(spec.start, spec.start + spec.period)])
         self.stacks = nnx.List([stacked(group(spec), spec.repeats, rngs) for spec in self.stack_specs])
         norm_init = params.zeros if cfg.zero_centred_norms else params.ones
@@ -317,7 +319,7 @@ class QwenTarget(nnx.Module):
         embedding lookup when given.
         """
         x = self.embed(tokens_bt) if embeds_bth is None else embeds_bth
-        cos, sin = rope_cos_sin(positions_bt, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_tables(self.cfg, positions_bt, x.dtype)
         ctx = Context(positions_bt, cos, sin, kv_valid_bt, speculative and cache is not None)
         carry, pending = run_stacks(self.stack_specs, self.stacks, x, None if cache is None else cache.kv,
                                     None if cache is None else cache.conv_lbwc,
