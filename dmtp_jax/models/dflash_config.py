@@ -186,16 +186,23 @@ class DFlashConfig:
         return d
 
 
+def check_hidden_and_taps(where: str, hidden_size: int, layer_ids, ids_key: str, target_cfg) -> None:
+    """A drafter reading the target's features: its hidden size is the target's and every tapped
+    layer id (`layer_ids`, config key `ids_key`) is one of the target's layers; else `ConfigError`
+    (one line, `where`: ..., naming the key)."""
+    if hidden_size != target_cfg.hidden_size:
+        raise ConfigError(f"{where}: drafter 'hidden_size'={hidden_size} but the target's "
+                          f"hidden_size={target_cfg.hidden_size}")
+    bad = [i for i in layer_ids if not 0 <= i < target_cfg.num_hidden_layers]
+    if bad:
+        raise ConfigError(f"{where}: '{ids_key}' {list(layer_ids)} has ids {bad} "
+                          f"outside the target's {target_cfg.num_hidden_layers} layers")
+
+
 def check_fits_target(dcfg: DFlashConfig, target_cfg) -> None:
     """Raises `ConfigError` naming the key when the drafter cannot run on this target."""
     where = "drafter does not fit the target"
-    if dcfg.hidden_size != target_cfg.hidden_size:
-        raise ConfigError(f"{where}: drafter 'hidden_size'={dcfg.hidden_size} but the target's "
-                          f"hidden_size={target_cfg.hidden_size}")
-    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < target_cfg.num_hidden_layers]
-    if bad:
-        raise ConfigError(f"{where}: 'target_layer_ids' {list(dcfg.target_layer_ids)} has ids {bad} "
-                          f"outside the target's {target_cfg.num_hidden_layers} layers")
+    check_hidden_and_taps(where, dcfg.hidden_size, dcfg.target_layer_ids, "target_layer_ids", target_cfg)
     if not 0 <= dcfg.mask_token_id < target_cfg.vocab_size:
         raise ConfigError(f"{where}: 'mask_token_id'={dcfg.mask_token_id} is outside the target "
                           f"vocab (vocab_size={target_cfg.vocab_size})")

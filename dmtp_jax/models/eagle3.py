@@ -39,6 +39,7 @@ from dmtp_jax.layers.kv_cache import KVCache, write_layer
 from dmtp_jax.layers.mlp import swiglu
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import apply_rope, rope_cos_sin
+from dmtp_jax.models.dflash_config import check_hidden_and_taps
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 DEFAULT_BLOCK_SIZE = 8      # verify slots: the pending token + 7 chained drafts
@@ -278,19 +279,10 @@ class Eagle3Drafter(nnx.Module):
 
 
 def check_fits_target(cfg: Eagle3Config, target_cfg) -> None:
-    """Raises `ConfigError` (one line, naming the key) when the drafter cannot run on this target.
-
-    Example:
-        >>> check_fits_target(cfg, target.cfg)  # doctest: +SKIP
-    """
+    """Raises `ConfigError` (one line, naming the key) when the drafter cannot run on this target."""
     where = "EAGLE-3 drafter does not fit the target"
-    if cfg.hidden_size != target_cfg.hidden_size:
-        raise ConfigError(f"{where}: drafter 'hidden_size'={cfg.hidden_size} but the target's "
-                          f"hidden_size={target_cfg.hidden_size}")
     if cfg.vocab_size != target_cfg.vocab_size:
         raise ConfigError(f"{where}: drafter 'vocab_size'={cfg.vocab_size} but the target's "
                           f"vocab_size={target_cfg.vocab_size}")
-    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target_cfg.num_hidden_layers]
-    if bad:
-        raise ConfigError(f"{where}: 'eagle_aux_hidden_state_layer_ids' {list(cfg.target_layer_ids)} has ids "
-                          f"{bad} outside the target's {target_cfg.num_hidden_layers} layers")
+    check_hidden_and_taps(where, cfg.hidden_size, cfg.target_layer_ids, "eagle_aux_hidden_state_layer_ids",
+                          target_cfg)
