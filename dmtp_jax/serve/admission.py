@@ -77,8 +77,9 @@ def resume_widths(prefill_chunk: int) -> list[int]:
 def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefill_chunk: int,
                solo: set, cache=None) -> list[Request]:
     """The requests to prefill together next (oldest first; empty when none can start): the oldest
-    admissible request, then others of at most its prompt bucket while row bucket x chunk width stays
-    within `budget` tokens. A request in `solo` or starting from a stored state goes alone."""
+    admissible request, then others while row bucket x the chunk width of the group's longest prompt
+    bucket stays within `budget` tokens (a burst of arrivals is one prefill, as a static batch's, short
+    prompts padded to the longest). A request in `solo` or starting from a stored state goes alone."""
     group: list[Request] = []
     for req in waiting:
         if len(group) >= free:
@@ -86,8 +87,7 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
         alone = req.id in solo or start_of(req, cache)[0] is not None
         if group:
             width = chunk_length(max(prompt_bucket(r) for r in group + [req]), prefill_chunk)
-            if (alone or prompt_bucket(req) > prompt_bucket(group[0])
-                    or row_bucket(len(group) + 1, buckets) * width > budget):
+            if alone or row_bucket(len(group) + 1, buckets) * width > budget:
                 continue
         group.append(req)
         if alone:

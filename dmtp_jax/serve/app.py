@@ -20,6 +20,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 import time
 import uuid
 
@@ -38,7 +39,8 @@ from dmtp_jax.serve.request import Request
 from dmtp_jax.serve.scheduler import Scheduler
 from dmtp_jax.serve.text import TextStream, max_token_chars
 
-__all__ = ["ApiError", "Scheduler", "ServerLimits", "build_app", "error_body", "one_prompt", "serve", "warm_up"]
+__all__ = ["ApiError", "Scheduler", "ServerLimits", "build_app", "error_body", "one_prompt", "serve", "serving_in_thread",
+           "warm_up"]
 
 log = logging.getLogger(__name__)
 
@@ -269,3 +271,24 @@ def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port:
     signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+@contextlib.contextmanager
+def serving_in_thread(app, header_timeout_s: float = ServerLimits().header_timeout_s, **uvicorn_config):
+    """Serves `app` on a free port of 127.0.0.1 from a daemon thread of this process (tests and
+    benchmarks); yields the base url once uvicorn listens and shuts the server down on exit.
+    `uvicorn_config`: more `uvicorn.Config` fields (default `log_level="warning"`)."""
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, http=header_timeout_protocol(header_timeout_s),
+                                           **{"log_level": "warning", **uvicorn_config}))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the in-thread server stopped before it listened")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
