@@ -89,11 +89,16 @@ def test_runner_keeps_outputs_and_skips_too_long(tiny_qwen3_dir, draft_dir, ids_
     assert "ar" in format_table(build_report(runs, {}))
 
 
+def share_key(kind: str):
+    """A fake `MODEL_LOADERS` entry's sharing rule: one fusion per method, one of the others for all."""
+    return (lambda m: m) if kind == "fusion" else (lambda m: None)
+
+
 def test_method_models_follow_method_needs(monkeypatch):
     from dmtp_jax import decode
     from dmtp_jax.decode import loading
     calls = []
-    fake = {kind: ((lambda k: lambda a, t, m: calls.append((k, m)) or f"{k}:{m}")(kind), kind == "fusion")
+    fake = {kind: ((lambda k: lambda a, t, m: calls.append((k, m)) or f"{k}:{m}")(kind), share_key(kind))
             for kind in ("drafter", "mtp", "fusion")}
     monkeypatch.setattr(loading, "MODEL_LOADERS", fake)
     methods = ["ar", "mtp", "dflash", "dmtp", "dmtp-single"]
@@ -196,7 +201,7 @@ def test_demo_methods_share_one_drafting_head(monkeypatch):
         return heads[-1]
     monkeypatch.setattr(draft_head, "make_draft_head", make_draft_head)
     monkeypatch.setattr(draft_head, "read_token_counts", lambda path, vocab: path)
-    monkeypatch.setattr(loading, "MODEL_LOADERS", {k: (lambda a, t, m: a.draft, k == "fusion")
+    monkeypatch.setattr(loading, "MODEL_LOADERS", {k: (lambda a, t, m: a.draft, share_key(k))
                                                    for k in ("drafter", "mtp", "fusion")})
     args = infer.build_parser().parse_args(["bench", "--draft-head", "efficient", "--draft-head-vocab", "8"])
     if not infer.uses_demo(args):
