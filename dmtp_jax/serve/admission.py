@@ -1,4 +1,4 @@
-"""Batched admission: waiting prompts of one prompt-length bucket prefilled together.
+"""Batched admission: waiting prompts prefilled together, shorter ones padded to the group's longest.
 
 `form_group` picks the requests to prefill next; `PrefillGroup` runs their prefill chunk by chunk
 on a compiled row bucket, and the engine scatters the finished rows into the running state

@@ -95,8 +95,8 @@ class LoadPolicy:
 
     def estimates(self, rows: int, bucket: int) -> dict[str, float]:
         """Estimated output tokens/s per method timed at `bucket`."""
-        return {m: rows * self._tau[m].value / self._round_s[(m, bucket)].value for m in self.slots
-                if (m, bucket) in self._round_s and self._round_s[(m, bucket)].value > 0}
+        times = {m: self._round_s[(m, bucket)].value for m in self.slots if (m, bucket) in self._round_s}
+        return {m: rows * self._tau[m].value / t for m, t in times.items() if t > 0}
 
     def choose(self, rows: int, bucket: int) -> str:
         """The method of the next round (see the module docstring)."""
