@@ -239,10 +239,10 @@ class LoadedModel:
 LoadedTarget = LoadedModel      # cfg: TargetConfig
 
 
-def abstract_target(cfg: TargetConfig, dtype, scan_layers: bool = True):
+def abstract_target(cfg: TargetConfig, dtype, scan_layers: bool = True, mesh_rules: MeshRules = DEFAULT_RULES):
     """(graphdef, abstract state) without allocating any parameter (`scan_layers=False`: the
-    layers as one unrolled stack, `models/layer_stack.py`)."""
-    model = nnx.eval_shape(lambda: build_target(cfg, jnp.dtype(dtype), nnx.Rngs(0), scan_layers))
+    layers as one unrolled stack, `models/layer_stack.py`), for placing with `mesh_rules`."""
+    model = nnx.eval_shape(lambda: build_target(cfg, jnp.dtype(dtype), nnx.Rngs(0), scan_layers, mesh_rules))
     return nnx.split(model)
 
 
@@ -268,7 +268,7 @@ def load_target(model_dir: str, dtype="float32", mesh: Mesh | None = None,
     """
     cfg = load_target_config(model_dir)
     mesh = mesh or make_mesh()
-    graphdef, abstract = abstract_target(cfg, dtype, scan_layers)
+    graphdef, abstract = abstract_target(cfg, dtype, scan_layers, mesh_rules)
     reader = CheckpointReader(model_dir)
     image_text = f"{IMAGE_TEXT_PREFIX}embed_tokens.weight" in reader
     rules = image_text_rules() if image_text else QWEN_NAME_RULES
@@ -287,9 +287,10 @@ def init_target(cfg: TargetConfig, dtype="float32", mesh: Mesh | None = None, se
                 mesh_rules: MeshRules = DEFAULT_RULES, scan_layers: bool = True) -> LoadedTarget:
     """Random init placed directly at the mesh shardings (one jit, no host copy)."""
     mesh = mesh or make_mesh()
-    graphdef, abstract = abstract_target(cfg, dtype, scan_layers)
+    graphdef, abstract = abstract_target(cfg, dtype, scan_layers, mesh_rules)
     shardings = state_shardings(abstract, mesh, mesh_rules)
-    make = jax.jit(lambda: nnx.split(build_target(cfg, jnp.dtype(dtype), nnx.Rngs(seed), scan_layers))[1],
+    make = jax.jit(lambda: nnx.split(build_target(cfg, jnp.dtype(dtype), nnx.Rngs(seed), scan_layers,
+                                                  mesh_rules))[1],
                    out_shardings=shardings)
     return LoadedTarget(cfg, graphdef, make(), mesh)
 

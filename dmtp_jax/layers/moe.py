@@ -1,66 +1,29 @@
-"""SwiGLU MLP and the Qwen3-MoE / Qwen3.5-MoE sparse block, computed only for the routed experts.
+"""The Qwen3-MoE / Qwen3.5-MoE sparse block, computed only for the routed experts.
 
-Router (same as transformers' Qwen3MoeTopKRouter): softmax over experts in fp32, top-k, optional
-renormalisation of the k weights, weights cast to the activation dtype. Expert `e` computes
-`down_e(silu(x @ gate_e) * (x @ up_e))`; a token's output is `sum_k weight_k * y_{e_k}`.
+Router (as transformers' Qwen3MoeTopKRouter): fp32 softmax over experts, top-k, optional
+renormalisation, weights cast to the activation dtype. Expert `e` computes
+`down_e(silu(x @ gate_e) * (x @ up_e))`; a token's output is `sum_k weight_k * y_{e_k}`. Shapes are
+fixed (N*k routed rows), so it jits and is differentiable. Kernels (`impl`), all equal to
+`moe_mlp_dense`:
 
-`moe_mlp` computes the N*k routed (token, expert) pairs: the assignments are sorted by expert and
-the three expert matmuls run as a grouped matmul over the per-expert group sizes. Shapes are fixed
-(N*k rows), so it jits, and it is differentiable. Kernels (`impl`):
+- `"ragged"`: rows sorted by expert, three `jax.lax.ragged_dot`s (a grouped GEMM on TPU).
+- `"blocked"`: each expert's rows padded to blocks, one batched matmul over the blocks.
+- `"scan"`: the same blocks in a `lax.scan`, weights sliced in place, unused blocks skipped.
+- `"dense"`: every local expert on every token, unrouted pairs masked (decode-sized calls).
+- `"sliced"`: each routed (token, expert) pair alone, its expert sliced in place (few pairs, whole
+  weight arrays: the MTP's layer).
+- `"auto"` (default): `"sliced"` where it applies, else `"dense"` up to `AUTO_DENSE_MAX_TOKENS`
+  per shard, else `AUTO_IMPL` of the compile platform. The measurements behind it: `docs/moe.md`.
 
-- `"ragged"`: the tokens gathered into expert order (`[N*k, H]`), three `jax.lax.ragged_dot`s, the
-  rows unsorted and weighted back into `[N, H]`. On TPU a real grouped GEMM (a `tpu_custom_call` with
-  a run-time tile count; one ragged_dot reads x, w and writes out once). On GPU and CPU, XLA (jax
-  0.10.2) rewrites it (`ragged_dot_rewriter`) into a dense dot over all G local experts through a
-  masked `[N*k, G*H]` operand: G times the work (`docs/moe.md`).
-- `"blocked"`: each expert's rows padded to blocks of B rows (B chosen from N*k/G), one batched
-  matmul over the blocks with a gathered copy of each block's expert weights (`blocks x H x I`).
-- `"scan"`: the same blocks, in a `lax.scan` that gathers each block's B token rows from `[N, H]`,
-  slices the block's expert weights in place and scatter-adds the weighted outputs into an fp32
-  `[N, H]` accumulator; blocks past the last used one are skipped at run time (`lax.cond`), so under
-  expert parallelism a shard computes only its own rows. No `[N*k, H]` copy, no weight copies; the
-  backward pass re-slices the weights (checkpoint policy) instead of saving each block's slice.
-- `"dense"`: every local expert on every token as batched matmuls over the experts (the weights as
-  laid out, no copies), the unrouted pairs masked out before the down projection. No sort, no loop,
-  one read of the local weights; `E/k` times the routed flops and `[N, G, I]` temporaries, so meant
-  for decode-sized calls, where reading the weights costs more than those flops.
-- `"sliced"`: each routed (token, expert) pair on its own, its expert's matrices sliced in place: a
-  call reads the N*k routed experts' weights, not all G local ones. Unrolled over the pairs, so for
-  calls with fewer pairs than local experts (at most `SLICED_MAX_PAIRS`), on weights that are whole
-  arrays: the MTP's MoE layer at small batch. (Inside the target's layer scan XLA copies the layer's
-  slice of the stacked weights before slicing an expert out of it: 17x the routed bytes on TPU.)
-- `"auto"` (default): by `dmtp_jax.platform.compile_platform()`, per shard, from its token count:
-  `"dense"` up to `AUTO_DENSE_MAX_TOKENS` (GPU 256, TPU 160: peak bf16 flops / HBM bandwidth, ~295
-  on H100 and ~166 on v5p, below which the dense flops cost less than reading the local weights);
-  beyond, `"ragged"` on TPU (native) and `"scan"` on GPU (bounded temporaries, flops near the
-  routed ones); `"scan"` on CPU at any size (fastest there: `benchmarks/bench_moe.py`). `AUTO_IMPL`
-  holds the per-platform kernel beyond the dense range. Before all of these, on any platform,
-  `"sliced"` where it applies (`stacked=False` and fewer pairs than local experts).
+ragged, blocked and dense run one call per at most `MAX_ROUTED_ROWS` rows (a `lax.map` over token
+chunks).
 
-ragged, blocked and dense hold `[N*k, H]` / `[N, G, I]` rows, so they run one call per at most
-`MAX_ROUTED_ROWS` rows (`MAX_ROUTED_ROWS // k` tokens, 4096 at top-8; dense: `// G`) in a `lax.map`
-over token chunks (each chunk reads the local weights again). scan needs no chunking.
-
-Measurements behind the `"auto"` choices (temporaries, bytes, the round inside the layer scan):
-`docs/moe.md`.
-
-Expert parallelism. When the weights live on a mesh with more than one device, the routed part runs
-under `jax.shard_map` over that mesh: expert weights are split over the mesh axes of the logical
-`"experts"` axis (`"expert"`, see `dmtp_jax.sharding`) and their intermediate dim over those of
-`"mlp"` (`"tensor"`); tokens are split over the batch axes (`"data"`, `"fsdp"`, `"expert"`, as the
-attention, DeltaNet and caches are: data-parallel attention) and gathered over `expert` on the way in
-(GSPMD inserts the all-gather from the `shard_map` in_specs). Each shard computes the assignments
-routed to its local experts on the tokens of its data/fsdp group and the partial outputs are summed
-over `tensor` (`psum`) and reduce-scattered back over `expert` (`psum_scatter`), so the layer returns
-the batch split as it came in. Axes that do not
-divide a dimension are left out, like `dmtp_jax.sharding.spec_for` does when placing params.
-Not meant to be called inside another `shard_map` (manual mesh axes).
-
-How the mesh is found: from the (abstract) mesh of the expert weights' sharding,
-`jax.typeof(gate_ehi).sharding.mesh`, which inside `jax.jit` is the mesh of the NamedShardings the
-params were placed with (`dmtp_jax.sharding.state_shardings`), or else from the context mesh
-(`jax.set_mesh(mesh)`). Callers therefore need nothing new: pass params placed on the mesh into a
-`jax.jit`-ed forward. Plain, uncommitted arrays or a 1-device mesh run the single-device path.
+Expert parallelism: on a mesh of more than one device (the weights' own, else the context mesh)
+the routed part runs under `jax.shard_map`: experts over the "experts" mesh axes and their
+intermediate dim over the "mlp" ones of the `rules` the weights were placed with; tokens come in
+over the "batch" axes, are gathered over the expert axes, and the partial outputs are summed
+(`psum` over tensor) and reduce-scattered back (`psum_scatter` over expert). Not for use inside
+another `shard_map`.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -86,15 +49,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dmtp_jax.platform import compile_platform
-from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, spec_for
+from dmtp_jax.sharding import MeshRules, mesh_axes, spec_for, weights_mesh
 
 MAX_BLOCK_ROWS = 128
 MAX_ROUTED_ROWS = 32768      # ragged / blocked: at most this many (token, expert) rows per call
-
-
-def swiglu(x: jax.Array, gate_hi: jax.Array, up_hi: jax.Array, down_ih: jax.Array) -> jax.Array:
-    """`down(silu(gate(x)) * up(x))` with kernels stored `[in, out]`."""
-    return (jax.nn.silu(x @ gate_hi) * (x @ up_hi)) @ down_ih
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -364,33 +322,22 @@ def routed_expert_mlp(x_nh: jax.Array, weights_nk: jax.Array, experts_nk: jax.Ar
 
 # -------------------------------------------------------------------------------- expert parallelism
 
-def weights_mesh(w: jax.Array):
-    """The mesh `w` is placed on (abstract inside jit), else the context mesh; None if neither."""
-    mesh = getattr(getattr(jax.typeof(w), "sharding", None), "mesh", None)
-    if mesh is None or mesh.empty:
-        mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh is None or mesh.empty or mesh.size <= 1 else mesh
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-
-
-def _expert_parallel_mlp(mesh, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih, impl, stacked):
+def _expert_parallel_mlp(mesh, rules: MeshRules, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih, impl,
+                         stacked):
     """`routed_expert_mlp` under `jax.shard_map` over `mesh`: experts over the "experts" mesh axes,
     the expert intermediate dim over the "mlp" ones; tokens come in over the "batch" axes minus those
     (gathered over `expert`), and the partial outputs are reduce-scattered back over the batch axes
     (`psum_scatter` over `expert`, `psum` over `tensor`)."""
     (n, h), (e, _, i) = x_nh.shape, gate_ehi.shape
-    w_spec = spec_for(("experts", None, "mlp"), (e, h, i), mesh, DEFAULT_RULES)
+    w_spec = spec_for(("experts", None, "mlp"), (e, h, i), mesh, rules)
     w_spec = tuple(w_spec) + (None,) * (3 - len(w_spec))
-    expert_axes, mlp_axes = _axes(w_spec[0]), _axes(w_spec[2])
+    expert_axes, mlp_axes = mesh_axes(w_spec[0]), mesh_axes(w_spec[2])
     summed = expert_axes + mlp_axes
     local_experts = e // math.prod(mesh.shape[a] for a in expert_axes)
-    gather_rules = MeshRules((("tokens", tuple(a for a in DEFAULT_RULES.lookup("batch") if a not in summed)),))
+    gather_rules = MeshRules((("tokens", tuple(a for a in rules.lookup("batch") if a not in summed)),))
     in_spec = spec_for(("tokens",), (n,), mesh, gather_rules)           # [N, ...], whole over `summed`
-    out_spec = spec_for(("batch",), (n,), mesh, DEFAULT_RULES)          # [N, ...] as the batch rule splits it
-    in_axes, out_axes = _axes(in_spec[0] if in_spec else None), _axes(out_spec[0] if out_spec else None)
+    out_spec = spec_for(("batch",), (n,), mesh, rules)          # [N, ...] as the batch rule splits it
+    in_axes, out_axes = mesh_axes(in_spec[0] if in_spec else None), mesh_axes(out_spec[0] if out_spec else None)
     if out_axes[:len(in_axes)] != in_axes or not set(out_axes[len(in_axes):]) <= set(summed):
         out_spec, out_axes = in_spec, in_axes          # not a reduce-scatter of the input's split: psum
     scattered = out_axes[len(in_axes):]
@@ -416,16 +363,19 @@ def _expert_parallel_mlp(mesh, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, d
 
 def moe_mlp(x_nh: jax.Array, router_he: jax.Array, gate_ehi: jax.Array, up_ehi: jax.Array,
             down_eih: jax.Array, top_k: int, norm_topk_prob: bool, *, impl: str = "auto",
-            stacked: bool = True) -> jax.Array:
+            stacked: bool = True, rules: MeshRules | None = None) -> jax.Array:
     """Sparse MoE MLP `[N, H] -> [N, H]` computing the routed (token, expert) pairs (`impl`: module
     docstring); equal to `moe_mlp_dense`. Expert-parallel over the weights' mesh when there is one (module docstring).
     `stacked=False` says the expert weights are whole arrays, not a layer's slice of a scanned stack
-    (the MTP's layer): then `auto` may slice single experts in place (`"sliced"`)."""
+    (the MTP's layer): then `auto` may slice single experts in place (`"sliced"`). `rules`: the
+    mesh rules the weights were placed with, needed on a mesh of more than one device."""
     resolve_impl(impl)          # checks the name; "auto" is resolved per shard, by its token count
     weights_nk, experts_nk = moe_top_k(x_nh, router_he, top_k, norm_topk_prob)
     mesh = weights_mesh(gate_ehi)
     if mesh is None:
         y_nh = routed_expert_mlp(x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih, 0, impl, stacked)
     else:
-        y_nh = _expert_parallel_mlp(mesh, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih, impl, stacked)
+        if rules is None:
+            raise ValueError("moe_mlp on a mesh needs the mesh rules its weights were placed with (rules=)")
+        y_nh = _expert_parallel_mlp(mesh, rules, x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih, impl, stacked)
     return y_nh.astype(x_nh.dtype)

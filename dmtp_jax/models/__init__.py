@@ -3,7 +3,8 @@
 from dmtp_jax.models.qwen3 import QwenTarget, TargetOutput  # noqa: F401
 
 
-def build_target(cfg, dtype, rngs, scan_layers: bool = True):
+def build_target(cfg, dtype, rngs, scan_layers: bool = True, mesh_rules=None):
     """The NNX module for `cfg.model_type` (every Qwen family shares one module); `scan_layers=False`
-    runs the layers as one unrolled loop (`models/layer_stack.py`)."""
-    return QwenTarget(cfg, dtype=dtype, rngs=rngs, scan_layers=scan_layers)
+    runs the layers as one unrolled loop (`models/layer_stack.py`); `mesh_rules`: those its params
+    are placed with."""
+    return QwenTarget(cfg, dtype=dtype, rngs=rngs, scan_layers=scan_layers, mesh_rules=mesh_rules)

@@ -8,7 +8,8 @@ candidates with a low-rank factor of the LM head and rescores the shortlist exac
                 logits[v] = h W[:, v] for v in the shortlist, -inf elsewhere
 
 On a mesh that splits the vocabulary over S shards, each shard shortlists its own top K / S ids and
-rescores them from the rows it holds (`shortlist_logits`): the rows never cross devices.
+rescores them from the rows it holds (`layers/shortlist.py:shortlist_logits`): the rows never cross
+devices.
 
     efficient over a vocabulary subset (`--draft-head-vocab N`, EAGLE-3's draft vocabulary)
                 the same, over the N most frequent supervised tokens of the drafter's training data
@@ -57,10 +58,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from dmtp_jax.errors import InputError
 from dmtp_jax.layers import params
+from dmtp_jax.layers.shortlist import shortlist_logits
+from dmtp_jax.sharding import MeshRules
 
 DRAFT_HEADS = ("full", "efficient", "int8")
 DEFAULT_RANK = 256          # at most; H // 4 for narrow models (`head_shape`)
@@ -113,11 +115,13 @@ class EfficientHead(nnx.Module):
     `subset` N > 0: the head scores only N vocabulary entries (the most frequent tokens of the
     drafter's training data, `frequent_ids`): `up` is `[r, N]`, `rows` `[N, *row_layout(H)]` (its own
     copy, tied or not) and `ids` `[N]` the entries' vocabulary ids, -1 for padding (N is padded by
-    `subset_size`). The other entries are never proposed (-inf)."""
+    `subset_size`). The other entries are never proposed (-inf). `mesh_rules`: the rules its params
+    are placed with (static; needed on a mesh)."""
 
     def __init__(self, *, hidden: int, vocab: int, rank: int, shortlist: int, dtype, tied: bool = False,
-                 subset: int = 0):
+                 subset: int = 0, mesh_rules: MeshRules | None = None):
         self.rank, self.shortlist, self.subset = int(rank), int(shortlist), int(subset)
+        self.mesh_rules = mesh_rules
         self.vocab = int(vocab)
         self.tied = bool(tied) and not subset           # rows are the target's embed_tokens
         cols = subset or vocab
@@ -136,95 +140,8 @@ class EfficientHead(nnx.Module):
         rows = embed_vh if self.tied else self.rows[...]
         ids = self.ids[...] if self.subset else None
         logits, rest = shortlist_logits(hidden.reshape(-1, h), self.down[...], self.up[...], rows, self.shortlist,
-                                        ids, self.vocab)
+                                        ids, self.vocab, self.mesh_rules)
         return DraftScores(logits.reshape(*lead, logits.shape[-1]), rest.reshape(lead))
-
-
-def shortlist_logits(x_nh: jax.Array, down_hr: jax.Array, up_rv: jax.Array, rows: jax.Array,
-                     shortlist: int, ids: jax.Array | None = None, vocab: int | None = None
-                     ) -> tuple[jax.Array, jax.Array]:
-    """`(logits [N, V] fp32, rest_lse [N])`: `x_n . rows[v]` on the shortlist (the top of the low-rank
-    scores `(x A) B`), -inf elsewhere; and the low-rank scores' logsumexp outside the shortlist.
-    `rows`: `[V, H]` or `[V, *row_layout(H)]`. With `ids` (`[C]`, -1 for padding): `up_rv`'s and
-    `rows`' C entries are those vocabulary ids of a `vocab`-entry vocabulary, the rest is never
-    scored.
-
-    On a mesh that splits the vocabulary over S shards, each shard shortlists its own top
-    `shortlist // S` ids and rescores them from the rows it holds: no row, and no `[N, V]` array,
-    crosses devices; only the `[N, r]` low-rank projection and the partial scores are summed over
-    the shards that split H, and the `[N]` logsumexp over the vocabulary shards. With `ids`, the
-    shards also gather each other's `[N, K / S]` rescored ids and keep those in their own part of
-    the vocabulary. The shortlist then depends on the mesh; any shortlist keeps decoding exact (see
-    the module docstring).
-
-    Example:
-        >>> rows = jnp.arange(12.0).reshape(4, 3)
-        >>> logits, rest = shortlist_logits(jnp.ones((1, 3)), jnp.eye(3), rows.T, rows, 2)
-        >>> logits.tolist(), round(float(rest[0]), 3)
-        ([[-inf, -inf, 21.0, 30.0]], 12.0)
-        >>> logits, _ = shortlist_logits(jnp.ones((1, 3)), jnp.eye(3), rows[:2].T, rows[:2], 1, jnp.array([3, 0]), 6)
-        >>> logits.tolist()     # the subset's entries 0, 1 (scores 3, 12) are vocabulary ids 3, 0
-        [[12.0, -inf, -inf, -inf, -inf, -inf]]
-    """
-    from dmtp_jax.layers.mlp import _axes, weights_mesh
-    from dmtp_jax.sharding import DEFAULT_RULES, spec_for
-
-    def local(x, down, up, rows, ids, k, embed_axes=(), vocab_axes=(), shards=1):
-        z = jnp.dot(x, down, preferred_element_type=jnp.float32)
-        z = (jax.lax.psum(z, embed_axes) if embed_axes else z).astype(x.dtype)
-        approx = jnp.dot(z, up, preferred_element_type=jnp.float32)                   # [N, C_local]
-        if ids is not None:
-            approx = jnp.where(ids >= 0, approx, -jnp.inf)                           # padding
-        _, idx = jax.lax.approx_max_k(approx, k)                   # [N, k]; exact top-k off TPU
-        picked = jnp.take(rows, idx, axis=0)                        # [N, k, *row]
-        exact = jnp.einsum("n...,nk...->nk", x.reshape(x.shape[0], *rows.shape[1:]), picked,
-                           preferred_element_type=jnp.float32)
-        exact = jax.lax.psum(exact, embed_axes) if embed_axes else exact
-        n = jnp.arange(x.shape[0])[:, None]
-        rest = jax.nn.logsumexp(approx.at[n, idx].set(-jnp.inf), axis=-1)
-        if vocab_axes:                                              # logsumexp over the shards
-            top = jax.lax.pmax(rest, vocab_axes)
-            top = jnp.where(jnp.isfinite(top), top, 0.0)
-            rest = top + jnp.log(jax.lax.psum(jnp.exp(rest - top), vocab_axes))
-        if ids is None:
-            logits = jnp.full(approx.shape, -jnp.inf, jnp.float32).at[n, idx].set(exact)
-            return logits, rest
-        gid = ids[idx]                                              # [N, k] vocabulary ids, -1: padding
-        width, first = vocab, 0
-        if vocab_axes:                  # every shard's rescored ids; keep those in this shard's part
-            gid = jax.lax.all_gather(gid, vocab_axes, axis=1, tiled=True)
-            exact = jax.lax.all_gather(exact, vocab_axes, axis=1, tiled=True)
-            width = vocab // shards
-            first = jax.lax.axis_index(vocab_axes) * width
-        slot = gid - first
-        slot = jnp.where((gid >= 0) & (slot >= 0) & (slot < width), slot, width)   # width: dropped
-        logits = jnp.full((x.shape[0], width), -jnp.inf, jnp.float32).at[n, slot].set(exact, mode="drop")
-        return logits, rest
-
-    columns = rows.shape[0]
-    vocab = columns if ids is None else int(vocab)
-    mesh = weights_mesh(rows)
-    if mesh is None:
-        return local(x_nh, down_hr, up_rv, rows, ids, min(shortlist, columns))
-    # the rows' own split (vocab, embed) and, for the N axis, the batch axes they leave free
-    spec = tuple(spec_for(("vocab", "embed", "batch") if rows.ndim == 2 else ("vocab", "embed", None, "batch"),
-                          (*rows.shape, x_nh.shape[0]), mesh, DEFAULT_RULES))
-    spec += (None,) * (rows.ndim + 1 - len(spec))
-    vocab_axes, embed_axes = _axes(spec[0]), _axes(spec[1])
-    shards = int(np.prod([mesh.shape[a] for a in vocab_axes]))
-    if vocab % shards:
-        raise InputError(f"the efficient head's vocabulary subset splits over {shards} shards, the vocabulary "
-                         f"of {vocab} does not")
-    k = max(1, min(shortlist // shards, columns // shards))
-    v_ax, e_ax, n_ax = spec[0], spec[1], spec[-1]       # spec_for gives None for an unsplit dim
-    in_specs = (P(n_ax, e_ax), P(e_ax, None), P(None, v_ax), P(*spec[:-1]))
-    if ids is None:
-        fn = lambda x, d, u, r: local(x, d, u, r, None, k, embed_axes, vocab_axes, shards)  # noqa: E731
-        args = (x_nh, down_hr, up_rv, rows)
-    else:
-        fn = lambda x, d, u, r, i: local(x, d, u, r, i, k, embed_axes, vocab_axes, shards)  # noqa: E731
-        args, in_specs = (x_nh, down_hr, up_rv, rows, ids), in_specs + (P(v_ax),)
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(P(n_ax, v_ax), P(n_ax)))(*args)
 
 
 def subset_columns(weight, ids, tied: bool) -> jax.Array:
@@ -383,23 +300,3 @@ def efficient_shape(target_cfg, rank, shortlist, subset) -> tuple[dict, dict]:
     cfg = {"rank": rank, "shortlist": shortlist, **({"subset": subset} if subset else {})}
     return cfg, dict(hidden=target_cfg.hidden_size, vocab=vocab, rank=rank, shortlist=shortlist,
                      tied=target_cfg.tie_word_embeddings, subset=subset_size(subset) if subset else 0)
-
-
-def abstract_efficient_head(target_cfg, dtype, rank: int | None = None, shortlist: int | None = None,
-                            subset: int | None = None):
-    """`(cfg, graphdef, abstract state)` of an efficient head for a target config (nothing allocated)."""
-    cfg, shape = efficient_shape(target_cfg, rank, shortlist, subset)
-    head = nnx.eval_shape(lambda: EfficientHead(**shape, dtype=jnp.dtype(dtype)))
-    return cfg, *nnx.split(head)
-
-
-def abstract_draft_head(kind: str, target_cfg, dtype, rank: int | None = None, shortlist: int | None = None,
-                        subset: int | None = None):
-    """`(cfg, graphdef, abstract state)` of a drafting head of `kind` ("efficient" or "int8") for a
-    target config, nothing allocated (`plan`)."""
-    if kind == "efficient":
-        return abstract_efficient_head(target_cfg, dtype, rank, shortlist, subset)
-    if kind != "int8":
-        raise InputError(f"unknown draft head '{kind}'; use {', '.join(DRAFT_HEADS)}")
-    head = nnx.eval_shape(lambda: Int8Head(hidden=target_cfg.hidden_size, vocab=target_cfg.vocab_size))
-    return {"kind": "int8"}, *nnx.split(head)

@@ -178,14 +178,14 @@ def run_layer(layer, carry: Carry, ctx: Context, kv_index, linear_index):
     `linear_index` (each a Python int or a traced scalar)."""
     x = carry.x_bth
     if not layer.is_linear:
-        layer.self_attn.kv_index = kv_index
-        x, kv = layer(x, ctx.positions_bt, ctx.cos, ctx.sin, carry.kv, ctx.kv_valid_bt)
+        x, kv = layer(x, ctx.positions_bt, ctx.cos, ctx.sin, carry.kv, ctx.kv_valid_bt, kv_index)
         return dataclasses.replace(carry, x_bth=x.astype(carry.x_bth.dtype), kv=kv), None
     conv, ssm = carry.conv_lbwc, carry.ssm_lbhkv
     speculative = ctx.speculative and ssm is not None
-    y, (c, s), block = layer.linear_attn(
-        layer.norm(x, layer.input_layernorm), None if conv is None else conv[linear_index],
-        None if ssm is None else ssm[linear_index], ctx.kv_valid_bt, speculative=speculative)
+    with jax.named_scope("linear_attention"):
+        y, (c, s), block = layer.linear_attn(
+            layer.norm(x, layer.input_layernorm), None if conv is None else conv[linear_index],
+            None if ssm is None else ssm[linear_index], ctx.kv_valid_bt, speculative=speculative)
     if block is None and ssm is not None:
         conv, ssm = conv.at[linear_index].set(c), ssm.at[linear_index].set(s)
     x = layer.finish(x, y).astype(carry.x_bth.dtype)
@@ -206,8 +206,9 @@ def run_stack(spec: StackSpec, members: nnx.List, carry: Carry, ctx: Context,
         layers = nnx.merge(graphdef, state_g)
         blocks, a, lin = [], 0, 0
         for j, layer in enumerate(layers):
-            carry, block = run_layer(layer, carry, ctx, spec.attn_start + g * n_attn + a,
-                                     spec.linear_start + g * n_linear + lin)
+            with jax.named_scope(f"layer_{spec.start + j}" if spec.repeats == 1 else f"member_{j}"):
+                carry, block = run_layer(layer, carry, ctx, spec.attn_start + g * n_attn + a,
+                                         spec.linear_start + g * n_linear + lin)
             if layer.is_linear:
                 lin += 1
             else:
