@@ -22,6 +22,7 @@ import sys
 from typing import Callable
 
 from dmtp_jax.errors import InputError, UserError, format_user_error, one_line
+from dmtp_jax.options import DraftHeadOptions, ModelSources
 from dmtp_jax.paths import cache_root
 
 
@@ -52,6 +53,31 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be in [0, 65535], got '{text}'")
     return port
+
+
+def draft_head_options(args: argparse.Namespace) -> DraftHeadOptions:
+    """The `--draft-head*` flags as options (flags a command lacks: their defaults).
+
+    Example:
+        >>> draft_head_options(argparse.Namespace(draft_head="int8"))
+        DraftHeadOptions(kind='int8', rank=None, shortlist=None, vocab=None, counts=None, factor=None)
+    """
+    return DraftHeadOptions(kind=getattr(args, "draft_head", "full"), rank=getattr(args, "draft_head_rank", None),
+                            shortlist=getattr(args, "draft_head_shortlist", None),
+                            vocab=getattr(args, "draft_head_vocab", None),
+                            counts=getattr(args, "draft_head_counts", None),
+                            factor=getattr(args, "draft_head_factor", None))
+
+
+def model_sources(args: argparse.Namespace) -> ModelSources:
+    """`--draft`, `--mtp`, `--dtype` and the drafting head as `ModelSources`.
+
+    Example:
+        >>> model_sources(argparse.Namespace(draft="d", dtype="bfloat16")).draft
+        'd'
+    """
+    return ModelSources(draft=getattr(args, "draft", None), mtp=getattr(args, "mtp", None),
+                        dtype=getattr(args, "dtype", "float32"), draft_head=draft_head_options(args))
 
 
 class ArgumentParser(argparse.ArgumentParser):

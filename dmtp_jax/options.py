@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 from dmtp_jax.errors import InputError, RequestError
@@ -287,3 +288,112 @@ def verify_modes(text: str) -> list[str]:
     if bad or not modes:
         raise InputError(f"--verify: unknown verifier(s) {bad or text!r}; available: {', '.join(VERIFY_MODES)}")
     return modes
+
+
+def _non_negative(flag: str, value, error: type) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+        raise error(f"{flag} must be >= 0, got {value}")
+
+
+def check_positive_int(flag: str, value, error: type = InputError) -> None:
+    """An integer >= 1 (`--batch-size`, `--prompt-len`, `--max-batch-size`, ...).
+
+    Example:
+        >>> check_positive_int("--batch-size", 0)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.InputError: --batch-size must be >= 1, got 0
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise error(f"{flag} must be >= 1, got {value}")
+
+
+def check_positive(flag: str, value, error: type = InputError) -> None:
+    """A number > 0 (serve's `--max-body-mb`, `--header-timeout`, ...)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise error(f"{flag} must be > 0, got {value}")
+
+
+def check_non_negative(flag: str, value, error: type = InputError) -> None:
+    """A number >= 0 (`--prefix-cache-gb`, `--max-waiting`, ...).
+
+    Example:
+        >>> check_non_negative("--prefix-cache-gb", float("nan"))
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.InputError: --prefix-cache-gb must be >= 0, got nan
+    """
+    _non_negative(flag, value, error)
+
+
+def check_max_model_len(value: int, max_positions: int, error: type = InputError) -> None:
+    """serve's `--max-model-len` in [2, the model's `max_position_embeddings`].
+
+    Example:
+        >>> check_max_model_len(1, 128)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.InputError: --max-model-len must be in [2, 128] (the model's max_position_embeddings), got 1
+    """
+    if not 2 <= value <= max_positions:
+        raise error(f"--max-model-len must be in [2, {max_positions}] (the model's max_position_embeddings), "
+                    f"got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftHeadOptions:
+    """The drafting side's LM head (`--draft-head*`): `kind` "full", "efficient" or "int8"; for the
+    efficient head its `rank`, `shortlist`, vocabulary subset `vocab` (None: defaults / the whole
+    vocabulary), the subset's token counts `counts` (a path) or a trained `factor` (a path)."""
+    kind: str = "full"
+    rank: int | None = None
+    shortlist: int | None = None
+    vocab: int | None = None
+    counts: str | None = None
+    factor: str | None = None
+
+
+def check_draft_head_options(head: DraftHeadOptions) -> None:
+    """The efficient head's rank, shortlist and subset are >= 1, and its flags are not given to
+    another head (files are checked by `preflight`).
+
+    Example:
+        >>> check_draft_head_options(DraftHeadOptions("efficient", rank=0))
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.InputError: --draft-head-rank must be >= 1, got 0
+        >>> check_draft_head_options(DraftHeadOptions("int8", vocab=8))
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.InputError: --draft-head-vocab is an option of --draft-head efficient
+    """
+    if head.kind == "efficient":
+        for flag, value in (("--draft-head-rank", head.rank), ("--draft-head-shortlist", head.shortlist)):
+            if value is not None and value < 1:
+                raise InputError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--draft-head-factor", head.factor), ("--draft-head-vocab", head.vocab)):
+        if value is not None and head.kind != "efficient":
+            raise InputError(f"{flag} is an option of --draft-head efficient")
+    if head.factor is None and head.vocab is not None and head.vocab < 1:
+        raise InputError(f"--draft-head-vocab must be >= 1, got {head.vocab}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSources:
+    """Where a decoding method's models come from: the drafter directory `draft`, the MTP head's
+    directory `mtp` (None: the target's), the weights' `dtype` and the drafting head.
+
+    Example:
+        >>> ModelSources(draft="runs/drafter").token_counts
+        'runs/drafter'
+    """
+    draft: str | None = None
+    mtp: str | None = None
+    dtype: str = "float32"
+    draft_head: DraftHeadOptions = DraftHeadOptions()
+
+    @property
+    def token_counts(self) -> str | None:
+        """Where `--draft-head-vocab` reads its token counts: `--draft-head-counts`, else the drafter
+        directory; None when neither is given."""
+        return self.draft_head.counts or self.draft

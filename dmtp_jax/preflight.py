@@ -18,8 +18,13 @@ from __future__ import annotations
 import os
 
 from dmtp_jax import options
+from dmtp_jax.checkpoint.dflash_ckpt import load_dflash_config
+from dmtp_jax.checkpoint.draft_head_ckpt import HEAD_FACTOR, TOKEN_COUNTS, drafter_file
+from dmtp_jax.checkpoint.mtp_ckpt import MissingMtpError, has_mtp
+from dmtp_jax.config import load_target_config, read_config_json
 from dmtp_jax.decode.batch import pad_prompts
 from dmtp_jax.errors import InputError, RequestError
+from dmtp_jax.plan.topology import parse_topology
 
 
 def target_config(target_dir: str):
@@ -32,7 +37,6 @@ def target_config(target_dir: str):
         ...
         dmtp_jax.errors.ConfigError: model directory not found: /does-not-exist
     """
-    from dmtp_jax.config import load_target_config
     return load_target_config(target_dir)
 
 
@@ -69,7 +73,6 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
         if need["drafter"] and not draft and not demo_drafters:
             raise options.missing_model_error(method, "drafter")
     if any(n["mtp"] for n in needs):
-        from dmtp_jax.checkpoint.mtp_ckpt import MissingMtpError, has_mtp
         mtp_dir = mtp or target_dir
         if mtp and not os.path.isdir(mtp):
             raise InputError(f"MTP directory not found: {mtp}")
@@ -88,14 +91,12 @@ def auto_candidates(target_dir: str, draft: str | None, mtp: str | None, demo_dr
         >>> auto_candidates("/models/no-mtp", None, None)  # doctest: +SKIP
         ['ar']
     """
-    from dmtp_jax.checkpoint.mtp_ckpt import has_mtp
     check_method_models([], target_dir, draft, mtp)
     if mtp and not os.path.isdir(mtp):
         raise InputError(f"MTP directory not found: {mtp}")
     with_mtp = has_mtp(mtp or target_dir)
     out = ["ar"] + (["mtp"] if with_mtp else [])
     if draft:
-        from dmtp_jax.config import read_config_json
         stored = (read_config_json(draft).get("dmtp_config") or {}).get("method")
         out += [stored] if stored and with_mtp else [] if stored else ["dflash"]
     elif demo_drafters:
@@ -118,39 +119,27 @@ def check_drafter_block(methods, draft: str | None, block_size: int | None) -> N
         if options.method_needs(method)["drafter"] and (draft or block_size is not None):
             drafter_block = None
             if block_size is None:
-                from dmtp_jax.checkpoint.dflash_ckpt import load_dflash_config
                 drafter_block = load_dflash_config(draft).block_size
             options.verify_slots(method, mtp_steps=0, block_size=block_size, drafter_block_size=drafter_block)
 
 
-def check_draft_head(args, counts: bool = True) -> None:
-    """`--draft-head efficient`'s rank, shortlist and vocabulary subset are >= 1
-    (`models/draft_head.head_shape`) and, when `counts` (plan needs none), the subset's token counts
-    or the trained factor are there, before the target is loaded.
+def check_draft_head(sources: options.ModelSources, counts: bool = True) -> None:
+    """The drafting head's options (`options.check_draft_head_options`) and, when `counts` (plan
+    reads no file), its token counts or trained factor file, before the target is loaded.
 
     Example:
-        >>> import argparse
-        >>> check_draft_head(argparse.Namespace(draft_head="efficient", draft_head_rank=0, draft_head_shortlist=None))
+        >>> check_draft_head(options.ModelSources(draft_head=options.DraftHeadOptions("efficient", rank=0)))
         Traceback (most recent call last):
         ...
         dmtp_jax.errors.InputError: --draft-head-rank must be >= 1, got 0
     """
-    if getattr(args, "draft_head", "full") == "efficient":
-        from dmtp_jax.models.draft_head import head_shape
-        head_shape(1, 1, args.draft_head_rank, args.draft_head_shortlist)
-    factor, vocab = getattr(args, "draft_head_factor", None), getattr(args, "draft_head_vocab", None)
-    for flag, value in (("--draft-head-factor", factor), ("--draft-head-vocab", vocab)):
-        if value is not None and getattr(args, "draft_head", "full") != "efficient":
-            raise InputError(f"{flag} is an option of --draft-head efficient")
-    if factor is None and vocab is not None and vocab < 1:
-        raise InputError(f"--draft-head-vocab must be >= 1, got {vocab}")
-    if counts and (factor is not None or vocab is not None):    # plan reads neither file
-        from dmtp_jax.decode.loading import token_counts_path
-        from dmtp_jax.checkpoint.draft_head_ckpt import HEAD_FACTOR, TOKEN_COUNTS, drafter_file
-        if factor is not None:
-            drafter_file(factor, HEAD_FACTOR)
-        elif path := token_counts_path(args):   # else the demo's drafter directories, each read when its models load
-            drafter_file(path, TOKEN_COUNTS)
+    head = sources.draft_head
+    options.check_draft_head_options(head)
+    if counts and (head.factor is not None or head.vocab is not None):
+        if head.factor is not None:
+            drafter_file(head.factor, HEAD_FACTOR)
+        elif sources.token_counts:      # else the demo's drafter directories, each read when its models load
+            drafter_file(sources.token_counts, TOKEN_COUNTS)
 
 
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, cfg) -> None:
@@ -163,33 +152,29 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, cfg) -> None:
     pad_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
 
 
-def check_plan_options(args) -> None:
+def check_plan_options(*, target: str, draft: str | None, topology: str, batch_size: int, prompt_len: int,
+                       max_new_tokens: int, mtp_steps: int, block_size: int | None, rounds_per_dispatch: int,
+                       prefill_chunk: int | None = None, prefix_cache_gb: float = 0.0,
+                       draft_head: options.DraftHeadOptions = options.DraftHeadOptions()) -> None:
     """`infer.py plan`: sizes and budgets in range, the target / drafter configs readable, and the
     request within the target's positions, before any compile.
 
     Example:
-        >>> import argparse
-        >>> check_plan_options(argparse.Namespace(target="/nope.json", draft=None, batch_size=1, topology="cpu:1",
-        ...     prompt_len=8, max_new_tokens=8, mtp_steps=4, block_size=None, rounds_per_dispatch=1))
+        >>> check_plan_options(target="/nope.json", draft=None, batch_size=1, topology="cpu:1", prompt_len=8,
+        ...     max_new_tokens=8, mtp_steps=4, block_size=None, rounds_per_dispatch=1)
         Traceback (most recent call last):
         ...
         dmtp_jax.errors.ConfigError: model directory not found: /nope.json
     """
-    from dmtp_jax.plan.topology import parse_topology
-    parse_topology(args.topology)
-    if args.batch_size < 1:
-        raise RequestError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.prompt_len < 1:
-        raise RequestError(f"--prompt-len must be >= 1, got {args.prompt_len}")
-    if not getattr(args, "prefix_cache_gb", 0.0) >= 0:
-        raise RequestError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
-    check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
-                         prefill_chunk=getattr(args, "prefill_chunk", None))
-    check_draft_head(args, counts=False)
-    cfg = target_config(args.target)
-    if args.draft:
-        from dmtp_jax.config import read_config_json
-        read_config_json(args.draft)
-    if args.prompt_len + args.max_new_tokens > cfg.max_position_embeddings:
-        raise RequestError(f"--prompt-len ({args.prompt_len}) + --max-new-tokens ({args.max_new_tokens}) exceeds "
+    parse_topology(topology)
+    options.check_positive_int("--batch-size", batch_size, RequestError)
+    options.check_positive_int("--prompt-len", prompt_len, RequestError)
+    options.check_non_negative("--prefix-cache-gb", prefix_cache_gb, RequestError)
+    check_decode_options(mtp_steps, block_size, max_new_tokens, rounds_per_dispatch, prefill_chunk=prefill_chunk)
+    options.check_draft_head_options(draft_head)
+    cfg = target_config(target)
+    if draft:
+        read_config_json(draft)
+    if prompt_len + max_new_tokens > cfg.max_position_embeddings:
+        raise RequestError(f"--prompt-len ({prompt_len}) + --max-new-tokens ({max_new_tokens}) exceeds "
                            f"the target's max_position_embeddings ({cfg.max_position_embeddings})")

@@ -10,6 +10,7 @@ import infer
 from dmtp_jax.bench.report import build_report, format_table
 from dmtp_jax.bench.runner import run_benchmark
 from dmtp_jax.decode.loading import load_method_models, make_decoders
+from dmtp_jax.options import ModelSources
 from dmtp_jax.bench.workloads import (WORKLOADS, Request, default_data_dir, load_workload,
                                       render_prompt)
 
@@ -70,11 +71,9 @@ def test_bench_cli_json_and_plot(tiny_qwen3_dir, draft_dir, ids_jsonl, tmp_path,
 
 
 def test_runner_keeps_outputs_and_skips_too_long(tiny_qwen3_dir, draft_dir, ids_jsonl):
-    import argparse
-
     from dmtp_jax.checkpoint.hf import load_target
     target = load_target(tiny_qwen3_dir)
-    models = load_method_models(argparse.Namespace(draft=draft_dir, dtype="float32"), target, ["ar", "dflash"])
+    models = load_method_models(ModelSources(draft=draft_dir), target, ["ar", "dflash"])
     assert models["ar"] == {} and set(models["dflash"]) == {"drafter"}
     wl = load_workload(ids_jsonl)
     decoders = make_decoders(["ar"], target, models)
@@ -97,7 +96,7 @@ def test_method_models_follow_method_needs(monkeypatch):
             for kind in ("drafter", "mtp", "fusion")}
     monkeypatch.setattr(loading, "MODEL_LOADERS", fake)
     methods = ["ar", "mtp", "dflash", "dmtp", "dmtp-single"]
-    models = load_method_models(None, None, methods)
+    models = load_method_models(ModelSources(), None, methods)
     assert models["ar"] == {}
     for m in methods[1:]:
         assert set(models[m]) == {k for k, v in decode.method_needs(m).items() if v}

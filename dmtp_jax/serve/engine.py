@@ -36,7 +36,7 @@ requests are prefilled alone next (the one that fails again ends with finish rea
 failed round ends the running requests with "error", keeps the waiting ones and rebuilds the
 running state.
 
-Speculative decoders pass the exactness probe first (`decode/probe.py:exactness_gate`); on a
+Speculative decoders pass the exactness probe first (the decoder's `exactness` gate, `decode/probe.py`); on a
 decline the engine serves plain decoding with the same target.
 
 Example:
@@ -59,6 +59,7 @@ from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.auto import AUTO, AutoDecoder
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts, round_up
 from dmtp_jax.decode.sampling import check as check_sampling
+from dmtp_jax.options import check_max_model_len, check_positive_int
 from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
 from dmtp_jax.serve.policy import LoadPolicy
 from dmtp_jax.serve.prefix_cache import PrefixCache, copy_state, prefix_cache_bytes, state_nbytes
@@ -91,12 +92,9 @@ class Engine:
                  rounds_per_dispatch: int | None = None, max_top_k: int = 256, prefix_cache_gb: float = 0.0):
         cfg = decoder.target.cfg
         self.max_top_k = int(max_top_k)              # top-k's search width in sampled rounds (static)
-        if max_batch_size < 1:
-            raise RequestError(f"--max-batch-size must be >= 1, got {max_batch_size}")
+        check_positive_int("--max-batch-size", max_batch_size, RequestError)
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
-        if not 2 <= self.max_model_len <= cfg.max_position_embeddings:
-            raise RequestError(f"--max-model-len must be in [2, {cfg.max_position_embeddings}] "
-                               f"(the model's max_position_embeddings), got {self.max_model_len}")
+        check_max_model_len(self.max_model_len, cfg.max_position_embeddings, RequestError)
         self.decoder, self.cfg, self.seed = decoder, cfg, seed
         self.stop_ids = tuple(cfg.eos_token_ids if stop_ids is None else stop_ids)
         self.max_batch_size = int(max_batch_size)
