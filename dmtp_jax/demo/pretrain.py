@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +122,18 @@ class PretrainStep:
     compute_dtype: str = "float32"
 
 
+def pretrain_loss(target_graphdef, mtp_graphdef, scfg: PretrainStep, params, frozen, tokens_bt):
+    """`joint_loss` as a `WindowTrainer` loss (nothing frozen)."""
+    del frozen
+    return joint_loss(params, target_graphdef, mtp_graphdef, tokens_bt, scfg.mtp_lambda, scfg.mtp_stop_gradient,
+                      jnp.dtype(scfg.compute_dtype))
+
+
+def distil_loss(target_graphdef, mtp_graphdef, compute_dtype, params, frozen, tokens_bt):
+    """`mtp_distil_loss` as a `WindowTrainer` loss (the target frozen)."""
+    return mtp_distil_loss(params["mtp"], frozen, target_graphdef, mtp_graphdef, tokens_bt, compute_dtype)
+
+
 class Pretrainer(WindowTrainer):
     """The joint target + MTP trainer (`joint_loss`); fresh params from the seed.
 
@@ -134,7 +147,8 @@ class Pretrainer(WindowTrainer):
         self.cfg, self.scfg = target_cfg, scfg
         self.target_graphdef, t_abs = abstract_target(target_cfg, "float32")
         self.mtp_graphdef, m_abs = abstract_mtp(target_cfg, "float32")
-        super().__init__(ocfg, {"target": t_abs, "mtp": m_abs})
+        loss_fn = functools.partial(pretrain_loss, self.target_graphdef, self.mtp_graphdef, scfg)
+        super().__init__(ocfg, {"target": t_abs, "mtp": m_abs}, loss_fn)
 
     def initial_params(self, seed: int) -> dict:
         """Fresh fp32 target (from `seed`) and MTP head (from `seed + 1`)."""
@@ -147,10 +161,6 @@ class Pretrainer(WindowTrainer):
             return {"target": t, "mtp": m}
         return jax.jit(make)()
 
-    def loss(self, params, frozen, tokens_bt):
-        del frozen
-        return joint_loss(params, self.target_graphdef, self.mtp_graphdef, tokens_bt, self.scfg.mtp_lambda,
-                          self.scfg.mtp_stop_gradient, jnp.dtype(self.scfg.compute_dtype))
 
 
 class MtpDistiller(WindowTrainer):
@@ -170,13 +180,12 @@ class MtpDistiller(WindowTrainer):
         self.target_graphdef, _ = abstract_target(target_cfg, "float32")
         self.mtp_graphdef, m_abs = abstract_mtp(target_cfg, "float32")
         self.initial_mtp = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), mtp_params)
-        super().__init__(ocfg, {"mtp": m_abs}, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target_params))
+        loss_fn = functools.partial(distil_loss, self.target_graphdef, self.mtp_graphdef, self.compute_dtype)
+        super().__init__(ocfg, {"mtp": m_abs}, loss_fn,
+                         jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target_params))
 
     def initial_params(self, seed: int) -> dict:
         """The given MTP head (`seed` unused: nothing is random)."""
         del seed
         return {"mtp": self.initial_mtp}
 
-    def loss(self, params, frozen, tokens_bt):
-        return mtp_distil_loss(params["mtp"], frozen, self.target_graphdef, self.mtp_graphdef, tokens_bt,
-                               self.compute_dtype)

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -141,6 +142,12 @@ def factor_loss(params: dict, frozen: dict, target_graphdef, mtp_graphdef, token
     return soft_ce, {"kl": kl, "agree": agree, "recall": recall}
 
 
+def factor_window_loss(target_graphdef, mtp_graphdef, tied: bool, shortlist: int, chunk: int, params, frozen,
+                       tokens_bt):
+    """`factor_loss` as a `WindowTrainer` loss."""
+    return factor_loss(params, frozen, target_graphdef, mtp_graphdef, tokens_bt, tied, shortlist, chunk)
+
+
 class FactorDistiller(WindowTrainer):
     """`factor_loss` as a `train.loop.run_loop` trainer: params `{"down", "up"}` (fp32, from the given
     efficient head's factor), the target, MTP and subset ids frozen, all on the target's mesh.
@@ -161,8 +168,10 @@ class FactorDistiller(WindowTrainer):
         self.start = {k: getattr(model, k).get_value() for k in ("down", "up")}
         frozen = {"target": target.state, "mtp": None if mtp is None else mtp.state,
                   "ids": model.ids.get_value() if model.subset else None}
+        loss_fn = functools.partial(factor_window_loss, self.target_graphdef, self.mtp_graphdef, self.tied,
+                                    self.shortlist, chunk)
         super().__init__(ocfg, {k: jax.ShapeDtypeStruct(v.shape, jnp.float32) for k, v in self.start.items()},
-                         frozen, target.mesh)
+                         loss_fn, frozen, target.mesh)
 
     @property
     def initial(self) -> dict:
@@ -173,10 +182,6 @@ class FactorDistiller(WindowTrainer):
         """The given head's factor (`seed` unused)."""
         del seed
         return self.initial
-
-    def loss(self, params, frozen, tokens_bt):
-        return factor_loss(params, frozen, self.target_graphdef, self.mtp_graphdef, tokens_bt, self.tied,
-                           self.shortlist, self.chunk)
 
 
 def train_head_factor(cfg: FactorConfig) -> dict:
