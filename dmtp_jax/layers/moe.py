@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from dmtp_jax.layers.mlp import swiglu
 from dmtp_jax.platform import compile_platform
 from dmtp_jax.sharding import MeshRules, mesh_axes, spec_for, weights_mesh
 
