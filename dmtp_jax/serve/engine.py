@@ -48,7 +48,6 @@ Example:
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import time
 
@@ -57,15 +56,14 @@ import numpy as np
 
 from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.auto import AUTO, AutoDecoder
-from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts, round_up
-from dmtp_jax.decode.sampling import check as check_sampling
+from dmtp_jax.decode.batch import RequestError, StopTracker, round_up
 from dmtp_jax.options import check_max_model_len, check_positive_int
 from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
 from dmtp_jax.serve.policy import LoadPolicy
 from dmtp_jax.serve.prefix_cache import PrefixCache, copy_state, prefix_cache_bytes, state_nbytes
-from dmtp_jax.serve.request import Event, Request, row_sampling
+from dmtp_jax.serve.request import Event, Request, check_request, row_sampling
 from dmtp_jax.serve.rounds import engine_bank
-from dmtp_jax.serve.rows import batch_axes, extract_row, insert_row, move_row, put_rows, resize_rows
+from dmtp_jax.serve.rows import RowMoves, insert_row
 from dmtp_jax.serve.warmup import warm_up_engine
 
 __all__ = ["Engine", "Event", "Request", "insert_row"]
@@ -117,15 +115,13 @@ class Engine:
         self.max_len = round_up(self.max_model_len + self.bank.max_slots, 128)
         self.prefill_budget = int(prefill_budget or PREFILL_BUDGET_CHUNKS * self.bank.prefill_chunk)
         self.base_key = jax.random.key(seed)
-        one, two = self.bank.new_state(1, self.max_len), self.bank.new_state(2, self.max_len)
-        axes, shardings = batch_axes(one, two), jax.tree.map(lambda x: x.sharding, one)
-        self._put = counted_jit(functools.partial(put_rows, axes), donate_argnums=0, out_shardings=shardings)
-        self._move = counted_jit(functools.partial(move_row, axes), donate_argnums=0, out_shardings=shardings)
-        self._resize = counted_jit(functools.partial(resize_rows, axes), static_argnums=1, out_shardings=shardings)
+        one = self.bank.new_state(1, self.max_len)
+        self.moves = RowMoves(one, self.bank.new_state(2, self.max_len))    # the running state's row moves
         budget = prefix_cache_bytes(prefix_cache_gb)
         self.prefix_cache = None if not budget else PrefixCache(
-            budget, extract=counted_jit(functools.partial(extract_row, axes), out_shardings=shardings),
-            copy=counted_jit(copy_state, out_shardings=shardings), row_bytes=state_nbytes(one))
+            budget, extract=self.moves.extract,
+            copy=counted_jit(copy_state, out_shardings=jax.tree.map(lambda x: x.sharding, one)),
+            row_bytes=state_nbytes(one))
         self.state = self.bank.new_state(self.buckets[0], self.max_len)
 
     @property
@@ -139,27 +135,9 @@ class Engine:
         return self.policy.describe()
     # ---- requests ------------------------------------------------------------------------------
     def check(self, req: Request) -> Request:
-        """Validates a request (raises `RequestError` naming the problem); returns it.
-
-        Example:
-            >>> engine.check(Request([1, 2], max_tokens=0))  # doctest: +SKIP
-            Traceback (most recent call last):
-            dmtp_jax.errors.RequestError: max_tokens must be >= 1, got 0
-        """
-        if req.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
-        check_sampling(req.temperature, req.top_p, req.top_k)
-        if not -2**63 <= req.seed < 2**63:
-            raise RequestError(f"seed must be a 64-bit integer, got {req.seed}")
-        if self.max_top_k < req.top_k < self.cfg.vocab_size:
-            raise RequestError(f"top_k must be <= {self.max_top_k} (--max-top-k), or 0 / >= the vocabulary "
-                               f"({self.cfg.vocab_size}) for none, got {req.top_k}")
-        total = len(req.prompt_ids) + req.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
-                               f"exceeds --max-model-len {self.max_model_len}")
-        pad_prompts([req.prompt_ids], req.max_tokens, self.cfg.vocab_size, self.max_model_len, batch_bucket=1)
-        return req
+        """Validates a request against this engine's limits (`request.check_request`); returns it."""
+        return check_request(req, vocab_size=self.cfg.vocab_size, max_model_len=self.max_model_len,
+                             max_top_k=self.max_top_k)
 
     def add(self, req: Request) -> Request:
         """Queues a (checked) request; it is admitted by a later `step`.
@@ -300,7 +278,7 @@ class Engine:
         self._resize_to(row_bucket(need, self.buckets))
         dst = np.full(group.rows, self.rows, np.int32)          # past the rows: dropped
         dst[keep] = np.arange(len(self.running), need, dtype=np.int32)
-        self.state = self._put(self.state, group.state, dst)
+        self.state = self.moves.put(self.state, group.state, dst)
         now = time.perf_counter()
         for i, req in enumerate(group.reqs):
             self._solo.discard(req.id)
@@ -334,7 +312,7 @@ class Engine:
     # ---- rows ----------------------------------------------------------------------------------
     def _resize_to(self, rows: int) -> None:
         if rows != self.rows:
-            self.state = self._resize(self.state, rows)
+            self.state = self.moves.resize(self.state, rows)
 
     def _compact(self) -> None:
         """Drops finished rows: the last running rows fill their places; the state shrinks to the
@@ -346,7 +324,7 @@ class Engine:
             movers = [i for i in live if i >= n]
             order = list(range(len(self.running)))
             for hole, src in zip(holes, movers):
-                self.state = self._move(self.state, np.int32(src), np.int32(hole))
+                self.state = self.moves.move(self.state, np.int32(src), np.int32(hole))
                 order[hole] = src
             self.running = [self.running[order[i]] for i in range(n)]
         if not self.waiting and self._group is None:
@@ -398,5 +376,4 @@ class Engine:
         """The bank's compile counts plus the row moves' (`put_rows`, `move_row`, `resize_rows`) and
         the prefix cache's (`extract_row`, `copy_row`)."""
         cache = {} if self.prefix_cache is None else self.prefix_cache.compile_counts()
-        return {**self.bank.compile_counts(), "put_rows": self._put.compiles, "move_row": self._move.compiles,
-                "resize_rows": self._resize.compiles, **cache}
+        return {**self.bank.compile_counts(), **self.moves.compile_counts(), **cache}
