@@ -1,19 +1,12 @@
-"""The ONE jitted train step of the drafter (sharded, donated, one compile); the optimiser is
-`train.optim`'s.
+"""The ONE jitted train step of the drafter (sharded, donated, one compile).
 
-`TrainState = (params fp32, opt_state, step)`; `params` is `{"drafter": ..., "fusion": ...}` (the
-fusion only for the DMTP methods). The step takes the frozen target (and, for DMTP, the frozen MTP
-head) state as plain inputs (never differentiated: gradients are taken w.r.t. `params` only, and
-the features are under `stop_gradient`), draws anchors from `fold_in(key(seed), step)`, splits the global batch
-into `grad_accum` micro-batches (a `lax.scan`), sums the gradients of the weighted CE numerator,
-divides by the summed weights of the whole step (SpecForge's normalisation), clips, and applies
-AdamW with warmup + cosine. Compute runs in `compute_dtype` (params cast in the step; master
-params and optimizer state stay fp32). `apply_gradients` is the update of every trainer (this one
-and the demo's `Pretrainer` / `MtpDistiller`): a step whose loss or gradient norm is not finite
-keeps the params and optimizer state it was given (`jnp.where`, no recompile) and reports
-`nonfinite` = 1; the loop counts such steps (`resilience.NonFiniteGuard`). `Trainer.lower_step` lowers the step on
-abstract inputs (ShapeDtypeStructs at their shardings; `abstract_models` builds weightless target /
-MTP), for compiling for a topology and reading its memory analysis.
+`TrainState = (params fp32, opt_state, step)`, `params = {"drafter": ..., "fusion": ...}` (fusion:
+DMTP only). `train_step` is jitted over a frozen `DrafterStep` setup; it takes the frozen target
+(and MTP head) state as inputs (never differentiated), draws anchors from `fold_in(key(seed),
+step)`, runs `grad_accum` micro-batches in a scan, normalises by the step's summed weights, and
+applies `train.optim.apply_gradients` (a non-finite step keeps its state, `nonfinite` = 1). Compute
+runs in `compute_dtype`; master params and optimizer state stay fp32. `Trainer.lower_step` lowers
+the same step on abstract inputs (`abstract_models`) for planning.
 
 Example:
     >>> trainer = Trainer(target, drafter_cfg, StepConfig(), OptimConfig(total_steps=100), mesh)  # doctest: +SKIP
@@ -40,6 +33,7 @@ from dmtp_jax.methods import ADAPTIVE
 from dmtp_jax.models.dflash import REMAT_POLICIES
 from dmtp_jax.models.dflash_config import DFlashConfig
 from dmtp_jax.models.fusion import T1Fusion
+from dmtp_jax.options import check_ce_chunk, check_positive_int
 from dmtp_jax.sharding import (DEFAULT_RULES, MeshRules, at_shardings, batch_sharding, gathered_over, replicated,
                                state_shardings)
 from dmtp_jax.train.anchors import sample_anchors
@@ -219,21 +213,17 @@ class Trainer:
         method_layout(scfg.method, scfg.block_size or dcfg.block_size)     # validates the method
         if scfg.remat not in REMAT_POLICIES:
             raise InputError(f"unknown remat '{scfg.remat}'; available: {', '.join(REMAT_POLICIES)}")
-        if scfg.ce_chunk < 0:
-            raise InputError(f"ce_chunk must be >= 0 (0: no chunking), got {scfg.ce_chunk}")
+        check_ce_chunk(scfg.ce_chunk, "ce_chunk")
         if uses_mtp(scfg.method) and mtp is None:
             raise ValueError(f"method '{scfg.method}' trains against the target's frozen MTP head (mtp=...)")
         self.mtp = mtp if uses_mtp(scfg.method) else None
-        if scfg.grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1, got {scfg.grad_accum}")
+        check_positive_int("grad_accum", scfg.grad_accum)
         self.target, self.dcfg, self.scfg, self.ocfg, self.mesh = target, dcfg, scfg, ocfg, mesh
         self.tx = make_optimizer(ocfg)
         self.graphdefs, abstract = abstract_params(dcfg, scfg)
         self.param_shardings = {k: state_shardings(v, mesh, mesh_rules) for k, v in abstract.items()}
         # FSDP: the step gathers the drafter's (small) weights over `fsdp` at their use and
-        # reduce-scatters their gradients. Left to itself, XLA gathered the activations instead:
-        # the context features' weight gradient took [global batch, seq, 5 x hidden] per device
-        # (27B, v5p:4x4x4 data=4,fsdp=16, batch 256: 105 GiB of temporaries).
+        # reduce-scatters their gradients (left to itself, XLA gathers the activations instead).
         self.compute_shardings = (gathered_over(self.param_shardings, "fsdp")
                                   if mesh.shape.get("fsdp", 1) > 1 else None)
         self.abstract_params = abstract
