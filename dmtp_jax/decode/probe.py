@@ -1,24 +1,17 @@
 """The exactness probe: does a verify block give the same greedy tokens as single-token decoding
 on the running backend and dtype?
 
-Speculative decoding is exact only if the target's one forward over a block of `n` tokens picks
-the same argmax at every position as `n` single-token forwards would. Mathematically it does; in
-floating point it need not: a block forward is a matrix-matrix product where single-token decoding
-is a matrix-vector product, and a backend may choose other kernels, tilings and reduction orders
-for the two shapes. In fp32 on CPU the differences are ~1e-6 and never flip an argmax on our
-checkpoints; in bfloat16 (8 bits of mantissa) on an accelerator they reach ~1e-2 relative, and a
-near-tie between two logits can then flip, so the speculative output would drift from `ar`.
+Speculative decoding is exact only if the target's forward over a block of `n` tokens picks the
+same argmax at every position as `n` single-token forwards. In floating point it need not (a
+matrix-matrix product against matrix-vector products: other kernels and reduction orders), most of
+all in bfloat16 on an accelerator, where a near-tie can flip.
 
-Before the first speculative request, the decoder's `ExactnessCheck` checks it once (memoized per
-target and block width): `inputs` random prompts of `prompt_len` tokens are prefilled, then decoded
-greedily one token at a time (the chain: `ARDecoder`'s own prefill and decode-step functions) for
-`width` more tokens, and ONE verify forward over the chain's first `width` tokens from the same
-prefilled cache (the block: the round's `verify_forward` phase) must give the chain's next token at
-every position. On a
-mismatch the decoder warns once and declines to plain decoding (`ar`), or raises
-`InexactBackendError` when the decoder is strict (`--strict`); `DMTP_JAX_ALLOW_INEXACT=1` engages
-speculative decoding anyway (its greedy output may then differ from `ar`). The verdict is in every
-result's `stats["exactness_probe"]`.
+Each speculative decoder owns an `ExactnessCheck` that, before its first request, prefills
+`PROBE_INPUTS` random prompts, decodes `width` tokens one at a time (`ARDecoder`'s own prefill and
+decode step) and runs ONE verify forward over them (the round's `verify_forward`), memoized per
+(target, width). On a mismatch the decoder warns once and decodes plainly (`ar`), or raises
+`InexactBackendError` when strict; `DMTP_JAX_ALLOW_INEXACT=1` engages speculative decoding anyway.
+The verdict is in every result's `stats["exactness_probe"]`.
 
 Example:
     >>> result = run_probe(target, width=8)  # doctest: +SKIP

@@ -1,25 +1,11 @@
-"""Pretraining a Qwen3-format target jointly with its native (Qwen3.5-format) MTP head.
+"""Pretraining a Qwen3-format target jointly with its native MTP head, then distilling the head.
 
-Loss (DeepSeek-V3 / Qwen MTP pretraining): `main CE + mtp_lambda * MTP CE`.
-
-* main: the target's post-norm hidden `h_t` -> LM head -> `x_{t+1}`;
-* MTP: rows `(h_t, embed(x_{t+1}))` at position `t+1` -> `MtpHead` -> `post_norm` -> the shared
-  LM head -> `x_{t+2}`, exactly the rows the decoder feeds the head.
-
-Gradients of the MTP loss flow into the trunk, the shared embedding and the LM head (as in
-DeepSeek-V3; `mtp_stop_gradient=True` detaches `h_t` instead). Data: packed windows of
-`seq_len + 1` tokens drawn from one token stream; batch `s` is a pure function of `(seed, s)`, so a
-resumed run sees exactly the batches an uninterrupted one would.
-
-The state is `train.step.TrainState` with `params = {"target": ..., "mtp": ...}`; optimiser
-`train.step.make_optimizer`, update `train.step.apply_gradients`, one jitted donated step
-(`train.window.WindowTrainer`, shared with `MtpDistiller`). Both run in `train.loop.run_loop`, the
-drafter's loop (checkpoints, metrics, signals, non-finite losses, full disk), on `train.window.WindowBatches`.
-
-A second phase, `MtpDistiller`, trains only the MTP head against the frozen target: at every row it
-matches the target's own next-token distribution (soft cross-entropy to `softmax(target logits)`
-of the token the head predicts) on text the target wrote. That makes the head a predictor of *its
-target* rather than of the corpus -- the role a native MTP head plays in speculative decoding.
+`Pretrainer`: `main CE + mtp_lambda * MTP CE` (the MTP row `(h_t, embed(x_{t+1}))` at position
+`t+1` predicts `x_{t+2}` through the shared LM head, exactly the rows decoding feeds it; its
+gradient reaches the trunk unless `mtp_stop_gradient`). `MtpDistiller`: only the MTP head, against
+the frozen target's own next-token distribution on text the target wrote (soft cross-entropy).
+Both are `train.window.WindowTrainer`s (one jitted donated step of a pure loss) run by
+`train.loop.run_loop` on `train.window.WindowBatches`.
 
 Example:
     >>> pt = Pretrainer(target_cfg, PretrainStep(), OptimConfig(total_steps=10))  # doctest: +SKIP

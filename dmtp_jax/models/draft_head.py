@@ -1,44 +1,18 @@
-"""The drafting side's vocabulary projection: the full LM head, or an efficient head that shortlists
-candidates with a low-rank factor of the LM head and rescores the shortlist exactly.
+"""The drafting side's vocabulary projection: the full LM head, or a cheaper head for drafting only.
 
-    full        logits = h W                                  (the target's own head, V columns)
-    efficient   shortlist = top-K of (h A) B                  A [H, r], B [r, V]: W ~= A B
-                (XLA's `approx_max_k`: on TPU an approximate top-K, recall >= 0.95 of it; elsewhere
-                the exact top-K. Any shortlist keeps decoding exact / lossless, see below.)
-                logits[v] = h W[:, v] for v in the shortlist, -inf elsewhere
+    full        logits = h W
+    efficient   shortlist = top-K of (h A) B, A [H, r], B [r, V] (W ~= A B, the rank-r truncated
+                SVD made at load time, or a trained factor); logits = h W[:, v] on the shortlist,
+                -inf elsewhere. With a vocabulary subset (`--draft-head-vocab N`) only the N most
+                frequent ids of the drafter's training data are ever scored.
+    int8        logits = (h Q) * s, Q int8 [H, V], s [V] per vocabulary entry
 
-On a mesh that splits the vocabulary over S shards, each shard shortlists its own top K / S ids and
-rescores them from the rows it holds (`layers/shortlist.py:shortlist_logits`): the rows never cross
-devices.
-
-    efficient over a vocabulary subset (`--draft-head-vocab N`, EAGLE-3's draft vocabulary)
-                the same, over the N most frequent supervised tokens of the drafter's training data
-                only (`frequent_ids` of the counts `train.py token-counts` writes): B is `[r, N]`, the
-                rows `[N, H]` are the head's columns of those ids and `ids [N]` maps them back to the
-                vocabulary; the other ids are never proposed (-inf). Split over the shards evenly,
-                whatever the ids: each shard rescores its own K / S, and the shards exchange those
-                `[rows, K]` ids and scores, so each fills its own part of the `[..., V]` logits.
-
-    int8        logits = (h Q) * s                           Q int8 [H, V], s [V]: W ~= Q diag(s)
-                (per vocabulary entry, symmetric: s_v = max_h |W[h, v]| / 127; half the bytes of a
-                bf16 head, every column scored)
-
-The factor is the rank-r truncated SVD of the LM head, made once at load time
-(`checkpoint.draft_head_ckpt.make_efficient_head`): with `W W^T = U S^2 U^T`, `A = U_r` and
-`B = U_r^T W`, the best rank-r approximation of `W`. It is model state (`down`, `up`; `up` sharded like the head's vocabulary
-axis), so it travels into the jitted round as an argument and is never baked into the program.
-
-The efficient head's output is the same dense fp32 `[..., V]` as the full head's, with the exact
-values on the shortlist and -inf elsewhere, so `pick`, `filtered_probs`, DFlash2's selector and
-verification are unchanged: greedy verification stays token-exact, and sampled verification stays
-lossless because the proposal q it receives is exactly the distribution the draft was sampled from
-(zero outside the shortlist). Only the drafting side uses it (MTP's T1 and chain steps, the
-drafter's positions); the target's verify logits always come from the full head.
-
-dmtp-adaptive's confidence (the MTP's top-1 probability) over the shortlist alone would overstate
-it (the mass outside the shortlist is missing), so the partition adds the low-rank scores' mass
-outside the shortlist (`DraftScores.rest_lse`, see `fusion.mtp_confidence`). A subset head counts
-the subset's mass only: the ids outside it can never be drafted.
+Every head returns dense fp32 `[..., V]` logits, so sampling, DFlash2's selector and verification
+are unchanged: greedy verification stays token-exact and sampled verification lossless (the
+proposal is exactly the distribution drafted from). The target's verify logits always use the full
+head. `DraftScores.rest_lse` carries the low-rank mass outside the shortlist, so dmtp-adaptive's
+confidence is not overstated. On a mesh the shortlist is computed per vocabulary shard
+(`layers/shortlist.py`).
 
 Example:
     >>> head = EfficientHead(hidden=8, vocab=32, rank=8, shortlist=4, dtype=jnp.float32)
@@ -94,10 +68,8 @@ def head_shape(hidden: int, vocab: int, rank: int | None = None, shortlist: int 
 
 
 def row_layout(hidden: int) -> tuple[int, int]:
-    """How an untied head's rows store one row of `hidden` values: `(H / 128, 128)`, so that a
-    gathered row is whole 128-lane tiles on TPU (XLA's TPU cost model charges a gather of `[V, H]`
-    rows at about ten times the rows it reads, of `[V, H / 128, 128]` rows at three times), or
-    `(1, H)` when H is not a multiple of 128.
+    """How an untied head's rows store one row of `hidden` values: `(H / 128, 128)` (a gathered
+    row is whole 128-lane tiles on TPU), or `(1, H)` when H is not a multiple of 128.
 
     Example:
         >>> row_layout(5120), row_layout(48)
@@ -193,8 +165,8 @@ SUBSET_ALIGN = 1024     # a subset of more ids is padded to a multiple of this (
 
 
 def subset_size(n: int) -> int:
-    """The padded size of an efficient head's vocabulary subset of `n` ids: a multiple of 1024 (of 8
-    under 1024 ids), so that it splits evenly over up to 8 vocabulary shards.
+    """The padded size of a vocabulary subset of `n` ids: a multiple of 1024 (of 8 under 1024 ids),
+    so that it splits evenly over up to 8 vocabulary shards.
 
     Example:
         >>> subset_size(32768), subset_size(30000), subset_size(100)
@@ -217,8 +189,7 @@ def frequent_ids(counts, n: int) -> np.ndarray:
 
 class Int8Head(nnx.Module):
     """The LM head quantized to int8 per vocabulary entry. Params: `weight` int8 `[H, V]` (sharded
-    like an untied LM head, whether or not the target ties it) and `scale` `[V]`. Its logits are a
-    proper distribution over the whole vocabulary, so nothing else changes downstream.
+    like an untied LM head) and `scale` `[V]`.
 
     Example:
         >>> w = jax.random.normal(jax.random.key(0), (8, 32))

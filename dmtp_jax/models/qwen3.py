@@ -91,9 +91,8 @@ class Attention(nnx.Module):
         b, t, _ = x_bth.shape
         q = x_bth @ self.q_proj[...]
         if t <= DENSE_MAX_QUERIES:
-            # A few rows (decode, verify and drafter blocks): left free, XLA's TPU layout pass makes
-            # this matmul emit heads-major rows by copying `q_proj` transposed, a full weight read and
-            # write per layer and call (27B verify: 17.5 -> 13.6 GB per round). The barrier keeps q row-major.
+            # A few rows (decode, verify and drafter blocks): left free, XLA's TPU layout pass copies
+            # `q_proj` transposed per layer and call to emit heads-major rows; the barrier keeps q row-major.
             q = jax.lax.optimization_barrier(q)
         if self.has_bias:
             q = q + self.q_bias[...]

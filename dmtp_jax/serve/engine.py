@@ -1,43 +1,23 @@
 """Continuous batching over rounds that follow the load: the serving core, no HTTP.
 
 An `Engine` owns one `RoundBank` (`serve/rounds.py`: plain decoding and the speculative rounds its
-models allow, all on one state) and one running state whose row count is a compiled row bucket
-(powers of two up to `max_batch_size`): the running requests live in its first rows, so a step
-costs the rows in use, not `max_batch_size`. Each `step()`:
+models allow, on one state) and one running state whose row count is a compiled row bucket (powers
+of two up to `max_batch_size`), the running requests in its first rows. Each `step()`:
 
-    cancel     rows whose request was cancelled (client gone, stop string) are freed at once
-    admit      waiting requests are prefilled in groups padded to one prompt bucket
-               (`serve/admission.py`), as many chunks per step as fit the prefill budget (4 x
-               `prefill_chunk` tokens: row bucket x chunk width), so a burst of arrivals costs one
-               prefill per group; a finished group's rows go into the running state in one scatter
-               (the state grows to the next row bucket first)
-    round      the policy (`serve/policy.py`) picks the round (`auto`: plain, MTP or the base
-               method, from the live rows and the acceptance and round times measured live; else
-               the decoder's method), which runs over the state's rows, the first `n` active; with
-               `rounds_per_dispatch` K > 1 and nobody waiting, up to K rounds run per dispatch with
-               on-device stopping. Each request's `StopTracker` cuts at its stop tokens /
-               `max_tokens`; finished rows are filled by the last running rows (`rows.move_row`:
-               every cache of the row moves) and the state shrinks to the smallest bucket that
-               holds the rest once nobody waits.
+    cancel     rows of cancelled requests are freed
+    admit      waiting requests are prefilled in groups (`serve/admission.py`), within the prefill
+               budget per step; a finished group's rows go into the running state in one scatter
+    round      the policy (`serve/policy.py`) picks the round (plain, MTP or the base method), run
+               over the active rows (K rounds per dispatch when nobody waits); each request's
+               `StopTracker` cuts at its stops; finished rows are filled by the last running rows
+               and the state shrinks to the smallest bucket that holds the rest
 
 With `prefix_cache_gb` > 0 a prompt that begins with a stored text resumes from its 1-row state
-(`admission.start_of`); admitted rows, rows ending exactly at their text and rows a dispatch may end
-(`PrefixCache.before_round`) are offered to the cache (`serve/prefix_cache.py`). Outputs are unchanged.
-
-A request's greedy output is `generate`'s on the same prompt whatever else is in the batch and
-whichever rounds ran: rows never read each other and every round commits the target's argmax.
-Sampled rows carry their own temperature / top-p / top-k (`request.row_sampling`: traced values in
-one form, top-k searching `max_top_k` and top-p on, so no request's values compile anything). A lone request's `seed`
-seeds its first token; rounds draw from the engine's round keys (lossless, not reproducible per
-request).
-
-Faults: an exception while admitting a group ends the request if it was alone, else its group's
-requests are prefilled alone next (the one that fails again ends with finish reason "error"); a
-failed round ends the running requests with "error", keeps the waiting ones and rebuilds the
-running state.
-
-Speculative decoders pass the exactness probe first (the decoder's `exactness` gate, `decode/probe.py`); on a
-decline the engine serves plain decoding with the same target.
+(`serve/prefix_cache.py`). A request's greedy output is `generate`'s on the same prompt whatever
+else is in the batch; sampled rows carry their own parameters as traced values (nothing
+recompiles). A failed admission retries its group's requests alone; a failed round ends the
+running requests with "error" and rebuilds the state. A speculative decoder that fails its
+exactness probe is served with plain decoding.
 
 Example:
     >>> engine = Engine(make_decoder("dmtp", target, drafter=d, mtp=m, fusion=f), max_batch_size=8)  # doctest: +SKIP
