@@ -82,21 +82,7 @@ def model_sources(args: argparse.Namespace) -> ModelSources:
 
 class ArgumentParser(argparse.ArgumentParser):
     """`argparse.ArgumentParser` whose errors are `error: ...` and `hint: run '<prog> --help' ...`
-    (two lines, exit status 2) instead of the whole usage. Subparsers inherit the class.
-
-    Example:
-        >>> import contextlib, io
-        >>> err = io.StringIO()
-        >>> with contextlib.redirect_stderr(err):
-        ...     try:
-        ...         ArgumentParser(prog="infer.py").parse_args(["--bogus"])
-        ...     except SystemExit as stop:
-        ...         print("exit status", stop.code)
-        exit status 2
-        >>> print(err.getvalue().strip())
-        error: unrecognized arguments: --bogus
-        hint: run 'infer.py --help' for the options
-    """
+    (two lines, exit status 2) instead of the whole usage. Subparsers inherit the class."""
 
     def error(self, message: str):
         sys.stderr.write(f"error: {one_line(message)}\nhint: run '{self.prog} --help' for the options\n")
@@ -156,9 +142,8 @@ def add_compile_cache_arg(parser: argparse.ArgumentParser) -> None:
 
 def enable_compile_cache(flag: str | None = None) -> str | None:
     """Turns on JAX's persistent compilation cache at `compile_cache_dir(flag)` for every compile,
-    however short (CPU compiles of the small models take well under JAX's 1 s default), or turns it
-    off. Only the CLI entry points call this: importing the library never writes a cache.
-    Returns the directory, or None when off.
+    however short, or turns it off; returns the directory, or None when off. Only the CLI entry
+    points call this: importing the library never writes a cache.
 
     Example:
         >>> enable_compile_cache("off") is None
@@ -234,11 +219,10 @@ def use_host_backend() -> None:
 
 
 def skip_absent_gpu_plugin() -> str | None:
-    """Keeps an installed CUDA plugin (the `plan-gpu` extra) quiet on a machine without an NVIDIA
-    GPU: unless `JAX_PLATFORMS` says otherwise, the platforms become the host's (plus a visible TPU),
-    so the plugin skips the CUDA version check whose failure JAX logs as a traceback at backend
-    start. The plugin still registers (plan compiles for GPUs). Returns the platforms set, or None.
-    A no-op once a backend has started.
+    """On a machine without an NVIDIA GPU, the platforms become the host's (plus a visible TPU)
+    unless `JAX_PLATFORMS` says otherwise, so an installed CUDA plugin skips its failing version
+    check (it still registers: plan compiles for GPUs). Returns the platforms set, or None; a no-op
+    once a backend has started.
 
     Example:
         >>> skip_absent_gpu_plugin() in (None, "cpu", "tpu,cpu")
