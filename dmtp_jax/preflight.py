@@ -1,9 +1,5 @@
-"""Cheap checks of a command line, run before any model is loaded: a bad input costs milliseconds
-(not a model load) and is reported before anything is written to stdout.
-
-Each check raises one of our error types (`dmtp_jax.errors`), with the same message the loaders or
-decoders would give later: option ranges and "which models a method needs" are `dmtp_jax.options`,
-the very functions the decoders and the trainer call.
+"""Cheap checks of a command line before any model is loaded (configs and tensor names read, no
+weights), with the messages the loaders and decoders would give later (`dmtp_jax.options`).
 
 Example:
     >>> check_decode_options(mtp_steps=4, block_size=None, max_new_tokens=16)
