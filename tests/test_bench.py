@@ -186,15 +186,14 @@ def test_demo_methods_share_one_drafting_head(monkeypatch):
     import argparse
 
     from dmtp_jax.decode import loading
-    from dmtp_jax.checkpoint import draft_head_ckpt as draft_head
     heads, counts = [], []
 
     def make_draft_head(target, kind, rank, shortlist, counts_v, subset, factor):
         counts.append(counts_v)
         heads.append(object())
         return heads[-1]
-    monkeypatch.setattr(draft_head, "make_draft_head", make_draft_head)
-    monkeypatch.setattr(draft_head, "read_token_counts", lambda path, vocab: path)
+    monkeypatch.setattr(loading, "make_draft_head", make_draft_head)
+    monkeypatch.setattr(loading, "read_token_counts", lambda path, vocab: path)
     monkeypatch.setattr(loading, "MODEL_LOADERS", {k: (lambda a, t, m: a.draft, k == "fusion")
                                                    for k in ("drafter", "mtp", "fusion")})
     args = infer.build_parser().parse_args(["bench", "--draft-head", "efficient", "--draft-head-vocab", "8"])
