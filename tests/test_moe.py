@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dmtp_jax.layers import moe  # noqa: E402
+from dmtp_jax.layers import moe as moe_layer  # noqa: E402
 from dmtp_jax.layers.moe import block_rows_for, moe_mlp, moe_mlp_dense  # noqa: E402
 
 WEIGHT_AXES = [("batch", None), ("embed", None), ("experts", "embed", "mlp"),
@@ -99,7 +99,7 @@ def test_gradients_equal_dense():
 def test_token_chunks_equal_one_call(monkeypatch):
     """ragged / blocked run one call per MAX_ROUTED_ROWS // k tokens, dense per MAX_ROUTED_ROWS // E
     (the last chunk padded); same values and gradients as the dense reference."""
-    monkeypatch.setattr(moe, "MAX_ROUTED_ROWS", 24)    # k=4: 6 tokens per chunk, 13 = 6+6+1; dense: 1
+    monkeypatch.setattr(moe_layer, "MAX_ROUTED_ROWS", 24)    # k=4: 6 tokens per chunk, 13 = 6+6+1; dense: 1
     n, e, k = 13, 16, 4
     args = random_moe(n, 16, e, 8, seed=11)
     ref_nh = np.asarray(jax.jit(moe_mlp_dense, static_argnums=(5, 6))(*args, k, True))
@@ -136,16 +136,16 @@ def test_auto_impl_follows_compile_platform():
     from dmtp_jax.platform import compiling_for
     for platform, impl, dense_max in [("tpu", "ragged", 160), ("gpu", "scan", 256), ("cpu", "scan", 0)]:
         with compiling_for(platform):
-            assert moe.resolve_impl("auto") == impl == moe.AUTO_IMPL[platform]
-            assert moe.resolve_impl("auto", max(dense_max, 256) + 1) == impl
-            assert moe.resolve_impl("auto", 160) == ("dense" if dense_max else impl)
-            assert moe.resolve_impl("auto", 256) == ("dense" if dense_max >= 256 else impl)
-            assert moe.resolve_impl("ragged", 1) == "ragged"
+            assert moe_layer.resolve_impl("auto") == impl == moe_layer.AUTO_IMPL[platform]
+            assert moe_layer.resolve_impl("auto", max(dense_max, 256) + 1) == impl
+            assert moe_layer.resolve_impl("auto", 160) == ("dense" if dense_max else impl)
+            assert moe_layer.resolve_impl("auto", 256) == ("dense" if dense_max >= 256 else impl)
+            assert moe_layer.resolve_impl("ragged", 1) == "ragged"
             # whole (unstacked) weights: single experts sliced while pairs < local experts and <= 16
-            assert moe.resolve_impl("auto", 2, top_k=8, local_experts=64, stacked=False) == "sliced"
-            assert moe.resolve_impl("auto", 2, top_k=8, local_experts=64) == ("dense" if dense_max else impl)
-            assert moe.resolve_impl("auto", 1, top_k=8, local_experts=8, stacked=False) != "sliced"
-            assert moe.resolve_impl("auto", 3, top_k=8, local_experts=256, stacked=False) != "sliced"
+            assert moe_layer.resolve_impl("auto", 2, top_k=8, local_experts=64, stacked=False) == "sliced"
+            assert moe_layer.resolve_impl("auto", 2, top_k=8, local_experts=64) == ("dense" if dense_max else impl)
+            assert moe_layer.resolve_impl("auto", 1, top_k=8, local_experts=8, stacked=False) != "sliced"
+            assert moe_layer.resolve_impl("auto", 3, top_k=8, local_experts=256, stacked=False) != "sliced"
     # the GPU choice on a real (CPU) trace: a dense einsum for decode-sized calls, the scan loop beyond
     args = random_moe(8, 16, 8, 8)
     with compiling_for("gpu"):
@@ -206,7 +206,7 @@ def sharded_main() -> None:
         few = [jax.device_put(args[0][:3], named_sharding(("batch", None), (3, c["h"]), mesh))] + placed[1:]
         report[spec]["sliced_out"] = float(jnp.max(jnp.abs(sliced(*few) - ref_out[:3])))
     # ragged in token chunks inside each shard: 12 local tokens, 5 per chunk (last one padded)
-    moe.MAX_ROUTED_ROWS = 5 * c["k"]
+    moe_layer.MAX_ROUTED_ROWS = 5 * c["k"]
     spec = "expert=4,data=2"
     mesh = make_mesh(spec)
     placed = [jax.device_put(a, named_sharding(ax, a.shape, mesh)) for a, ax in zip(args, WEIGHT_AXES)]
