@@ -16,8 +16,9 @@ pretrained on the Python standard library with its native MTP head, and the draf
 `demo/dmtp`, `demo/dmtp_adaptive` (plus `demo/mtp_corpus`, the corpus-only head, and its drafters
 `demo/*_corpus`); without a `demo/` directory, the built-in tiny random checkpoint. One default
 method per model for generate, bench and serve: with `--draft DIR`, that drafter's own method (its
-`dmtp_config`, else dflash); on the demo, dmtp; else ar. `python infer.py` with no arguments runs
-`bench` on the demo: methods ar, mtp, dflash, dmtp, dmtp-adaptive, auto over prompts cut from stdlib
+`dmtp_config`, else dflash; draft-model when DIR is a smaller target checkpoint); on the demo, dmtp;
+else ar. `python infer.py` with no arguments runs `bench` on the demo: methods ar, mtp, dflash, dmtp,
+dmtp-adaptive, lookup, auto over prompts cut from stdlib
 modules held out of training (`demo/prompts.jsonl`), greedy, then the MTP methods again with the
 corpus-only head.
 
@@ -45,7 +46,7 @@ from dmtp_jax.options import (DraftHeadOptions, check_max_model_len, check_non_n
 DTYPES = ["float32", "bfloat16", "float16"]
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 DEMO_OUT = os.path.join(tempfile.gettempdir(), "dmtp-jax-demo")
-DEMO_METHODS = "ar,mtp,dflash,dmtp,dmtp-adaptive,auto"
+DEMO_METHODS = "ar,mtp,dflash,dmtp,dmtp-adaptive,lookup,auto"
 DEMO_WEAK_METHODS = "mtp,dmtp,dmtp-adaptive"     # the second table: the same methods with the corpus-only head
 DEMO_CORPUS_HEAD = os.path.join(DEMO_DIR, "mtp_corpus")
 DEMO_BENCH_ARGV = ["bench", "--methods", DEMO_METHODS, "--num-prompts", "12", "--max-new-tokens", "64",
@@ -82,6 +83,9 @@ def method_args(sp, verify_list: bool = False):
     `verify_list`: `--verify` takes a comma-separated list (bench runs every verifier)."""
     from dmtp_jax.options import VERIFY_MODES
     sp.add_argument("--draft", help="DFlash / DFlash2 / DMTP drafter directory (dflash, dmtp*)")
+    sp.add_argument("--eagle3", default=None, metavar="DIR",
+                    help="EAGLE-3 drafter directory (eagle3; the LlamaForCausalLMEagle3 layout of SpecForge / "
+                         "SGLang / vLLM, or `train.py export` of a --method eagle3 run)")
     sp.add_argument("--mtp", default=None, help="directory with the native MTP head (mtp, dmtp*; "
                                                 "default: the target directory)")
     sp.add_argument("--mtp-steps", type=int, default=None, help="chain length of mtp (default 4: MTP415)")
@@ -130,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(g)
     g.add_argument("--method", default=None, choices=METHODS + (AUTO,),
                    help="ar (plain), mtp (native MTP chained --mtp-steps), dflash, dmtp (main: MTP's T1 + "
-                        "DFlash with two anchors), a DMTP ablation, or auto (measures the methods the models "
+                        "DFlash with two anchors), a DMTP ablation, eagle3 (an EAGLE-3 drafter, --eagle3 DIR), or auto (measures the methods the models "
                         "allow on the first request of each batch size and keeps the fastest; the verdict is "
                         "cached in $DMTP_JAX_CACHE/auto-verdicts.json). Default: " + DEFAULT_METHOD_HELP)
     method_args(g)
@@ -175,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     method_args(b, verify_list=True)
     b.add_argument("--methods", default=None,
                    help="comma-separated methods, `auto` among them (default: ar,dflash with --draft; the demo: "
-                        "ar,mtp,dflash,dmtp,dmtp-adaptive,auto; else ar)")
+                        "ar,mtp,dflash,dmtp,dmtp-adaptive,lookup,auto; else ar)")
     b.add_argument("--workload", default=None,
                    help="default: the demo's held-out prompts (demo/prompts.jsonl) on the demo, else gsm8k. "
                         "gsm8k|math500|humaneval|mt_bench|alpaca_eval|spec_bench|bfcl, or a .jsonl of "
@@ -293,10 +297,11 @@ def decoder_methods(args, target_dir: str, methods: list[str]) -> tuple[list[str
     from dmtp_jax import preflight
     from dmtp_jax.decode.auto import AUTO
     demo = uses_demo(args)
-    candidates = preflight.auto_candidates(target_dir, args.draft, args.mtp, demo) if AUTO in methods else []
+    eagle3 = getattr(args, "eagle3", None)
+    candidates = preflight.auto_candidates(target_dir, args.draft, args.mtp, demo, eagle3) if AUTO in methods else []
     built = list(dict.fromkeys([*(m for m in methods if m != AUTO), *candidates]))
-    preflight.check_method_models(built, target_dir, args.draft, args.mtp, demo_drafters=demo)
-    preflight.check_drafter_block(built, args.draft, args.block_size)
+    preflight.check_method_models(built, target_dir, args.draft, args.mtp, demo_drafters=demo, eagle3=eagle3)
+    preflight.check_drafter_block(built, args.draft, args.block_size, eagle3)
     return built, candidates
 
 
@@ -439,7 +444,8 @@ def run_bench(args) -> dict:
     target_dir = resolve_target(args.target)
     preflight.target_config(target_dir)             # "model directory not found" before anything else
     demo = uses_demo(args)
-    default_methods = f"ar,{default_method(args)}" if args.draft else (DEMO_METHODS if demo else "ar")
+    default_methods = (f"ar,{default_method(args)}" if args.draft or getattr(args, "eagle3", None)
+                       else DEMO_METHODS if demo else "ar")
     methods = [m.strip() for m in (args.methods or default_methods).split(",") if m.strip()]
     if args.workload is None:
         args.workload = os.path.join(DEMO_DIR, "prompts.jsonl") if demo else "gsm8k"
@@ -563,12 +569,19 @@ def default_method(args) -> str:
         'ar'
     """
     from dmtp_jax.config import read_config_json
+    from dmtp_jax.preflight import draft_is_target
     if args.draft:
         try:
-            stored = read_config_json(args.draft).get("dmtp_config") or {}
+            config = read_config_json(args.draft)
+            if draft_is_target(args.draft):
+                return "draft-model"
         except Exception:       # noqa: BLE001 -- a missing / bad directory is preflight's error to report
-            stored = {}
-        return stored.get("method") or "dflash"
+            config = {}
+        if "LlamaForCausalLMEagle3" in (config.get("architectures") or []):
+            return "eagle3"
+        return (config.get("dmtp_config") or {}).get("method") or "dflash"
+    if getattr(args, "eagle3", None):
+        return "eagle3"
     return "dmtp" if uses_demo(args) else "ar"
 
 

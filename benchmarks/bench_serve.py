@@ -3,18 +3,20 @@ server, per method, with every output checked against `generate`.
 
     PYTHONPATH=. python benchmarks/bench_serve.py [--methods ar,dmtp,auto] [--concurrency 1,8,32]
         [--arrival all|poisson] [--rate 4] [--max-tokens 64] [--max-batch-size 32] [--max-model-len 512]
-        [--rounds-per-dispatch K] [--plot serve.png] [--target DIR ...]
+        [--rounds-per-dispatch K] [--repeats 3] [--plot serve.png] [--target DIR ...]
 
-For each method (on the demo by default, each with its demo drafter) it builds the engine (compiled
-before the clock starts), serves it on a free local port in this process (uvicorn thread, the same
-app as `infer.py serve`) and, per concurrency level `c`, sends `max(c, --min-requests)` greedy
+It builds every method's engine (on the demo by default, each with its demo drafter; compiled
+before any clock starts) and serves each on a free local port in this process (uvicorn thread, the
+same app as `infer.py serve`). Per concurrency level `c` it sends `max(c, --min-requests)` greedy
 streaming completions of the workload's prompts (the demo's `demo/prompts.jsonl`, or `--prompts`,
 cycled), at most `c` in flight, arriving all at once (`--arrival all`) or as a Poisson process of
-`--rate` requests/s. Per level it prints output tokens/s, time to first token p50 / p99,
-inter-token latency p50 / p99 (streamed chunks: a speculative round's tokens arrive together) and
-the ratio to a static batch: the method's `generate` over the same prompts in batches of `c` (its
-tokens/s; auto: the better of ar's and dmtp's). Every server output must equal `generate` of its prompt alone (greedy, compared as text);
-no request may fail. `--plot` writes tok/s and TTFT p50 against concurrency, one line per method.
+`--rate` requests/s, to every method in turn, `--repeats` times with the order rotated (a shared
+machine's slow spells fall on every method alike). Per level and method it prints the median output
+tokens/s, time to first token p50 / p99, inter-token latency p50 / p99 (streamed chunks: a
+speculative round's tokens arrive together) and the ratio to a static batch: the method's `generate`
+over the same prompts in batches of `c` (auto: the better of ar's and dmtp's). Every server output
+must equal `generate` of its prompt alone (greedy, compared as text); no request may fail. `--plot`
+writes tok/s and TTFT p50 against concurrency, one line per method.
 
 Numbers compare methods and concurrency levels within one run on one machine only.
 """
@@ -23,11 +25,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import socket
 import sys
-import threading
 import time
 
 import numpy as np
@@ -40,24 +41,6 @@ def load_prompts(path: str | None) -> list[str]:
     path = path or os.path.join(ROOT, "demo", "prompts.jsonl")
     with open(path) as fh:
         return [json.loads(line)["prompt"] for line in fh if line.strip()]
-
-
-def start_server(engine, tokenizer, name: str):
-    """`(base url, uvicorn server, thread)` of the app on a free local port."""
-    import uvicorn
-
-    from dmtp_jax.serve.app import Scheduler, build_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(Scheduler(engine), tokenizer, name), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", srv, thread
 
 
 async def one_request(client, base: str, prompt_ids, max_tokens: int) -> dict:
@@ -138,11 +121,77 @@ def plot(rows: list[dict], path: str) -> None:
     print(f"wrote {path}")
 
 
-def main(argv=None) -> int:
+def build_engines(args, methods, target_dir, tokenizer, prompts, stack) -> tuple[dict, list]:
+    """`({method: (decoder, stops, engine, base url)}, reference texts)`: every method's engine warmed
+    up and served (in `stack`) before any clock starts; the reference is `generate` of each prompt
+    alone (greedy: every method's output is ar's)."""
     import infer
-    from dmtp_jax.serve.app import warm_up
+    from dmtp_jax.serve.app import Scheduler, build_app, serving_in_thread, warm_up
     from dmtp_jax.serve.engine import Engine
     from dmtp_jax.sharding import make_mesh
+
+    opts = argparse.Namespace(target=args.target, draft=args.draft, mtp=args.mtp, dtype=args.dtype, block_size=None,
+                              verify="rejection", mtp_steps=None, strict=False,
+                              rounds_per_dispatch=args.rounds_per_dispatch, prefill_chunk=None,
+                              adaptive_threshold=None, stop_token_ids=None)
+    mesh, served, reference = make_mesh(None), {}, None
+    buckets = {"buckets": tuple(int(b) for b in args.buckets.split(","))} if args.buckets else {}
+    for method in methods:
+        built, _ = infer.decoder_methods(opts, target_dir, [method])
+        decoder, stops = infer.load_decoder(opts, target_dir, method, built, mesh, tokenizer)
+        if reference is None:
+            ref_dec = decoder.candidates["ar"] if hasattr(decoder, "candidates") else decoder
+            reference = [tokenizer.decode(ref_dec.generate([q], args.max_tokens, None, 0, stops).output_ids[0],
+                                          skip_special_tokens=True) for q in prompts]
+        engine = Engine(decoder, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
+                        stop_ids=stops, **buckets)
+        t0 = time.perf_counter()
+        warm_up(engine)
+        print(f"{method}: engine compiled in {time.perf_counter() - t0:.1f}s", flush=True)
+        base = stack.enter_context(serving_in_thread(build_app(Scheduler(engine), tokenizer, "bench")))
+        asyncio.run(load(base, prompts[:1], 1, 4, float("inf")))        # the HTTP path warmed up
+        served[method] = (decoder, stops, engine, base)
+    return served, reference
+
+
+def measure_level(args, served: dict, reqs, c: int, rate: float, reference) -> list[dict]:
+    """One concurrency level: `--repeats` passes over the methods, their order rotated each pass so
+    that a slow spell of a shared machine falls on every method alike; a method's tok/s (and its
+    static batch's) is the median of its passes, latencies pool every pass."""
+    methods = list(served)
+    runs = {m: [] for m in methods}
+    for rep in range(args.repeats):
+        for method in methods[rep % len(methods):] + methods[:rep % len(methods)]:
+            decoder, stops, engine, base = served[method]
+            engine.counters.clear()
+            results, wall = asyncio.run(load(base, reqs, c, args.max_tokens, rate))
+            static = (float("nan") if method == "auto" or args.no_static
+                      else static_rate(decoder, reqs, c, args.max_tokens, stops))
+            runs[method].append((results, wall, static, dict(engine.counters)))
+    rows = []
+    for method in methods:
+        ok = [r for results, *_ in runs[method] for r in results if r["ok"]]
+        every = [r for results, *_ in runs[method] for r in results]
+        tok_s = float(np.median([sum(r["tokens"] for r in results if r["ok"]) / wall
+                                 for results, wall, *_ in runs[method]]))
+        static = float(np.median([st for *_, st, _ in runs[method]]))
+        itl = [x for r in ok for x in r["itl"]]
+        rows.append({"method": method, "c": c, "requests": len(reqs), "repeats": args.repeats, "tok_s": tok_s,
+                     "static_tok_s": static, "ratio_static": tok_s / static,
+                     "ttft_p50": pct([r["ttft"] for r in ok], 50), "ttft_p99": pct([r["ttft"] for r in ok], 99),
+                     "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
+                     "exact": sum(r.get("text") == reference[i % len(reqs)] for i, r in enumerate(every)),
+                     "sent": len(every), "failed": len(every) - len(ok), "rounds": runs[method][-1][3]})
+    if "auto" in served:        # auto's static batch: the better of ar's and dmtp's
+        auto = next(r for r in rows if r["method"] == "auto")
+        auto["static_tok_s"] = max([r["static_tok_s"] for r in rows if r["method"] in ("ar", "dmtp")]
+                                   or [float("nan")])
+        auto["ratio_static"] = auto["tok_s"] / auto["static_tok_s"]
+    return rows
+
+
+def main(argv=None) -> int:
+    import infer
     from dmtp_jax.tokenizer import load_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,6 +202,7 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default="ar,dmtp,auto")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--min-requests", type=int, default=8, help="requests per level: max(concurrency, this)")
+    p.add_argument("--repeats", type=int, default=3, help="passes over the methods per level (median tok/s)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--arrival", choices=("all", "poisson"), default="all")
     p.add_argument("--rate", type=float, default=4.0, help="poisson arrivals per second")
@@ -166,68 +216,36 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the rows as JSON")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
+    methods = args.methods.split(",")
     rate = float("inf") if args.arrival == "all" else args.rate
     target_dir = infer.resolve_target(args.target)
     tokenizer = load_tokenizer(target_dir, plain=True)
     texts = load_prompts(args.prompts)
     n_max = max(max(levels), args.min_requests)
     prompts = [tokenizer(texts[i % len(texts)]).input_ids for i in range(n_max)]
-    opts = argparse.Namespace(target=args.target, draft=args.draft, mtp=args.mtp, dtype=args.dtype, block_size=None,
-                              verify="rejection", mtp_steps=None, strict=False,
-                              rounds_per_dispatch=args.rounds_per_dispatch, prefill_chunk=None,
-                              adaptive_threshold=None, stop_token_ids=None)
-    mesh = make_mesh(None)
-    failures, rows, reference = 0, [], None
     print(f"greedy requests x {args.max_tokens} tokens, arrival {args.arrival}"
           + (f" ({rate}/s)" if rate != float("inf") else "") + f", max batch {args.max_batch_size}, "
-          f"max model len {args.max_model_len}")
-    print(f"{'method':7} {'c':>3} {'reqs':>4} {'tok/s':>7} {'static':>7} {'ratio':>6} {'ttft50':>7} {'ttft99':>7} "
-          f"{'itl50':>7} {'itl99':>7} {'exact':>6} {'fail':>4}")
-    for method in args.methods.split(","):
-        built, _ = infer.decoder_methods(opts, target_dir, [method])
-        decoder, stops = infer.load_decoder(opts, target_dir, method, built, mesh, tokenizer)
-        if reference is None:       # greedy: every method's output is ar's (`generate` alone per prompt)
-            ref_dec = decoder.candidates["ar"] if hasattr(decoder, "candidates") else decoder
-            reference = [tokenizer.decode(ref_dec.generate([q], args.max_tokens, None, 0, stops).output_ids[0],
-                                          skip_special_tokens=True) for q in prompts]
-        engine = Engine(decoder, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
-                        stop_ids=stops, **({"buckets": tuple(int(b) for b in args.buckets.split(","))}
-                                           if args.buckets else {}))
-        t0 = time.perf_counter()
-        warm_up(engine)
-        print(f"{method}: engine compiled in {time.perf_counter() - t0:.1f}s", flush=True)
-        base, srv, thread = start_server(engine, tokenizer, "bench")
-        asyncio.run(load(base, prompts[:1], 1, 4, float("inf")))        # the HTTP path warmed up
+          f"max model len {args.max_model_len}, {args.repeats} interleaved passes per level")
+    rows = []
+    with contextlib.ExitStack() as stack:
+        served, reference = build_engines(args, methods, target_dir, tokenizer, prompts, stack)
+        print(f"{'method':7} {'c':>3} {'reqs':>4} {'tok/s':>7} {'static':>7} {'ratio':>6} {'ttft50':>7} "
+              f"{'ttft99':>7} {'itl50':>7} {'itl99':>7} {'exact':>7} {'fail':>4}")
         for c in levels:
             reqs = prompts[:max(c, args.min_requests)]
-            results, wall = asyncio.run(load(base, reqs, c, args.max_tokens, rate))
-            ok = [r for r in results if r["ok"]]
-            failures += len(results) - len(ok)
-            tok_s = sum(r["tokens"] for r in ok) / wall
-            exact = sum(r.get("text") == want for r, want in zip(results, reference))
-            if method == "auto" or args.no_static:      # auto's static batch: the best of ar's and dmtp's
-                static = max([r["static_tok_s"] for r in rows if r["c"] == c and r["method"] in ("ar", "dmtp")]
-                             or [float("nan")])
-            else:
-                static = static_rate(decoder, reqs, c, args.max_tokens, stops)
-            itl = [x for r in ok for x in r["itl"]]
-            row = {"method": method, "c": c, "requests": len(reqs), "tok_s": tok_s, "static_tok_s": static,
-                   "ratio_static": tok_s / static, "ttft_p50": pct([r["ttft"] for r in ok], 50),
-                   "ttft_p99": pct([r["ttft"] for r in ok], 99), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
-                   "exact": exact, "failed": len(results) - len(ok), "rounds": dict(engine.counters)}
-            rows.append(row)
-            failures += len(reqs) - exact
-            print(f"{method:7} {c:3d} {len(reqs):4d} {tok_s:7.1f} {static:7.1f} {row['ratio_static']:6.2f} "
-                  f"{row['ttft_p50']:7.3f} {row['ttft_p99']:7.3f} {row['itl_p50']:7.4f} {row['itl_p99']:7.4f} "
-                  f"{exact:3d}/{len(reqs):<2d} {row['failed']:4d}", flush=True)
-            if method == "auto":
-                print("        rounds: " + ", ".join(f"{k[7:]} {v}" for k, v in sorted(engine.counters.items())
-                                                      if k.startswith("rounds/")), flush=True)
-            engine.counters.clear()
-        srv.should_exit = True
-        thread.join(timeout=60)
+            for row in measure_level(args, served, reqs, c, rate, reference):
+                rows.append(row)
+                print(f"{row['method']:7} {c:3d} {len(reqs):4d} {row['tok_s']:7.1f} {row['static_tok_s']:7.1f} "
+                      f"{row['ratio_static']:6.2f} {row['ttft_p50']:7.3f} {row['ttft_p99']:7.3f} "
+                      f"{row['itl_p50']:7.4f} {row['itl_p99']:7.4f} {row['exact']:3d}/{row['sent']:<3d} "
+                      f"{row['failed']:4d}", flush=True)
+                if row["method"] == "auto":
+                    print("        rounds (last pass): " + ", ".join(
+                        f"{k[7:]} {v}" for k, v in sorted(row["rounds"].items()) if k.startswith("rounds/")),
+                        flush=True)
+    failures = sum(r["sent"] - r["exact"] + r["failed"] for r in rows)
     by = {(r["method"], r["c"]): r["tok_s"] for r in rows}
-    if "auto" in args.methods.split(","):
+    if "auto" in methods:
         for c in levels:
             best = max(by.get((m, c), 0.0) for m in ("ar", "dmtp"))
             if best:

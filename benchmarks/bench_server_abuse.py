@@ -20,6 +20,7 @@ Numbers compare within one run on one machine only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import socket
@@ -36,25 +37,18 @@ def rss_mb() -> float:
         return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS")) / 1024
 
 
-def start_server(decoder, tokenizer, limits, rows: int, max_model_len: int):
-    """`(base url, scheduler, uvicorn server)` serving on a free local port, warmed up."""
-    import uvicorn
-
-    from dmtp_jax.serve.app import Scheduler, build_app, warm_up
+@contextlib.contextmanager
+def warm_server(decoder, tokenizer, limits, rows: int, max_model_len: int):
+    """`(base url, scheduler)` of a warmed-up server on a free local port, while in the block."""
+    from dmtp_jax.serve.app import Scheduler, build_app, serving_in_thread, warm_up
     from dmtp_jax.serve.engine import Engine
-    from dmtp_jax.serve.limits import bind_socket, header_timeout_protocol
 
     engine = Engine(decoder, max_batch_size=rows, max_model_len=max_model_len, stop_ids=[])
     warm_up(engine, every_bucket=False)
     scheduler = Scheduler(engine, max_waiting=limits.max_waiting)
-    sock = bind_socket("127.0.0.1", 0)
     app = build_app(scheduler, tokenizer, "tiny", drain_s=5, limits=limits, api_key=KEY)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", backlog=4096,
-                                           http=header_timeout_protocol(limits.header_timeout_s)))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", scheduler, server
+    with serving_in_thread(app, limits.header_timeout_s, log_level="error", backlog=4096) as base:
+        yield base, scheduler
 
 
 def stream_text(base: str, prompt, max_tokens: int) -> tuple[str, float]:
@@ -194,19 +188,20 @@ def main(argv=None) -> int:
     save_byte_tokenizer(tok_dir)
     tokenizer = load_tokenizer(tok_dir, plain=True)
     limits = ServerLimits(max_waiting=4 * args.streams, header_timeout_s=5.0)
-    base, scheduler, server = start_server(decoder, tokenizer, limits, args.rows, 120)
     prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + i % 9)] for i in range(8)]
-    alone = [stream_text(base, p, args.max_tokens)[0] for p in prompts]
+    with warm_server(decoder, tokenizer, limits, args.rows, 120) as (base, _):
+        alone = [stream_text(base, p, args.max_tokens)[0] for p in prompts]
+        print("== 50 MB bodies (default limit 16 MiB)")
+        for mode in ("length", "chunked"):
+            print(f"  {mode:8s}", big_body(base, mode))
+    big = ServerLimits(max_body_bytes=64 * 2**20, max_waiting=4 * args.streams, header_timeout_s=5.0)
+    with warm_server(decoder, tokenizer, big, args.rows, 120) as (base, scheduler):
+        probe_server(args, base, scheduler, prompts, alone)
+    return 0
 
-    print("== 50 MB bodies (default limit 16 MiB)")
-    for mode in ("length", "chunked"):
-        print(f"  {mode:8s}", big_body(base, mode))
-    server.should_exit = True
-    time.sleep(1)
-    base, scheduler, server = start_server(decoder, tokenizer, ServerLimits(max_body_bytes=64 * 2**20,
-                                                                            max_waiting=4 * args.streams,
-                                                                            header_timeout_s=5.0),
-                                           args.rows, 120)
+
+def probe_server(args, base: str, scheduler, prompts, alone) -> None:
+    """The probes after the body limits, on one server allowing 64 MiB bodies."""
     print("  prompt   (limit 64 MiB: refused by the prompt-size check)", big_body(base, "prompt"))
 
     print("== three new top_k values during a greedy stream")
@@ -230,8 +225,6 @@ def main(argv=None) -> int:
     print("  ", idle_connections(base, args.idle, 5.0))
     text, _ = stream_text(base, prompts[1], args.max_tokens)
     print(f"  afterwards a stream is correct: {text == alone[1]}")
-    server.should_exit = True
-    return 0
 
 
 if __name__ == "__main__":

@@ -70,13 +70,14 @@ def draft_head_options(args: argparse.Namespace) -> DraftHeadOptions:
 
 
 def model_sources(args: argparse.Namespace) -> ModelSources:
-    """`--draft`, `--mtp`, `--dtype` and the drafting head as `ModelSources`.
+    """`--draft`, `--eagle3`, `--mtp`, `--dtype` and the drafting head as `ModelSources`.
 
     Example:
         >>> model_sources(argparse.Namespace(draft="d", dtype="bfloat16")).draft
         'd'
     """
-    return ModelSources(draft=getattr(args, "draft", None), mtp=getattr(args, "mtp", None),
+    return ModelSources(draft=getattr(args, "draft", None), eagle3=getattr(args, "eagle3", None),
+                        mtp=getattr(args, "mtp", None),
                         dtype=getattr(args, "dtype", "float32"), draft_head=draft_head_options(args))
 
 

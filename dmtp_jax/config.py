@@ -16,7 +16,8 @@ import os
 from typing import Any
 
 from dmtp_jax.errors import ConfigError, InputError  # noqa: F401  (ConfigError re-exported: callers import it from here)
-from dmtp_jax.hf_config import FAMILIES, HYBRID_FAMILIES, require, stack_fields
+from dmtp_jax.hf_config import (FAMILIES, HYBRID_FAMILIES, MLA_FAMILIES, mla_fields, require,
+                                stack_fields)
 
 SUPPORTED_TARGET_TYPES = FAMILIES
 # Hybrid (Gated DeltaNet + gated attention) families and the text-only spellings of their saves.
@@ -27,7 +28,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 HF_NAMES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
             "qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
             "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
-            "qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next")}
+            "qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next"),
+            "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
+            "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "glm4_moe_lite")}
 
 
 def text_config_dict(d: dict[str, Any]) -> dict[str, Any]:
@@ -70,15 +73,10 @@ def validate_decoder_stack(cfg, where: str, extra_positive: tuple[str, ...] = ()
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """A decoder-only Qwen-family target: Qwen3 dense / MoE, and the hybrid Qwen3.5 / Qwen3.6
-    (`qwen3_5` dense, `qwen3_5_moe`) and Qwen3-Next families.
-
-    `layer_types[i]` is "full_attention", "sliding_attention" (keys with `q_pos - k_pos <
-    sliding_window`; with no window, like transformers, a full one) or "linear_attention" (Gated
-    DeltaNet, hybrid families only); `hf_config.py` derives them from HF keys. MoE fields are
-    zero/empty for dense models. Hybrid families use zero-centred `(1 + w)` RMSNorms, a sigmoid
-    output gate on attention and partial rotary embeddings (`rotary_dim` of `head_dim`).
-    """
+    """A decoder-only Qwen-family target: Qwen3 dense / MoE, hybrid Qwen3.5 / Qwen3.6 (`qwen3_5`,
+    `qwen3_5_moe`) and Qwen3-Next. `layer_types[i]`: "full_attention", "sliding_attention" or
+    "linear_attention" (Gated DeltaNet); MoE fields are empty for dense models. Hybrid families use
+    zero-centred `(1 + w)` RMSNorms, a sigmoid attention output gate and partial rotary embeddings."""
 
     model_type: str
     vocab_size: int
@@ -115,6 +113,17 @@ class TargetConfig:
     linear_conv_kernel_dim: int = 0
     shared_expert_intermediate_size: int = 0
     mtp_num_hidden_layers: int = 0
+    # MLA families (DeepSeek-V3, GLM-4.7-Flash): `hf_config.mla_fields`; kv_lora_rank 0 = not MLA
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    rope_scaling: tuple[tuple[str, Any], ...] = ()     # yarn parameters, () = plain RoPE
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         where = f"config ({self.model_type})"
@@ -138,7 +147,14 @@ class TargetConfig:
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ConfigError(f"{where}: linear_num_value_heads={self.linear_num_value_heads} is not a "
                                   f"multiple of linear_num_key_heads={self.linear_num_key_heads}")
-        if self.model_type in ("qwen3_moe", "qwen3_5_moe", "qwen3_next"):
+        if self.is_mla:
+            for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, key) <= 0:
+                    raise ConfigError(f"{where}: '{key}' must be positive")
+            if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+                raise ConfigError(f"{where}: need n_routed_experts % n_group == 0 and 0 < topk_group <= n_group, "
+                                  f"got {self.num_experts}, {self.n_group}, {self.topk_group}")
+        if self.model_type in ("qwen3_moe", "qwen3_5_moe", "qwen3_next") + MLA_FAMILIES:
             if self.num_experts <= 0 or not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ConfigError(f"{where}: need 0 < num_experts_per_tok <= num_experts, got "
                                   f"{self.num_experts_per_tok} and {self.num_experts}")
@@ -151,8 +167,24 @@ class TargetConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Leading head dims that RoPE rotates (`int(head_dim * partial_rotary_factor)`)."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        """Head dims that RoPE rotates (`int(head_dim * partial_rotary_factor)`, the leading ones; MLA:
+        `qk_rope_head_dim`, the decoupled rotary part)."""
+        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3 / GLM-4.7-Flash): the cache holds one latent
+        `[kv_lora_rank + qk_rope_head_dim]` per token and layer (`kv_cache_dims`)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int, int]:
+        """`(kv heads, query heads, key dim, value dim)` of one attention layer's cache: per-head K/V,
+        or MLA's one latent "head" (the compressed K/V and the rotary key, read by every query head,
+        so never split over heads) with no separate value."""
+        if self.is_mla:
+            return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.num_key_value_heads, self.num_attention_heads, self.head_dim, self.head_dim
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -175,10 +207,12 @@ class TargetConfig:
         return self.shared_expert_intermediate_size > 0
 
     def is_moe_layer(self, i: int) -> bool:
-        """Which layers carry a sparse MLP: every layer of `qwen3_5_moe`; transformers' Qwen3-MoE /
-        Qwen3-Next rule (`mlp_only_layers`, `decoder_sparse_step`) otherwise."""
+        """Which layers carry a sparse MLP: every layer of `qwen3_5_moe`; else transformers' rule
+        (`mlp_only_layers`, `decoder_sparse_step`)."""
         if self.model_type == "qwen3_5_moe":
             return True
+        if self.model_type in MLA_FAMILIES:         # dense layers: `mlp_only_layers` (hf_config.mla_fields)
+            return i not in self.mlp_only_layers
         return (self.model_type in ("qwen3_moe", "qwen3_next") and i not in self.mlp_only_layers
                 and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0)
 
@@ -219,6 +253,8 @@ class TargetConfig:
                 mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
                 shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
             )
+        if model_type in MLA_FAMILIES:
+            kwargs.update(mla_fields(d, where))
         if hybrid:
             kwargs.update(
                 zero_centred_norms=True, attn_output_gate=True,
@@ -273,12 +309,28 @@ class TargetConfig:
                 d.pop("intermediate_size")
             if self.mtp_num_hidden_layers:
                 d["mtp_num_hidden_layers"] = self.mtp_num_hidden_layers
+        if self.is_mla:
+            d.update(q_lora_rank=self.q_lora_rank or None, kv_lora_rank=self.kv_lora_rank,
+                     qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                     v_head_dim=self.v_head_dim, head_dim=self.qk_rope_head_dim, rope_interleave=self.rope_interleave,
+                     n_routed_experts=self.num_experts, norm_topk_prob=self.norm_topk_prob,
+                     n_shared_experts=self.shared_expert_intermediate_size // self.moe_intermediate_size,
+                     n_group=self.n_group, topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor,
+                     mlp_layer_types=["sparse" if self.is_moe_layer(i) else "dense"
+                                      for i in range(self.num_hidden_layers)],
+                     num_key_value_heads=self.num_attention_heads,
+                     num_nextn_predict_layers=self.mtp_num_hidden_layers)
+            d["first_k_dense_replace"] = len(self.mlp_only_layers)
+            if self.rope_scaling:
+                d["rope_parameters"] = dict(self.rope_scaling, rope_theta=self.rope_theta, rope_type="yarn")
+            for key in ("layer_types", "sliding_window", "use_sliding_window", "num_experts"):
+                d.pop(key, None)
         return d
 
 
 def read_config_json(model_dir: str | os.PathLike) -> dict[str, Any]:
-    """Reads `<model_dir>/config.json` (or `model_dir` itself when it is a `.json` file: a config
-    without weights, for planning), with one clear error when it is missing or unreadable."""
+    """Reads `<model_dir>/config.json` (or `model_dir` itself when a `.json` file); one clear error when
+    missing or unreadable."""
     path = os.path.join(model_dir, "config.json")
     if str(model_dir).endswith(".json") and os.path.isfile(model_dir):
         path = model_dir
@@ -294,20 +346,12 @@ def read_config_json(model_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_target_config(model_dir: str | os.PathLike) -> TargetConfig:
-    """Loads and validates the target config of an HF model directory.
-
-    Example:
-        >>> cfg = load_target_config("/path/to/Qwen3-0.6B")  # doctest: +SKIP
-    """
+    """Loads and validates the target config of an HF model directory."""
     return TargetConfig.from_hf_dict(read_config_json(model_dir))
 
 
 def check_config_keys(cls, d: dict, what: str) -> None:
-    """Raises one `InputError` naming the keys of `d` that are not fields of the dataclass `cls`.
-
-    Example:
-        >>> check_config_keys(TargetConfig, {}, "demo")   # no fields, no keys: fine
-    """
+    """Raises one `InputError` naming the keys of `d` that are not fields of the dataclass `cls`."""
     names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     unknown = sorted(set(d) - names)
     if unknown:

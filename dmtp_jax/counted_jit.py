@@ -1,9 +1,5 @@
-"""`counted_jit`: `jax.jit` that also says how many programs it has compiled, with public APIs only.
-
-JAX traces a jitted function once per new signature (shapes, dtypes, shardings, static arguments)
-and compiles what it traced; a call with a known signature neither traces nor compiles. Counting
-the traces therefore counts the compiled programs, which the decoders and trainers report (one
-compile must serve every round / step of a bucket).
+"""`counted_jit`: `jax.jit` that counts the programs it compiled (public APIs only): JAX traces once
+per new signature, so counting traces counts compiles.
 
 Example:
     >>> import jax.numpy as jnp
@@ -42,5 +38,5 @@ class CountedJit:
 
 
 def counted_jit(fn: Callable, **jit_kwargs) -> CountedJit:
-    """`jax.jit(fn, **jit_kwargs)` that counts its compiles (`.compiles`). See the module docstring."""
+    """`jax.jit(fn, **jit_kwargs)` that counts its compiles (`.compiles`)."""
     return CountedJit(fn, **jit_kwargs)

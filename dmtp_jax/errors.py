@@ -1,18 +1,9 @@
 """Our own error types: the only exceptions the CLIs print as one `error:` line (exit status 2).
-
-Every error that means "the input is wrong, and here is how" derives from `UserError` (most also
-from `ValueError`, so `except ValueError` callers keep working). Any other exception -- a
-`ValueError` from deep inside JAX, a `KeyError` from a bug -- is not bad input and keeps its
-traceback.
-
-`str(error)` is the one line; `error.hint` (optional) is at most one more line, printed as
-`hint: ...`. This module imports nothing from the project, so every module can import it.
+Bad input derives from `UserError` (most also from `ValueError`); any other exception keeps its
+traceback. `str(error)` is the line, `error.hint` an optional second. Imports nothing of ours.
 
 Example:
-    >>> try:
-    ...     raise UserError("--steps must be >= 1, got 0", hint="e.g. --steps 100")
-    ... except UserError as e:
-    ...     print(format_user_error(e))
+    >>> print(format_user_error(UserError("--steps must be >= 1, got 0", hint="e.g. --steps 100")))
     error: --steps must be >= 1, got 0
     hint: e.g. --steps 100
 """
@@ -37,8 +28,8 @@ class ConfigError(UserError, ValueError):
 
 
 class RequestError(UserError, ValueError):
-    """Bad generation input: a decode option out of range, an empty prompt, a token outside the
-    vocabulary, a request too long for the model."""
+    """Bad generation input: an option out of range, an empty prompt, a token outside the vocabulary, a
+    request too long for the model."""
 
 
 class DataError(UserError, ValueError):
@@ -69,12 +60,7 @@ def one_line(text: str) -> str:
 
 
 def format_user_error(error: BaseException) -> str:
-    """`error: <message>` and, when the error has one, `hint: <hint>` (two lines at most).
-
-    Example:
-        >>> format_user_error(InputError("--batch-size must be >= 1, got 0"))
-        'error: --batch-size must be >= 1, got 0'
-    """
+    """`error: <message>` and, when the error has one, `hint: <hint>`."""
     out = f"error: {one_line(error) or type(error).__name__}"
     hint = getattr(error, "hint", None)
     return out + (f"\nhint: {one_line(hint)}" if hint else "")

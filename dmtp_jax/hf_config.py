@@ -1,7 +1,6 @@
-"""One parser of the fields every Qwen3-style stack shares, for targets (`config.TargetConfig`) and
-DFlash drafters (`models.dflash_config.DFlashConfig`, a `Qwen3Config`): sizes, head dims, RMSNorm eps,
-RoPE and the per-layer attention types. Keys a config leaves out take the value transformers'
-config class of that family gives them (transformers 5.x, `models/<family>/configuration_*.py`):
+"""One parser of the fields every Qwen3-style stack shares (targets' `config.TargetConfig`, DFlash
+drafters' `DFlashConfig`): sizes, head dims, RMSNorm eps, RoPE and per-layer attention types. A
+key left out takes the value transformers 5.x's config class of that family gives it:
 
 | family                            | `head_dim` unset   | `layer_types` unset                                         |
 | --------------------------------- | ------------------ | ----------------------------------------------------------- |
@@ -9,10 +8,8 @@ config class of that family gives them (transformers 5.x, `models/<family>/confi
 | `qwen3_moe`                       | hidden / heads     | every layer "sliding_attention" when the window is on (no `max_window_layers`)  |
 | `qwen3_next`, `qwen3_5`, `qwen3_5_moe` | 256           | "full_attention" every `full_attention_interval` (4) layers, else "linear_attention" |
 
-The window is on when `use_sliding_window` is true; `sliding_window` is then its length (4096 when
-the key is absent), else None -- a "sliding_attention" layer without a window attends like a full one.
-`num_key_value_heads` unset means one KV head per attention head. The hybrid families' partial
-rotary factor defaults to 0.25.
+The window is on when `use_sliding_window` is true (length `sliding_window`, 4096 when absent);
+`num_key_value_heads` unset: one per attention head; hybrid partial rotary factor: 0.25.
 
 Example:
     >>> f = stack_fields({"num_hidden_layers": 30, "num_attention_heads": 4, "hidden_size": 32,
@@ -28,7 +25,8 @@ from typing import Any
 from dmtp_jax.errors import ConfigError
 
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-FAMILIES = ("qwen3", "qwen3_moe") + HYBRID_FAMILIES
+MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite")      # MLA attention + DeepSeek MoE (`mla_fields`)
+FAMILIES = ("qwen3", "qwen3_moe") + HYBRID_FAMILIES + MLA_FAMILIES
 DEFAULT_SLIDING_WINDOW = 4096      # Qwen3Config / Qwen3MoeConfig
 DEFAULT_MAX_WINDOW_LAYERS = 28     # Qwen3Config
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
@@ -36,14 +34,7 @@ HYBRID_ROTARY_FACTOR = 0.25
 
 
 def require(d: dict, key: str, where: str):
-    """`d[key]`, or a `ConfigError` naming the missing key.
-
-    Example:
-        >>> require({}, "hidden_size", "config (qwen3)")
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.ConfigError: config (qwen3): missing required key 'hidden_size'
-    """
+    """`d[key]`, or a `ConfigError` naming the missing key."""
     if key not in d or d[key] is None:
         raise ConfigError(f"{where}: missing required key '{key}'")
     return d[key]
@@ -51,8 +42,7 @@ def require(d: dict, key: str, where: str):
 
 def rope(d: dict, where: str, family: str = "qwen3") -> tuple[float, float]:
     """`(rope_theta, partial_rotary_factor)` from `rope_parameters` (transformers >= 5), the v4
-    `rope_scaling` or the top-level keys. Qwen3.5's interleaved multi-axis RoPE (`mrope_section`) is
-    plain 1-D RoPE for text (all three position streams equal), so it is accepted as default RoPE.
+    `rope_scaling` or top-level keys; Qwen3.5's `mrope_section` is plain 1-D RoPE for text.
 
     Example:
         >>> rope({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}, "x", "qwen3_5")
@@ -60,8 +50,10 @@ def rope(d: dict, where: str, family: str = "qwen3") -> tuple[float, float]:
     """
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only 'default')")
+    allowed = ("default", "yarn") if family in MLA_FAMILIES else ("default",)
+    if rope_type not in allowed + (None,):
+        raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only "
+                          f"{' or '.join(repr(a) for a in allowed)})")
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
     default_factor = HYBRID_ROTARY_FACTOR if family in HYBRID_FAMILIES else 1.0
     factor = params.get("partial_rotary_factor", d.get("partial_rotary_factor", default_factor))
@@ -69,12 +61,7 @@ def rope(d: dict, where: str, family: str = "qwen3") -> tuple[float, float]:
 
 
 def sliding_window(d: dict) -> int | None:
-    """The attention window: `sliding_window` (4096 when absent) if `use_sliding_window`, else None.
-
-    Example:
-        >>> sliding_window({"sliding_window": 64}), sliding_window({"use_sliding_window": True})
-        (None, 4096)
-    """
+    """The attention window: `sliding_window` (4096 when absent) if `use_sliding_window`, else None."""
     if not d.get("use_sliding_window", False):
         return None
     window = d.get("sliding_window", DEFAULT_SLIDING_WINDOW)
@@ -82,14 +69,11 @@ def sliding_window(d: dict) -> int | None:
 
 
 def layer_types(d: dict, family: str, n_layers: int, window: int | None) -> tuple[str, ...]:
-    """Each layer's attention type: the config's `layer_types` when given, else the family's rule
-    (module table). Qwen3-MoE has no per-layer types: its window applies to every layer.
+    """Each layer's attention type: the config's `layer_types` when given, else the family's rule.
 
     Example:
         >>> layer_types({}, "qwen3_next", 4, None)
         ('linear_attention', 'linear_attention', 'linear_attention', 'full_attention')
-        >>> layer_types({"max_window_layers": 1}, "qwen3", 2, 8)
-        ('full_attention', 'sliding_attention')
     """
     if family == "qwen3_moe":
         rule = ("sliding_attention" if window is not None else "full_attention",) * n_layers
@@ -109,22 +93,18 @@ def layer_types(d: dict, family: str, n_layers: int, window: int | None) -> tupl
 
 
 def default_head_dim(family: str, hidden: int, n_heads: int) -> int:
-    """`head_dim` when the config leaves it out (module table).
-
-    Example:
-        >>> default_head_dim("qwen3", 1024, 16), default_head_dim("qwen3_moe", 1024, 16)
-        (128, 64)
-    """
+    """`head_dim` when the config leaves it out (module table)."""
     if family == "qwen3_moe":
         return hidden // n_heads
+    if family in MLA_FAMILIES:
+        return 192       # DeepSeek-V3's qk_nope_head_dim + qk_rope_head_dim (`mla_fields` sets the real one)
     return 256 if family in HYBRID_FAMILIES else 128
 
 
 def stack_fields(d: dict[str, Any], family: str, where: str) -> dict[str, Any]:
-    """The shared stack fields of a config dict, by the family's rules: `hidden_size`,
-    `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `head_dim`, `rms_norm_eps`,
-    `rope_theta`, `partial_rotary_factor`, `attention_bias`, `layer_types`, `sliding_window`
-    (the names `TargetConfig` and `DFlashConfig` share).
+    """The shared stack fields of a config dict by the family's rules (the names `TargetConfig` and
+    `DFlashConfig` share: sizes, heads, `head_dim`, eps, RoPE, `attention_bias`, `layer_types`,
+    `sliding_window`).
 
     Example:
         >>> f = stack_fields({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 32,
@@ -148,4 +128,53 @@ def stack_fields(d: dict[str, Any], family: str, where: str) -> dict[str, Any]:
         attention_bias=bool(d.get("attention_bias", False)),
         layer_types=layer_types(d, family, n_layers, window),
         sliding_window=window,
+    )
+
+
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate")
+
+
+def mla_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """The DeepSeek-V3 / GLM-4.7-Flash (`glm4_moe_lite`) fields (transformers' config defaults where
+    a key is absent): MLA sizes (`q_lora_rank` 0 = a plain `q_proj`), the query / key head dim
+    `qk_nope_head_dim + qk_rope_head_dim` as `head_dim` (rotary on its last `qk_rope_head_dim`),
+    one K/V "head" per query head, DeepSeek MoE routing, which layers are dense, the yarn RoPE
+    parameters and the next-token layers (`num_nextn_predict_layers`).
+
+    Example:
+        >>> f = mla_fields({"num_hidden_layers": 3, "first_k_dense_replace": 1, "q_lora_rank": None,
+        ...                 "num_attention_heads": 4}, "x")
+        >>> f["q_lora_rank"], f["head_dim"], f["mlp_only_layers"]
+        (0, 192, (0,))
+    """
+    n_layers = int(require(d, "num_hidden_layers", where))
+    nope, rope_dim = int(d.get("qk_nope_head_dim", 128)), int(d.get("qk_rope_head_dim", 64))
+    if d.get("mlp_layer_types"):
+        dense = tuple(i for i, t in enumerate(d["mlp_layer_types"]) if t != "sparse")
+    else:
+        first = d.get("first_k_dense_replace")
+        first = (1 if d.get("model_type") == "glm4_moe_lite" else 3) if first is None else int(first)
+        dense = tuple(range(min(first, n_layers)))
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    yarn = params.get("rope_type", params.get("type")) == "yarn"
+    scaling = tuple((k, params[k]) for k in YARN_KEYS if yarn and params.get(k) is not None)
+    if yarn and "original_max_position_embeddings" not in dict(scaling):
+        scaling += (("original_max_position_embeddings", int(d.get("max_position_embeddings", 4096))),)
+    n_heads = int(require(d, "num_attention_heads", where))
+    return dict(
+        q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(d.get("kv_lora_rank", 512)),
+        qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=int(d.get("v_head_dim") or 128),
+        head_dim=nope + rope_dim, num_key_value_heads=n_heads,
+        partial_rotary_factor=rope_dim / (nope + rope_dim), rope_interleave=bool(d.get("rope_interleave", True)),
+        rope_scaling=scaling,
+        num_experts=int(d.get("n_routed_experts") or d.get("num_local_experts") or 0),
+        num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+        shared_expert_intermediate_size=int(d.get("moe_intermediate_size") or 0) * int(d.get("n_shared_experts") or 0),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        n_group=int(d.get("n_group") or 1), topk_group=int(d.get("topk_group") or 1),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        mlp_only_layers=dense,
+        mtp_num_hidden_layers=int(d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0),
     )

@@ -4,7 +4,7 @@ drafting method is one `Method` here plus its proposer in `decode/proposers.py`.
 
 Example:
     >>> METHODS["dmtp"].needs()
-    {'drafter': True, 'mtp': True, 'fusion': True}
+    {'drafter': True, 'mtp': True, 'fusion': True, 'draft_model': False}
     >>> [m for m in METHODS if METHODS[m].trains][:3]
     ['dflash', 'dmtp', 'dmtp-single']
 """
@@ -18,11 +18,12 @@ import dataclasses
 class Method:
     """One decoding method.
 
-    `drafter`, `mtp`, `fusion`: the models it runs (a DFlash drafter, the target's native MTP head,
-    DMTP's T1 fusion tensors). `anchors` (DMTP only): rows known before the drafter runs, 2 =
+    `drafter`, `mtp`, `fusion`, `draft_model`: the models it runs (a DFlash drafter, the target's
+    native MTP head, DMTP's T1 fusion tensors, a smaller target of the same vocabulary). `anchors` (DMTP only): rows known before the drafter runs, 2 =
     `[A, T1, ...]`, 1 = `[T1, ...]`; `variant`: the T1 fusion variant (None: candidate only).
     `proposer`: its kind in `decode.proposers.PROPOSERS` (None: plain decoding). `trains`: `train.py`
-    trains its drafter."""
+    trains its drafter. `slots`: its verify slots when `--block-size` is not given and no drafter
+    has a block size (lookup, draft-model)."""
     name: str
     drafter: bool = False
     mtp: bool = False
@@ -31,13 +32,15 @@ class Method:
     variant: str | None = None
     proposer: str | None = None
     trains: bool = False
+    draft_model: bool = False
+    slots: int | None = None
 
     @property
     def speculative(self) -> bool:
         return self.proposer is not None
 
     def needs(self) -> dict[str, bool]:
-        return {"drafter": self.drafter, "mtp": self.mtp, "fusion": self.fusion}
+        return {"drafter": self.drafter, "mtp": self.mtp, "fusion": self.fusion, "draft_model": self.draft_model}
 
 
 def _dmtp(name: str, anchors: int, variant: str | None, proposer: str = "dmtp") -> Method:
@@ -58,5 +61,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     _dmtp("dmtp-ctx-fusion", 1, "ctx-fusion"),
     _dmtp("dmtp-ctx-mtp", 1, "ctx-mtp"),
     _dmtp(ADAPTIVE, 2, "t1-residual", proposer=ADAPTIVE),
+    Method("lookup", proposer="lookup", slots=8),
+    Method("draft-model", draft_model=True, proposer="draft-model", slots=5),
+    Method("eagle3", drafter=True, proposer="eagle3-chain", trains=True),
 )}
+EAGLE3 = "eagle3"       # its drafter is an EAGLE-3 one (`models/eagle3.py`), not a DFlash drafter
 DMTP_METHODS = tuple(m for m in METHODS if METHODS[m].fusion)

@@ -15,7 +15,7 @@ Example:
     ...
     dmtp_jax.errors.RequestError: --block-size must be in [3, 64], got 2
     >>> method_needs("dflash")
-    {'drafter': True, 'mtp': False, 'fusion': False}
+    {'drafter': True, 'mtp': False, 'fusion': False, 'draft_model': False}
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import dataclasses
 import numbers
 
 from dmtp_jax.errors import InputError, RequestError
-from dmtp_jax.methods import ADAPTIVE, METHODS
+from dmtp_jax.methods import ADAPTIVE, EAGLE3, METHODS
 
 DECODE_METHODS = tuple(METHODS)                                           # `infer.py --method`
 SPEC_METHODS = tuple(m for m in METHODS if METHODS[m].speculative)        # the speculative decoder's
@@ -38,15 +38,15 @@ DEFAULT_ADAPTIVE_THRESHOLD = 0.5    # dmtp-adaptive without a calibrated thresho
 
 
 def method_needs(method: str) -> dict[str, bool]:
-    """Which models a method uses: `{"drafter", "mtp", "fusion"}` (decoding, preflight, loading and
-    training read this one rule).
+    """Which models a method uses: `{"drafter", "mtp", "fusion", "draft_model"}` (decoding, preflight,
+    loading and training read this one rule).
 
     Example:
         >>> method_needs("dmtp")
-        {'drafter': True, 'mtp': True, 'fusion': True}
+        {'drafter': True, 'mtp': True, 'fusion': True, 'draft_model': False}
     """
     known = METHODS.get(method)
-    return known.needs() if known is not None else {"drafter": False, "mtp": False, "fusion": False}
+    return (known or METHODS["ar"]).needs()
 
 
 def check_method(method: str, methods: tuple[str, ...] = DECODE_METHODS, error: type = RequestError,
@@ -147,15 +147,17 @@ def check_decode_options(*, method: str | None = None, mtp_steps: int | None = N
 
 
 MISSING_MODEL = {"drafter": "a DFlash drafter (--draft DIR)", "mtp": "the target's native MTP head",
-                 "fusion": "its fusion (load the drafter with load_dmtp_drafter)"}
+                 "fusion": "its fusion (load the drafter with load_dmtp_drafter)",
+                 "draft_model": "a smaller target of the same vocabulary (--draft SMALL_TARGET_DIR)"}
 
 
 def missing_model_error(method: str, kind: str) -> RequestError:
     """The error for a model `kind` ("drafter", "mtp", "fusion") that `method` needs and lacks."""
-    return RequestError(f"method '{method}' needs {MISSING_MODEL[kind]}")
+    what = "an EAGLE-3 drafter (--eagle3 DIR)" if method == EAGLE3 and kind == "drafter" else MISSING_MODEL[kind]
+    return RequestError(f"method '{method}' needs {what}")
 
 
-def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None) -> None:
+def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None, draft_model=None) -> None:
     """The loaded models `method` needs (`method_needs`) are there, and dmtp-adaptive's drafter is
     a DFlash (version 1) drafter.
 
@@ -166,22 +168,43 @@ def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None) -> N
         dmtp_jax.errors.RequestError: method 'dflash' needs a DFlash drafter (--draft DIR)
     """
     needs = method_needs(method)
-    for kind, model in (("drafter", drafter), ("mtp", mtp), ("fusion", fusion)):
+    for kind, model in (("drafter", drafter), ("mtp", mtp), ("fusion", fusion), ("draft_model", draft_model)):
         if needs[kind] and model is None:
             raise missing_model_error(method, kind)
+    if needs["drafter"] and drafter.cfg.chained != (method == EAGLE3):
+        raise RequestError(f"method '{method}' needs " + ("an EAGLE-3 drafter (--eagle3 DIR)" if method == EAGLE3 else
+                                                         f"a DFlash drafter, not the EAGLE-3 one at {drafter.model_dir}"))
     if method == ADAPTIVE and drafter.cfg.version != 1:
         raise RequestError("dmtp-adaptive needs a DFlash (version 1) drafter")
 
 
+def check_draft_vocab(target_vocab: int, draft_vocab: int, draft_dir: str = "the draft model") -> None:
+    """A draft model (`--method draft-model`) proposes token ids the target verifies: its vocabulary
+    must be the target's.
+
+    Example:
+        >>> check_draft_vocab(128, 256, "/models/small")
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.RequestError: draft model /models/small has a vocabulary of 256 tokens, the target 128: a draft model must share the target's tokenizer
+    """
+    if int(draft_vocab) != int(target_vocab):
+        raise RequestError(f"draft model {draft_dir} has a vocabulary of {draft_vocab} tokens, the target "
+                           f"{target_vocab}: a draft model must share the target's tokenizer")
+
+
 def verify_slots(method: str, *, mtp_steps: int, block_size: int | None, drafter_block_size: int | None) -> int:
     """The verify slots of a round (pending token + candidates), checked: `mtp_steps + 1` for
-    `mtp`, else `block_size` or, when not given, the drafter's own block size.
+    `mtp`, else `block_size` or, when not given, the drafter's own block size (a method without a
+    drafter: its `Method.slots`).
 
     Example:
         >>> verify_slots("mtp", mtp_steps=4, block_size=None, drafter_block_size=None)
         5
         >>> verify_slots("dflash", mtp_steps=4, block_size=None, drafter_block_size=16)
         16
+        >>> verify_slots("lookup", mtp_steps=4, block_size=None, drafter_block_size=None)
+        8
     """
     if method == "mtp":
         check_mtp_steps(mtp_steps)
@@ -189,6 +212,8 @@ def verify_slots(method: str, *, mtp_steps: int, block_size: int | None, drafter
     if block_size is not None:
         check_block_size(block_size)
         return block_size
+    if drafter_block_size is None and method in METHODS and METHODS[method].slots is not None:
+        return METHODS[method].slots
     check_block_size(drafter_block_size, name="the drafter's block_size (set --block-size)")
     return drafter_block_size
 
@@ -300,14 +325,17 @@ def check_draft_head_options(head: DraftHeadOptions) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSources:
-    """Where a decoding method's models come from: the drafter directory `draft`, the MTP head's
-    directory `mtp` (None: the target's), the weights' `dtype` and the drafting head.
+    """Where a decoding method's models come from: the drafter directory `draft` (a DFlash / DMTP
+    drafter, or a smaller target for `draft-model`), the EAGLE-3 drafter's directory `eagle3` (None:
+    `draft` when it holds one), the MTP head's directory `mtp` (None: the target's), the weights'
+    `dtype` and the drafting head.
 
     Example:
         >>> ModelSources(draft="runs/drafter").token_counts
         'runs/drafter'
     """
     draft: str | None = None
+    eagle3: str | None = None
     mtp: str | None = None
     dtype: str = "float32"
     draft_head: DraftHeadOptions = DraftHeadOptions()

@@ -9,11 +9,5 @@ CACHE_ENV = "DMTP_JAX_CACHE"
 
 
 def cache_root() -> str:
-    """dmtp-jax's cache directory: `$DMTP_JAX_CACHE`, else `~/.cache/dmtp-jax` (the compilation
-    cache, auto's verdicts and the built-in tiny checkpoint live under it).
-
-    Example:
-        >>> os.path.basename(cache_root()) != ""
-        True
-    """
+    """dmtp-jax's cache directory: `$DMTP_JAX_CACHE`, else `~/.cache/dmtp-jax`."""
     return os.path.expanduser(os.environ.get(CACHE_ENV, "~/.cache/dmtp-jax"))

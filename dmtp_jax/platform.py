@@ -1,13 +1,8 @@
 """The platform jitted programs are compiled for: the running backend, or the one `plan` compiles for.
-
-Kernel choices that depend on the hardware (the MoE grouped matmul, the attention kernel) ask
-`compile_platform()` instead of `jax.default_backend()`: a dry run on a CPU machine compiles for a
-TPU slice or a GPU host without the chips (`dmtp_jax.plan`), and must pick the kernels that machine
-would run. `compiling_for("tpu")` sets that platform for the duration of a block (this thread only).
+Hardware-dependent kernel choices ask `compile_platform()`, so a CPU dry run picks the kernels of
+the planned machine; `compiling_for(...)` sets it for a block (this thread only).
 
 Example:
-    >>> compile_platform() in ("cpu", "gpu", "tpu")
-    True
     >>> with compiling_for("tpu"):
     ...     compile_platform()
     'tpu'
@@ -34,9 +29,8 @@ def compile_platform() -> str:
 
 
 def compile_device_count() -> int:
-    """Devices the programs run on: the `compiling_for` count if one is set, else the backend's.
-    Kernels that cannot be partitioned across devices (Pallas calls outside a `shard_map`) are
-    chosen only when this is 1."""
+    """Devices the programs run on: the `compiling_for` count if set, else the backend's (kernels that
+    cannot be partitioned are chosen only when this is 1)."""
     forced = getattr(_local, "devices", None)
     return forced if forced else jax.device_count()
 
@@ -62,9 +56,8 @@ def layers_unrolled() -> bool:
 
 @contextlib.contextmanager
 def unrolled_layers():
-    """Traces inside this block unroll the target's layer scan. Only for cost analysis: XLA's
-    `cost_analysis()` counts a loop body once, so a scanned program reports one layer group's FLOPs
-    and bytes; the unrolled copy of the same program reports them all (`plan --exact-cost`)."""
+    """Traces inside this block unroll the target's layer scan (cost analysis only: XLA counts a loop
+    body once)."""
     before = layers_unrolled()
     _local.unroll = True
     try:

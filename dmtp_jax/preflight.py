@@ -20,6 +20,10 @@ from dmtp_jax.checkpoint.mtp_ckpt import MissingMtpError, has_mtp
 from dmtp_jax.config import load_target_config, read_config_json
 from dmtp_jax.decode.batch import pad_prompts
 from dmtp_jax.errors import InputError, RequestError
+from dmtp_jax.checkpoint.eagle3_ckpt import eagle3_config
+from dmtp_jax.decode.loading import eagle3_dir
+from dmtp_jax.methods import EAGLE3
+from dmtp_jax.models.eagle3 import check_fits_target
 from dmtp_jax.plan.topology import parse_topology
 
 
@@ -48,8 +52,9 @@ def check_decode_options(mtp_steps: int | None, block_size: int | None, max_new_
 
 
 def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | None,
-                        demo_drafters: bool = False) -> None:
-    """Every model directory the methods need exists (and an MTP head is in the safetensors).
+                        demo_drafters: bool = False, eagle3: str | None = None) -> None:
+    """Every model directory the methods need exists (and an MTP head is in the safetensors); a
+    draft model (`--method draft-model --draft DIR`) is a target config of the target's vocabulary.
 
     `demo_drafters`: the shipped demo supplies the drafters when `--draft` is not given.
 
@@ -61,13 +66,23 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
         dmtp_jax.errors.RequestError: method 'dflash' needs a DFlash drafter (--draft DIR)
     """
     needs = [options.method_needs(m) for m in methods]
-    if draft and not os.path.isdir(draft):
-        raise InputError(f"drafter directory not found: {draft}")
-    if draft and not os.path.isfile(os.path.join(draft, "config.json")):
-        raise InputError(f"no config.json in the drafter directory {draft}")
+    for path in (draft, eagle3):
+        if path and not os.path.isdir(path):
+            raise InputError(f"drafter directory not found: {path}")
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            raise InputError(f"no config.json in the drafter directory {path}")
     for method, need in zip(methods, needs):
-        if need["drafter"] and not draft and not demo_drafters:
+        if method == EAGLE3 and not _eagle3_dir(draft, eagle3):
             raise options.missing_model_error(method, "drafter")
+        if method == EAGLE3:        # hidden size, vocabulary and taps against the target's config
+            tcfg = target_config(target_dir)
+            check_fits_target(eagle3_config(read_config_json(_eagle3_dir(draft, eagle3)), tcfg.num_hidden_layers), tcfg)
+        if need["drafter"] and method != EAGLE3 and not draft and not demo_drafters:
+            raise options.missing_model_error(method, "drafter")
+        if need["draft_model"]:
+            if not draft:
+                raise options.missing_model_error(method, "draft_model")
+            options.check_draft_vocab(target_config(target_dir).vocab_size, target_config(draft).vocab_size, draft)
     if any(n["mtp"] for n in needs):
         mtp_dir = mtp or target_dir
         if mtp and not os.path.isdir(mtp):
@@ -77,22 +92,45 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
                                   "mtp / dmtp need a target that carries one, or --mtp DIR")
 
 
-def auto_candidates(target_dir: str, draft: str | None, mtp: str | None, demo_drafters: bool = False) -> list[str]:
+def draft_is_target(draft: str) -> bool:
+    """`--draft` is a (smaller) target checkpoint for `draft-model`, not a DFlash / DMTP drafter: its
+    config names a causal-LM architecture (`*ForCausalLM`, `*ForConditionalGeneration`).
+
+    Example:
+        >>> draft_is_target("/models/Qwen3-0.6B")  # doctest: +SKIP
+        True
+    """
+    archs = read_config_json(draft).get("architectures") or []
+    return any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in archs)
+
+
+def _eagle3_dir(draft: str | None, eagle3: str | None) -> str | None:
+    """`--eagle3`, else a `--draft` directory holding an EAGLE-3 drafter (`decode.loading.eagle3_dir`)."""
+    return eagle3_dir(options.ModelSources(draft=draft, eagle3=eagle3))
+
+
+def auto_candidates(target_dir: str, draft: str | None, mtp: str | None, demo_drafters: bool = False,
+                    eagle3: str | None = None) -> list[str]:
     """The methods `--method auto` chooses from, by the models given (configs and tensor names
-    read, no weights): `ar`; `mtp` when the target (or `--mtp`) carries an MTP head; with `--draft`,
-    the DMTP method its `dmtp_config` names (when there is an MTP head), else `dflash`; the shipped
-    demo's drafters give dflash, dmtp and dmtp-adaptive.
+    read, no weights): `ar`, `lookup` (it needs no model); `mtp` when the target (or `--mtp`) carries
+    an MTP head; with `--draft`, `draft-model` when it is a target checkpoint (`draft_is_target`),
+    else the DMTP method its `dmtp_config` names (when there is an MTP head), else `dflash`; the
+    shipped demo's drafters give dflash, dmtp and dmtp-adaptive.
 
     Example:
         >>> auto_candidates("/models/no-mtp", None, None)  # doctest: +SKIP
         ['ar']
     """
-    check_method_models([], target_dir, draft, mtp)
+    check_method_models([], target_dir, draft, mtp, eagle3=eagle3)
     if mtp and not os.path.isdir(mtp):
         raise InputError(f"MTP directory not found: {mtp}")
     with_mtp = has_mtp(mtp or target_dir)
-    out = ["ar"] + (["mtp"] if with_mtp else [])
-    if draft:
+    out = ["ar", "lookup"] + (["mtp"] if with_mtp else []) + ([EAGLE3] if _eagle3_dir(draft, eagle3) else [])
+    if draft and draft == _eagle3_dir(draft, None):
+        pass                    # an EAGLE-3 directory given as --draft: eagle3 only
+    elif draft and draft_is_target(draft):
+        out += ["draft-model"]
+    elif draft:
         stored = (read_config_json(draft).get("dmtp_config") or {}).get("method")
         out += [stored] if stored and with_mtp else [] if stored else ["dflash"]
     elif demo_drafters:
@@ -100,7 +138,7 @@ def auto_candidates(target_dir: str, draft: str | None, mtp: str | None, demo_dr
     return out
 
 
-def check_drafter_block(methods, draft: str | None, block_size: int | None) -> None:
+def check_drafter_block(methods, draft: str | None, block_size: int | None, eagle3: str | None = None) -> None:
     """The verify slots of every drafter method are ones the decoder takes (`options.verify_slots`):
     `--block-size` when given, else the drafter's own `block_size` (its config is read, no weights).
 
@@ -112,9 +150,12 @@ def check_drafter_block(methods, draft: str | None, block_size: int | None) -> N
         dmtp_jax.errors.RequestError: --block-size must be in [3, 64], got 2
     """
     for method in methods:
-        if options.method_needs(method)["drafter"] and (draft or block_size is not None):
+        path = _eagle3_dir(draft, eagle3) if method == EAGLE3 else draft
+        if options.method_needs(method)["drafter"] and (path or block_size is not None):
             drafter_block = None
-            if block_size is None:
+            if block_size is None and method == EAGLE3:
+                drafter_block = eagle3_config(read_config_json(path), 1).block_size
+            elif block_size is None:
                 drafter_block = load_dflash_config(draft).block_size
             options.verify_slots(method, mtp_steps=0, block_size=block_size, drafter_block_size=drafter_block)
 

@@ -1,18 +1,15 @@
-"""A tiny random Qwen3 checkpoint with a byte-level tokenizer, built on the fly (no download).
-
-`infer.py` uses it when no `--target` is given, so the CLI runs on a fresh machine. The weights are
-random: the text it writes is noise, but every code path (tokenizer, load, prefill, decode, stop
-tokens) is the real one.
-
-Example:
-    >>> path = ensure_tiny_target()  # doctest: +SKIP
-"""
+"""A tiny random Qwen3 checkpoint with a byte-level tokenizer, built on the fly (no download):
+`infer.py`'s default target, random weights but every real code path."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from dmtp_jax.checkpoint.hf import init_target, save_target
 from dmtp_jax.config import TargetConfig
 from dmtp_jax.paths import cache_root
 
@@ -31,8 +28,7 @@ def tiny_target_config(vocab_size: int = 320, eos_id: int = 256) -> TargetConfig
 def save_byte_tokenizer(out_dir: str) -> int:
     """Writes a byte-level tokenizer (256 byte tokens + `<|endoftext|>`) that AutoTokenizer loads;
     returns the EOS id."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast   # lazy: imports torch (seconds); only on the first build
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
@@ -55,7 +51,6 @@ def ensure_tiny_target(out_dir: str | None = None, seed: int = 0) -> str:
     out_dir = out_dir or default_tiny_dir()
     if os.path.isfile(os.path.join(out_dir, "model.safetensors")):
         return out_dir
-    from dmtp_jax.checkpoint.hf import init_target, save_target
 
     tmp = out_dir + ".partial"
     os.makedirs(tmp, exist_ok=True)
@@ -66,7 +61,6 @@ def ensure_tiny_target(out_dir: str | None = None, seed: int = 0) -> str:
         json.dump({"eos_token_id": eos, "do_sample": False}, fh)
     os.makedirs(os.path.dirname(out_dir) or ".", exist_ok=True)
     if os.path.isdir(out_dir):
-        import shutil
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
     return out_dir

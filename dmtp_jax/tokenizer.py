@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from tokenizers import Tokenizer
 
 # tokenizer_config.json keys that change nothing `tokenizer.json` does not already say
 _PLAIN_KEYS = {"backend", "tokenizer_class", "model_max_length", "eos_token", "pad_token", "mask_token",
@@ -13,16 +14,9 @@ _PLAIN_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
 class PlainTokenizer:
-    """A `tokenizers.Tokenizer` with the part of transformers' tokenizer interface the inference
-    CLI uses (`tok(text).input_ids`, `decode`, `eos_token_id`, no chat template). Loads in
-    milliseconds where `AutoTokenizer` first imports transformers and torch (seconds); used only
-    for directories whose `tokenizer_config.json` adds nothing to `tokenizer.json` (`plain_tokenizer`).
-
-    Example:
-        >>> tok = plain_tokenizer("demo/target")  # doctest: +SKIP
-        >>> tok.decode(tok("def f(x):").input_ids)  # doctest: +SKIP
-        'def f(x):'
-    """
+    """A `tokenizers.Tokenizer` with the part of transformers' tokenizer interface the inference CLI uses
+    (`tok(text).input_ids`, `decode`, `eos_token_id`, no chat template); it loads in milliseconds,
+    without importing transformers and torch."""
 
     chat_template = None
 
@@ -63,7 +57,7 @@ class _Encoding(dict):
 
 def plain_tokenizer(model_dir: str) -> PlainTokenizer | None:
     """A `PlainTokenizer` when the directory's tokenizer is exactly its `tokenizer.json` (no chat
-    template, no extra options in `tokenizer_config.json`), else None."""
+    template, no extra options), else None."""
     path, cfg_path = os.path.join(model_dir, "tokenizer.json"), os.path.join(model_dir, "tokenizer_config.json")
     if not os.path.isfile(path) or os.path.isfile(os.path.join(model_dir, "chat_template.jinja")):
         return None
@@ -76,25 +70,21 @@ def plain_tokenizer(model_dir: str) -> PlainTokenizer | None:
     if any(os.path.isfile(os.path.join(model_dir, f)) for f in ("special_tokens_map.json", "added_tokens.json")):
         return None
     try:
-        from tokenizers import Tokenizer
         return PlainTokenizer(Tokenizer.from_file(path), config)
     except Exception:                   # anything unusual: transformers knows best
         return None
 
 
 def load_tokenizer(model_dir: str, plain: bool = False):
-    """The directory's tokenizer, or None when it ships none (use token ids then).
-
-    `plain`: a `PlainTokenizer` where it is exact (`plain_tokenizer`), which spares the CLI the
-    transformers / torch import; else transformers' AutoTokenizer.
-    """
+    """The directory's tokenizer, or None when it ships none. `plain`: a `PlainTokenizer` where exact,
+    else transformers' AutoTokenizer."""
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     if plain:
         tok = plain_tokenizer(model_dir)
         if tok is not None:
             return tok
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer     # lazy: imports torch (seconds); the plain path skips it
     return AutoTokenizer.from_pretrained(model_dir)
 
 

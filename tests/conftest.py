@@ -37,11 +37,16 @@ import tempfile
 
 import pytest
 
-# The CLIs turn on JAX's persistent compilation cache (default ~/.cache/dmtp-jax/jax-cache); tests
-# never write into the user's home: off for in-process calls and every subprocess (inherited).
-os.environ["DMTP_JAX_COMPILE_CACHE"] = "off"
-# nor auto's verdicts (nor anything else under $DMTP_JAX_CACHE): a fresh directory per run
-os.environ["DMTP_JAX_CACHE"] = tempfile.mkdtemp(prefix="dmtp-jax-test-cache-")
+# Tests never write into the user's home: auto's verdicts and everything else under $DMTP_JAX_CACHE go
+# to a fresh directory per run, made by the first process (pytest-xdist's workers and every subprocess
+# inherit it). JAX's persistent compilation cache lives there too, on for every compile of the run
+# (in-process, xdist workers and CLI subprocesses alike): the many tests that build the same tiny
+# models compile each program once per run instead of once per module and process.
+os.environ.setdefault("DMTP_JAX_CACHE", tempfile.mkdtemp(prefix="dmtp-jax-test-cache-"))
+os.environ["DMTP_JAX_COMPILE_CACHE"] = os.path.join(os.environ["DMTP_JAX_CACHE"], "jax-cache")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["DMTP_JAX_COMPILE_CACHE"]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 # `--doctest-modules` (pyproject's addopts) is for `dmtp_jax/`: the helper modules here are imported
 # by the tests, never collected (sharded_forward_check.py sets XLA_FLAGS before importing jax).

@@ -78,9 +78,10 @@ def target_joint_pvalues(engine, target, prompt, sp: SamplingParams):
     expected = _cells(joint, keys, n)
     observed = np.array([counts[k] for k in keys], float)
     big = expected >= 5
-    exp_cells = np.append(expected[big], expected[~big].sum())
-    obs_cells = np.append(observed[big], observed[~big].sum())
+    tail = [] if big.all() else [expected[~big].sum()]         # no empty pooled cell (0 / 0 is NaN)
+    exp_cells = np.append(expected[big], tail)
+    obs_cells = np.append(observed[big], [observed[~big].sum()] if tail else [])
     pvalue = chisquare(obs_cells, exp_cells * obs_cells.sum() / exp_cells.sum()).pvalue
     cold = _cells(exact_joint(target, prompt, SamplingParams.make(temperature=0.5, top_k=int(sp.top_k))), keys, n)
-    cold_cells = np.append(cold[big], cold[~big].sum()) + 1e-9
+    cold_cells = np.append(cold[big], [cold[~big].sum()] if tail else []) + 1e-9
     return pvalue, chisquare(obs_cells, cold_cells * obs_cells.sum() / cold_cells.sum()).pvalue

@@ -137,7 +137,7 @@ def test_bench_and_generate_run_auto(mtp_target_dir, dmtp_dir, tmp_path, capsys)
     by_method = {m: [r["output_ids"] for r in rows if r["method"] == m] for m in ("ar", "auto")}
     assert by_method["auto"] == by_method["ar"] and len(by_method["ar"]) == 4
     verdict = json.load(open(out))["methods"]["auto"]["auto"]["1"]
-    assert set(verdict["measured"]) == {"ar", "mtp", "dmtp"}       # what the models allow
+    assert set(verdict["measured"]) == {"ar", "lookup", "mtp", "dmtp"}     # what the models allow
     assert "auto, batch bucket 1: " + verdict["method"] in capsys.readouterr().out
     # generate finds the bench's verdict in $DMTP_JAX_CACHE
     assert infer.main(["generate", "--target", mtp_target_dir, "--draft", dmtp_dir, "--method", "auto",

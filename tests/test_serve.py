@@ -30,30 +30,15 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def server(decoder, tokenizer):
     """`(base url, scheduler)` of a server on a free local port, in this process (same decoder:
-    the compiles are shared with the engine tests)."""
-    import socket
-    import threading
-    import time
+    the compiles are shared with the engine tests). One row bucket (the engine tests move rows
+    between buckets) and a greedy warm-up: every request here is greedy."""
+    from dmtp_jax.serve.app import Scheduler, build_app, serving_in_thread
 
-    import uvicorn
-
-    from dmtp_jax.serve.app import Scheduler, build_app, warm_up
-
-    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[])
-    warm_up(engine, every_bucket=False)
+    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(4,))
+    engine.warm_up(every_bucket=False, sampled=False)
     scheduler = Scheduler(engine)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(scheduler, tokenizer, "tiny", drain_s=5), host="127.0.0.1",
-                                        port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", scheduler
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with serving_in_thread(build_app(scheduler, tokenizer, "tiny", drain_s=5)) as base:
+        yield base, scheduler
     assert not scheduler.accepting
 
 

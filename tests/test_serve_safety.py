@@ -40,28 +40,16 @@ def tokenizer():
 def server(decoder, tokenizer):
     """`(base url, scheduler)`: an API key, small limits, uvicorn's logging left to the root logger
     (so `caplog` sees its tracebacks, if any)."""
-    import uvicorn
-
-    from dmtp_jax.serve.app import ServerLimits, Scheduler, build_app, warm_up
-    from dmtp_jax.serve.limits import bind_socket, header_timeout_protocol
+    from dmtp_jax.serve.app import ServerLimits, Scheduler, build_app, serving_in_thread, warm_up
 
     limits = ServerLimits(max_body_bytes=64 * 1024, max_waiting=2, max_stop_strings=4, max_stop_chars=32,
                           header_timeout_s=1.0)
-    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[])
+    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(4,))
     warm_up(engine, every_bucket=False)
     scheduler = Scheduler(engine, max_waiting=limits.max_waiting)
-    sock = bind_socket("127.0.0.1", 0)
-    port = sock.getsockname()[1]
     app = build_app(scheduler, tokenizer, "tiny", drain_s=5, limits=limits, api_key=KEY)
-    srv = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning",
-                                        http=header_timeout_protocol(limits.header_timeout_s)))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", scheduler
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with serving_in_thread(app, limits.header_timeout_s, log_config=None) as base:
+        yield base, scheduler
 
 
 @pytest.fixture

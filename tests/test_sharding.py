@@ -20,9 +20,13 @@ REFERENCE = "tensor=1"
 # (expert parallelism) and, like data/fsdp, the batch, hence every cache (data-parallel attention)
 MESHES = {"tensor=4,data=2": "tensor", "fsdp=8": "fsdp", "expert=4,tensor=2": "tensor", "expert=4": None}
 FAMILIES = ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_qwen3_5_moe_dir"]   # the last: hybrid + MTP
-# every family on the first three meshes; a pure expert mesh (attention unsplit, the batch and every
-# cache over `expert` alone) for the hybrid MoE only (each mesh is a few compiles)
-CASES = [(f, m) for f in FAMILIES for m in MESHES if m != "expert=4" or f == "tiny_qwen3_5_moe_dir"]
+# every mesh at least once and every family on two (each mesh is a few compiles in the family's
+# process): tensor x data on the attention-only and hybrid models, fsdp on both Qwen3s, expert x
+# tensor on the MoE, and a pure expert mesh (attention unsplit, the batch and every cache over
+# `expert` alone) on the hybrid MoE
+CASES = [("tiny_qwen3_dir", "tensor=4,data=2"), ("tiny_qwen3_dir", "fsdp=8"),
+         ("tiny_qwen3_moe_dir", "expert=4,tensor=2"), ("tiny_qwen3_moe_dir", "fsdp=8"),
+         ("tiny_qwen3_5_moe_dir", "tensor=4,data=2"), ("tiny_qwen3_5_moe_dir", "expert=4")]
 # 8 fake devices; LLVM optimisation level 0 cuts CPU compile time by ~40% (the HLO / SPMD partitioning
 # passes still all run, and the 1-device reference is compiled with the same flags).
 FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"

@@ -1,28 +1,15 @@
-"""A hardware-independent efficiency figure for a decode method: XLA's own count of the bytes a
-compiled round (or AR step) accesses and the FLOPs it runs, per round and per committed token,
-next to the analytic minimum of a memory-bound round -- the weights of every model the method runs
-(target, drafter, MTP head, DMTP fusion) plus its caches, each read once.
-
-`bytes accessed` is XLA's sum over the compiled HLO of every operand and result each instruction
-touches (after fusion): a fused kernel that reads its weights once counts them once, but a tensor
-copied or rewritten whole (a KV-cache update that XLA cannot do in place, a transposed weight)
-counts again. `ratio` = accessed / minimum is therefore 1.0 for an ideal memory-bound step; what
-is above it is traffic the round adds (see docs/benchmarks.md, "Efficiency").
-
-The minimum uses the caches at their allocated size (the static-shape round attends over all
-`max_len` slots; the drafter only over its context window) -- what a round of these shapes must read.
-
-Example:
-    >>> cost = round_cost(decoder, batch=1, max_len=256)  # doctest: +SKIP
-    >>> cost["bytes_per_round"] / cost["min_bytes_per_round"]  # doctest: +SKIP
-    1.18
-"""
+"""A hardware-independent efficiency figure for a decode method: XLA's count of the bytes a compiled
+greedy round (or AR step) accesses and the FLOPs it runs, per round and per committed token, next
+to the analytic minimum of a memory-bound round (every model's weights plus the caches at their
+allocated size, each read once). `ratio` = accessed / minimum is 1.0 for an ideal memory-bound
+step. Reading the figures: docs/benchmarks.md#efficiency."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 
+from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.plan.compile import cost_of
 
 
@@ -34,7 +21,7 @@ def tree_bytes(tree) -> int:
 
 def _models(decoder) -> dict:
     out = {"target": decoder.target}
-    for name in ("drafter", "mtp", "fusion", "draft_head"):
+    for name in ("drafter", "mtp", "fusion", "draft_head", "draft_model"):
         loaded = getattr(decoder, name, None)
         if loaded is not None:
             out[name] = loaded
@@ -42,13 +29,8 @@ def _models(decoder) -> dict:
 
 
 def round_cost(decoder, batch: int, max_len: int) -> dict:
-    """XLA's cost of one greedy round (`SpecDecoder.round`) or AR step (`ARDecoder.decode_step`) at
-    `[batch, max_len]`, and the analytic minimum (bytes) of that round.
-
-    Lowering again with arrays of the shapes the bench ran hits JAX's compile caches (no new compile
-    where the bench already compiled this shape).
-    """
-    from dmtp_jax.decode.sampling import SamplingParams
+    """XLA's cost of one greedy round (`SpecDecoder.round`) or AR step at `[batch, max_len]`, and the
+    analytic minimum bytes of that round (lowering hits JAX's compile caches for shapes already run)."""
     sp = SamplingParams.make()
     key = jax.random.key(0)
     weights = {name: tree_bytes(loaded.state) for name, loaded in _models(decoder).items()}
@@ -60,6 +42,8 @@ def round_cost(decoder, batch: int, max_len: int) -> dict:
         compiled = decoder.round.lower(decoder.model_states(), state, np.ones(batch, bool), limits, sp, key,
                                        np.int32(1), decoder.knobs(), greedy=True).compile()
         caches = {"target_cache": tree_bytes(state.target_cache), "mtp_cache": tree_bytes(state.mtp_cache)}
+        if state.draft_cache is not None:
+            caches["draft_cache"] = tree_bytes(state.draft_cache)
         if state.ctx_cache is not None:     # the drafter attends over its context window only
             ctx = tree_bytes(state.ctx_cache)
             caches["ctx_cache"] = ctx * min(1.0, decoder.context_window / max_len)
@@ -79,8 +63,8 @@ def round_cost(decoder, batch: int, max_len: int) -> dict:
 
 
 def method_efficiency(decoder, run) -> dict | None:
-    """`round_cost` at the shape a bench run spent most rounds in, plus per committed token
-    (the round's cost over the tokens a round committed on average); None when nothing ran."""
+    """`round_cost` at the shape a bench run spent most rounds in, plus per committed token; None when
+    nothing ran."""
     shapes = getattr(run, "shapes", None) or {}
     if not shapes or not run.loop_steps:
         return None
@@ -103,8 +87,8 @@ def _si(x: float | None, unit: str) -> str:
 
 
 def format_efficiency(eff: dict) -> str:
-    """The bench's efficiency table: per method, XLA's bytes and FLOPs per round and per committed
-    token, the analytic minimum bytes per round, and accessed / minimum.
+    """The bench's efficiency table: per method, bytes and FLOPs per round and per committed token, the
+    minimum bytes per round, and accessed / minimum.
 
     Example:
         >>> print(format_efficiency({}))

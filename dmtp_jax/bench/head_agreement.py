@@ -1,17 +1,6 @@
-"""How often the drafting side's efficient or int8 head (`models/draft_head.py`) picks the full head's T1.
-
-At every position of the bench's generated sequences that a decoding round drafts from (the last
-prompt token onwards; every position when no prompt lengths are given), the MTP's first candidate
-is scored twice from the same MTP hidden, once with the full LM head and once with the decoder's
-drafting head, and the two argmaxes are compared: the fraction of equal ones is `t1_agreement`.
-The MTP hidden comes from one causal target pass and one causal MTP pass over the whole sequence
-(`train/features.py:mtp_hidden`, as calibration builds it), so it is the hidden a round would
-start from at that position. Greedy rounds draft T1 as exactly this argmax.
-
-Example:
-    >>> t1_agreement(decoder, [[1, 2, 3, 4]])  # doctest: +SKIP
-    0.998
-"""
+"""How often the drafting side's efficient or int8 head picks the full head's T1: at every position a
+round drafts from, MTP's first candidate is scored from the same MTP hidden (one causal target and
+MTP pass, `train/features.py:mtp_hidden`) with both heads, and the argmaxes compared."""
 
 from __future__ import annotations
 
@@ -21,19 +10,14 @@ import numpy as np
 from flax import nnx
 
 from dmtp_jax.decode.batch import next_pow2
+from dmtp_jax.models.fusion import mtp_first_candidate
+from dmtp_jax.train.features import mtp_hidden
 
 
 def agreement_counts(target, mtp, head, tokens_bt: jax.Array, valid_bt: jax.Array,
                      counted_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`(positions where the efficient head's T1 equals the full head's, positions compared)` over
-    the `counted_bt` positions of `tokens_bt` (`valid_bt`: its real tokens; merged modules; pure).
-
-    Example:
-        >>> same, total = agreement_counts(target, mtp, head, tokens_bt, valid_bt, valid_bt)  # doctest: +SKIP
-    """
-    from dmtp_jax.models.fusion import mtp_first_candidate
-    from dmtp_jax.train.features import mtp_hidden
-
+    """`(positions where the drafting head's T1 equals the full head's, positions compared)` over the
+    `counted_bt` positions of `tokens_bt` (`valid_bt`: real tokens); pure, on merged modules."""
     positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     hidden = target(tokens_bt, positions, None, kv_valid_bt=valid_bt).hidden_bth
     h = mtp_hidden(mtp, target, tokens_bt, hidden)[:, 1:]           # position 0 has no MTP row
@@ -45,12 +29,9 @@ def agreement_counts(target, mtp, head, tokens_bt: jax.Array, valid_bt: jax.Arra
 
 
 def t1_agreement(decoder, sequences: list[list[int]], prompt_lens: list[int] | None = None) -> float | None:
-    """The fraction of positions of `sequences` where T1 from `decoder`'s drafting head equals T1
-    from the full head; None when the decoder drafts with the full head or has no MTP.
-    `prompt_lens`: count only the positions from each sequence's last prompt token on.
-
-    Example: see the module docstring.
-    """
+    """The fraction of positions of `sequences` where the drafting head's T1 equals the full head's;
+    None when the decoder drafts with the full head or has no MTP. `prompt_lens`: count from each
+    sequence's last prompt token on."""
     head = getattr(decoder, "draft_head", None)
     if head is None or not decoder.proposer.needs["mtp"] or not sequences:
         return None

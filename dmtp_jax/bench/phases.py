@@ -1,28 +1,15 @@
-"""Where a speculative round's time goes: each public phase of a greedy round (`decode/round.py`,
-`decode/proposers.py`) timed as its own jitted function of the inputs the round gives it, next to
-the fused round itself (`SpecDecoder.round`).
+"""Where a speculative round's time goes: each phase of a greedy round timed as its own jitted
+function of the inputs the round gives it, next to the fused round (`SpecDecoder.round`).
 
-Phases (the functions `round.spec_round` composes, called with the decoder's own proposer, models
-and knobs inside one `jax.jit` each):
-
-  propose-mtp      `proposer.first` (MTP's T1); for a proposer without a drafter (`mtp`) the whole
-                   `proposer.propose` (the chain)
-  propose-drafter  `proposer.draft` given T1 from propose-mtp: the drafter block and its draft
-                   logits (DFlash2: its selector)
+  propose-mtp      `proposer.first` (MTP's T1); for `mtp` the whole chain
+  propose-drafter  `proposer.draft` given T1: the drafter block and its draft logits
   verify           `round.verify_forward`: the target over `[pending, drafts]` and its logits
   accept           `round.accept` (greedy exact match)
   commit           `round.commit`: `target.commit`, `mtp_advance` and `write_context`
 
-Each time is the median of `repeats` calls after `warmup` calls, with `jax.block_until_ready`.
-Arguments the round updates in place (the caches) are donated fresh copies, made outside the timed
-region, so the decoder's own state is never touched. The phases' sum is not the fused round's time:
-each separate call pays its own dispatch and writes its intermediates out, and XLA cannot fuse across
-phases; the table shows both.
-
-Example:
-    >>> res = decoder.generate(prompts, 64)                       # doctest: +SKIP
-    >>> print(format_phases({"dmtp": phase_breakdown(decoder)}))  # doctest: +SKIP
-"""
+Each time is the median of `repeats` calls after `warmup`; donated caches are fresh copies made
+outside the timed region, so the decoder's state is untouched. Separate calls cannot fuse, so
+the phases' sum exceeds the fused round's time."""
 
 from __future__ import annotations
 
@@ -33,6 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dmtp_jax.decode.round import accept, commit, merge_models, verify_forward
+from dmtp_jax.decode.sampling import SamplingParams
+
 PHASES = ("propose-mtp", "propose-drafter", "verify", "accept", "commit")
 
 
@@ -41,8 +31,8 @@ def _copy(tree):
 
 
 def _median_ms(fn, make_args, repeats: int, warmup: int) -> tuple[float, object]:
-    """Median wall time (ms) of `fn(*make_args())` over `repeats` calls after `warmup`; `make_args`
-    runs outside the timed region (fresh copies of donated arguments). Also returns the last output."""
+    """`(median ms of fn(*make_args()) over repeats calls after warmup, last output)`; `make_args` runs
+    outside the timed region."""
     times, out = [], None
     for i in range(warmup + repeats):
         args = make_args()
@@ -54,15 +44,9 @@ def _median_ms(fn, make_args, repeats: int, warmup: int) -> tuple[float, object]
 
 
 def phase_breakdown(decoder, state=None, *, repeats: int = 10, warmup: int = 2, seed: int = 0) -> dict:
-    """Milliseconds per phase of one greedy round of `decoder` (a `SpecDecoder`) from `state`
-    (default: `decoder.last_state`, the state its last `generate` left), their sum, and the fused
-    round (`decoder.round`) on the same state. A phase the method does not run is None.
-
-    Returns `{"batch", "max_len", "repeats", "phases_ms": {phase: ms | None}, "sum_ms", "round_ms"}`.
-    """
-    from dmtp_jax.decode.round import accept, commit, merge_models, verify_forward
-    from dmtp_jax.decode.sampling import SamplingParams
-
+    """Milliseconds per phase of one greedy round of `decoder` from `state` (default: the state its last
+    `generate` left), their sum, and the fused round on the same state; None for a phase not run:
+    `{"batch", "max_len", "repeats", "phases_ms", "sum_ms", "round_ms"}`."""
     state = decoder.last_state if state is None else state
     if state is None:
         raise ValueError("no decoder state: run a request first (or pass state)")
@@ -84,7 +68,7 @@ def phase_breakdown(decoder, state=None, *, repeats: int = 10, warmup: int = 2, 
         st = dataclasses.replace(st, mtp_cache=mtp_cache)
         return proposer.propose(models(states), st, sp, k_draft, True, limits, knobs)
     propose = jax.jit(propose, donate_argnames=("mtp_cache",))
-    if not proposer.needs["drafter"]:
+    if proposer.needs["mtp"] and not proposer.needs["drafter"]:     # the MTP chain
         ms["propose-mtp"], proposal = time_it(propose, lambda: (states, state, _copy(state.mtp_cache)))
     else:
         first = None
@@ -140,12 +124,7 @@ def bench_phases(decoders: dict, repeats: int = 10) -> dict:
 
 
 def format_phases(phases: dict) -> str:
-    """The bench's per-phase table: ms per phase of a greedy round, their sum and the fused round.
-
-    Example:
-        >>> print(format_phases({}))
-        phases (greedy round, each phase jitted alone; median ms): no speculative rounds ran
-    """
+    """The bench's per-phase table: ms per phase of a greedy round, their sum and the fused round."""
     head = "phases (greedy round, each phase jitted alone; median ms)"
     rows = {m: p for m, p in phases.items() if p}
     if not rows:

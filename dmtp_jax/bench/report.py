@@ -1,40 +1,17 @@
 """The benchmark report: pooled statistics per method, the paper-style table, the JSON and the PNG.
 
-Acceptance statistics are pooled over the whole workload with `dmtp_jax.decode.stats.acceptance_stats`
-(every generation of every batch is one "request"). Plain decoding (`ar`, or any method whose
-results carry no `acceptance_lengths`) is treated as a block of size 1: every round commits one
-token, so its per-request and per-verify acceptance lengths are 1.0, its first-candidate acceptance
-is 0.0 (there is no candidate) and its conditional / cumulative acceptance lists are empty.
-
-`mean_round_s` is the engine's decode time per loop iteration (one verify round, or one AR step)
-of the whole batch: the ratio of two methods' values is their round-time ratio (e.g. dmtp / dflash).
-
-Throughput: `tokens_per_second` = new tokens / wall time of the timed generate calls (prefill
-included, compiles excluded); `speedup_vs_ar` is its ratio to `ar`'s (null without an `ar` run).
-`decode_tokens_per_second` (prefill and each row's first token excluded, the engines' own decode
-timer) and `decode_speedup_vs_ar` are given alongside.
-
-JSON layout::
-
-    {"methods": {"<name>": {"per_request_acceptance_length", "per_verify_acceptance_length",
-                            "first_candidate_acceptance", "conditional_acceptance": [...],
-                            "cumulative_acceptance": [...], "tokens_per_second", "speedup_vs_ar",
-                            ... extra fields: histogram, rounds, block_size, new_tokens, ...}},
-     "config": {...}}
-
-Example:
-    >>> rep = build_report({"ar": MethodRun("ar", new_tokens=10, wall_s=1.0)}, {"workload": "x"})
-    >>> rep["methods"]["ar"]["per_verify_acceptance_length"], rep["methods"]["ar"]["speedup_vs_ar"]
-    (1.0, 1.0)
-"""
+Acceptance statistics are pooled over the workload (`decode.stats.acceptance_stats`); plain
+decoding counts as a block of size 1. `tokens_per_second`: new tokens / wall time of the timed
+calls (prefill in, compiles out); `decode_tokens_per_second`: the engines' decode timer; speedups
+are over `ar` (null without it). JSON: `{"methods": {name: summary}, "config": {...}}`."""
 
 from __future__ import annotations
 
 import collections
-
 import json
 
 from dmtp_jax.bench.runner import MethodRun
+from dmtp_jax.decode.auto import describe_verdict
 from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
 from dmtp_jax.errors import InputError
 
@@ -44,13 +21,7 @@ def _ratio(a, b):
 
 
 def summarize_run(run: MethodRun) -> dict:
-    """The JSON entry of one method (speedups are filled in by `build_report`).
-
-    Example:
-        >>> s = summarize_run(MethodRun("ar", new_tokens=8, wall_s=2.0))
-        >>> s["tokens_per_second"], s["conditional_acceptance"], s["first_candidate_acceptance"]
-        (4.0, [], 0.0)
-    """
+    """The JSON entry of one method (speedups are filled in by `build_report`)."""
     # plain decoding: one token per round after the prefill's first (also the plain calls of a
     # speculative run: `auto` may choose `ar` for one batch bucket and a speculative method for another)
     # auto: the acceptance statistics are those of the method it chose last (a cold verdict cache may
@@ -101,13 +72,7 @@ def summarize_run(run: MethodRun) -> dict:
 
 
 def build_report(runs: dict[str, MethodRun], config: dict) -> dict:
-    """`{"methods": {name: summary}, "config": config}` with speedups over `ar` when it ran.
-
-    Example:
-        >>> runs = {"ar": MethodRun("ar", new_tokens=10, wall_s=1.0), "x": MethodRun("x", new_tokens=10, wall_s=0.5)}
-        >>> build_report(runs, {})["methods"]["x"]["speedup_vs_ar"]
-        2.0
-    """
+    """`{"methods": {name: summary}, "config": config}` with speedups over `ar` when it ran."""
     methods = {name: summarize_run(run) for name, run in runs.items()}
     ar = methods.get("ar")
     for m in methods.values():
@@ -179,7 +144,6 @@ def format_auto(report: dict) -> str:
         >>> print(format_auto(rep))
         auto, batch bucket 1: ar (cached verdict; decode tok/s ar 50.0 (tau 1.00))
     """
-    from dmtp_jax.decode.auto import describe_verdict
     lines = []
     for name, m in report["methods"].items():
         lines += [f"{name}, {describe_verdict(v)}" for v in (m.get("auto") or {}).values()]
@@ -190,10 +154,9 @@ def format_auto(report: dict) -> str:
 
 
 def format_head_comparison(strong: dict, weak: dict, strong_head: str, weak_head: str) -> str:
-    """The demo's two-heads table: each MTP method with the target's head (`strong`, the main
-    report) and with another head (`weak`), next to the methods without MTP: first-candidate
-    acceptance, tokens per verify, the share of rounds given MTP's T1 (dmtp-adaptive) and speedup
-    over the main report's `ar`.
+    """The demo's two-heads table: each MTP method with the target's head (`strong`) and another
+    (`weak`), beside the methods without MTP: first-candidate acceptance, tokens per verify, share of
+    MTP T1 rounds, speedup over `ar`.
 
     Example:
         >>> r = build_report({"ar": MethodRun("ar", new_tokens=10, wall_s=1.0)}, {})
@@ -228,11 +191,7 @@ def write_json(report: dict, path: str) -> None:
 
 def write_outputs(runs: dict[str, MethodRun], path: str, tokenizer=None) -> None:
     """Every generation as JSONL: `{"method", "request_id", "turn", "prompt_ids", "output_ids",
-    "acceptance_lengths", "text"?}` (`text` when a tokenizer is given), methods in order.
-
-    Example:
-        >>> write_outputs(runs, "/tmp/outputs.jsonl", tokenizer)  # doctest: +SKIP
-    """
+    "acceptance_lengths", "text"?}` (`text` with a tokenizer), methods in order."""
     with open(path, "w") as fh:
         for name, run in runs.items():
             for g in run.generations:
@@ -244,13 +203,9 @@ def write_outputs(runs: dict[str, MethodRun], path: str, tokenizer=None) -> None
 
 
 def plot_cumulative(report: dict, path: str, title: str | None = None) -> None:
-    """PNG of the cumulative acceptance `P(L >= k)` by draft position k, one line per method
-    (methods without drafts have no points and are listed in the legend as such; a run named
-    "method (variant)" is drawn dashed in its method's colour). Agg backend, no global matplotlib state.
-
-    Example:
-        >>> plot_cumulative(report, "/tmp/acceptance.png")  # doctest: +SKIP
-    """
+    """PNG of the cumulative acceptance `P(L >= k)` by draft position, one line per method ("method
+    (variant)" dashed in its method's colour). Agg backend, no global matplotlib state."""
+    # lazy: matplotlib takes seconds to import and only --plot needs it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -284,12 +239,8 @@ def plot_cumulative(report: dict, path: str, title: str | None = None) -> None:
 
 
 def format_sample(runs: dict, tokenizer) -> str:
-    """One request's prompt and each method's answer (ids when there is no tokenizer): the request
-    whose first method's answer has the most distinct tokens.
-
-    Example:
-        >>> print(format_sample(runs, tokenizer))  # doctest: +SKIP
-    """
+    """One request's prompt and each method's answer (ids without a tokenizer): the request whose first
+    method's answer has the most distinct tokens."""
     runs = {name: run for name, run in runs.items() if run.generations}
     if not runs:
         return "(no generations)"
@@ -318,7 +269,7 @@ def plot_backend():
         'FigureCanvasAgg'
     """
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.backends.backend_agg import FigureCanvasAgg     # lazy: seconds to import
     except ImportError:
         raise InputError("--plot needs matplotlib, which is not installed",
                          hint="pip install matplotlib (a dependency of dmtp-jax: pip install -e .)") from None

@@ -1,34 +1,17 @@
 """Runs decode methods over a workload: batches, multi-turn prompts, timing without compiles.
 
-For each method (one after the other, each with its own progress bar):
-
-1. **warm-up**: one generate on the first batch's first-turn prompts (the shape bucket the timed run
-   starts with), not timed, its output dropped;
-2. **timed run**: the requests in batches of `batch_size`, turn by turn (turn k+1's prompts carry the
-   model's own decoded answers to turns 1..k, see `workloads.render_prompt`). Each generate call is
-   timed with a wall clock around `decoder.generate` (prefill included). When a call compiled
-   something (`decoder.compile_counts()` changed: a new batch / prompt / cache-length bucket) it is
-   run again with the same seed and the second run is timed, so no compile time is ever counted.
-
-A generation whose prompt + `max_new_tokens` exceeds the target's `max_position_embeddings` is
-skipped (with its later turns) and listed in `MethodRun.skipped`; skips depend only on the prompt,
-so every method skips the same generations under greedy decoding.
-
-Models for the methods come from `dmtp_jax.decode.loading.load_method_models` (the one place that knows which model a
-method needs: add a model kind there) and decoders from `make_decoders` (the factory
-`dmtp_jax.decode.make_decoder`, given only the keywords it accepts).
-
-Example:
-    >>> decoders = make_decoders(["ar", "dflash"], target, {"dflash": {"drafter": drafter}})  # doctest: +SKIP
-    >>> runs = run_benchmark(decoders, load_workload("gsm8k", num_prompts=4), tokenizer,
-    ...                      max_new_tokens=64, stop_ids=[151645])  # doctest: +SKIP
-    >>> runs["dflash"].generations[0].output_ids == runs["ar"].generations[0].output_ids  # doctest: +SKIP
-    True
-"""
+Per method: one untimed warm-up generate on the first batch, then the requests in batches of
+`batch_size`, turn by turn (turn k+1 carries the model's own answers). Each generate call is timed
+around `decoder.generate` (prefill included); a call that compiled (`compile_counts()` changed) is
+re-run with the same seed and the re-run timed. A generation whose prompt + `max_new_tokens`
+exceeds `max_position_embeddings` is skipped with its later turns (`MethodRun.skipped`).
+Decoders come from `make_decoders` (`decode.make_decoder`, given only the keywords it accepts)."""
 
 from __future__ import annotations
 
 import dataclasses
+
+from tqdm import tqdm
 
 from dmtp_jax.bench.workloads import Request, Workload, check_tokenizer, render_prompt
 from dmtp_jax.decode.auto import timed_generate
@@ -37,8 +20,8 @@ from dmtp_jax.decode.batch import RequestError
 
 @dataclasses.dataclass
 class Generation:
-    """One generate row: a request's turn, its prompt and output ids, and (speculative methods) the
-    tokens committed by each verify round."""
+    """One generate row: a request's turn, prompt and output ids, and (speculative methods) the tokens
+    committed by each verify round."""
     request_id: str
     turn: int
     prompt_ids: list[int]
@@ -87,14 +70,7 @@ def _decode_answer(tokenizer, output_ids, stop_ids) -> str:
 def run_method(name: str, decoder, workload: Workload, tokenizer, *, max_new_tokens: int,
                batch_size: int = 1, sampling=None, seed: int = 0, stop_ids=(), max_positions: int | None = None,
                retime: bool = True, progress: bool = False) -> MethodRun:
-    """Runs one decoder over the workload (see module docstring) and returns its `MethodRun`.
-
-    Example:
-        >>> run = run_method("ar", ARDecoder(target), wl, None, max_new_tokens=8)  # doctest: +SKIP
-        >>> run.generations[0].output_ids  # doctest: +SKIP
-    """
-    from tqdm import tqdm
-
+    """Runs one decoder over the workload: its `MethodRun`."""
     if batch_size < 1:
         raise RequestError(f"--batch-size must be >= 1, got {batch_size}")
     check_tokenizer(workload, tokenizer)
@@ -180,10 +156,6 @@ def _run_batch(run: MethodRun, decoder, batch: list[Request], tokenizer, fits, m
 
 
 def run_benchmark(decoders: dict, workload: Workload, tokenizer, **kwargs) -> dict[str, MethodRun]:
-    """`{method: MethodRun}`: `run_method` for every decoder, in order; `kwargs` go to `run_method`.
-
-    Example:
-        >>> runs = run_benchmark({"ar": ARDecoder(target)}, wl, tok, max_new_tokens=16)  # doctest: +SKIP
-    """
+    """`{method: MethodRun}`: `run_method` for every decoder, in order; `kwargs` go to `run_method`."""
     check_tokenizer(workload, tokenizer)
     return {name: run_method(name, dec, workload, tokenizer, **kwargs) for name, dec in decoders.items()}

@@ -1,17 +1,7 @@
-"""Where a named workload's records come from: a local directory, or the Hugging Face hub through
-the `datasets` library (an optional extra: `pip install 'dmtp-jax[data]'`).
-
-Order, first that works:
-
-1. `--data-dir DIR` or `$DMTP_JAX_DATA` when set: that directory only (an explicit choice never
-   silently reads elsewhere);
-2. the hub, with `datasets` (`HUB_SOURCES`; spec_bench and bfcl have no hub copy);
-3. `<repo>/../shared/data`, if it holds the files (the team's checkout layout).
-
-Neither: one `WorkloadError` saying why the hub did not work (not installed, unreachable, not on
-the hub) and which files a local directory must hold. Hub warnings and progress bars are kept off
-stderr: the fallback is an expected situation, reported in the workload's `source`. Offline, the
-hub attempt waits for its connection timeouts (~20 s) unless `HF_HUB_OFFLINE=1` is set.
+"""Where a named workload's records come from, first that works: `--data-dir DIR` or
+`$DMTP_JAX_DATA` when set (that directory only); the hub through the optional `datasets` library
+(`HUB_SOURCES`); `<repo>/../shared/data` if it holds the files. Else one `WorkloadError` saying
+why the hub failed and which files a local directory must hold. Hub logging stays off stderr.
 
 Example:
     >>> import pathlib, tempfile
@@ -73,7 +63,7 @@ def sibling_data_dir() -> str:
 @contextlib.contextmanager
 def quiet_hub():
     """`datasets` / `huggingface_hub` logging at ERROR, no progress bars, no warnings, restored after."""
-    import datasets
+    import datasets     # optional (the `data` extra); callers checked it imports
     ds_logging = getattr(datasets, "logging", None)
     level = ds_logging.get_verbosity() if ds_logging else None
     hub_logger = logging.getLogger("huggingface_hub")
@@ -96,15 +86,10 @@ def quiet_hub():
 
 
 def hub_records(source: HubSource) -> list[dict]:
-    """The rows of a hub dataset as dicts; `HubUnavailable` (with the reason) when `datasets` is
-    missing or the hub does not answer.
-
-    Example:
-        >>> hub_records(HUB_SOURCES["gsm8k"])[0]["question"][:20]  # doctest: +SKIP
-        'Janet’s ducks lay 16'
-    """
+    """The rows of a hub dataset as dicts; `HubUnavailable` (with the reason) when `datasets` is missing
+    or the hub does not answer."""
     try:
-        import datasets
+        import datasets     # optional: the `data` extra
     except ImportError:
         raise HubUnavailable("the `datasets` library is not installed") from None
     with quiet_hub():
@@ -117,9 +102,8 @@ def hub_records(source: HubSource) -> list[dict]:
 
 
 def local_records(name: str, files, root: str, how: str) -> tuple[list[dict], str]:
-    """Records of `files` under `root` (`train.data.read_records`: JSON lines, a JSON list, `.gz`),
-    concatenated, and the paths read; a missing file or a bad record is a `WorkloadError` saying
-    which (and how `root` was chosen: `how`)."""
+    """Records of `files` under `root` (`train.data.read_records`), concatenated, and the paths read; a
+    missing file or bad record is a `WorkloadError` saying which (and how `root` was chosen: `how`)."""
     paths = [os.path.join(root, f) for f in files]
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
@@ -140,7 +124,7 @@ def local_records(name: str, files, root: str, how: str) -> tuple[list[dict], st
 
 
 def named_records(name: str, files, data_dir: str | None = None) -> tuple[list, str]:
-    """`(records, source)` of a named workload, from the first place that has it (module docstring).
+    """`(records, source)` of a named workload, from the first place that has it.
 
     Example:
         >>> named_records("spec_bench", ("spec_bench/question.jsonl",), "/nowhere")

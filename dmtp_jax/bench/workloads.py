@@ -1,36 +1,10 @@
 """Benchmark workloads: public eval prompts (from the hub or a local directory), or a user JSONL.
 
-Named workloads (files of a local copy; `sources.HUB_SOURCES` names the hub datasets with the
-same fields):
-
-============  ===========================================  =======================================
-name          file(s)                                      prompt
-============  ===========================================  =======================================
-gsm8k         gsm8k/test.jsonl                             question + "Please reason step by step,
-                                                           and put your final answer within
-                                                           \\boxed{}." (as `dflash.benchmark`)
-math500       math500/test.jsonl                           problem + the same suffix
-humaneval     humaneval/HumanEval.jsonl.gz                 "Write a solution to the following
-                                                           problem ..." + the code prompt
-mt_bench      mt_bench/question.jsonl                      two user turns (multi-turn)
-alpaca_eval   alpaca_eval/model_outputs.json               instruction
-spec_bench    spec_bench/question.jsonl                    its turns (80 two-turn, 400 one-turn)
-bfcl          bfcl/BFCL_v4_simple_python.json,             the user question; the function specs
-              bfcl/BFCL_v4_multiple.json                   go to the chat template's `tools` (or
-                                                           into a system message / the text)
-============  ===========================================  =======================================
-
-A user JSONL has one record per line: `{"prompt": "..."}`, `{"turns": ["...", "..."]}` or
-`{"prompt_ids": [1, 2, 3]}` (token ids, no tokenizer needed); blank lines are skipped.
-
-Where a named workload is read from (`sources.named_records`): `--data-dir` or `$DMTP_JAX_DATA`
-when set, else the hub through the optional `datasets` library, else `<repo>/../shared/data`;
-otherwise one error that says why. The data files are read where they are, never copied.
-
-Multi-turn requests: turn k's prompt carries the model's own answers to turns 1..k-1 (the runner
-generates turn 1, then renders turn 2 from its output). With a chat template the conversation is
-`[system?, user, assistant, user, ...]` rendered with `add_generation_prompt=True`; without one
-(raw text) the turns and answers are joined with blank lines.
+Named workloads (`WORKLOADS`: gsm8k, math500, humaneval, mt_bench, alpaca_eval, spec_bench, bfcl;
+files and sources: docs/benchmarks.md#workloads) are read by `sources.named_records`, never
+copied. A user JSONL holds `{"prompt"}`, `{"turns"}` or `{"prompt_ids"}` records. Turn k's prompt
+carries the model's own answers to turns 1..k-1, rendered with the chat template
+(`add_generation_prompt=True`) or, without one, joined with blank lines.
 
 Example:
     >>> wl = parse_user_lines(['{"prompt_ids": [1, 2, 3]}', '{"turns": ["a", "b"]}'], "x.jsonl")
@@ -195,7 +169,7 @@ def parse_user_lines(lines, path: str) -> list[Request]:
 def load_workload(name: str, data_dir: str | None = None, num_prompts: int | None = None) -> Workload:
     """A named workload from the data directory, or a user JSONL file; the first `num_prompts`.
 
-    Example (`mt_bench` from a local copy holding one record):
+    Example:
         >>> import json, pathlib, tempfile
         >>> root = pathlib.Path(tempfile.mkdtemp())
         >>> (root / "mt_bench").mkdir()
@@ -271,10 +245,8 @@ def raw_text(request: Request, answers: list[str]) -> str:
 
 
 def render_prompt(request: Request, tokenizer, answers: list[str]) -> list[int]:
-    """Prompt ids of turn `len(answers)`: the chat template when the tokenizer has one, else raw text.
-
-    `answers` are the model's decoded answers to the earlier turns (empty for the first turn).
-    """
+    """Prompt ids of turn `len(answers)` (`answers`: the model's decoded earlier answers): the chat
+    template when the tokenizer has one, else raw text."""
     if request.prompt_ids is not None:
         return list(request.prompt_ids)
     if tokenizer is None:

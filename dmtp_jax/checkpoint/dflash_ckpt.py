@@ -1,17 +1,8 @@
 """DFlash / DFlash2 drafter checkpoints (z-lab `dflash` layout) <-> `DFlashDrafter` params.
 
-HF names have no `model.` prefix (`fc.weight`, `layers.{i}.self_attn.q_proj.weight`, `norm.weight`,
-...). DFlash2 adds `layers.{i}.{attention_conv,mlp_conv}.base_kernel` / `.kernel_projection.weight`
-and `candidate_selector.*`; released checkpoints store the two codebooks without a `.weight` suffix
-(what `save_drafter` writes), while `save_pretrained` of the reference writes them with one -- both
-load.
-
-Example:
-    >>> target = load_target("/models/Qwen3-4B")  # doctest: +SKIP
-    >>> drafter = load_drafter("/models/Qwen3-4B-DFlash-b16", target.cfg)  # doctest: +SKIP
-    >>> drafter.cfg.block_size  # doctest: +SKIP
-    16
-"""
+HF names have no `model.` prefix (`fc.weight`, `layers.{i}.self_attn.q_proj.weight`, ...);
+DFlash2 adds `layers.{i}.{attention_conv,mlp_conv}.*` and `candidate_selector.*`, whose codebooks
+load with or without a `.weight` suffix."""
 
 from __future__ import annotations
 
@@ -61,33 +52,20 @@ LoadedDrafter = LoadedModel      # cfg: DFlashConfig
 
 
 def load_dflash_config(draft_dir: str) -> DFlashConfig:
-    """The `DFlashConfig` of a drafter directory's `config.json`.
-
-    Example:
-        >>> load_dflash_config("/models/Qwen3-4B-DFlash-b16").version  # doctest: +SKIP
-        1
-    """
+    """The `DFlashConfig` of a drafter directory's `config.json`."""
     return DFlashConfig.from_hf_dict(read_config_json(draft_dir))
 
 
 def abstract_drafter(dcfg: DFlashConfig, dtype):
-    """(graphdef, abstract state) without allocating any parameter.
-
-    Example:
-        >>> graphdef, abstract = abstract_drafter(dcfg, "float32")  # doctest: +SKIP
-    """
+    """(graphdef, abstract state) without allocating any parameter."""
     model = nnx.eval_shape(lambda: DFlashDrafter(dcfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
     return nnx.split(model)
 
 
 def load_drafter(draft_dir: str, target_cfg, dtype="float32", mesh: Mesh | None = None,
                  mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedDrafter:
-    """Loads a `dflash` drafter directory; refuses drafters that do not fit `target_cfg` and
-    checkpoints with missing, misshapen or unexpected tensors.
-
-    Example:
-        >>> drafter = load_drafter("/tmp/tiny-dflash", target.cfg, "float32")  # doctest: +SKIP
-    """
+    """Loads a `dflash` drafter directory; refuses drafters that do not fit `target_cfg` and checkpoints
+    with missing, misshapen or unexpected tensors."""
     dcfg = load_dflash_config(draft_dir)
     check_fits_target(dcfg, target_cfg)
     if dcfg.num_target_layers is None:
@@ -111,12 +89,8 @@ def load_drafter(draft_dir: str, target_cfg, dtype="float32", mesh: Mesh | None 
 
 def init_drafter(dcfg: DFlashConfig, dtype="float32", mesh: Mesh | None = None, seed: int = 0,
                  mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedDrafter:
-    """Random init placed directly at the mesh shardings (one jit, no host copy). DFlash2 convs
-    start as the identity and the successor codebook at zero (SpecForge's init).
-
-    Example:
-        >>> drafter = init_drafter(dcfg, "bfloat16", seed=0)  # doctest: +SKIP
-    """
+    """Random init placed at the mesh shardings (one jit, no host copy); DFlash2 convs start as the
+    identity, the successor codebook at zero."""
     mesh = mesh or make_mesh()
     graphdef, abstract = abstract_drafter(dcfg, dtype)
     shardings = state_shardings(abstract, mesh, mesh_rules)
@@ -127,13 +101,8 @@ def init_drafter(dcfg: DFlashConfig, dtype="float32", mesh: Mesh | None = None, 
 
 def save_drafter(loaded: LoadedDrafter, out_dir: str, dtype=None, max_shard_bytes: int = 2 << 30,
                  extra_tensors: dict | None = None, extra_config: dict | None = None):
-    """Writes `config.json` (nested `dflash_config` layout) + safetensors that
-    `dflash.model.DFlashDraftModel` / `DFlash2DraftModel.from_pretrained` load. `extra_tensors` and
-    `extra_config` carry sidecars such as DMTP's `fusion.*` tensors and `dmtp_config` block.
-
-    Example:
-        >>> save_drafter(drafter, "/tmp/my-dflash")  # doctest: +SKIP
-    """
+    """Writes `config.json` (nested `dflash_config`) + safetensors that `dflash` loads; `extra_tensors`
+    and `extra_config` carry sidecars (DMTP's `fusion.*`, `dmtp_config`)."""
     tensors = export_tensors(loaded.state, rules=DFLASH_NAME_RULES, dtype=dtype)
     tensors.update(extra_tensors or {})
     os.makedirs(out_dir, exist_ok=True)

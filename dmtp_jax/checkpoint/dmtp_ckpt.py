@@ -1,13 +1,6 @@
 """DMTP drafter directories: a DFlash directory plus `fusion.*` tensors and a `dmtp_config` block
-(`{"method": ..., "rank": ...}`) in `config.json`.
-
-A plain DFlash directory also loads as a DMTP drafter: its fusion starts at the zero init (so
-`dmtp` proposes exactly what "DFlash conditioned on MTP's T1 with two anchors" proposes), which is
-how DMTP fine-tuning starts from an existing DFlash checkpoint.
-
-Example:
-    >>> drafter, fusion = load_dmtp_drafter("/tmp/my-dmtp", target.cfg, "dmtp")  # doctest: +SKIP
-"""
+(`{"method": ..., "rank": ...}`) in `config.json`. A plain DFlash directory loads as a DMTP
+drafter with its fusion at the zero init (how DMTP fine-tuning starts from DFlash)."""
 
 from __future__ import annotations
 
@@ -58,10 +51,9 @@ def _layout(method) -> tuple | None:
 
 def load_dmtp_drafter(draft_dir: str, target_cfg, method: str | None = None, dtype="float32",
                       mesh: Mesh | None = None, *, same_layout: bool = False) -> tuple[LoadedModel, LoadedModel]:
-    """(DFlash drafter, fusion) of a DMTP directory, or of a plain DFlash directory with a fresh
-    fusion for `method` (default `dmtp`). `same_layout` (training's `--init-from`): a drafter of
-    another DMTP method with the same block layout and fusion (`dmtp` for `dmtp-adaptive`) loads as
-    `method`, its fusion's weights kept."""
+    """(DFlash drafter, fusion) of a DMTP directory, or of a plain DFlash directory with a fresh fusion
+    for `method` (default `dmtp`). `same_layout` (`--init-from`): a drafter of another DMTP method
+    with the same block layout and fusion loads as `method`, its fusion kept."""
     mesh = mesh or make_mesh()
     drafter = load_drafter(draft_dir, target_cfg, dtype, mesh)
     stored = read_config_json(draft_dir).get("dmtp_config")

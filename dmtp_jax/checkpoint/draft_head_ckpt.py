@@ -28,9 +28,8 @@ _MISSING = {TOKEN_COUNTS: ("token counts",
 
 
 def drafter_file(path: str, name: str) -> str:
-    """The file `path` names for a drafter directory's `name` (`token_counts.npy`,
-    `head_factor.safetensors`): `path` itself, or `path/name` when `path` is a directory; an
-    `InputError` when there is none.
+    """The file `path` names for a drafter directory's `name`: `path` itself, or `path/name` when `path`
+    is a directory; an `InputError` when there is none.
 
     Example:
         >>> drafter_file("/nope", TOKEN_COUNTS)
@@ -46,13 +45,7 @@ def drafter_file(path: str, name: str) -> str:
 
 
 def read_token_counts(path: str, vocab: int) -> np.ndarray:
-    """Token counts `[vocab]` from `path` (`drafter_file`; `train.py token-counts` writes them
-    into a drafter directory).
-
-    Example:
-        >>> read_token_counts("drafter_dir", 248320).shape  # doctest: +SKIP
-        (248320,)
-    """
+    """Token counts `[vocab]` from `path` (`drafter_file`)."""
     file = drafter_file(path, TOKEN_COUNTS)
     counts = np.load(file, allow_pickle=False)
     if counts.shape != (vocab,):
@@ -61,13 +54,7 @@ def read_token_counts(path: str, vocab: int) -> np.ndarray:
 
 
 def read_head_factor(path: str) -> dict:
-    """`{"down" [H, r], "up" [r, C][, "ids" [C]]}` numpy arrays of a trained factor
-    (`train.py head-factor`) at `path` (`drafter_file`).
-
-    Example:
-        >>> read_head_factor("drafter_dir")["down"].shape  # doctest: +SKIP
-        (256, 64)
-    """
+    """`{"down" [H, r], "up" [r, C][, "ids" [C]]}` numpy arrays of a trained factor at `path`."""
     f = SafetensorsFile(drafter_file(path, HEAD_FACTOR))
     return {k: np.array(f.array(k)) for k in f.keys()}
 
@@ -75,16 +62,9 @@ def read_head_factor(path: str) -> dict:
 def make_efficient_head(target, rank: int | None = None, shortlist: int | None = None, counts=None,
                         subset: int | None = None, factor: dict | None = None,
                         mesh_rules: MeshRules = DEFAULT_RULES):
-    """A `LoadedModel` holding the efficient head of a loaded target (`factor_head` of its LM head),
-    its params at their mesh shardings. `subset` N with `counts` (`[V]`, `read_token_counts`): the
-    head scores only the N most frequent ids. `factor` (`read_head_factor`): a trained factor, used
-    instead of the SVD; its shape sets the rank and the subset. Placed with `mesh_rules`.
-
-    Example:
-        >>> head = make_efficient_head(target, rank=64, shortlist=256)  # doctest: +SKIP
-        >>> head.cfg  # doctest: +SKIP
-        {'rank': 64, 'shortlist': 256}
-    """
+    """A `LoadedModel` holding the efficient head of a loaded target (`factor_head` of its LM head) at its
+    mesh shardings (placed with `mesh_rules`). `subset` N with `counts`: score only the N most frequent
+    ids. `factor`: a trained factor instead of the SVD (its shape sets rank and subset)."""
     ids = None
     if factor is not None:
         trained_rank = factor["down"].shape[1]
@@ -123,12 +103,7 @@ def _loaded(target, head_cfg: dict, head, mesh_rules: MeshRules):
 def make_draft_head(target, kind: str, rank: int | None = None, shortlist: int | None = None, counts=None,
                     subset: int | None = None, factor: dict | None = None, mesh_rules: MeshRules = DEFAULT_RULES):
     """A `LoadedModel` holding the drafting head of `kind` ("efficient": `make_efficient_head`; "int8":
-    `quantize_head` of the target's LM head), its params at their mesh shardings.
-
-    Example:
-        >>> make_draft_head(target, "int8").cfg  # doctest: +SKIP
-        {'kind': 'int8'}
-    """
+    `quantize_head` of the LM head) at its mesh shardings."""
     if kind == "efficient":
         return make_efficient_head(target, rank, shortlist, counts, subset, factor, mesh_rules)
     if kind != "int8":

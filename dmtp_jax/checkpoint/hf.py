@@ -1,21 +1,11 @@
 """HF safetensors <-> NNX param trees, through a regex name table per model family.
 
-Our kernels are `[in, out]`; HF linear weights are `[out, in]` (transposed on the way), and MoE
-experts are stacked `[E, ...]`, from HF's per-expert tensors or from its fused ones
-(`experts.gate_up_proj [E, 2I, H]`, gate rows first; `experts.down_proj [E, H, I]`), whichever the
-checkpoint holds. A scanned target's layer params `stacks.{s}.{j}.*` are stacked `[G, ...]`
-over the layers member j of stack s stands for (`models/layer_stack.py`); each maps to its G
-per-layer names (G x E for expert stacks), so the files are the same as an unrolled target's.
-A released image-text checkpoint keeps the text model under
-`model.language_model.*` (its `model.visual.*` is ignored: text-only generation). Loading goes tensor by tensor and
-shard by shard (`jax.make_array_from_callback` over memory-mapped files), so no device or host ever
-holds a whole model it does not own.
-
-Example:
-    >>> target = load_target("/path/to/Qwen3-0.6B", dtype="bfloat16", mesh=make_mesh("tensor=1"))  # doctest: +SKIP
-    >>> target.cfg.num_hidden_layers  # doctest: +SKIP
-    28
-"""
+Our kernels are `[in, out]` (HF's `[out, in]` transposed); MoE experts are stacked `[E, ...]` from
+per-expert or fused HF tensors, whichever the checkpoint holds; a scanned target's
+`stacks.{s}.{j}.*` `[G, ...]` map to their G per-layer names, so the files equal an unrolled
+target's. Image-text checkpoints keep the text model under `model.language_model.*` (vision
+ignored). Loading goes tensor by tensor and shard by shard over memory-mapped files, so no device
+or host holds a whole model it does not own."""
 
 from __future__ import annotations
 
@@ -32,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from dmtp_jax.checkpoint.mla_names import is_nextn_tensor, mla_target_rules
 from dmtp_jax.checkpoint.safetensors_io import CheckpointError, CheckpointReader, write_sharded
 from dmtp_jax.config import TargetConfig, load_target_config
 from dmtp_jax.models import build_target
@@ -65,6 +56,11 @@ IGNORED_PREFIXES = ("mtp.", "model.visual.")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def target_rules(cfg: TargetConfig):
+    """The name table of `cfg`'s family (the MLA families add theirs, `checkpoint/mla_names.py`)."""
+    return mla_target_rules(QWEN_NAME_RULES) if cfg.is_mla else QWEN_NAME_RULES
+
+
 def image_text_rules(rules=QWEN_NAME_RULES):
     """The same table for the released image-text layout (`model.language_model.*`)."""
     return tuple((p, IMAGE_TEXT_PREFIX + t[len(TEXT_PREFIX):] if t.startswith(TEXT_PREFIX) else t, how)
@@ -73,9 +69,8 @@ def image_text_rules(rules=QWEN_NAME_RULES):
 
 @dataclasses.dataclass(frozen=True)
 class TensorSource:
-    """Where one of our params lives in an HF checkpoint: one tensor, or a grid of them stacked
-    along our leading axes `stack` (row-major names: per expert `[E]`, per scanned layer `[G]`, or
-    both `[G, E]`)."""
+    """Where one of our params lives in an HF checkpoint: one tensor, or a grid stacked along our leading
+    axes `stack` (row-major names: `[E]`, `[G]` or `[G, E]`)."""
     hf_names: tuple[str, ...]
     transpose: bool                # HF's last two axes are ours swapped
     rows: tuple[int, int] | None = None   # a row range of HF's axis -2 (fused gate | up experts)
@@ -97,8 +92,8 @@ class TensorSource:
 
 
 def _expert_source(path: str, expanded: str, shape, prefix: str, reader) -> TensorSource:
-    """An expert stack `[E, ...]`: per-expert tensors, or (when the checkpoint has them instead)
-    the fused `experts.gate_up_proj` / `experts.down_proj`."""
+    """An expert stack `[E, ...]`: per-expert tensors, or the fused `experts.gate_up_proj` /
+    `experts.down_proj` when the checkpoint has them."""
     e = EXPERT_TEMPLATE.match(expanded)
     if not e:
         raise CheckpointError(f"no expert naming rule for param '{path}'")
@@ -116,9 +111,8 @@ def _expert_source(path: str, expanded: str, shape, prefix: str, reader) -> Tens
 def resolve_source(path: str, shape, rules=QWEN_NAME_RULES, prefix: str = "", reader=None,
                    layer_ids: dict | None = None) -> TensorSource:
     """Maps our dotted param path (e.g. `layers.0.self_attn.q_proj`) to its HF tensor(s); with a
-    `reader`, expert stacks follow the layout the checkpoint holds (per-expert by default). A
-    scanned layer param `stacks.{s}.{j}.*` `[G, ...]` stands for the layers `layer_ids[(s, j)]`
-    (`models.layer_stack.stack_layer_ids`): each resolved as `layers.{i}.*`, stacked on axis 0.
+    `reader`, expert stacks follow the checkpoint's layout. A scanned `stacks.{s}.{j}.*` stands for
+    the layers `layer_ids[(s, j)]`, stacked on axis 0.
 
     Example:
         >>> resolve_source("stacks.0.1.mlp.up_proj", (2, 4, 8), layer_ids={(0, 1): (1, 3)}).hf_names
@@ -176,11 +170,8 @@ def _read_slice(reader: CheckpointReader, src: TensorSource, index, dtype) -> np
 def load_params(abstract_state: nnx.State, reader: CheckpointReader, mesh: Mesh, dtype,
                 rules=QWEN_NAME_RULES, prefix: str = "", mesh_rules: MeshRules = DEFAULT_RULES,
                 progress: Callable[[str], None] | None = None) -> tuple[nnx.State, set[str]]:
-    """Fills an abstract NNX state from `reader`, each array placed at its mesh sharding.
-
-    Returns the state and the set of HF names consumed. Missing tensors and shape mismatches raise
-    `CheckpointError` naming the tensor.
-    """
+    """Fills an abstract NNX state from `reader`, each array at its mesh sharding: `(state, HF names
+    consumed)`. Missing tensors and shape mismatches raise `CheckpointError` naming the tensor."""
     shardings = state_shardings(abstract_state, mesh, mesh_rules)
     np_dtype = np.dtype(jnp.dtype(dtype))
     used: set[str] = set()
@@ -223,8 +214,8 @@ def export_tensors(state: nnx.State, rules=QWEN_NAME_RULES, prefix: str = "", dt
 
 @dataclasses.dataclass
 class LoadedModel:
-    """A model (target or drafter) ready for jitted functions: `nnx.merge(graphdef, state)` inside
-    the jit. `cfg` is the model's config dataclass."""
+    """A model ready for jitted functions (`nnx.merge(graphdef, state)` inside the jit); `cfg` is its
+    config dataclass."""
     cfg: Any
     graphdef: nnx.GraphDef
     state: nnx.State
@@ -240,41 +231,33 @@ LoadedTarget = LoadedModel      # cfg: TargetConfig
 
 
 def abstract_target(cfg: TargetConfig, dtype, scan_layers: bool = True, mesh_rules: MeshRules = DEFAULT_RULES):
-    """(graphdef, abstract state) without allocating any parameter (`scan_layers=False`: the
-    layers as one unrolled stack, `models/layer_stack.py`), for placing with `mesh_rules`."""
+    """(graphdef, abstract state) without allocating any parameter (`scan_layers=False`: unrolled),
+    for placing with `mesh_rules`."""
     model = nnx.eval_shape(lambda: build_target(cfg, jnp.dtype(dtype), nnx.Rngs(0), scan_layers, mesh_rules))
     return nnx.split(model)
 
 
 def place_abstract(cfg, graphdef, abstract: nnx.State, mesh: Mesh, source: str | None = None,
                    mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedModel:
-    """A weightless `LoadedModel`: every state leaf a `jax.ShapeDtypeStruct` at its mesh sharding
-    (nothing allocated), which jitted functions lower and compile exactly as they would the loaded
-    model (`plan`, `Trainer.lower_step`).
-
-    Example:
-        >>> model = place_abstract(cfg, *abstract_target(cfg, "bfloat16"), make_mesh())  # doctest: +SKIP
-    """
+    """A weightless `LoadedModel`: every state leaf a `jax.ShapeDtypeStruct` at its mesh sharding, which
+    jitted functions lower and compile as they would the loaded model."""
     return LoadedModel(cfg, graphdef, at_shardings(abstract, state_shardings(abstract, mesh, mesh_rules)), mesh,
                        source)
 
 
 def load_target(model_dir: str, dtype="float32", mesh: Mesh | None = None,
                 mesh_rules: MeshRules = DEFAULT_RULES, scan_layers: bool = True) -> LoadedTarget:
-    """Loads an HF target directory into sharded params.
-
-    Example:
-        >>> t = load_target("/tmp/tiny-qwen3", dtype="float32")  # doctest: +SKIP
-    """
+    """Loads an HF target directory into sharded params."""
     cfg = load_target_config(model_dir)
     mesh = mesh or make_mesh()
     graphdef, abstract = abstract_target(cfg, dtype, scan_layers, mesh_rules)
     reader = CheckpointReader(model_dir)
     image_text = f"{IMAGE_TEXT_PREFIX}embed_tokens.weight" in reader
-    rules = image_text_rules() if image_text else QWEN_NAME_RULES
+    rules = image_text_rules(target_rules(cfg)) if image_text else target_rules(cfg)
     state, used = load_params(abstract, reader, mesh, dtype, rules=rules, mesh_rules=mesh_rules)
     unexpected = [k for k in reader.keys() if k not in used and not k.startswith(IGNORED_PREFIXES)
                   and not k.endswith(IGNORED_SUFFIXES)
+                  and not (cfg.is_mla and is_nextn_tensor(k, cfg.num_hidden_layers))
                   and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
@@ -301,12 +284,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def save_target(target: LoadedTarget, out_dir: str, dtype=None, max_shard_bytes: int = 2 << 30,
                 extra_tensors: dict[str, np.ndarray] | None = None, copy_files_from: str | None = None):
-    """Writes `config.json` + safetensors (sharded with an index past `max_shard_bytes`).
-
-    `extra_tensors` (e.g. `mtp.*`) are saved alongside; tokenizer and generation files are copied
-    from `copy_files_from` when given. transformers' `from_pretrained` loads the result.
-    """
-    tensors = export_tensors(target.state, dtype=dtype)
+    """Writes `config.json` + safetensors (sharded with an index past `max_shard_bytes`), `extra_tensors`
+    (e.g. `mtp.*`) alongside, tokenizer and generation files copied from `copy_files_from`."""
+    tensors = export_tensors(target.state, rules=target_rules(target.cfg), dtype=dtype)
     tensors.update(extra_tensors or {})
     os.makedirs(out_dir, exist_ok=True)
     write_sharded(out_dir, tensors, max_shard_bytes)

@@ -1,9 +1,6 @@
-"""`mtp.*` tensors <-> the MTP head: read from a target directory (or a separate one), written
-next to the target's tensors.
-
-Example:
-    >>> mtp = load_mtp("/path/to/target-with-mtp", target.cfg, "float32", target.mesh)  # doctest: +SKIP
-"""
+"""`mtp.*` tensors <-> the MTP head: read from a target directory (or a separate one), written next to
+the target's tensors. An MLA target's (DeepSeek-V3, GLM-4.7-Flash) head is its first next-token layer
+`model.layers.{num_hidden_layers}.*` (`checkpoint/mla_names.py`), in the same `MtpHead`."""
 
 from __future__ import annotations
 
@@ -14,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dmtp_jax.checkpoint.hf import QWEN_NAME_RULES, LoadedModel, export_tensors, load_params
+from dmtp_jax.checkpoint.mla_names import NEXTN_PREFIX, NEXTN_TENSOR, nextn_rules
 from dmtp_jax.checkpoint.safetensors_io import CheckpointError, CheckpointReader
 from dmtp_jax.config import TargetConfig
 from dmtp_jax.models.mtp import MtpHead, mtp_config_for
@@ -33,8 +31,18 @@ class MissingMtpError(CheckpointError):
 
 
 def has_mtp(model_dir: str) -> bool:
-    """Whether `model_dir`'s safetensors carry an MTP head (`mtp.fc.weight`)."""
-    return f"{MTP_PREFIX}fc.weight" in CheckpointReader(model_dir)
+    """Whether `model_dir`'s safetensors carry an MTP head (`mtp.fc.weight`, or a next-token
+    layer's `model.layers.{i}.eh_proj.weight`)."""
+    reader = CheckpointReader(model_dir)
+    return f"{MTP_PREFIX}fc.weight" in reader or any(NEXTN_TENSOR.match(k) for k in reader.keys())
+
+
+def mtp_names(target_cfg: TargetConfig) -> tuple[tuple, str]:
+    """`(name rules, prefix)` of the target family's MTP head: Qwen's `mtp.*`, or the MLA
+    families' first next-token layer."""
+    if target_cfg.is_mla:
+        return nextn_rules(QWEN_NAME_RULES, target_cfg.num_hidden_layers), NEXTN_PREFIX
+    return MTP_NAME_RULES, MTP_PREFIX
 
 
 def abstract_mtp(target_cfg: TargetConfig, dtype, mesh_rules: MeshRules = DEFAULT_RULES):
@@ -47,13 +55,14 @@ def load_mtp(model_dir: str, target_cfg: TargetConfig, dtype="float32", mesh: Me
              mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedModel:
     """The MTP head stored as `mtp.*` in `model_dir` (a target directory or an MTP-only one)."""
     reader = CheckpointReader(model_dir)
-    if f"{MTP_PREFIX}fc.weight" not in reader:
-        raise MissingMtpError(f"{model_dir} has no native MTP head (no 'mtp.*' tensors); the methods "
+    rules, prefix = mtp_names(target_cfg)
+    fc = prefix + next(t for p, t, _ in rules if p == "fc")      # the fusion projection: `mtp.fc` / `eh_proj`
+    if fc not in reader:
+        raise MissingMtpError(f"{model_dir} has no native MTP head (no '{fc}'); the methods "
                               "mtp / dmtp need a target that carries one, or --mtp DIR")
     mesh = mesh or make_mesh()
     graphdef, abstract = abstract_mtp(target_cfg, dtype, mesh_rules)
-    state, _ = load_params(abstract, reader, mesh, dtype, rules=MTP_NAME_RULES, prefix=MTP_PREFIX,
-                           mesh_rules=mesh_rules)
+    state, _ = load_params(abstract, reader, mesh, dtype, rules=rules, prefix=prefix, mesh_rules=mesh_rules)
     return LoadedModel(mtp_config_for(target_cfg), graphdef, state, mesh, model_dir)
 
 
@@ -68,6 +77,8 @@ def init_mtp(target_cfg: TargetConfig, dtype="float32", mesh: Mesh | None = None
     return LoadedModel(mtp_config_for(target_cfg), graphdef, make(), mesh)
 
 
-def mtp_tensors(mtp: LoadedModel, dtype=None) -> dict[str, np.ndarray]:
-    """HF-named `mtp.*` tensors, for `save_target(..., extra_tensors=mtp_tensors(mtp))`."""
-    return export_tensors(mtp.state, rules=MTP_NAME_RULES, prefix=MTP_PREFIX, dtype=dtype)
+def mtp_tensors(mtp: LoadedModel, dtype=None, target_cfg: TargetConfig | None = None) -> dict[str, np.ndarray]:
+    """HF-named `mtp.*` tensors (an MLA target's, given `target_cfg`: its next-token layer's), for
+    `save_target(..., extra_tensors=mtp_tensors(mtp))`."""
+    rules, prefix = mtp_names(target_cfg) if target_cfg is not None else (MTP_NAME_RULES, MTP_PREFIX)
+    return export_tensors(mtp.state, rules=rules, prefix=prefix, dtype=dtype)

@@ -1,9 +1,6 @@
-"""Minimal safetensors reader (memory-mapped, slice-on-read, bf16 via ml_dtypes) and writer.
-
-Reading through `np.memmap` lets the loader fetch only the slice each device shard needs, so no
-host ever holds a whole large tensor it does not own. The format: 8-byte little-endian header
-length, a JSON header `{name: {dtype, shape, data_offsets}}`, then the raw bytes.
-"""
+"""Minimal safetensors reader (memory-mapped, slice-on-read, bf16 via ml_dtypes) and writer. The
+format: 8-byte little-endian header length, a JSON header `{name: {dtype, shape, data_offsets}}`,
+then the raw bytes."""
 
 from __future__ import annotations
 
@@ -98,12 +95,7 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
 
 
 class CheckpointReader:
-    """All tensors of an HF model directory: single file, sharded with index, or any `*.safetensors`.
-
-    Example:
-        >>> reader = CheckpointReader("/path/to/model")  # doctest: +SKIP
-        >>> reader.array("model.embed_tokens.weight").shape  # doctest: +SKIP
-    """
+    """All tensors of an HF model directory: a single file, shards with an index, or any `*.safetensors`."""
 
     def __init__(self, model_dir: str):
         self.model_dir = model_dir

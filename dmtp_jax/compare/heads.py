@@ -14,7 +14,7 @@ from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
 from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
 from dmtp_jax.checkpoint.safetensors_io import CheckpointReader
 from dmtp_jax.compare.checks import DECODE_STEPS, check, max_abs_diff, scaled_tolerance
-from dmtp_jax.decode.caches import new_kv_cache
+from dmtp_jax.decode.caches import kv_cache_shape, kv_cache_value_dim, new_kv_cache
 from dmtp_jax.models.fusion import draft_block_embeds
 
 
@@ -119,8 +119,8 @@ def mtp_cache_check(target, mtp, hidden_th, prompt: list[int], rtol: float, q: f
     positions = jnp.arange(1, n)[None]
     full, _ = head(embeds, hidden, positions)
     cfg = target.cfg
-    cache = new_kv_cache(target.mesh, (1, 1, -(-(n + 1) // 128) * 128, cfg.num_key_value_heads, cfg.head_dim),
-                         target.state_dtype)
+    cache = new_kv_cache(target.mesh, kv_cache_shape(cfg, 1, -(-(n + 1) // 128) * 128, layers=1),
+                         target.state_dtype, kv_cache_value_dim(cfg))
     parts = []
     for lo, hi in [(0, split)] + [(j, j + 1) for j in range(split, n - 1)]:
         h, cache = head(embeds[:, lo:hi], hidden[:, lo:hi], positions[:, lo:hi], cache)

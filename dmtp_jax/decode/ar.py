@@ -1,15 +1,8 @@
 """Plain autoregressive decoding (greedy or sampled): the baseline and the oracle for every method.
 
-Two jitted functions over fixed shapes: `prefill_step` (one prefill chunk, `decode/prefill.py`; one
-compile per batch / chunk / cache bucket) and `decode_step` (one compile per batch / cache bucket),
-each donating the KV cache. The Python loop only feeds the prompt's chunks, then moves one token per
-row per step and checks stopping.
-
-Example:
-    >>> from dmtp_jax.checkpoint.hf import load_target
-    >>> dec = ARDecoder(load_target("/tmp/tiny-qwen3"))  # doctest: +SKIP
-    >>> dec.generate([[1, 2, 3]], max_new_tokens=8).output_ids  # doctest: +SKIP
-"""
+Two jitted functions over fixed shapes, each donating the KV cache: `prefill_step` (one prefill
+chunk, `decode/prefill.py`) and `decode_step`; one compile per batch / chunk / cache bucket. The
+Python loop feeds the prompt's chunks, then one token per row per step, and checks stopping."""
 
 from __future__ import annotations
 
@@ -39,54 +32,31 @@ class GenerationResult:
 
 
 def step_logits(model, tokens_b: jax.Array, positions_b: jax.Array, cache):
-    """The target on one token per row at its position, with `cache`: `(logits [B, V], cache)`.
-    The forward of every single-token step (`decode_step`; `compare.py`'s cached-decode check).
-
-    Example:
-        >>> logits_bv, cache = step_logits(model, tokens_b, positions_b, cache)  # doctest: +SKIP
-    """
+    """The target on one token per row at its position, with `cache`: `(logits [B, V], cache)`; the
+    forward of every single-token step."""
     out = model(tokens_b[:, None], positions_b[:, None], cache)
     return model.logits(out.hidden_bth[:, 0]), out.cache
 
 
 def prefill_step(graphdef, mesh, state, tokens_bt, start, lengths_b, cache, first_b, sp, key, greedy: bool = False):
-    """One prefill chunk of plain decoding (`prefill.target_chunk`); returns the first new token per
-    row (carried for rows whose prompt ends in a later chunk) and the cache, pinned on `mesh`.
-    `graphdef` and `mesh` are static (bound before jitting); everything else is traced.
-
-    Example:
-        >>> step = jax.jit(functools.partial(prefill_step, target.graphdef, target.mesh),
-        ...                static_argnames="greedy")  # doctest: +SKIP
-        >>> first_b, cache = step(target.state, tokens_bt, np.int32(0), lengths_b, cache, first_b, sp, key,
-        ...                       greedy=True)  # doctest: +SKIP
-    """
+    """One prefill chunk (`prefill.target_chunk`): `(first new token [B], cache pinned on mesh)`.
+    `graphdef` and `mesh` are static (bound before jitting); the rest is traced."""
     res = target_chunk(nnx.merge(graphdef, state), tokens_bt, start, lengths_b, cache, first_b, sp, key, greedy)
     first = jax.lax.with_sharding_constraint(res.first_b, replicated(mesh))
     return first, constrain_target_cache(mesh, res.out.cache)
 
 
 def decode_step(graphdef, mesh, state, tokens_b, positions_b, cache, sp, key, greedy: bool = False):
-    """Feeds one token per row at its position (`step_logits`); returns the next token per row and
-    the cache. The one single-token step: `ARDecoder.decode_step` and the exactness probe's chain.
-
-    Example:
-        >>> step = jax.jit(functools.partial(decode_step, target.graphdef, target.mesh),
-        ...                static_argnames="greedy")  # doctest: +SKIP
-        >>> next_b, cache = step(target.state, tokens_b, positions_b, cache, sp, key, greedy=True)  # doctest: +SKIP
-    """
+    """One token per row at its position (`step_logits`): `(next token [B], cache)`. The one
+    single-token step (`ARDecoder.decode_step`, the exactness probe's chain)."""
     logits, cache = step_logits(nnx.merge(graphdef, state), tokens_b, positions_b, cache)
     nxt = jax.lax.with_sharding_constraint(pick_tokens(logits, sp, key, greedy), replicated(mesh))
     return nxt, constrain_target_cache(mesh, cache)
 
 
 def run_prefill(step, state, tokens_bt, lengths_b, cache, sp, key, greedy: bool, prefill_chunk: int, mesh):
-    """The padded prompts through `step` (a jitted `prefill_step`) chunk by chunk; returns the first
-    new token per row and the filled cache (donated).
-
-    Example:
-        >>> first_b, cache = run_prefill(dec.prefill_step, target.state, tokens_bt, lengths_b, cache, sp, key,
-        ...                              True, 512, target.mesh)  # doctest: +SKIP
-    """
+    """The padded prompts through `step` (a jitted `prefill_step`) chunk by chunk: `(first new token
+    [B], filled cache)` (donated)."""
     first = jax.device_put(np.zeros(tokens_bt.shape[0], np.int32), replicated(mesh))
     for start, chunk_bt, _ in prefill_chunks(tokens_bt, prefill_chunk):
         first, cache = step(state, chunk_bt, start, lengths_b, cache, first, sp, key, greedy=greedy)
@@ -94,10 +64,8 @@ def run_prefill(step, state, tokens_bt, lengths_b, cache, sp, key, greedy: bool,
 
 
 class ARDecoder:
-    """Batched greedy / sampled generation with EOS, stop tokens and max_new_tokens. Prompts longer
-    than `prefill_chunk` tokens are prefilled in chunks of that many (`decode/prefill.py`).
-
-    Example: see the module docstring."""
+    """Batched greedy / sampled generation with EOS, stop tokens and max_new_tokens; prompts longer than
+    `prefill_chunk` are prefilled in chunks."""
 
     def __init__(self, target: LoadedTarget, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         self.target = target
@@ -118,10 +86,8 @@ class ARDecoder:
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  sampling: SamplingParams | None = None, seed: int = 0, stop_ids=None,
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> GenerationResult:
-        """Generates up to `max_new_tokens` per prompt; each row stops on its own stop token.
-
-        `stop_ids` defaults to the config's EOS ids. `on_tokens(row, new_tokens)` streams output.
-        """
+        """Up to `max_new_tokens` per prompt, each row stopping on its own stop token (`stop_ids`, default
+        the config's EOS ids); `on_tokens(row, new_tokens)` streams output."""
         cfg = self.target.cfg
         sp = sampling or SamplingParams.make()
         stop_ids = cfg.eos_token_ids if stop_ids is None else stop_ids

@@ -1,33 +1,12 @@
 """`--method auto`: measure the methods the models allow on the first request, keep the fastest.
 
-Speculation does not always pay: a round costs several plain steps, and how many depends on the
-hardware, the batch size and the dtype as much as on acceptance. `AutoDecoder` holds one decoder per
-candidate method (`ar` and every speculative method the given models allow). On the first request
-of a batch bucket it runs each candidate on that request's prompts for up to `probe_tokens` new
-tokens (compiles excluded: a call that compiled is run again), `repeats` times round robin, with a
-seed of its own, and drops those outputs; it then decodes the request with the method of the
-highest decode tokens/s at this batch: decode tokens per round (acceptance) over the fastest round
-seen (`probe_measurement`; `ar`'s round is one plain step). Outputs are those of the chosen method:
-greedy equals `ar` token for token, sampled is lossless (the probes draw with another seed, so the
-choice does not depend on the request's draws).
-
-Probes use the request's stop tokens, and one short request is little evidence: its probes are
-pooled with the next requests' of the bucket (the verdict meanwhile "provisional") until a full
-probe's worth of tokens was decoded for `MIN_PROBE_ROWS` rows (at batch 1: four requests). The
-probes' time is counted in the request's `decode_s` (it waited for them).
-
-The verdict is kept per (target, drafters, MTP head, device kind, dtype, batch bucket, greedy or
-sampled, method options) in memory and in `VerdictStore`'s JSON file (default
-`$DMTP_JAX_CACHE/auto-verdicts.json`): the models are named by a fingerprint of their files, and no
-prompt text or token id is stored. A new batch bucket is measured again; delete the file to
-re-measure everything.
-
-Example:
-    >>> dec = AutoDecoder({"ar": ARDecoder(target), "dmtp": make_decoder("dmtp", target, d, mtp=m, fusion=f)},
-    ...                   store=VerdictStore(None))  # doctest: +SKIP
-    >>> dec.generate([[1, 2, 3]], 64).stats["auto"]["method"]  # doctest: +SKIP
-    'dmtp'
-"""
+`AutoDecoder` holds one decoder per candidate method (`ar` and every speculative method the models
+allow). On the first requests of a batch bucket it probes each candidate on the request's prompts
+(compiles excluded, a seed of its own, outputs dropped) and decodes with the method of the highest
+decode tokens/s (`probe_measurement`). Outputs are the chosen method's: greedy equals `ar` token
+for token, sampled is lossless. Verdicts are kept per models, device, dtype, batch bucket and mode
+in `VerdictStore` (no prompt text or token id is stored). Behaviour and measurements:
+docs/generate.md#auto---method-auto."""
 
 from __future__ import annotations
 
@@ -53,11 +32,7 @@ MAX_PROBE_REQUESTS = 8          # a bucket's verdict is final after this many pr
 
 def timed_generate(decoder, prompts, max_new_tokens, sampling, seed, stop_ids, retime: bool = True):
     """`(result, wall_s, retimed)`: one generate call timed; re-run (same seed) if it compiled, so no
-    compile time is counted.
-
-    Example:
-        >>> result, wall, retimed = timed_generate(ARDecoder(target), [[1, 2]], 8, None, 0, [])  # doctest: +SKIP
-    """
+    compile time is counted."""
     counts = getattr(decoder, "compile_counts", None)
     before = counts() if counts else None
     t0 = time.perf_counter()
@@ -71,14 +46,8 @@ def timed_generate(decoder, prompts, max_new_tokens, sampling, seed, stop_ids, r
 
 
 def fingerprint(model_dir: str | None) -> str | None:
-    """A short hash naming a checkpoint directory by its files (config.json, and each safetensors
-    file's name, size, first and last MiB), not by its path: a copy has the same fingerprint, a
-    retrained drafter another.
-
-    Example:
-        >>> fingerprint(None) is None
-        True
-    """
+    """A short hash naming a checkpoint directory by its files (config.json; each safetensors file's
+    name, size, first and last MiB), not by its path; None for None."""
     if model_dir is None:
         return None
     h = hashlib.sha1()
@@ -98,14 +67,8 @@ def fingerprint(model_dir: str | None) -> str | None:
 
 
 class VerdictStore:
-    """Auto's verdicts by key, in memory and (with a `path`) in a JSON file, written atomically; an
-    unreadable file is reported once and replaced.
-
-    Example:
-        >>> store = VerdictStore(None)
-        >>> store.put("k", {"method": "ar"}); store.get("k")["method"]
-        'ar'
-    """
+    """Auto's verdicts by key, in memory and (with a `path`) in a JSON file written atomically; an
+    unreadable file is reported once and replaced."""
 
     FILE = "auto-verdicts.json"
 
@@ -158,18 +121,13 @@ class Verdict:
 
 
 def decode_tokens(stats: dict) -> float:
-    """Tokens a generate call decoded after each row's first (its decode rate x its decode time).
-
-    Example:
-        >>> decode_tokens({"decode_tokens_per_s": 40.0, "decode_s": 0.5})
-        20.0
-    """
+    """Tokens a generate call decoded after each row's first (decode rate x decode time)."""
     return stats["decode_tokens_per_s"] * stats["decode_s"]
 
 
 def describe_verdict(verdict: dict) -> str:
-    """A verdict (`Verdict.as_dict()`) in one line: the method, where it came from, and each
-    candidate's measured decode tokens/s and tokens per verify.
+    """A verdict (`Verdict.as_dict()`) in one line: the method, its source, each candidate's decode
+    tokens/s and tokens per verify.
 
     Example:
         >>> describe_verdict({"method": "dmtp", "source": "measured", "measure_s": 2.0, "batch_bucket": 1,
@@ -188,13 +146,7 @@ def describe_verdict(verdict: dict) -> str:
 
 
 def fastest(measured: dict) -> str:
-    """The candidate of the highest decode tokens/s among those not declined (ties: the first).
-
-    Example:
-        >>> fastest({"ar": {"decode_tokens_per_s": 50.0}, "dmtp": {"decode_tokens_per_s": 80.0},
-        ...          "mtp": {"decode_tokens_per_s": 90.0, "declined": True}})
-        'dmtp'
-    """
+    """The candidate of the highest decode tokens/s among those not declined (ties: the first)."""
     usable = {m: v for m, v in measured.items() if not v.get("declined")}
     if not usable:
         raise RequestError("auto: every candidate method was declined")
@@ -202,10 +154,9 @@ def fastest(measured: dict) -> str:
 
 
 def probe_measurement(runs: list[dict]) -> dict:
-    """What a method's probe runs say of it (their generate stats): tokens per verify, the fastest
-    round (timing noise only ever adds time, so the minimum is the robust estimate), and decode
-    tokens/s as decode tokens per round over that round time; `declined` when the exactness probe
-    sent it to plain decoding.
+    """What a method's probe runs (their generate stats) say of it: tokens per verify, the fastest round
+    (noise only adds time), decode tokens/s as decode tokens per round over that round time, and
+    `declined` when the exactness probe sent it to plain decoding.
 
     Example:
         >>> probe_measurement([{"decode_tokens_per_s": 40.0, "decode_s": 0.5, "target_forwards": 11,
@@ -224,16 +175,10 @@ def probe_measurement(runs: list[dict]) -> dict:
 
 
 class AutoDecoder:
-    """The fastest of `candidates` (`{method: decoder}`, every decoder on the same target), measured
-    per batch bucket on the first request (see the module docstring). Same `generate` contract as the
-    other decoders; `stats["auto"]` holds the verdict (method, source, every candidate's measurement)
-    and the rest of the stats are the chosen method's.
-
-    `store`: where verdicts persist (`VerdictStore.default()` when None). `probe_tokens`: new tokens
-    per probe run (at most the request's budget). `repeats`: probe runs per candidate, round robin.
-
-    Example: see the module docstring.
-    """
+    """The fastest of `candidates` (`{method: decoder}`, all on one target), measured per batch bucket.
+    Same `generate` contract as the other decoders; `stats["auto"]` holds the verdict, the other
+    stats are the chosen method's. `store`: where verdicts persist (`VerdictStore.default()` when
+    None); `probe_tokens`: new tokens per probe run; `repeats`: probe runs per candidate."""
 
     method = AUTO
 
@@ -253,8 +198,7 @@ class AutoDecoder:
         self.measurements = 0                   # requests whose probes ran
 
     def _models_identity(self) -> dict:
-        """What a verdict depends on besides the batch: the models' fingerprints, the device, the
-        dtype and each candidate's options."""
+        """What a verdict depends on besides the batch: models' fingerprints, device, dtype, options."""
         def options(dec):
             fields = {"slots": getattr(dec, "slots", 1), "verify": getattr(dec, "verify_mode", None),
                       "rounds_per_dispatch": getattr(dec, "rounds_per_dispatch", 1),
@@ -290,13 +234,9 @@ class AutoDecoder:
                stop_ids=None, decide: bool = False) -> Verdict:
         """The verdict for this request's batch bucket: cached, else measured on `prompts` now.
 
-        Probes run with the request's stop tokens (text past a stop token is easy to draft and
-        would favour long blocks), so a request that stops early says little: its probes are pooled
-        with the next requests' of the bucket until a full probe's tokens were decoded for
-        `MIN_PROBE_ROWS` rows (`min(max_new_tokens, probe_tokens) - 1` each; a repeated request adds
-        nothing), or `MAX_PROBE_REQUESTS` requests were probed,
-        or now with `decide=True`; until then the verdict is "provisional" (the fastest so far, not
-        stored)."""
+        Probes use the request's stop tokens and are pooled with the bucket's next requests until
+        `MIN_PROBE_ROWS` rows decoded a full probe, `MAX_PROBE_REQUESTS` requests were probed, or
+        `decide=True`; until then the verdict is "provisional" (the fastest so far, not stored)."""
         from dmtp_jax.decode.sampling import SamplingParams
         sp = sampling or SamplingParams.make()
         verdict = self.cached(len(prompts), sp.is_greedy)
@@ -344,10 +284,7 @@ class AutoDecoder:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling=None, seed: int = 0, stop_ids=None,
                  on_tokens=None):
-        """Chooses (or recalls) the method for this batch bucket, then generates with it.
-
-        Example: see the module docstring.
-        """
+        """Chooses (or recalls) the method for this batch bucket, then generates with it."""
         verdict = self.choose(prompts, max_new_tokens, sampling, seed, stop_ids)
         result = self.candidates[verdict.method].generate(prompts, max_new_tokens, sampling, seed, stop_ids,
                                                           on_tokens)
@@ -361,9 +298,6 @@ class AutoDecoder:
         return result
 
     def compile_counts(self) -> dict[str, int]:
-        """Every candidate's compile counts, as `method/entry point`, and `measurements`: probe rounds
-        run. Measuring is a one-time cost like compiling (the verdict is kept), so the bench re-runs
-        a call that measured and times the re-run, as it does for a call that compiled; the report
-        gives each verdict's `measure_s`."""
+        """Every candidate's compile counts as `method/entry point`, and `measurements`: probe rounds run."""
         counts = {f"{m}/{k}": v for m, dec in self.candidates.items() for k, v in dec.compile_counts().items()}
         return {**counts, "measurements": self.measurements}

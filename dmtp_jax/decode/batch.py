@@ -1,10 +1,8 @@
 """Request batches: shape buckets, padding and per-row stopping, shared by every decode method.
 
-Shapes are bucketed so that one compile serves many requests: batch to a power of two, prompt
-length to a power of two (>= `PROMPT_BUCKET_FLOOR`), and the cache length follows from the prompt
-bucket (bucket + max_new_tokens + the verify slots, rounded up to a multiple of 128), so prompts of
-one bucket share every executable (prefill, decode step / round) rather than one per length.
-"""
+Batch and prompt length round up to powers of two (prompt >= `PROMPT_BUCKET_FLOOR`); the cache
+length is prompt bucket + max_new_tokens + verify slots, rounded up to a multiple of 128, so one
+bucket's prompts share every executable."""
 
 from __future__ import annotations
 

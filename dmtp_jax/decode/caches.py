@@ -1,9 +1,7 @@
 """The decode caches, created at their mesh sharding: the target's `TargetCache` (attention K/V,
-Gated DeltaNet conv windows and recurrent states) and plain `KVCache`s (the drafter's context, the
-MTP's private cache). The arrays themselves are `layers/kv_cache.py`; this module makes them.
-
-Every maker is one jitted function per (mesh, shape, dtype) whose output sits at the cache's
-sharding, so a donated cache never recompiles the function it is passed to.
+DeltaNet conv windows and recurrent states) and plain `KVCache`s (drafter context, MTP). The arrays
+are `layers/kv_cache.py`'s; each maker here is one jitted function per (mesh, shape, dtype) whose
+output sits at the cache's sharding, so a donated cache never recompiles its consumer.
 
 Example:
     >>> from dmtp_jax.sharding import make_mesh
@@ -29,17 +27,17 @@ if TYPE_CHECKING:
 
 
 @functools.lru_cache(maxsize=None)
-def _zeros_cache_maker(mesh, shape, dtype):
+def _zeros_cache_maker(mesh, shape, dtype, v_shape):
     s = kv_cache_sharding(mesh, shape)
-    return jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), out_shardings=KVCache(s, s))
+    return jax.jit(lambda: KVCache(jnp.zeros(shape, dtype), jnp.zeros(v_shape, dtype)), out_shardings=KVCache(s, s))
 
 
-def new_kv_cache(mesh, shape, dtype) -> KVCache:
-    """A zero KV cache `[layers, B, S, kv, D]` created at its mesh sharding (so donating it never
-    recompiles); one jitted maker per (mesh, shape, dtype).
-
-    Example: see the module docstring."""
-    return _zeros_cache_maker(mesh, tuple(shape), jnp.dtype(dtype))()
+def new_kv_cache(mesh, shape, dtype, value_dim: int | None = None) -> KVCache:
+    """A zero KV cache `[layers, B, S, kv, D]` created at its mesh sharding; `value_dim`: the values'
+    last dim when it is not the keys' (`kv_cache_value_dim`: 0 for an MLA latent cache)."""
+    shape = tuple(shape)
+    v_shape = shape if value_dim is None else shape[:-1] + (value_dim,)
+    return _zeros_cache_maker(mesh, shape, jnp.dtype(dtype), v_shape)()
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,24 +46,27 @@ def _zeros_maker(mesh, shape, dtype):
 
 
 def kv_cache_shape(cfg, batch: int, max_len: int, mesh=None, layers: int | None = None) -> tuple[int, ...]:
-    """`[attention layers (or layers), B, S, kv_heads, head_dim]`, the KV heads as laid out on
-    `mesh` (`sharding.cache_kv_heads`; the model's own without one).
+    """`[attention layers (or layers), B, S, kv_heads, head_dim]`, the KV heads as laid out on `mesh`
+    (`sharding.cache_kv_heads`; the model's own without one)."""
+    kv, q_heads, k_dim, _ = cache_dims(cfg)
+    heads = cache_kv_heads(kv, q_heads, mesh)
+    return (len(cfg.attention_layers) if layers is None else layers, batch, max_len, heads, k_dim)
 
-    Example:
-        >>> kv_cache_shape(cfg, batch=2, max_len=128)  # doctest: +SKIP
-        (28, 2, 128, 8, 128)
-    """
-    heads = cache_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads, mesh)
-    return (len(cfg.attention_layers) if layers is None else layers, batch, max_len, heads, cfg.head_dim)
+
+def cache_dims(cfg) -> tuple[int, int, int, int]:
+    """`(kv heads, query heads, key dim, value dim)` of one layer's cache: the config's
+    `kv_cache_dims` (a target's: MLA keeps one latent per token), else per-head K/V (drafters)."""
+    dims = getattr(cfg, "kv_cache_dims", None)
+    return dims or (cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim, cfg.head_dim)
+
+
+def kv_cache_value_dim(cfg) -> int:
+    """The values' last dim of `cfg`'s cache (`cache_dims`), for `new_kv_cache`."""
+    return cache_dims(cfg)[3]
 
 
 def recurrent_state_shapes(cfg, batch: int):
-    """`(conv [Ll, B, K-1, C], ssm [Ll, B, nv, dk, dv])` of the DeltaNet layers, or None.
-
-    Example:
-        >>> recurrent_state_shapes(qwen3_cfg, 2) is None  # doctest: +SKIP
-        True
-    """
+    """`(conv [Ll, B, K-1, C], ssm [Ll, B, nv, dk, dv])` of the DeltaNet layers, or None."""
     n = len(cfg.linear_layers)
     if not n:
         return None
@@ -74,15 +75,12 @@ def recurrent_state_shapes(cfg, batch: int):
 
 
 def state_bytes_per_row(cfg, max_len: int, dtype_bytes: int = 2, verify_slots: int = 8) -> dict[str, int]:
-    """Bytes one row holds across rounds -- `kv` (K/V of the attention layers at `max_len` slots),
-    `conv` and `ssm` (fp32) of the DeltaNet layers -- and `verify_transient`: the per-token DeltaNet
-    inputs a verify round of `verify_slots` keeps for its commit (released after the round).
-    DeltaNet states are committed from the kept block inputs, so no per-slot snapshots exist.
-
-    Example:
-        >>> state_bytes_per_row(cfg, 32768)["ssm"]  # doctest: +SKIP
-    """
-    out = {"kv": 2 * int(np.prod(kv_cache_shape(cfg, 1, max_len))) * dtype_bytes, "conv": 0, "ssm": 0,
+    """Bytes one row holds across rounds (`kv`: K/V of the attention layers, MLA: the latent; fp32
+    `conv` / `ssm` of the DeltaNet layers) and `verify_transient`: the per-token DeltaNet inputs a
+    verify round of `verify_slots` keeps until its commit."""
+    k_shape = kv_cache_shape(cfg, 1, max_len)
+    per_slot = int(np.prod(k_shape[:-1])) * (k_shape[-1] + kv_cache_value_dim(cfg))
+    out = {"kv": per_slot * dtype_bytes, "conv": 0, "ssm": 0,
            "verify_transient": 0}
     shapes = recurrent_state_shapes(cfg, 1)
     if shapes:
@@ -96,34 +94,19 @@ def state_bytes_per_row(cfg, max_len: int, dtype_bytes: int = 2, verify_slots: i
 
 
 def target_cache_shardings(mesh, cache: TargetCache) -> TargetCache:
-    """The sharding of every array of a target cache (or of its shapes) on `mesh`, as a `TargetCache`.
-
-    Example:
-        >>> target_cache_shardings(mesh, cache).kv.k_lbskd  # doctest: +SKIP
-    """
+    """The sharding of every array of a target cache (or of its shapes) on `mesh`, as a `TargetCache`."""
     state = lambda x: None if x is None else recurrent_state_sharding(mesh, x.shape)  # noqa: E731
     kv = kv_cache_sharding(mesh, cache.kv.k_lbskd.shape)
     return TargetCache(KVCache(kv, kv), state(cache.conv_lbwc), state(cache.ssm_lbhkv))
 
 
 def constrain_target_cache(mesh, cache: TargetCache) -> TargetCache:
-    """`cache` pinned at `target_cache_shardings` (inside a jitted function).
-
-    Example:
-        >>> cache = jax.jit(lambda c: constrain_target_cache(mesh, c))(cache)  # doctest: +SKIP
-    """
+    """`cache` pinned at `target_cache_shardings` (inside a jitted function)."""
     return jax.tree.map(jax.lax.with_sharding_constraint, cache, target_cache_shardings(mesh, cache))
 
 
 class TargetCaches:
-    """The target's `TargetCache` (attention K/V, DeltaNet conv windows and states): created and
-    pinned at their mesh sharding (sizes: `state_bytes_per_row`).
-
-    Example:
-        >>> cache = TargetCaches(load_target("/tmp/tiny-qwen3")).new(2, 128)  # doctest: +SKIP
-        >>> cache.max_len  # doctest: +SKIP
-        128
-    """
+    """The target's `TargetCache`, created and pinned at its mesh sharding."""
 
     def __init__(self, target: LoadedTarget):
         self.target = target
@@ -143,7 +126,8 @@ class TargetCaches:
     def new(self, batch: int, max_len: int) -> TargetCache:
         """A zero cache of `batch` rows and `max_len` slots at its sharding."""
         mesh = self.target.mesh
-        kv = new_kv_cache(mesh, self.shape(batch, max_len), self.target.state_dtype)
+        kv = new_kv_cache(mesh, self.shape(batch, max_len), self.target.state_dtype,
+                          kv_cache_value_dim(self.target.cfg))
         shapes = recurrent_state_shapes(self.target.cfg, batch)
         if shapes is None:
             return TargetCache(kv)

@@ -11,12 +11,32 @@ from __future__ import annotations
 from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
 from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
 from dmtp_jax.checkpoint.draft_head_ckpt import make_draft_head, read_head_factor, read_token_counts
+from dmtp_jax.checkpoint.eagle3_ckpt import is_eagle3_dir, load_eagle3
+from dmtp_jax.checkpoint.hf import load_target
 from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
 from dmtp_jax.decode import make_decoder, method_needs
+from dmtp_jax.methods import EAGLE3
 from dmtp_jax.options import ModelSources
 
 
+def eagle3_dir(sources: ModelSources) -> str | None:
+    """The EAGLE-3 drafter directory: `sources.eagle3`, else a `sources.draft` directory whose config
+    names `LlamaForCausalLMEagle3`, else None.
+
+    Example:
+        >>> eagle3_dir(ModelSources(eagle3="runs/e3"))
+        'runs/e3'
+    """
+    draft = sources.draft
+    return sources.eagle3 or (draft if draft and is_eagle3_dir(draft) else None)
+
+
 def _load_drafter(sources: ModelSources, target, method):
+    if method == EAGLE3:
+        path = eagle3_dir(sources)
+        if not path:
+            return None         # the factory then says that eagle3 needs --eagle3
+        return load_eagle3(path, target.cfg, sources.dtype, target.mesh)
     if not sources.draft:
         return None             # the factory then says which method needs --draft
     return load_drafter(sources.draft, target.cfg, sources.dtype, target.mesh)
@@ -32,12 +52,19 @@ def _load_fusion(sources: ModelSources, target, method):
     return load_dmtp_drafter(sources.draft, target.cfg, method, sources.dtype, target.mesh)[1]
 
 
-# make_decoder keyword -> (loader(sources, target, method) -> model or None, one model per method?).
-# Only the kinds `method_needs(method)` asks for are loaded. A new model kind is one line here.
+def _load_draft_model(sources: ModelSources, target, method):
+    if not sources.draft:
+        return None
+    return load_target(sources.draft, sources.dtype, target.mesh)
+
+
+# make_decoder keyword -> (loader(sources, target, method) -> model or None, which methods share one:
+# method -> key). Only the kinds `method_needs(method)` asks for are loaded. A new model kind is one line here.
 MODEL_LOADERS = {
-    "drafter": (_load_drafter, False),
-    "mtp": (_load_mtp, False),          # native MTP head: --mtp DIR, else the target directory
-    "fusion": (_load_fusion, True),     # DMTP fusion of --draft (zero fusion for a plain DFlash dir)
+    "drafter": (_load_drafter, lambda m: m == EAGLE3),  # --draft's DFlash drafter; eagle3: --eagle3's
+    "mtp": (_load_mtp, lambda m: None),         # native MTP head: --mtp DIR, else the target directory
+    "fusion": (_load_fusion, lambda m: m),      # DMTP fusion of --draft (zero fusion for a plain DFlash dir)
+    "draft_model": (_load_draft_model, lambda m: None),  # draft-model: --draft is a smaller target
 }
 
 
@@ -57,10 +84,10 @@ def load_method_models(sources: ModelSources, target, methods) -> dict[str, dict
     for method in methods:
         needs = method_needs(method)
         out[method] = {} if head is None or method == "ar" else {"draft_head": head}
-        for kind, (loader, per_method) in MODEL_LOADERS.items():
+        for kind, (loader, share) in MODEL_LOADERS.items():
             if not needs.get(kind):
                 continue
-            key = (kind, method if per_method else None)
+            key = (kind, share(method))
             if key not in loaded:
                 loaded[key] = loader(sources, target, method)
             if loaded[key] is not None:

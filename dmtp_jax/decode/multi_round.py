@@ -1,21 +1,10 @@
-"""Several speculative rounds per dispatch: an on-device loop around the round (`round.spec_round`).
+"""Several speculative rounds per dispatch: an on-device loop around `round.spec_round`.
 
-With `rounds_per_dispatch=K > 1` the host no longer syncs after every round: one jitted call runs
-up to `K` rounds (`run_rounds`, a `jax.lax.while_loop` over the unchanged round), decides on device
-which rows are still running after each round (`rows_still_running`: a row stops once it has
-committed a stop token or reached its token budget, exactly as `batch.StopTracker` decides on the
-host), and leaves every round's committed tokens in `[B, K, n]` buffers. The loop exits early when
-every row is done. The host then replays those rounds into its `StopTracker` in order
-(`feed_rounds`), so outputs, truncation and acceptance statistics are those of one round per
-dispatch; only the streaming granularity (`on_tokens`) changes, to once per dispatch.
-
-Round `r` (counted from 1 over the whole request) uses the key `fold_in(base_key, r)` whatever K
-is, so sampled outputs do not depend on K either.
-
-Example:
-    >>> engine = SpecDecoder(target, drafter, rounds_per_dispatch=8)  # doctest: +SKIP
-    >>> engine.generate([[1, 2, 3]], max_new_tokens=32).output_ids  # doctest: +SKIP
-"""
+With `rounds_per_dispatch=K > 1` one jitted call runs up to K rounds (`run_rounds`, a
+`lax.while_loop`), decides on device which rows still run (`rows_still_running`, the same verdict
+as `batch.StopTracker`) and leaves each round's tokens in `[B, K, n]` buffers; the host replays
+them in order (`feed_rounds`). Outputs, truncation and statistics equal K = 1 (round `r` uses key
+`fold_in(base_key, r)` whatever K); only the streaming granularity changes."""
 
 from __future__ import annotations
 
@@ -32,8 +21,8 @@ NO_STOP = -1            # padding of the stop-id array (never a token)
 
 
 def pad_stop_ids(stop_ids) -> np.ndarray:
-    """Stop ids as a fixed-size int32 array, padded with `NO_STOP` to a power of two >= 8, so one
-    compile serves every request with up to 8 stop ids.
+    """Stop ids as an int32 array padded with `NO_STOP` to a power of two >= 8 (one compile for up to 8
+    stop ids).
 
     Example:
         >>> pad_stop_ids([127, 3]).tolist()
@@ -47,12 +36,8 @@ def pad_stop_ids(stop_ids) -> np.ndarray:
 
 def rows_still_running(tokens_bn: jax.Array, accepted_b: jax.Array, lengths_b: jax.Array,
                        limits_b: jax.Array, stop_ids_s: jax.Array, active_b: jax.Array) -> jax.Array:
-    """`[B]` bool: rows that were active in a round and are not done after it.
-
-    A row's round committed `tokens_bn[:accepted + 1]`; it is done if one of them is a stop id or if
-    its new committed length `lengths_b` (tokens in the target KV, one less than the prompt plus the
-    tokens emitted so far: the last one is pending) reaches `limits_b - 1` (prompt + max_new_tokens
-    - 1), i.e. it has emitted its whole budget. Same verdict as `StopTracker.add`.
+    """`[B]` bool: rows active in a round and not done after it: no stop id among the committed
+    `tokens_bn[:accepted + 1]` and the committed length `lengths_b` below `limits_b - 1`.
 
     Example:
         >>> run = rows_still_running(jnp.array([[5, 7, 9], [5, 7, 9]]), jnp.array([0, 2]),
@@ -69,24 +54,12 @@ def rows_still_running(tokens_bn: jax.Array, accepted_b: jax.Array, lengths_b: j
 
 def run_rounds(round_fn: Callable, state, active_b, limits_b, sp, base_key, first_round, stop_ids_s, *,
                rounds: int, slots: int, greedy: bool):
-    """Up to `rounds` calls of `round_fn(state, active_b, limits_b, sp, key, greedy)` (`round.spec_round`
-    with its proposer, verifier, models and knobs bound; `slots` verify slots) in one
-    `jax.lax.while_loop`; stops early when no row is running. Round `i` of the loop is round
-    `first_round + i` of the request and uses the key `fold_in(base_key, first_round + i)`.
+    """Up to `rounds` calls of `round_fn(state, active_b, limits_b, sp, key, greedy)` in one
+    `lax.while_loop`, stopping when no row runs; loop round `i` uses key
+    `fold_in(base_key, first_round + i)`.
 
-    Returns `(state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, rounds_run)`: slot `k` holds
-    round `k`'s tokens and accepted count per row (a row committed
-    `tokens_bkn[b, k, :accepted_bk[b, k] + 1]`), whether its first candidate was MTP's, and
-    `ran_bk[b, k]` says whether row `b` was active in it; rounds past `rounds_run` did not run.
-
-    Example:
-        >>> one = lambda st, act, lim, sp, key, greedy: spec_round(proposer, "rejection", models, st, act, lim,
-        ...                                                        sp, key, greedy, knobs)[:4]  # doctest: +SKIP
-        >>> fn = functools.partial(run_rounds, one, rounds=4, slots=proposer.slots)  # doctest: +SKIP
-        >>> state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, n = jax.jit(fn, static_argnames="greedy")(
-        ...     state, active_b, limits_b, sp, key, np.int32(1), pad_stop_ids([127]), greedy=True)
-        ... # doctest: +SKIP
-    """
+    Returns `(state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, rounds_run)`: slot `k` holds round
+    `k` per row (row b committed `tokens_bkn[b, k, :accepted_bk[b, k] + 1]`; `ran_bk`: was it active)."""
     b = active_b.shape[0]
     tokens_bkn = jnp.zeros((b, rounds, slots), jnp.int32)
     accepted_bk = jnp.zeros((b, rounds), jnp.int32)
@@ -117,9 +90,9 @@ def run_rounds(round_fn: Callable, state, active_b, limits_b, sp, base_key, firs
 def feed_rounds(tracker: StopTracker, acceptance: list[list[int]], first_source: list[list[bool]],
                 tokens_bkn: np.ndarray, accepted_bk: np.ndarray, from_mtp_bk: np.ndarray, ran_bk: np.ndarray,
                 rounds_run: int, on_tokens: Callable[[int, list[int]], None] | None = None) -> None:
-    """Replays a dispatch's rounds (one or more) into the host's `tracker`, `acceptance` and
-    `first_source` (T1 from MTP?) lists in round order; then streams each row's kept tokens in one
-    `on_tokens` call. Raises `RuntimeError` if the device and the tracker disagree on which rows ran.
+    """Replays a dispatch's rounds into the host's `tracker`, `acceptance` and `first_source` lists in
+    round order, then streams each row's kept tokens in one `on_tokens` call. Raises `RuntimeError`
+    if the device and the tracker disagree on which rows ran.
 
     Example:
         >>> tracker, acc, src = StopTracker(1, 4, [9]), [[]], [[]]

@@ -1,15 +1,11 @@
 """Chunked prefill, shared by every decoder: the padded prompt runs in fixed token chunks.
 
-A prompt bucket of P tokens runs in one call when `P <= prefill_chunk` (as it always did), else in
-`ceil(P / prefill_chunk)` calls of `prefill_chunk` tokens each, so the prefill's activations are
-those of one chunk whatever the prompt length (attention over the cache is blockwise,
-`layers/attention.py`). Each call runs the target on the chunk at positions `start..start+C-1`
-with the cache: K/V are written at slot == position and read back by the later chunks, and the
-Gated DeltaNet layers continue from the conv windows and recurrent states the earlier chunks left
-(`kv_valid_bt` keeps padding out of them). A row's first new token is picked in the chunk that
-holds its last prompt token and carried through the others; the same PRNG key in every call makes
-a sampled first token the one a single call would draw. One jitted function per decoder runs a chunk
-(one compile per batch / chunk / cache bucket).
+A prompt bucket of P tokens runs in `ceil(P / prefill_chunk)` calls (one when it fits), so the
+prefill's activations are one chunk's whatever the prompt length. Each call runs the target on the
+chunk at positions `start..start+C-1` with the cache, continuing from the K/V and DeltaNet states
+the earlier chunks left (`kv_valid_bt` keeps padding out). A row's first new token is picked in the
+chunk holding its last prompt token; the same PRNG key in every call makes a sampled first token
+the one a single call would draw.
 
 Example:
     >>> [(int(s), t.shape, n.shape) for s, t, n in prefill_chunks(np.zeros((2, 100), np.int32), 64)]
@@ -60,13 +56,8 @@ class ChunkOutput:
 
 def target_chunk(model, tokens_bt: jax.Array, start: jax.Array, lengths_b: jax.Array, cache, first_b: jax.Array,
                  sp: SamplingParams, key: jax.Array, greedy: bool, capture_layers: tuple[int, ...] = ()) -> ChunkOutput:
-    """The target over one prefill chunk (tokens at positions `start + arange(C)`, real where
-    `< lengths_b`) with `cache`, and the first new token of the rows whose prompt ends in it.
-
-    Example:
-        >>> res = target_chunk(model, tokens_bt, np.int32(0), lengths_b, cache, first_b, sp, key, True)  # doctest: +SKIP
-        >>> res.out.cache, res.first_b  # doctest: +SKIP
-    """
+    """The target over one prefill chunk (positions `start + arange(C)`, real where `< lengths_b`) with
+    `cache`, and the first new token of the rows whose prompt ends in it."""
     c = tokens_bt.shape[1]
     positions = jnp.broadcast_to(start + jnp.arange(c, dtype=jnp.int32), tokens_bt.shape)
     out = model(tokens_bt, positions, cache, capture_layers=capture_layers,

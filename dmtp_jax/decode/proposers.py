@@ -2,10 +2,8 @@
 
     proposal = proposer.propose(models, state, sp, key, greedy, limits_b, knobs)
 
-returns a `round.Proposal` (drafts `[B, n-1]`, their probabilities when sampling, the MTP cache, and
-whose first candidate each row verifies). Every proposer splits `propose` into `first` (MTP's first
-candidate T1, or None) and `draft` (the rest of the block given `first`), so the bench can time the
-two apart (`bench/phases.py`) with the very functions the round runs.
+returns a `round.Proposal`. `propose` is `draft(first(...))`: `first` is MTP's first candidate T1
+(or None), `draft` the rest of the block, so `bench/phases.py` times the two apart.
 
 | method           | proposer           | first (T1)           | draft                                            |
 | ---------------- | ------------------ | -------------------- | ------------------------------------------------ |
@@ -13,18 +11,17 @@ two apart (`bench/phases.py`) with the very functions the round runs.
 | `dflash`         | `DFlashProposer`   | -                    | DFlash block `[A, MASK..]` (DFlash2: selector)   |
 | `dmtp`, `dmtp-*` | `DmtpProposer`     | MTP                  | DFlash block, MTP's T1 fused in (`fusion.py`)    |
 | `dmtp-adaptive`  | `AdaptiveProposer` | MTP, where confident | one pass: `dmtp`'s block or DFlash's, per row    |
+| `lookup`         | `LookupProposer`   | -                    | the row's longest recent n-gram match (`lookup.py`)|
+| `draft-model`    | `DraftModelProposer` | -                  | a smaller target chained (`draft_model.py`)      |
+| `eagle3`         | `Eagle3Proposer`   | -                    | the EAGLE-3 layer chained on its own outputs     |
 
-Every vocabulary projection a proposer makes goes through the drafting side's head
-(`RoundModels.draft_logits`, `mtp_first_candidate(..., models.draft_head)`: the full LM head or the
-efficient shortlist head, `models/draft_head.py`); verification always uses the full head.
-
-Each proposer's `needs` are the models its method needs (`options.method_needs`, the one rule); a
-new drafting method is a new proposer in `PROPOSERS`. Knobs a proposer reads at run time are traced
-(`RoundKnobs`), so changing them never recompiles and always takes effect.
+Proposers project to the vocabulary through the drafting side's head (`RoundModels.draft_logits`);
+verification always uses the full head. Run-time knobs are traced (`RoundKnobs`), so changing them
+never recompiles.
 
 Example:
     >>> make_proposer("dmtp", slots=8, context_window=4096).needs
-    {'drafter': True, 'mtp': True, 'fusion': True}
+    {'drafter': True, 'mtp': True, 'fusion': True, 'draft_model': False}
 """
 
 from __future__ import annotations
@@ -35,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dmtp_jax.decode.draft_model import draft_chain
+from dmtp_jax.decode.lookup import lookup_drafts
 from dmtp_jax.decode.round import Proposal, RoundModels, SpecState, context_window
 from dmtp_jax.decode.sampling import filtered_probs, sample_from_probs
 from dmtp_jax.decode.verify import candidate_probs_to_dense
@@ -46,21 +45,20 @@ from dmtp_jax.options import method_needs
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RoundKnobs:
-    """Traced run-time knobs of the proposers: `adaptive_threshold` (dmtp-adaptive: the MTP
-    confidence from which a row takes MTP's T1; f32 scalar, ignored by the other proposers)."""
+    """Traced run-time knobs of the proposers: `adaptive_threshold` (f32 scalar, dmtp-adaptive only)."""
     adaptive_threshold: jax.Array
 
     @classmethod
     def make(cls, adaptive_threshold: float | None = None) -> "RoundKnobs":
-        """Host-side knobs. Example: `RoundKnobs.make(0.5).adaptive_threshold` is `np.float32(0.5)`."""
+        """Host-side knobs (`np.float32` leaves)."""
         return cls(np.float32(0.0 if adaptive_threshold is None else adaptive_threshold))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class FirstCandidate:
-    """MTP's first candidate: the token, its probabilities (None when greedy), the MTP's post-norm
-    output `y` (the chain continues from it) and its confidence (`fusion.mtp_confidence`)."""
+    """MTP's first candidate: the token, its probabilities (None when greedy), the MTP's post-norm output
+    `y` (the chain continues from it) and its confidence."""
     t1_b: jax.Array
     q1_bv: jax.Array | None
     y_bh: jax.Array
@@ -81,11 +79,7 @@ def pick(logits_bkv: jax.Array, sp, key: jax.Array, greedy: bool):
 
 
 def mtp_first(models: RoundModels, state: SpecState, sp, key: jax.Array, greedy: bool) -> FirstCandidate:
-    """T1 = head(mtp.norm(h)) from the state's MTP hidden (`fusion.mtp_first_candidate`).
-
-    Example:
-        >>> first = mtp_first(models, state, sp, key, True)  # doctest: +SKIP
-    """
+    """T1 = head(mtp.norm(h)) from the state's MTP hidden (`fusion.mtp_first_candidate`)."""
     y, logits, confidence = mtp_first_candidate(models.target, models.mtp, state.mtp_h_bh, models.draft_head)
     t1, q1 = pick(logits, sp, key, greedy)
     return FirstCandidate(t1, q1, y, confidence)
@@ -93,13 +87,8 @@ def mtp_first(models: RoundModels, state: SpecState, sp, key: jax.Array, greedy:
 
 def drafter_hidden(method: str, slots: int, window: int, models: RoundModels, state: SpecState, t1_b, t1_from_mtp_b,
                    limits_b) -> jax.Array:
-    """The drafter's block (`fusion.draft_block_embeds`) over its cached context window; the output
-    rows that draft (`[B, n-1, H]`, from `block_layout`'s first drafting row). Rows past a row's token
-    budget `limits_b` are hidden, as the reference shortens its last blocks.
-
-    Example:
-        >>> hidden = drafter_hidden("dflash", 8, 4096, models, state, None, None, limits_b)  # doctest: +SKIP
-    """
+    """The drafter's block over its cached context window: the drafting rows' hidden `[B, n-1, H]`.
+    Rows past a row's token budget `limits_b` are hidden."""
     target, drafter = models.target, models.drafter
     offsets, first_row = block_layout(method, slots)
     positions = state.lengths_b[:, None] + jnp.asarray(offsets)
@@ -114,12 +103,8 @@ def drafter_hidden(method: str, slots: int, window: int, models: RoundModels, st
 
 def drafter_tokens(models: RoundModels, hidden_bkh: jax.Array, predecessor_b: jax.Array, sp, key: jax.Array,
                    greedy: bool):
-    """`(tokens [B, k], probabilities [B, k, V] or None)` from the drafter's rows: DFlash's draft
-    logits, or DFlash2's selector (which chains from `predecessor_b`, the token before the first row).
-
-    Example:
-        >>> tokens_bk, q_bkv = drafter_tokens(models, hidden, state.pending_b, sp, key, False)  # doctest: +SKIP
-    """
+    """`(tokens [B, k], probabilities [B, k, V] or None)` from the drafter's rows: DFlash's draft logits,
+    or DFlash2's selector (chained from `predecessor_b`)."""
     target, drafter = models.target, models.drafter
     if drafter.cfg.version == 2:
         sel = drafter.propose(hidden_bkh, predecessor_b, models.draft_logits, 0.0 if greedy else sp.temperature,
@@ -137,9 +122,8 @@ def _joined(first_b, first_q, tokens_bk, q_bkv):
 
 @dataclasses.dataclass(frozen=True)
 class Proposer:
-    """A drafting mode for `slots` verify slots (the pending token + `slots - 1` drafts); the drafter
-    attends to the last `window` context positions. Subclasses implement `draft`
-    (and `first` when MTP proposes T1)."""
+    """A drafting mode for `slots` verify slots (pending token + `slots - 1` drafts), the drafter
+    attending to the last `window` context positions. Subclasses implement `draft` (and `first`)."""
     method: str
     slots: int
     window: int = 4096
@@ -161,8 +145,7 @@ class Proposer:
 
     def propose(self, models: RoundModels, state: SpecState, sp, key: jax.Array, greedy: bool, limits_b,
                 knobs: RoundKnobs) -> Proposal:
-        """`draft(first(...))`: drafts `[B, n-1]`, their probabilities when sampling, the MTP cache and
-        whose first candidate each row verifies. Example: see the module docstring."""
+        """`draft(first(...))`: a `round.Proposal`."""
         return self.draft(models, state, self.first(models, state, sp, key, greedy), sp, key, greedy, limits_b,
                           knobs)
 
@@ -176,8 +159,7 @@ class _MtpFirst(Proposer):
 
 
 class MtpChainProposer(_MtpFirst):
-    """`mtp`: T1 from the MTP, then T2.. by chaining the MTP through its own cache (speculative rows
-    past the accepted prefix are overwritten later)."""
+    """`mtp`: T1 from the MTP, then T2.. by chaining the MTP through its own cache."""
 
     def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
         target, mtp = models.target, models.mtp
@@ -204,8 +186,8 @@ class DFlashProposer(Proposer):
 
 
 class DmtpProposer(_MtpFirst):
-    """`dmtp` and its block variants: MTP's T1, then the drafter's block with T1 (and the MTP hidden)
-    fused in as `models/fusion.py`'s table says."""
+    """`dmtp` and its block variants: MTP's T1, then the drafter's block with T1 fused in
+    (`models/fusion.py`)."""
 
     def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
         hidden = drafter_hidden(self.method, self.slots, self.window, models, state, first.t1_b, None, limits_b)
@@ -215,9 +197,8 @@ class DmtpProposer(_MtpFirst):
 
 
 class AdaptiveProposer(DmtpProposer):
-    """`dmtp-adaptive`: rows whose MTP confidence is at least `knobs.adaptive_threshold` take `dmtp`'s
-    block after MTP's T1; the others DFlash's `[A, MASK..]` (the drafter's own T1), in one drafter
-    pass (DFlash version 1 drafters)."""
+    """`dmtp-adaptive`: rows whose MTP confidence reaches `knobs.adaptive_threshold` take `dmtp`'s block,
+    the others DFlash's `[A, MASK..]`, in one drafter pass (DFlash version 1 drafters)."""
     ADAPTIVE = True
 
     def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
@@ -229,10 +210,55 @@ class AdaptiveProposer(DmtpProposer):
         return Proposal(drafts, q, state.mtp_cache, from_mtp)
 
 
+class LookupProposer(Proposer):
+    """`lookup`: prompt lookup over the state's token buffer (`decode/lookup.py`), no model; sampled,
+    its proposal probabilities are one-hot (the drafts are deterministic given the history)."""
+
+    def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
+        drafts = lookup_drafts(state.tokens_bs, state.lengths_b, self.slots - 1)
+        q = None if greedy else jax.nn.one_hot(drafts, models.target.cfg.vocab_size, dtype=jnp.float32)
+        return Proposal(drafts, q, state.mtp_cache, jnp.zeros(state.pending_b.shape, bool))
+
+
+class DraftModelProposer(Proposer):
+    """`draft-model`: a smaller target of the same vocabulary chained `slots - 1` steps through its
+    own cache (`decode/draft_model.py`; `round.commit` rolls that cache back to the accepted prefix)."""
+
+    def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
+        keys = self._keys(key)
+        drafts, q, cache = draft_chain(models.draft_model, state.draft_cache, state.pending_b, state.lengths_b,
+                                       self.slots - 1, lambda logits, j: pick(logits, sp, keys[j], greedy))
+        return Proposal(drafts, q, state.mtp_cache, jnp.zeros(state.pending_b.shape, bool), cache)
+
+
+class Eagle3Proposer(Proposer):
+    """`eagle3`: the EAGLE-3 drafter chained k steps. T1 from the hidden its advance left (the target's
+    tapped features of the committed tokens); each later step runs its layer on (its own previous
+    output, the last drafted token) over a private copy of its cache (the speculative rows are
+    dropped: commit writes the accepted ones from the target's features). Draws stay inside its
+    draft vocabulary (`Eagle3Drafter.target_logits`)."""
+
+    def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
+        drafter, keys = models.drafter, self._keys(key)
+        h, cache = state.mtp_h_bh, state.ctx_cache
+        token, q = pick(drafter.target_logits(h), sp, keys[0], greedy)
+        drafts, qs = [token], [q]
+        for j in range(2, self.slots):
+            pos = (state.lengths_b + j - 2)[:, None]
+            h, cache = drafter.step(drafter.embed(token[:, None], models.target), h[:, None].astype(cache.k_lbskd.dtype),
+                                    pos, cache)
+            h = h[:, 0]
+            token, q = pick(drafter.target_logits(h), sp, keys[j - 1], greedy)
+            drafts.append(token)
+            qs.append(q)
+        q_all = None if greedy else jnp.stack(qs, axis=1)
+        return Proposal(jnp.stack(drafts, axis=1), q_all, state.mtp_cache, jnp.zeros(state.pending_b.shape, bool))
+
+
 class PlainProposer(Proposer):
-    """`ar` on a speculative state: no drafts (one verify slot), so the round is a plain target step
-    that still advances the MTP and writes the drafter's context (`round.commit`): a state that
-    switches between plain and speculative rounds stays valid (`serve/rounds.py`)."""
+    """`ar` on a speculative state: one verify slot, so the round is a plain target step that still
+    advances the MTP and the drafter's context (a state can switch between plain and speculative
+    rounds)."""
 
     def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
         b = state.pending_b.shape[0]
@@ -242,12 +268,12 @@ class PlainProposer(Proposer):
 
 # proposer kind (`methods.Method.proposer`) -> class
 PROPOSERS: dict[str, type[Proposer]] = {"dflash": DFlashProposer, "mtp-chain": MtpChainProposer, "dmtp": DmtpProposer,
-                                        ADAPTIVE: AdaptiveProposer}
+                                        ADAPTIVE: AdaptiveProposer, "lookup": LookupProposer,
+                                        "draft-model": DraftModelProposer, "eagle3-chain": Eagle3Proposer}
 
 
 def make_proposer(method: str, slots: int, context_window: int = 4096) -> Proposer:
-    """The proposer of `method` (its kind in `PROPOSERS`: `methods.METHODS[method].proposer`) for `slots`
-    verify slots.
+    """The proposer of `method` (`methods.METHODS[method].proposer`) for `slots` verify slots.
 
     Example:
         >>> type(make_proposer("dmtp-adaptive", 8)).__name__

@@ -1,28 +1,10 @@
 """Token selection: greedy, temperature, top-k and top-p, as one filtered distribution.
 
-`filtered_probs` is the distribution every sampler and verifier uses (the target's and, in
-speculative decoding, the drafter's), so temperature / top-p / top-k reach both alike. Temperature 0
-means greedy: the distribution is one-hot on the argmax.
-
-Which filters run is static (`top_p_on`, and `top_k_cap`: the width of top-k's `lax.top_k`, 0 =
-off; part of the `SamplingParams` pytree structure, so a jitted round compiles once per flag
-combination): a filter that is off costs nothing -- no vocabulary sort -- and `top_p = 1` is exactly
-no filter (no cumulative sum that float rounding could push past 1 and so drop a tail token). The
-values are traced: temperature, `top_p` and `top_k` are scalars, or `[B]` arrays of one value per
-row (broadcast over the leading batch axis: `per_row`), so changing them never recompiles, and
-greedy rows (temperature 0: one-hot) and sampled rows with their own temperature / top-p / top-k
-(at most `top_k_cap`; 0 keeps all) share a batch (the server's). Top-k takes the `top_k_cap`
-largest values (`lax.top_k`) and cuts each row at its own k-th; top-p sorts the vocabulary once, or
-only those `top_k_cap` values when every row that uses top-p uses top-k too (`top_p_in_top_k`).
-
-Example:
-    >>> sp = SamplingParams.make(temperature=0.0)
-    >>> int(sample_tokens(jnp.array([[0.1, 2.0, 0.3]]), sp, jax.random.key(0))[0])
-    1
-    >>> probs = filtered_probs(jnp.log(jnp.array([[0.5, 0.3, 0.2]])), SamplingParams.make(1.0, top_k=2))
-    >>> [round(float(p), 3) for p in probs[0]]
-    [0.625, 0.375, 0.0]
-"""
+`filtered_probs` is the distribution every sampler and verifier uses (target's and drafter's).
+Temperature 0 is greedy (one-hot argmax). Which filters run is static (`top_p_on`, `top_k_cap`,
+part of the `SamplingParams` pytree structure); their values are traced scalars or `[B]` arrays,
+so greedy and sampled rows share a batch and changing a value never recompiles. A filter that is
+off costs nothing, and `top_p = 1` is exactly no filter."""
 
 from __future__ import annotations
 
@@ -44,15 +26,8 @@ TOP_K_MAX = 2**31 - 1       # a larger k keeps every token, as any k >= the voca
 @dataclasses.dataclass
 class SamplingParams:
     """Sampling parameters; build them with `make` or `rows` (they validate and set the static fields).
-
-    `temperature`, `top_p` and `top_k` are traced (f32, f32, i32; scalars or `[B]`); `top_p_on`
-    and `top_k_cap` (static) say whether each filter runs at all, and how wide top-k's search is.
-
-    Example:
-        >>> sp = SamplingParams.make(temperature=0.7, top_p=0.9)
-        >>> sp.top_p_on, sp.top_k_cap, int(sp.top_k), sp.is_greedy
-        (True, 0, 0, False)
-    """
+    `temperature`, `top_p`, `top_k` are traced (f32, f32, i32; scalars or `[B]`); `top_p_on` and
+    `top_k_cap` are static."""
     temperature: jax.Array   # f32 scalar or [B] (one per row); 0 = greedy
     top_p: jax.Array         # f32 scalar or [B]; filters only when `top_p_on` (a row's 1 keeps all)
     top_k: jax.Array = 0     # i32 scalar or [B], each <= top_k_cap; a row's 0 keeps all
@@ -62,8 +37,7 @@ class SamplingParams:
 
     @classmethod
     def make(cls, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> "SamplingParams":
-        """Validated parameters, one top-k for every row (the cap: a compile per k). Example:
-        `SamplingParams.make(temperature=0.7, top_p=0.9)`."""
+        """Validated parameters, one top-k for every row (the cap: a compile per k)."""
         check(temperature, top_p, top_k)
         k = min(int(top_k), TOP_K_MAX)
         return cls(jnp.float32(temperature), jnp.float32(top_p), jnp.int32(k), bool(top_p < 1), k, k > 0)
@@ -71,12 +45,9 @@ class SamplingParams:
     @classmethod
     def rows(cls, temperature_b, top_p_b, top_k_b=0, top_k_cap: int | None = None,
              top_p_on: bool | None = None) -> "SamplingParams":
-        """One temperature, top-p and top-k per row (`[B]`, values checked by `check` per request;
-        scalars count as one row). Top-p filters when any row's top_p < 1; top-k searches the
-        `top_k_cap` largest values (default: the largest k; fixed by the server, so no k compiles
-        anything); a row with top_p 1 and top_k 0 keeps every token. `top_p_on=True` runs top-p
-        over the whole sorted vocabulary whatever the values (one form for every request: the
-        server's sampled rounds).
+        """One temperature, top-p and top-k per row (`[B]`; scalars count as one row). Top-k searches the
+        `top_k_cap` largest values (default: the largest k); top_p 1 and top_k 0 keep every token.
+        `top_p_on=True` runs top-p whatever the values (the server's one sampled form).
 
         Example:
             >>> sp = SamplingParams.rows([0.0, 1.0], [1.0, 0.5], [0, 20], top_k_cap=64)
@@ -101,11 +72,7 @@ class SamplingParams:
 
 
 def check(temperature: float, top_p: float, top_k: int) -> None:
-    """Raises `RequestError` for values no sampler takes (NaN and infinities included).
-
-    Example:
-        >>> check(0.7, 0.9, 40)
-    """
+    """Raises `RequestError` for values no sampler takes (NaN and infinities included)."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise RequestError(f"temperature must be a finite number >= 0, got {temperature}")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
@@ -115,11 +82,9 @@ def check(temperature: float, top_p: float, top_k: int) -> None:
 
 
 def filtered_probs(logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:
-    """`[..., V]` probabilities after temperature, then top-k, then top-p (HF order); fp32.
-
-    Greedy (temperature 0) gives the one-hot argmax. Top-k keeps the tokens whose scaled logit is
-    at least the k-th largest (ties with it included). Top-p keeps the smallest prefix of tokens, by
-    descending probability, whose mass reaches `top_p` (always at least one token).
+    """`[..., V]` fp32 probabilities after temperature, then top-k, then top-p (HF order). Top-k keeps
+    ties with the k-th; top-p keeps the smallest prefix by descending probability whose mass reaches
+    `top_p` (at least one token).
 
     Example:
         >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
@@ -156,12 +121,7 @@ def filtered_probs(logits_bv: jax.Array, sp: SamplingParams) -> jax.Array:
 
 
 def sample_from_probs(probs: jax.Array, key: jax.Array) -> jax.Array:
-    """One draw per row of `probs [..., V]` (zeros never drawn).
-
-    Example:
-        >>> int(sample_from_probs(jnp.array([[0.0, 1.0, 0.0]]), jax.random.key(0))[0])
-        1
-    """
+    """One draw per row of `probs [..., V]` (zeros never drawn)."""
     return jax.random.categorical(key, jnp.log(jnp.maximum(probs, 0.0)), axis=-1).astype(jnp.int32)
 
 
@@ -177,13 +137,8 @@ def sample_tokens(logits_bv: jax.Array, sp: SamplingParams, key: jax.Array) -> j
 
 
 def pick_tokens(logits_bv: jax.Array, sp: SamplingParams, key: jax.Array, greedy: bool) -> jax.Array:
-    """`sample_tokens`, or with the static `greedy` flag only the argmax (the same tokens as
-    `sample_tokens` at temperature 0), so a greedy compile never traces the sampling filters.
-
-    Example:
-        >>> int(pick_tokens(jnp.array([[0.1, 2.0, 0.3]]), SamplingParams.make(), jax.random.key(0), True)[0])
-        1
-    """
+    """`sample_tokens`, or with the static `greedy` flag only the argmax, so a greedy compile never
+    traces the sampling filters."""
     if greedy:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     return sample_tokens(logits_bv, sp, key)

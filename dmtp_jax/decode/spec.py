@@ -1,39 +1,16 @@
 """The speculative decode engine: one jitted round over fixed buffers, for every drafting method.
 
 State per batch row (`round.SpecState`): the target KV cache (and DeltaNet states), the drafter's
-context K/V cache and the MTP's private KV cache (all slot == position), the committed length `L`
-(tokens in the target KV), the pending token `A` (last committed, not yet run by the target) and,
-with MTP, the cached MTP hidden `h` that predicts the next first candidate.
+context cache and the MTP's cache (slot == position), the committed length `L`, the pending token
+`A` (committed, not yet run by the target) and, with MTP, the hidden that predicts the next first
+candidate. A round is `decode/round.py:spec_round`; the method only chooses the proposer
+(`decode/proposers.py`), so there are no method branches here.
 
-A round is the composition of public, pure phase functions (`decode/round.py:spec_round`):
-
-    propose         the method's proposer (`decode/proposers.py`): MTP chain (`mtp`), DFlash /
-                    DFlash2 (`dflash`), DMTP's fused block (`dmtp*`), or per-row arbitration
-                    between the two (`dmtp-adaptive`); one interface, no method branches here
-    verify_forward  the target on [A, T1..T(n-1)] at positions L.. (writes KV, captures features)
-    accept          greedy exact match, or lossless sampling ("rejection", "block" or
-                    "target-only", `decode/verify.py`) with the proposers' q
-    commit          L += accepted + 1; `target.commit` keeps the accepted prefix; `mtp_advance`
-                    and `write_context` update the MTP and drafter caches. Finished rows keep
-                    their state.
-
-This module validates the options (`check_spec_options`), binds the static setup (`RoundSetup`:
-graphdefs, mesh, proposer, verifier) to the jitted entry points (`prefill_step`, `round`,
-`multi_round`), and runs the host loop. Everything a jitted function reads is an argument or part
-of the frozen setup: the adaptive threshold is a traced knob (`proposers.RoundKnobs`), so changing
-`decoder.adaptive_threshold` takes effect without recompiling. The round folds its PRNG key from
-`(base_key, round index)` on device and the host fetches each round's tokens, accepted counts and
-first-candidate sources in one transfer.
-
-The round compiles once per (batch bucket, cache length, method, greedy/sampled). With
-`rounds_per_dispatch` K > 1, one jitted call runs up to K rounds with on-device stopping
-(`decode/multi_round.py`), compiled once per the same key.
-
-Example:
-    >>> engine = SpecDecoder(target, drafter)  # doctest: +SKIP
-    >>> res = engine.generate([[1, 2, 3]], max_new_tokens=32)  # doctest: +SKIP
-    >>> res.stats["per_verify_acceptance_length"]  # doctest: +SKIP
-"""
+This module checks the options (`check_spec_options`), binds the frozen setup (`RoundSetup`) to
+the jitted entry points (`prefill_step`, `round`, `multi_round`) and runs the host loop. Every
+value a jitted function reads is an argument or part of the setup (the adaptive threshold is a
+traced knob). One host transfer per round; one compile per (batch bucket, cache length, method,
+greedy/sampled)."""
 
 from __future__ import annotations
 
@@ -50,7 +27,7 @@ from dmtp_jax.checkpoint.hf import LoadedModel
 from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.ar import GenerationResult
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
-from dmtp_jax.decode.caches import TargetCaches, kv_cache_shape, new_kv_cache
+from dmtp_jax.decode.caches import TargetCaches, kv_cache_shape, kv_cache_value_dim, new_kv_cache
 from dmtp_jax.decode.multi_round import feed_rounds, pad_stop_ids, run_rounds
 from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK, prefill_chunks
 from dmtp_jax.decode.probe import ExactnessCheck
@@ -60,7 +37,7 @@ from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.decode.stats import acceptance_stats, first_candidate_by_source
 from dmtp_jax.models.draft_head import head_name
 from dmtp_jax.options import (SPEC_METHODS, VERIFY_MODES, adaptive_threshold_for,  # noqa: F401
-                              check_adaptive_threshold, check_method, check_models_given,
+                              check_adaptive_threshold, check_draft_vocab, check_method, check_models_given,
                               check_prefill_chunk, check_rounds_per_dispatch, check_verify_mode,
                               verify_slots)
 from dmtp_jax.sharding import replicated
@@ -70,11 +47,10 @@ DEFAULT_CONTEXT_WINDOW = 4096
 
 def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, block_size: int | None = None,
                        mtp_steps: int = 4, verify: str = "rejection", adaptive_threshold: float | None = None,
-                       rounds_per_dispatch: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK
-                       ) -> tuple[int, float | None]:
-    """Every option of a `SpecDecoder`, checked in one place: returns `(verify slots, adaptive
-    threshold or None)`; raises `RequestError` naming the bad option.
-    The rules are `dmtp_jax.options`' (the models a method needs: `options.method_needs`).
+                       rounds_per_dispatch: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                       draft_model=None) -> tuple[int, float | None]:
+    """Every option of a `SpecDecoder`, checked in one place (rules: `dmtp_jax.options`): returns
+    `(verify slots, adaptive threshold or None)`; raises `RequestError` naming the bad option.
 
     Example:
         >>> check_spec_options("mtp", mtp=object(), mtp_steps=3)
@@ -83,16 +59,12 @@ def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, bloc
         Traceback (most recent call last):
         ...
         dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 0
-        >>> check_spec_options("mtp", mtp=object(), prefill_chunk=0)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.RequestError: --prefill-chunk must be an integer >= 1, got 0
     """
     check_verify_mode(verify)
     check_method(method, SPEC_METHODS, what="speculative method")
     check_rounds_per_dispatch(rounds_per_dispatch)
     check_prefill_chunk(prefill_chunk)
-    check_models_given(method, drafter=drafter, mtp=mtp, fusion=fusion)
+    check_models_given(method, drafter=drafter, mtp=mtp, fusion=fusion, draft_model=draft_model)
     slots = verify_slots(method, mtp_steps=mtp_steps, block_size=block_size,
                          drafter_block_size=None if drafter is None else drafter.cfg.block_size)
     threshold = adaptive_threshold_for(method, adaptive_threshold,
@@ -103,7 +75,7 @@ def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, bloc
 @dataclasses.dataclass(frozen=True)
 class RoundSetup:
     """What the jitted entry points read besides their arguments; frozen, bound before jitting."""
-    graphdefs: tuple              # (target, drafter, mtp, fusion, draft_head); None where unused / full head
+    graphdefs: tuple              # (target, drafter, mtp, fusion, draft_head, draft_model); None where unused
     mesh: object
     proposer: Proposer
     verify_mode: str
@@ -117,7 +89,7 @@ def _pin(mesh, x):
 def prefill_entry(setup: RoundSetup, states, tokens_bt, next_b, start, lengths_b, state: SpecState, sp, key,
                   greedy: bool = False) -> SpecState:
     """`round.prefill_step` on the merged models, the state pinned at its shardings (jitted as
-    `SpecDecoder.prefill_step`). Example: `SpecDecoder.prefill` runs it chunk by chunk."""
+    `SpecDecoder.prefill_step`)."""
     models = merge_models(setup.graphdefs, states)
     state = prefill_step(models, tokens_bt, next_b, start, lengths_b, state, sp, key, greedy)
     return constrain_state(setup.mesh, state)
@@ -132,13 +104,8 @@ def _keyed_round(setup: RoundSetup, models, knobs, state, active_b, limits_b, sp
 
 def round_entry(setup: RoundSetup, states, state: SpecState, active_b, limits_b, sp, base_key, round_index, knobs,
                 greedy: bool):
-    """Round `round_index` of a request (`round.spec_round`, key `fold_in(base_key, round_index)` on
-    device), jitted as `SpecDecoder.round`: `(state, tokens [B, n], accepted [B], t1_from_mtp [B])`.
-
-    Example:
-        >>> state, tokens_bn, acc_b, from_mtp_b = decoder.round(decoder.model_states(), state, active_b, limits_b,
-        ...     sp, jax.random.key(0), np.int32(1), decoder.knobs(), greedy=True)  # doctest: +SKIP
-    """
+    """Round `round_index` of a request (`round.spec_round`, key `fold_in(base_key, round_index)`),
+    jitted as `SpecDecoder.round`: `(state, tokens [B, n], accepted [B], t1_from_mtp [B])`."""
     models = merge_models(setup.graphdefs, states)
     key = jax.random.fold_in(base_key, round_index)
     return _keyed_round(setup, models, knobs, state, active_b, limits_b, sp, key, greedy)
@@ -147,96 +114,88 @@ def round_entry(setup: RoundSetup, states, state: SpecState, active_b, limits_b,
 def multi_round_entry(setup: RoundSetup, states, state: SpecState, active_b, limits_b, sp, base_key, first_round,
                       stop_ids_s, knobs, greedy: bool):
     """Up to `setup.rounds_per_dispatch` rounds on device (`multi_round.run_rounds`), jitted as
-    `SpecDecoder.multi_round`. Example: `SpecDecoder.generate` with `rounds_per_dispatch > 1`."""
+    `SpecDecoder.multi_round`."""
     models = merge_models(setup.graphdefs, states)
     return run_rounds(functools.partial(_keyed_round, setup, models, knobs), state, active_b, limits_b, sp, base_key,
                       first_round, stop_ids_s, rounds=setup.rounds_per_dispatch, slots=setup.proposer.slots,
                       greedy=greedy)
 
 
-def _used(proposer: Proposer, target, drafter, mtp, fusion, draft_head) -> tuple:
-    """`(target, drafter, mtp, fusion, draft_head)` with the models the proposer does not need set to
-    None (`draft_head` None: the full LM head drafts)."""
+def _used(proposer: Proposer, target, drafter, mtp, fusion, draft_head, draft_model=None) -> tuple:
+    """`(target, drafter, mtp, fusion, draft_head, draft_model)` with the models the proposer does not
+    need set to None (`draft_head` None: the full LM head drafts)."""
     needs = proposer.needs
     return (target, drafter if needs["drafter"] else None, mtp if needs["mtp"] else None,
-            fusion if needs["fusion"] else None, draft_head)
+            fusion if needs["fusion"] else None, draft_head, draft_model if needs["draft_model"] else None)
 
 
 def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: LoadedModel | None, batch: int,
-                   max_len: int) -> SpecState:
-    """A zero `SpecState` of `batch` rows and `max_len` slots with the drafter's context cache and the
-    MTP's cache and hidden where those models are given, placed as the jitted calls leave it.
-
-    Example:
-        >>> new_spec_state(TargetCaches(target), None, None, 2, 128).ctx_cache is None  # doctest: +SKIP
-        True
-    """
+                   max_len: int, draft_model: LoadedModel | None = None) -> SpecState:
+    """A zero `SpecState` of `batch` rows and `max_len` slots (with the drafter's, the MTP's and a draft
+    model's caches where those models are given, and the token buffer), placed as the jitted calls
+    leave it."""
     target = caches.target
     mesh = target.mesh
     rep = replicated(mesh)    # placed as the jitted calls leave them: one compile
-    zeros = lambda: jax.device_put(np.zeros(batch, np.int32), rep)  # noqa: E731  (two buffers: both donated)
-    ctx = mtp_cache = mtp_h = None
+    zeros = lambda *shape: jax.device_put(np.zeros((batch, *shape), np.int32), rep)  # noqa: E731  (own buffers)
+    ctx = mtp_cache = mtp_h = draft_cache = None
     if drafter is not None:
         d = drafter.cfg
         ctx = new_kv_cache(mesh, kv_cache_shape(d, batch, max_len, mesh, d.num_hidden_layers), drafter.state_dtype)
+        if d.chained:       # EAGLE-3: the hidden its chain starts from
+            mtp_h = jax.device_put(np.zeros((batch, d.hidden_size), drafter.state_dtype), rep)
     if mtp is not None:
         c = target.cfg
-        mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, 1), mtp.state_dtype)
+        mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, 1), mtp.state_dtype,
+                                 kv_cache_value_dim(c))
         mtp_h = jax.device_put(np.zeros((batch, c.hidden_size), mtp.state_dtype), rep)
-    return SpecState(caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros())
+    if draft_model is not None:
+        draft_cache = TargetCaches(draft_model).new(batch, max_len)
+    return SpecState(caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros(), zeros(max_len), draft_cache)
 
 
 def to_host(tree):
-    """Every array of `tree` on the host in one transfer (`jax.device_get`): the round's only sync.
-
-    Example:
-        >>> to_host((jax.numpy.ones(2), jax.numpy.zeros(1)))[0].tolist()
-        [1.0, 1.0]
-    """
+    """Every array of `tree` on the host in one transfer (`jax.device_get`): the round's only sync."""
     return jax.device_get(tree)
 
 
 class SpecDecoder:
     """Speculative decoding of a target with `method` in `SPEC_METHODS`.
 
-    `drafter` (DFlash / DFlash2) serves dflash and dmtp*; `mtp` (the native MTP head) serves mtp and
-    dmtp*; `fusion` (from `checkpoint.dmtp_ckpt`) the dmtp* methods. `verify` chooses sampled
-    verification: "rejection" (token by token, with the proposers' probabilities), "block" (block
-    verification with the same probabilities, `decode/verify.py:verify_block`) or "target-only"
-    (match target samples). Greedy (temperature 0) is always exact match. `strict`: fail with
-    `InexactBackendError` when the exactness probe finds this backend inexact (default: decode
-    plainly instead). `adaptive_threshold` (dmtp-adaptive): the MTP top-1 probability from which
-    a row takes MTP's T1 (default: the drafter's calibrated `dmtp_config.threshold`, else 0.5); it
-    may be changed between requests. `rounds_per_dispatch` K > 1 runs up to K rounds per jitted
-    call with on-device stopping (`decode/multi_round.py`): the host syncs, and `on_tokens` streams,
-    once per K rounds; outputs and statistics are those of K = 1. The method, slots, verifier,
-    context window and K are fixed at construction (read-only). `draft_head`: the drafting side's
-    efficient or int8 LM head (`checkpoint/draft_head_ckpt.py:make_draft_head`), None for the full head; part
-    of the static setup (its params are model state, arguments of the jitted calls).
-
-    Example: see the module docstring.
-    """
+    `drafter` (DFlash / DFlash2) serves dflash and dmtp*; `mtp` serves mtp and dmtp*; `fusion`
+    (`checkpoint.dmtp_ckpt`) the dmtp* methods; `draft_model` (a smaller target of the same
+    vocabulary) draft-model; `lookup` needs none; `draft_head`: the drafting side's efficient or int8
+    LM head (None: the full head). `verify`: sampled verification, "rejection", "block" or
+    "target-only" (greedy is always exact match). `strict`: raise `InexactBackendError` when the
+    exactness probe finds the backend inexact (default: decode plainly). `adaptive_threshold`
+    (dmtp-adaptive, changeable between requests): the MTP top-1 probability from which a row takes
+    MTP's T1 (default: the drafter's calibrated threshold, else 0.5). `rounds_per_dispatch` K > 1:
+    up to K rounds per jitted call (`decode/multi_round.py`), same outputs and statistics as K = 1."""
 
     def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None, *, method: str = "dflash",
                  mtp: LoadedModel | None = None, fusion: LoadedModel | None = None,
                  block_size: int | None = None, mtp_steps: int = 4, verify: str = "rejection",
                  context_window: int = DEFAULT_CONTEXT_WINDOW, strict: bool = False,
                  adaptive_threshold: float | None = None, rounds_per_dispatch: int = 1,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft_head: LoadedModel | None = None):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, draft_head: LoadedModel | None = None,
+                 draft_model: LoadedModel | None = None):
         slots, threshold = check_spec_options(method, drafter, mtp, fusion, block_size=block_size,
                                               mtp_steps=mtp_steps, verify=verify,
                                               adaptive_threshold=adaptive_threshold,
-                                              rounds_per_dispatch=rounds_per_dispatch, prefill_chunk=prefill_chunk)
+                                              rounds_per_dispatch=rounds_per_dispatch, prefill_chunk=prefill_chunk,
+                                              draft_model=draft_model)
+        if draft_model is not None:
+            check_draft_vocab(target.cfg.vocab_size, draft_model.cfg.vocab_size, draft_model.model_dir or "")
         self.adaptive_threshold = threshold
         self.target, self.drafter, self.mtp, self.fusion = target, drafter, mtp, fusion
-        self.draft_head = draft_head
+        self.draft_head, self.draft_model = draft_head, draft_model
         self.caches = TargetCaches(target)
         self.prefill_chunk = int(prefill_chunk)
         proposer = make_proposer(method, slots, context_window)
         self.exactness = ExactnessCheck(target, proposer.slots, strict=strict, method=proposer.method,
                                         prefill_chunk=self.prefill_chunk)
         graphdefs = tuple(None if m is None else m.graphdef
-                          for m in _used(proposer, target, drafter, mtp, fusion, draft_head))
+                          for m in _used(proposer, target, drafter, mtp, fusion, draft_head, draft_model))
         self.setup = RoundSetup(graphdefs, target.mesh, proposer, verify, int(rounds_per_dispatch))
         self.prefill_step = counted_jit(functools.partial(prefill_entry, self.setup), donate_argnames=("state",),
                                         static_argnames=("greedy",))
@@ -260,17 +219,19 @@ class SpecDecoder:
         """A zero state of `batch` rows and `max_len` slots, placed as the jitted calls leave it."""
         needs = self.proposer.needs
         return new_spec_state(self.caches, self.drafter if needs["drafter"] else None,
-                              self.mtp if needs["mtp"] else None, batch, max_len)
+                              self.mtp if needs["mtp"] else None, batch, max_len,
+                              self.draft_model if needs["draft_model"] else None)
 
     def state_shardings(self, st: SpecState) -> SpecState:
         """The sharding of every array of a state (or of its shapes), as a `SpecState` tree."""
         return state_shardings(self.target.mesh, st)
 
     def model_states(self) -> tuple:
-        """`(target, drafter, mtp, fusion, draft_head)` weights as the jitted entry points take them
-        (None where the method uses none)."""
+        """`(target, drafter, mtp, fusion, draft_head, draft_model)` weights as the jitted entry points take
+        them."""
         return tuple(None if m is None else m.state
-                     for m in _used(self.proposer, self.target, self.drafter, self.mtp, self.fusion, self.draft_head))
+                     for m in _used(self.proposer, self.target, self.drafter, self.mtp, self.fusion, self.draft_head,
+                                    self.draft_model))
 
     def knobs(self) -> RoundKnobs:
         """The proposers' traced knobs from the decoder's current settings (`adaptive_threshold`)."""
@@ -278,8 +239,8 @@ class SpecDecoder:
         return RoundKnobs.make(None if threshold is None else check_adaptive_threshold(threshold))
 
     def prefill(self, states, tokens_bt, lengths_b, state: SpecState, sp, key, greedy: bool = False) -> SpecState:
-        """The padded prompts through target, MTP and drafter context, chunk by chunk; returns the
-        state (donated) with each row's first token pending."""
+        """The padded prompts through target, MTP and drafter context, chunk by chunk: the state (donated)
+        with each row's first token pending."""
         for start, chunk_bt, next_b in prefill_chunks(tokens_bt, self.prefill_chunk):
             state = self.prefill_step(states, chunk_bt, next_b, start, lengths_b, state, sp, key, greedy=greedy)
         return state
@@ -288,11 +249,8 @@ class SpecDecoder:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None = None,
                  seed: int = 0, stop_ids=None,
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> GenerationResult:
-        """Speculative generation; same contract as `ARDecoder.generate`, plus acceptance stats.
-
-        `stats["acceptance_lengths"]` holds, per row, the tokens committed by each verify round
-        (accepted drafts + bonus) while the row was running.
-        """
+        """Speculative generation; `ARDecoder.generate`'s contract plus `stats["acceptance_lengths"]` (per
+        row, the tokens each verify round committed)."""
         cfg = self.target.cfg
         sp = sampling or SamplingParams.make()
         greedy = sp.is_greedy

@@ -1,13 +1,9 @@
 """Acceptance statistics, with the paper's definitions, in one place.
 
-An acceptance length is the number of tokens one verify round commits: accepted drafts + the bonus
-(so 1 .. block). With `hist[k]` = rounds that accepted exactly k drafts:
-
-* per-request mean: mean over requests of each request's mean acceptance length;
-* per-verify mean: `1 + sum(k * hist[k]) / sum(hist)` (pooled over all rounds);
-* first-candidate acceptance: `1 - hist[0] / sum(hist)`;
-* cumulative `P(L >= k)`: fraction of rounds that accepted at least k drafts, k = 1..block-1;
-* conditional acceptance at position k: `P(L >= k) / P(L >= k-1)` (with `P(L >= 0) = 1`).
+An acceptance length is the tokens one verify round commits: accepted drafts + the bonus (1 ..
+block). With `hist[k]` = rounds that accepted exactly k drafts: per-request mean (mean of each
+request's mean); per-verify mean `1 + sum(k * hist[k]) / sum(hist)`; first-candidate acceptance
+`1 - hist[0] / sum(hist)`; `P(L >= k)`, k = 1..block-1; conditional `P(L >= k) / P(L >= k-1)`.
 
 Example:
     >>> s = acceptance_stats([[3, 1, 8], [2]], block_size=8)
@@ -18,6 +14,8 @@ Example:
 from __future__ import annotations
 
 import numpy as np
+
+from dmtp_jax.decode.auto import describe_verdict
 
 
 def acceptance_stats(acceptance_lengths: list[list[int]], block_size: int) -> dict:
@@ -48,13 +46,8 @@ def acceptance_stats(acceptance_lengths: list[list[int]], block_size: int) -> di
 
 
 def first_candidate_by_source(acceptance_lengths: list[list[int]], t1_from_mtp: list[list[bool]]) -> dict:
-    """dmtp-adaptive's split: the fraction of rounds whose first candidate was MTP's, and the
-    first-candidate acceptance and tokens per verify of each kind of round (None when none ran).
-
-    Example:
-        >>> first_candidate_by_source([[3, 1], [1]], [[True, True], [False]])["mtp_t1_fraction"]
-        0.6666666666666666
-    """
+    """dmtp-adaptive's split: the fraction of rounds whose first candidate was MTP's, and each kind's
+    first-candidate acceptance and tokens per verify (None when none ran)."""
     split: dict = {True: [], False: []}
     for lengths, sources in zip(acceptance_lengths, t1_from_mtp):
         for length, from_mtp in zip(lengths, sources):
@@ -69,8 +62,8 @@ def first_candidate_by_source(acceptance_lengths: list[list[int]], t1_from_mtp: 
 
 
 def format_stats(stats: dict) -> str:
-    """`generate`'s stats (`SpecDecoder.generate(...).stats` / `ARDecoder`'s) as the lines it prints on
-    stderr: tokens, forwards, speed; acceptance; the exactness probe's verdict.
+    """`generate`'s stats as the lines it prints on stderr: tokens, forwards, speed; acceptance; the
+    exactness probe's verdict.
 
     Example:
         >>> print(format_stats({"method": "ar", "new_tokens": 8, "target_forwards": 8, "ttft_s": 0.01,
@@ -88,7 +81,6 @@ def format_stats(stats: dict) -> str:
         line += "\nconditional acceptance by position: " + " ".join(
             f"{p:.2f}" for p in stats["conditional_acceptance"])
     if "auto" in stats:
-        from dmtp_jax.decode.auto import describe_verdict
         line += "\nauto, " + describe_verdict(stats["auto"])
     probe = stats.get("exactness_probe")
     if probe:

@@ -1,20 +1,15 @@
 """Block verification: how many drafts the target accepts, and the bonus token.
 
-Every function takes the target's distributions at the `n+1` verify slots (slot i predicts the token
-after verify token i) and `n` draft tokens, and returns `(accepted [B], bonus [B])`; the committed
+Every verifier takes the target's distributions at the `n+1` verify slots (slot i predicts the
+token after verify token i) and `n` drafts, and returns `(accepted [B], bonus [B])`; the committed
 tokens are `drafts[:accepted] + [bonus]`.
 
-* `verify_greedy`: exact match against the target argmax (spec output == greedy output).
-* `verify_target_only`: draw one target sample per slot and accept the matching prefix (lossless,
-  needs no draft probabilities; greedy is its argmax special case).
-* `verify_rejection`: speculative sampling with the drafter's probabilities `q`: accept draft i with
-  probability `min(1, p_i(d) / q_i(d))`; at the first rejection the bonus is drawn from
-  `norm(max(p - q, 0))` (falling back to `p`), after a full accept from the last slot's `p`.
-* `verify_block`: block verification (Sun et al., "Block Verification Accelerates Speculative
-  Decoding", 2024, arXiv 2403.10444): the same inputs as `verify_rejection`, but the block is
-  accepted jointly; lossless, and its expected accepted length is never below `verify_rejection`'s
-  for the same drafts (see its docstring for the algorithm).
-"""
+* `verify_greedy`: exact match against the target argmax.
+* `verify_target_only`: one target sample per slot, accept the matching prefix (lossless).
+* `verify_rejection`: speculative sampling with the drafter's `q`: accept draft i with probability
+  `min(1, p_i(d) / q_i(d))`; the bonus from `norm(max(p - q, 0))` (else `p`).
+* `verify_block`: block verification (Sun et al. 2024, arXiv 2403.10444): lossless, expected
+  accepted length never below `verify_rejection`'s for the same drafts."""
 
 from __future__ import annotations
 
@@ -33,14 +28,14 @@ def _at(x_bn_: jax.Array, index_b: jax.Array) -> jax.Array:
 
 
 def verify_greedy(target_logits_bsv: jax.Array, drafts_bn: jax.Array):
-    """Example: `acc, bonus = verify_greedy(logits[:, :8], drafts[:, :7])`."""
+    """`(accepted [B], bonus [B])` from target logits `[B, n+1, V]` and drafts `[B, n]`."""
     pred = jnp.argmax(target_logits_bsv, axis=-1).astype(jnp.int32)
     acc = _prefix_len(drafts_bn == pred[:, :-1])
     return acc, _at(pred, acc)
 
 
 def verify_target_only(target_probs_bsv: jax.Array, drafts_bn: jax.Array, key: jax.Array):
-    """Example: `acc, bonus = verify_target_only(p, drafts, key)`."""
+    """`(accepted [B], bonus [B])`: target samples from `p [B, n+1, V]` matched against drafts `[B, n]`."""
     samples = sample_from_probs(target_probs_bsv, key)
     acc = _prefix_len(drafts_bn == samples[:, :-1])
     return acc, _at(samples, acc)
@@ -48,7 +43,7 @@ def verify_target_only(target_probs_bsv: jax.Array, drafts_bn: jax.Array, key: j
 
 def verify_rejection(target_probs_bsv: jax.Array, draft_probs_bnv: jax.Array, drafts_bn: jax.Array,
                      key: jax.Array):
-    """Example: `acc, bonus = verify_rejection(p, q, drafts, key)`."""
+    """`(accepted [B], bonus [B])`: token-level speculative sampling, `p [B, n+1, V]`, `q [B, n, V]`."""
     n = drafts_bn.shape[1]
     k_accept, k_bonus = jax.random.split(key)
     p_d = jnp.take_along_axis(target_probs_bsv[:, :n], drafts_bn[..., None], axis=-1)[..., 0]
@@ -64,14 +59,8 @@ def verify_rejection(target_probs_bsv: jax.Array, draft_probs_bnv: jax.Array, dr
 
 
 def block_weights(target_probs_bsv: jax.Array, draft_probs_bnv: jax.Array, drafts_bn: jax.Array):
-    """The block verifier's weights: `(w [B, n+1], h [B, n], residual_mass [B, n+1])`.
-
-    `w[:, k]` is the acceptance weight of the first k drafts, `h[:, k-1]` the probability of
-    accepting (at least) k drafts given that no longer prefix was accepted, `residual_mass[:, k]`
-    the mass of the bonus residual after k drafts (see `verify_block`).
-
-    Example: `w, h, mass = block_weights(p, q, drafts)`.
-    """
+    """The block verifier's weights `(w [B, n+1], h [B, n], residual_mass [B, n+1])` (`verify_block`'s
+    `w_k`, `h_k`, `R_k`)."""
     n = drafts_bn.shape[1]
     p_d = jnp.take_along_axis(target_probs_bsv[:, :n], drafts_bn[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(draft_probs_bnv, drafts_bn[..., None], axis=-1)[..., 0]
@@ -88,33 +77,19 @@ def block_weights(target_probs_bsv: jax.Array, draft_probs_bnv: jax.Array, draft
 
 def verify_block(target_probs_bsv: jax.Array, draft_probs_bnv: jax.Array, drafts_bn: jax.Array,
                  key: jax.Array, *, _token_level_last: bool = False):
-    """Block verification. Example: `acc, bonus = verify_block(p, q, drafts, key)`.
+    """Block verification: `(accepted [B], bonus [B])` from `p [B, n+1, V]`, `q [B, n, V]`, drafts.
 
-    Notation: drafts `d_1..d_n` were sampled from `q_0..q_{n-1}` (`q_{k}` = `draft_probs[:, k]`, the
-    proposer's distribution for `d_{k+1}`: MTP's for T1, DFlash's / the DFlash2 selector's / the
-    chained MTP's for the rest); `p_k` = `target_probs[:, k]` is the target at verify slot k (it
-    predicts the token after `d_k`; `p_n` follows a fully accepted block). Put `q_n := 0`.
+    Drafts `d_1..d_n` were sampled from `q_0..q_{n-1}`; `p_k` is the target at verify slot k; `q_n := 0`.
 
         w_0 = 1,  w_k = min(1, w_{k-1} p_{k-1}(d_k) / q_{k-1}(d_k))          k = 1..n
         r_k(x) = max(w_k p_k(x) - q_k(x), 0),  R_k = sum_x r_k(x)              k = 0..n
         h_k = R_k / (R_k + 1 - w_k)   (h_k = 1 when w_k = 1; so h_n = w_n)    k = 1..n
         draw eta_1..eta_n ~ U(0, 1) independently
         accepted = max {k >= 1 : eta_k < h_k}, or 0 when there is none
-        bonus ~ r_accepted / R_accepted   (p_accepted when R_accepted == 0; after a full accept
-                                           this is p_n, and after none r_0 = max(p_0 - q_0, 0))
+        bonus ~ r_accepted / R_accepted   (p_accepted when R_accepted == 0)
 
-    Unlike token-level rejection (accept the longest prefix whose every `eta_k < p/q`), a weak
-    draft does not end the block: a later position can still accept through it, because `w_k`
-    carries the likelihood ratio of the whole prefix and the residual `r_k` pays back the mass
-    that token-level verification would have rejected. The output has the target's distribution
-    (Sun et al., Theorem 1) and E[accepted] is maximal among valid verifiers that see only these
-    conditionals, hence >= `verify_rejection`'s (tests/test_block_verify.py checks both exactly on
-    small vocabularies). All shapes are fixed: one weight recursion over the static block length,
-    one masked max for `accepted`, one categorical draw per row.
-
-    `_token_level_last` (tests only) is a deliberately wrong variant: the last position's weight
-    `h_n` is replaced by the token-level `min(1, p_{n-1}(d_n) / q_{n-1}(d_n))`; it is not lossless.
-    """
+    The output has the target's distribution (Sun et al., Theorem 1). `_token_level_last` (tests
+    only) is a deliberately wrong, lossy variant."""
     n = drafts_bn.shape[1]
     k_accept, k_bonus = jax.random.split(key)
     w, h, mass = block_weights(target_probs_bsv, draft_probs_bnv, drafts_bn)

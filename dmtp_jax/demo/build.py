@@ -1,20 +1,10 @@
 """`train.py pretrain`: data, tokenizer, joint target + MTP pretraining and the HF export of the demo.
 
-Steps of `run_pretrain(cfg)` (all outputs under `cfg.work_dir` except the exported model):
-
-1. `prepare_data`: the stdlib corpus (`demo.corpus`), the BPE tokenizer, the token streams
-   (`train_tokens.npy`, `val_tokens.npy` from the held-out modules), the benchmark prompts
-   (`cfg.bench_prompts`, from held-out modules) and the drafter prompts (`drafter_prompts.jsonl`,
-   from training modules: `train.py regen` answers them with the target);
-2. training (`demo.pretrain.Pretrainer` in `train.loop.run_loop`, the drafter's loop): progress
-   bar, `metrics.jsonl`, orbax checkpoints every `checkpoint_every` steps and at exit, SIGTERM /
-   SIGINT checkpoint and stop, `resume=True` continues bit for bit;
-3. held-out evaluation (main / MTP CE and top-1) and the export: `config.json`, safetensors with
-   the target and `mtp.*` tensors in `save_dtype`, tokenizer files, `generation_config.json`.
-
-Example:
-    >>> summary = run_pretrain(PretrainConfig.from_dict(get_config()))  # doctest: +SKIP
-"""
+`run_pretrain(cfg)`, outputs under `cfg.work_dir` but the exported model: `prepare_data` (corpus,
+tokenizer, token streams, benchmark prompts from held-out modules, drafter prompts from training
+modules); training (`demo.pretrain.Pretrainer` in `train.loop.run_loop`, resumable bit for bit);
+held-out evaluation and the export (`config.json`, safetensors with the target and `mtp.*`,
+tokenizer files, `generation_config.json`). Rebuilding the demo: docs/demo.md."""
 
 from __future__ import annotations
 
@@ -23,11 +13,21 @@ import json
 import os
 import time
 
+import jax
 import numpy as np
 
-from dmtp_jax.config import check_config_keys
-from dmtp_jax.train.window import WindowBatches, WindowRunConfig, window_run_options
+from dmtp_jax.checkpoint.hf import LoadedModel, abstract_target, save_target
+from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp, mtp_tensors
+from dmtp_jax.config import TargetConfig, check_config_keys
+from dmtp_jax.demo import corpus
+from dmtp_jax.demo.corpus import build_prompts
+from dmtp_jax.demo.pretrain import PretrainStep, Pretrainer
 from dmtp_jax.errors import InputError
+from dmtp_jax.models.mtp import mtp_config_for
+from dmtp_jax.sharding import make_mesh
+from dmtp_jax.train.loop import run_loop
+from dmtp_jax.train.optim import optim_config
+from dmtp_jax.train.window import WindowBatches, WindowRunConfig, window_run_options
 
 
 @dataclasses.dataclass
@@ -78,12 +78,7 @@ class PretrainConfig(WindowRunConfig):
 
     @classmethod
     def from_dict(cls, d: dict) -> "PretrainConfig":
-        """Rejects unknown keys.
-
-        Example:
-            >>> PretrainConfig.from_dict({"steps": 3}).steps
-            3
-        """
+        """Rejects unknown keys."""
         check_config_keys(cls, d, "pretrain")
         return cls(**d)
 
@@ -91,13 +86,9 @@ class PretrainConfig(WindowRunConfig):
         """The `config.json` dict of the target (text-only form for `qwen3_5`, one MTP layer).
 
         Example:
-            >>> PretrainConfig().target_hf_config(0)["model_type"]
-            'qwen3'
             >>> PretrainConfig(model_type="qwen3_5").target_hf_config(0)["layer_types"][:4]
             ['linear_attention', 'linear_attention', 'linear_attention', 'full_attention']
         """
-        from dmtp_jax.config import TargetConfig
-
         if self.model_type not in ("qwen3", "qwen3_5"):
             raise InputError(f"pretrain model_type must be 'qwen3' or 'qwen3_5', not '{self.model_type}'")
         d = {"model_type": self.model_type, "vocab_size": self.vocab_size,
@@ -131,13 +122,8 @@ def _paths(cfg: PretrainConfig) -> dict:
 
 def drafter_prompts(train_files: list[str], stream: np.ndarray, tokenizer, num: int, window: int,
                     seed: int) -> list[dict]:
-    """Half docstring prompts of training modules, half random code windows of `window` tokens
-    (as `{"input_ids": ...}` records with no supervised token: all prompt).
-
-    Example:
-        >>> recs = drafter_prompts(files, stream, tok, 100, 96, 0)  # doctest: +SKIP
-    """
-    from dmtp_jax.demo.corpus import build_prompts
+    """Half docstring prompts of training modules, half random code windows of `window` tokens, as
+    `{"input_ids": ...}` records with no supervised token."""
     texts = build_prompts(train_files, num // 2, seed=seed, max_chars=500)
     recs = [{"text": t} for t in texts]
     rng = np.random.default_rng([seed, 1])
@@ -151,14 +137,9 @@ def drafter_prompts(train_files: list[str], stream: np.ndarray, tokenizer, num: 
 
 
 def prepare_data(cfg: PretrainConfig) -> dict:
-    """Builds (or reuses) the tokenizer, token streams and prompt files; returns the manifest.
+    """Builds (or reuses) the tokenizer, token streams and prompt files; returns the manifest."""
+    from transformers import AutoTokenizer     # lazy: transformers imports torch (seconds)
 
-    Example:
-        >>> prepare_data(PretrainConfig(work_dir="/tmp/demo"))["train_tokens"]  # doctest: +SKIP
-    """
-    from transformers import AutoTokenizer
-
-    from dmtp_jax.demo import corpus
 
     p = _paths(cfg)
     if os.path.isfile(p["manifest"]):
@@ -195,13 +176,10 @@ def prepare_data(cfg: PretrainConfig) -> dict:
 
 
 def write_extra_prompts(cfg: PretrainConfig, paths: dict) -> None:
-    """The prompt files drawn like the drafter prompts (training modules only) with other seeds,
-    where missing: `calibration_prompts.jsonl` (`train.py regen` answers them, `train.py calibrate`
-    picks dmtp-adaptive's threshold on that text) and `mtp_prompts.jsonl` (their answers are the
-    MTP-only phase's extra text). The held-out modules are never used."""
-    from transformers import AutoTokenizer
+    """Where missing, `calibration_prompts.jsonl` and `mtp_prompts.jsonl`, drawn like the drafter
+    prompts (training modules only) with other seeds."""
+    from transformers import AutoTokenizer     # lazy: transformers imports torch (seconds)
 
-    from dmtp_jax.demo import corpus
     wanted = [(key, num, cfg.seed + offset) for key, num, offset in
               (("calibration_prompts", cfg.num_calibration_prompts, 1000), ("mtp_prompts", cfg.num_mtp_prompts, 2000))
               if not os.path.isfile(paths[key])]
@@ -217,17 +195,8 @@ def write_extra_prompts(cfg: PretrainConfig, paths: dict) -> None:
 
 
 def export_target(cfg: PretrainConfig, params, target_cfg, tokenizer_dir: str) -> str:
-    """Writes the HF directory (target + `mtp.*` in `save_dtype`, tokenizer, generation config).
-
-    Example:
-        >>> export_target(cfg, state.params, target_cfg, "demo_out/data/tokenizer")  # doctest: +SKIP
-        'demo/target'
-    """
-    from dmtp_jax.checkpoint.hf import LoadedModel, abstract_target, save_target
-    from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp, mtp_tensors
-    from dmtp_jax.models.mtp import mtp_config_for
-    from dmtp_jax.sharding import make_mesh
-
+    """Writes the HF directory (target + `mtp.*` in `save_dtype`, tokenizer, generation config); returns
+    its path."""
     mesh = make_mesh()
     tgd, _ = abstract_target(target_cfg, "float32")
     mgd, _ = abstract_mtp(target_cfg, "float32")
@@ -244,20 +213,9 @@ def export_target(cfg: PretrainConfig, params, target_cfg, tokenizer_dir: str) -
 
 
 def run_pretrain(cfg: PretrainConfig) -> dict:
-    """Data, training (`train.loop.run_loop`, resumable), evaluation and export; returns the
-    summary (also written to `<work_dir>/target_run/summary.json`). A run stopped by SIGTERM /
-    SIGINT returns the loop's summary (`stopped_by`, `exit_status`) with a checkpoint written and
-    neither evaluates nor exports: `--resume` continues it.
-
-    Example:
-        >>> run_pretrain(PretrainConfig(steps=2, work_dir="/tmp/d", export_dir="/tmp/t"))  # doctest: +SKIP
-    """
-    import jax
-
-    from dmtp_jax.config import TargetConfig
-    from dmtp_jax.demo.pretrain import Pretrainer, PretrainStep
-    from dmtp_jax.train.loop import run_loop
-    from dmtp_jax.train.optim import optim_config
+    """Data, training (resumable), evaluation and export: the summary (also
+    `<work_dir>/target_run/summary.json`). A run stopped by SIGTERM / SIGINT returns the loop's
+    summary with a checkpoint written, without evaluating or exporting."""
 
     p = _paths(cfg)
     manifest = prepare_data(cfg)

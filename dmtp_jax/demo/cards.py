@@ -1,10 +1,5 @@
-"""Model cards (`README.md`) of the shipped demo directories, written from the runs' own records.
-
-    python -m dmtp_jax.demo.cards --work-dir demo_out --runs demo_out/runs --demo demo
-
-Example:
-    >>> print(target_card(json.load(open("demo_out/target_run/summary.json"))))  # doctest: +SKIP
-"""
+"""Model cards (`README.md`) of the shipped demo directories, written from the runs' own records
+(`python -m dmtp_jax.demo.cards --work-dir demo_out --runs demo_out/runs --demo demo`)."""
 
 from __future__ import annotations
 
@@ -81,11 +76,7 @@ def target_card(summary: dict, distil: dict | None = None) -> str:
 
 def drafter_card(name: str, run_dir: str, method_text: str, calibration: str | None = None) -> str:
     """A drafter's card from its run directory (`run_config.json`, `metrics.jsonl`, and for
-    dmtp-adaptive its `calibration.json`, written by `train.py calibrate` next to the weights).
-
-    Example:
-        >>> drafter_card("dflash", "demo_out/runs/dflash", "DFlash")  # doctest: +SKIP
-    """
+    dmtp-adaptive `calibration.json`)."""
     with open(os.path.join(run_dir, "run_config.json")) as fh:
         cfg = json.load(fh)["train"]
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:

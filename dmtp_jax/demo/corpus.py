@@ -1,21 +1,11 @@
-"""The demo's corpus and tokenizer: the Python standard library source of the running interpreter.
+"""The demo's corpus and tokenizer: the Python standard library source of the running interpreter
+(PSF licence, as are the tokenizer merges and prompts derived from it).
 
-Training files are the stdlib's `*.py` files minus the test directories (`test`, `tests`,
-`idle_test`), a few directories of generated tables (`pydoc_data`, `encodings`, `site-packages`),
-files above `MAX_FILE_BYTES`, and the held-out modules `HELD_OUT` (the benchmark prompts are cut
-from these; never trained on). Files are taken in a fixed hash order until `max_bytes` of text.
-
-The tokenizer is a byte-level BPE (`tokenizers`, GPT-2 pre-tokenisation, byte alphabet) with the
-special tokens `<|endoftext|>` (EOS / PAD, id 0) and `<|mask|>` (the DFlash mask, id 1), saved as a
-`PreTrainedTokenizerFast` so `transformers.AutoTokenizer` loads it.
-
-The corpus text is Python Software Foundation code (PSF licence); so are the tokenizer merges and
-the prompts derived from it.
-
-Example:
-    >>> files = corpus_files()  # doctest: +SKIP
-    >>> tok_dir = train_tokenizer([read_text(f) for f in files], "/tmp/tok", vocab_size=4096)  # doctest: +SKIP
-"""
+Training files: the stdlib's `*.py` files minus test directories, generated tables, files above
+`MAX_FILE_BYTES` and the held-out modules `HELD_OUT` (benchmark prompts come from these), in a
+fixed hash order up to `max_bytes`. The tokenizer is a byte-level BPE with `<|endoftext|>` (EOS /
+PAD, id 0) and `<|mask|>` (DFlash mask, id 1), saved as an AutoTokenizer-loadable
+`PreTrainedTokenizerFast`."""
 
 from __future__ import annotations
 
@@ -26,6 +16,7 @@ import os
 import sysconfig
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
@@ -42,12 +33,7 @@ HELD_OUT = (
 
 
 def stdlib_root() -> str:
-    """The running interpreter's stdlib directory.
-
-    Example:
-        >>> os.path.isfile(os.path.join(stdlib_root(), "os.py"))
-        True
-    """
+    """The running interpreter's stdlib directory."""
     return sysconfig.get_paths()["stdlib"]
 
 
@@ -65,7 +51,7 @@ def _hash_key(rel: str) -> str:
 
 def corpus_files(root: str | None = None, max_bytes: int = 4_000_000,
                  held_out: tuple[str, ...] = HELD_OUT) -> list[str]:
-    """Relative paths of the training files (see module docstring), in their fixed order.
+    """Relative paths of the training files, in their fixed order.
 
     Example:
         >>> files = corpus_files(max_bytes=100_000)
@@ -86,23 +72,13 @@ def corpus_files(root: str | None = None, max_bytes: int = 4_000_000,
 
 
 def held_out_files(root: str | None = None, held_out: tuple[str, ...] = HELD_OUT) -> list[str]:
-    """The held-out modules present in this interpreter's stdlib.
-
-    Example:
-        >>> "textwrap.py" in held_out_files()
-        True
-    """
+    """The held-out modules present in this interpreter's stdlib."""
     root = root or stdlib_root()
     return [rel for rel in held_out if os.path.isfile(os.path.join(root, rel))]
 
 
 def read_text(rel: str, root: str | None = None) -> str:
-    """A stdlib file's text (UTF-8, undecodable bytes replaced).
-
-    Example:
-        >>> "def wrap(" in read_text("textwrap.py")
-        True
-    """
+    """A stdlib file's text (UTF-8, undecodable bytes replaced)."""
     with open(os.path.join(root or stdlib_root(), rel), encoding="utf-8", errors="replace") as fh:
         return fh.read()
 
@@ -117,8 +93,7 @@ def train_tokenizer(texts, out_dir: str, vocab_size: int = 4096, min_frequency: 
         >>> tok.eos_token_id, tok.decode(tok("def f(x):").input_ids)
         (0, 'def f(x):')
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast     # lazy: transformers imports torch (seconds)
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -135,20 +110,15 @@ def train_tokenizer(texts, out_dir: str, vocab_size: int = 4096, min_frequency: 
 
 
 def encode_files(tokenizer, texts, eos_id: int) -> np.ndarray:
-    """One int32 token stream: each text's ids followed by EOS.
-
-    Example:
-        >>> encode_files(tok, ["x = 1\\n"], 0)  # doctest: +SKIP
-        array([..., 0], dtype=int32)
-    """
+    """One int32 token stream: each text's ids followed by EOS."""
     enc = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     parts = [np.asarray(ids + [eos_id], np.int32) for ids in enc]
     return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
 
 
 def docstring_prompts(source: str, min_doc_chars: int = 40, max_chars: int = 600) -> list[str]:
-    """Prompts cut from a module: each function's source from `def` through its docstring (plus
-    the newline after it), for functions whose docstring has at least `min_doc_chars` characters.
+    """Prompts cut from a module: each function's source from `def` through its docstring (and the
+    newline after it), for docstrings of at least `min_doc_chars` characters.
 
     Example:
         >>> docstring_prompts("def f(a):\\n    \'\'\'Return a plus one, for every a given.\'\'\'\\n    return a\\n", 10)
@@ -178,12 +148,7 @@ def docstring_prompts(source: str, min_doc_chars: int = 40, max_chars: int = 600
 
 
 def build_prompts(files: list[str], num: int, seed: int = 0, root: str | None = None, **kw) -> list[str]:
-    """`num` docstring prompts drawn (seeded, without replacement) from `files`, spread over them.
-
-    Example:
-        >>> len(build_prompts(held_out_files(), 4))
-        4
-    """
+    """`num` docstring prompts drawn (seeded, without replacement) from `files`, spread over them."""
     per_file = [docstring_prompts(read_text(f, root), **kw) for f in files]
     rng = np.random.default_rng(seed)
     for p in per_file:
@@ -197,12 +162,7 @@ def build_prompts(files: list[str], num: int, seed: int = 0, root: str | None = 
 
 
 def write_prompt_jsonl(prompts: list[str], path: str) -> str:
-    """`{"prompt": ...}` lines (the `infer.py bench --workload FILE.jsonl` layout).
-
-    Example:
-        >>> write_prompt_jsonl(["def f():\\n"], "/tmp/p.jsonl")
-        '/tmp/p.jsonl'
-    """
+    """`{"prompt": ...}` lines (the `infer.py bench --workload FILE.jsonl` layout); returns the path."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         for p in prompts:

@@ -1,24 +1,10 @@
 """`train.py distil-mtp`: the MTP-only phase of the demo target (`demo.pretrain.MtpDistiller`).
 
-The target is frozen. Its MTP head, as joint pretraining left it (the *corpus head*: trained to
-predict the corpus two tokens ahead), is trained further to predict the target's own next-token
-distribution on text the target wrote (`train.py regen` output, the drafters' training data), the
-role a native MTP head plays when it proposes the first candidate. Steps of `run_distil(cfg)`:
-
-1. the corpus head is kept: written once to `cfg.corpus_head_dir` (`mtp.*` tensors and a card),
-   and every run starts from that copy, so re-running never distils a distilled head;
-2. data: the regen rows (`input_ids`) of every file, joined with EOS into one stream; batch `s` is
-   `window_batch(stream, ..., seed, s)` (`train.window.WindowBatches`: resumable bit for bit);
-3. the loop (`train.loop.run_loop`, the drafter's: signals, non-finite losses, full disk, cut-off
-   checkpoints; a stopped run replaces nothing and resumes with `--resume`), then the evaluation
-   of both heads on held-out windows (`val_tokens.npy`: the held-out modules, text the target
-   never trained on; `agree` = MTP top-1 equals the target's top-1);
-4. the distilled head replaces the `mtp.*` tensors of the target directory (in `save_dtype`); the
-   target's own tensors are copied byte for byte.
-
-Example:
-    >>> summary = run_distil(DistilConfig.from_dict(get_config()))  # doctest: +SKIP
-"""
+The target is frozen; its MTP head as pretraining left it (the corpus head, kept once in
+`cfg.corpus_head_dir`, so every run starts from it) learns the target's own next-token
+distribution on regen text (`train.window.WindowBatches` over one EOS-joined stream) in
+`train.loop.run_loop`. Both heads are evaluated on held-out windows; the distilled head then
+replaces the target directory's `mtp.*` tensors (the target's own tensors copied byte for byte)."""
 
 from __future__ import annotations
 
@@ -26,11 +12,19 @@ import dataclasses
 import json
 import os
 
+import jax
 import numpy as np
 
+from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.checkpoint.mtp_ckpt import MTP_PREFIX, has_mtp, load_mtp, mtp_tensors
+from dmtp_jax.checkpoint.safetensors_io import CheckpointReader, SafetensorsFile, write_safetensors
 from dmtp_jax.config import check_config_keys
-from dmtp_jax.train.window import WindowBatches, WindowRunConfig, window_run_options
+from dmtp_jax.demo.pretrain import MtpDistiller
 from dmtp_jax.errors import InputError
+from dmtp_jax.train.data import read_records, token_stream
+from dmtp_jax.train.loop import run_loop
+from dmtp_jax.train.optim import optim_config
+from dmtp_jax.train.window import WindowBatches, WindowRunConfig, window_run_options
 
 CORPUS_HEAD_CARD = """# {name}: the demo target's corpus-only MTP head
 
@@ -47,8 +41,8 @@ Same format as the target's `mtp.*` tensors (bf16); loads with `--mtp {name}`.
 
 @dataclasses.dataclass
 class DistilConfig(WindowRunConfig):
-    """The MTP-only phase (`configs/demo_mtp.py` fills it; flags override); the optimisation and
-    run fields are `WindowRunConfig`'s."""
+    """The MTP-only phase (`configs/demo_mtp.py` fills it; flags override); optimisation and run fields
+    are `WindowRunConfig`'s."""
     target: str = "demo/target"                 # frozen target; its mtp.* tensors are replaced
     data: str | tuple[str, ...] = "demo/regen.jsonl"    # text the target wrote (one file or several)
     corpus_head_dir: str = "demo/mtp_corpus"    # the pretrained (corpus-only) head, kept
@@ -71,14 +65,8 @@ class DistilConfig(WindowRunConfig):
 
 
 def regen_stream(paths: str | tuple[str, ...], eos_id: int) -> np.ndarray:
-    """The tokens of every regen record of `paths` (one file or several, in order), each followed
-    by `eos_id`, as one int32 stream (`train.data.token_stream`, no tokenizer: `input_ids` records).
-
-    Example:
-        >>> regen_stream("demo/regen.jsonl", 0)[:4]  # doctest: +SKIP
-    """
-    from dmtp_jax.train.data import read_records, token_stream
-
+    """The tokens of every regen record of `paths` (one file or several), each followed by `eos_id`, as
+    one int32 stream."""
     paths = (paths,) if isinstance(paths, str) else tuple(paths)
     ids = np.concatenate([token_stream(read_records(path), eos_id) for path in paths])
     if not len(ids):
@@ -88,9 +76,6 @@ def regen_stream(paths: str | tuple[str, ...], eos_id: int) -> np.ndarray:
 
 def keep_corpus_head(target_dir: str, out_dir: str, card: str) -> None:
     """Copies the target's `mtp.*` tensors to `out_dir` unless it already holds a head."""
-    from dmtp_jax.checkpoint.mtp_ckpt import MTP_PREFIX, has_mtp
-    from dmtp_jax.checkpoint.safetensors_io import CheckpointReader, write_safetensors
-
     if os.path.isdir(out_dir) and has_mtp(out_dir):
         return
     reader = CheckpointReader(target_dir)
@@ -105,9 +90,6 @@ def keep_corpus_head(target_dir: str, out_dir: str, card: str) -> None:
 
 def replace_mtp_tensors(target_dir: str, mtp_tensors: dict[str, np.ndarray]) -> None:
     """Rewrites the target's single `model.safetensors` with `mtp.*` replaced (atomic)."""
-    from dmtp_jax.checkpoint.mtp_ckpt import MTP_PREFIX
-    from dmtp_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
-
     path = os.path.join(target_dir, "model.safetensors")
     if not os.path.isfile(path):
         raise InputError(f"{target_dir}: distil-mtp writes single-file targets (model.safetensors)")
@@ -118,20 +100,8 @@ def replace_mtp_tensors(target_dir: str, mtp_tensors: dict[str, np.ndarray]) -> 
 
 
 def run_distil(cfg: DistilConfig) -> dict:
-    """Keeps the corpus head, distils, evaluates both heads, writes the distilled head into the
-    target; returns the summary (also `<run_dir>/summary.json`). A run stopped by SIGTERM / SIGINT
-    returns the loop's summary (`stopped_by`) with a checkpoint written and the target untouched.
-
-    Example:
-        >>> run_distil(DistilConfig(steps=2, target="/tmp/t", data="/tmp/regen.jsonl"))  # doctest: +SKIP
-    """
-    import jax
-
-    from dmtp_jax.checkpoint.hf import load_target
-    from dmtp_jax.checkpoint.mtp_ckpt import load_mtp, mtp_tensors
-    from dmtp_jax.demo.pretrain import MtpDistiller
-    from dmtp_jax.train.loop import run_loop
-    from dmtp_jax.train.optim import optim_config
+    """Keeps the corpus head, distils, evaluates both heads and writes the distilled head into the
+    target: the summary (also `<run_dir>/summary.json`). A stopped run leaves the target untouched."""
 
     name = os.path.basename(os.path.normpath(cfg.corpus_head_dir))
     keep_corpus_head(cfg.target, cfg.corpus_head_dir, CORPUS_HEAD_CARD.format(name=name, mtp_lambda=cfg.mtp_lambda))

@@ -1,14 +1,12 @@
 """The one mask rule of every attention call, and `MaskRule`: the rule's inputs, unmaterialised.
 
-Every caller (target prefill / decode / verify, the MTP head, the DFlash block, training) describes
-its keys by absolute positions and a validity flag:
+Keys are described by absolute positions and a validity flag:
 
     allowed = valid & (k_pos <= q_pos if causal) & (q_pos - k_pos < window if sliding)
 
-A non-causal sliding layer uses the symmetric window `|q_pos - k_pos| < window`, as the DFlash
-reference does. `attention_mask` builds the `[B, T, S]` mask; a `MaskRule` carries its inputs so
-that a long attention (`layers/attention.py`) can build the mask one block at a time, or hand it to
-a fused kernel, instead of materialising `T x S` of it.
+(a non-causal sliding layer: `|q_pos - k_pos| < window`, as DFlash). `attention_mask` builds the
+`[B, T, S]` mask; a `MaskRule` lets long attention build it block by block or hand it to a fused
+kernel.
 
 Example:
     >>> pos = jnp.arange(4)[None]
@@ -48,18 +46,9 @@ def attention_mask(q_pos_bt: jax.Array, k_pos_bs: jax.Array, k_valid_bs: jax.Arr
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MaskRule:
-    """The inputs of `attention_mask`, for attention that never holds the whole `[B, T, S]` mask.
-
-    `q_pos_bt [B, T]`, `k_pos_bs [B, S]` (absolute positions), `k_valid_bs [B, S]` (None: all
-    keys valid), static `causal` and `window`. `self_keys=True` promises more structure, which a
-    fused kernel needs: the keys are the queries' own tokens (`S == T`, `k_pos is q_pos`) at
-    consecutive positions, and the valid keys of a row are a prefix (right padding) -- then
-    position causality is index causality and validity is a per-row key count.
-
-    Example:
-        >>> rule = MaskRule(q_pos_bt, k_pos_bs, valid_bs, causal=True, window=None)  # doctest: +SKIP
-        >>> out_bthd = grouped_attention(q_bthd, k_bskd, v_bskd, rule)  # doctest: +SKIP
-    """
+    """The inputs of `attention_mask`: `q_pos_bt [B, T]`, `k_pos_bs [B, S]`, `k_valid_bs [B, S]` (None:
+    all valid), static `causal` and `window`. `self_keys=True` promises that the keys are the queries'
+    own tokens at consecutive positions with a valid prefix per row (what fused kernels need)."""
     q_pos_bt: jax.Array
     k_pos_bs: jax.Array
     k_valid_bs: jax.Array | None = None
@@ -72,9 +61,8 @@ class MaskRule:
         return attention_mask(self.q_pos_bt, self.k_pos_bs, self.k_valid_bs, self.causal, self.window)
 
     def block(self, q_start, q_len: int, k_start, k_len: int, k_from=None) -> jax.Array:
-        """The mask of queries `[q_start, q_start + q_len)` over keys `[k_start, k_start + k_len)`
-        (`[B, q_len, k_len]`, by the same rule); keys before `k_from` (default `k_start`) are off:
-        a block clamped to the end of the keys must not count keys of the block before it."""
+        """The mask `[B, q_len, k_len]` of queries `[q_start, +q_len)` over keys `[k_start, +k_len)`; keys
+        before `k_from` (default `k_start`) are off."""
         sl = lambda x, start, n: jax.lax.dynamic_slice_in_dim(x, start, n, axis=1)  # noqa: E731
         valid = None if self.k_valid_bs is None else sl(self.k_valid_bs, k_start, k_len)
         if k_from is not None:
@@ -91,8 +79,7 @@ class MaskRule:
         return jnp.sum(self.k_valid_bs, axis=1).astype(jnp.int32)
 
     def rows_with_keys(self) -> jax.Array:
-        """`[B, T]`: queries with at least one allowed key, under `self_keys` (no mask needed):
-        query i of a row with n valid keys sees key min(i, n-1) unless n = 0 or a window excludes it."""
+        """`[B, T]`: queries with at least one allowed key, under `self_keys` (no mask built)."""
         n_b1 = self.valid_counts()[:, None]
         i = jnp.arange(self.q_pos_bt.shape[1])[None]
         ok = n_b1 > 0

@@ -1,23 +1,16 @@
 """Blockwise (flash-style) grouped-query attention in plain XLA: memory linear in T and S.
 
-Queries are taken `q_block` at a time (`fori_loop`); for each query block an online softmax runs
-over the keys `k_block` at a time (an inner `fori_loop` carrying the running row max `m`, the
-running sum of weights `l` and the unnormalised output `acc`, all fp32):
+Query blocks (`fori_loop`), each with an online softmax over key blocks carrying fp32 `m`, `l`,
+`acc`:
 
     s   = q k^T / sqrt(D), -inf where the rule forbids     [B, kv, g, Tq, Sk]
     m'  = max(m, rowmax(s));  p = exp(s - m');  a = exp(m - m')
     l'  = a l + rowsum(p);    acc' = a acc + p v
     out = acc / l                                           (0 for a row with no allowed key)
 
-The mask of each block comes from the `MaskRule` (`layers/attention_mask.py`), never the whole
-`[B, T, S]` mask; a key block no query of the block may see (beyond causality or the window, or
-invalid) is skipped by `lax.cond`, so a prefill chunk over a long cache only pays for the slots
-before it. Blocks never pad the inputs (padding a cache-sized key array would copy it): a last
-block that would run past the end is moved back to end there, and its keys that belong to the
-block before are masked off; a moved query block recomputes rows, and writes the same values.
-
-Temporaries: `B * heads * q_block * k_block` fp32 scores per step plus the output, independent of
-the product T x S.
+Each block's mask comes from the `MaskRule`; key blocks no query may see are skipped
+(`lax.cond`). Inputs are never padded: a last block is moved back to end at the edge, its
+overlapping keys masked off. Temporaries: `B * heads * q_block * k_block` fp32 scores.
 
 Example:
     >>> q = jnp.ones((1, 100, 4, 8)); k = v = jnp.ones((1, 100, 2, 8))

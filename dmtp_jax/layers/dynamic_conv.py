@@ -1,9 +1,4 @@
-"""DFlash2's grouped dynamic causal conv as a pure function (`models/dflash.py` holds the module).
-
-Example:
-    >>> grouped_dynamic_conv(jnp.ones((1, 3, 4)), jnp.zeros((1, 3, 1, 1)), jnp.ones((1, 4)), 4).shape
-    (1, 3, 4)
-"""
+"""DFlash2's grouped dynamic causal conv as a pure function (`models/dflash.py` holds the module)."""
 
 from __future__ import annotations
 

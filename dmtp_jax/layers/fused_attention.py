@@ -1,24 +1,12 @@
-"""Fused attention kernels of a backend, for the masks they can express.
+"""Fused attention kernels of a backend, for a causal `self_keys` rule (keys are the queries' own
+tokens, a right-padded prefix valid):
 
-Both serve a causal `self_keys` rule -- keys are the queries' own tokens at consecutive positions, a
-right-padded prefix of them valid -- where index causality and a per-row key count express the rule:
+* `cudnn_attention` (GPU): `jax.nn.dot_product_attention(implementation="cudnn")` with
+  `key_value_seq_lengths` and a left window; None when cuDNN refuses (the caller falls back).
+* `pallas_tpu_attention` (TPU): the Pallas TPU flash kernel, validity as segment ids, K/V heads
+  repeated for GQA; no window, T a multiple of `PALLAS_BLOCK`.
 
-* `cudnn_attention` (GPU): cuDNN flash attention (`jax.nn.dot_product_attention(implementation=
-  "cudnn")`) with `key_value_seq_lengths` and a left window (`local_window_size=(window - 1, 0)`,
-  i.e. `q - k < window`). cuDNN decides the rest (head dim, dtype, compute capability) when the
-  program is traced; when it refuses, the caller falls back to the XLA blockwise form.
-* `pallas_tpu_attention` (TPU): jax's Pallas TPU flash kernel
-  (`jax.experimental.pallas.ops.tpu.flash_attention`), validity as segment ids (every query in
-  segment 1, valid keys 1, padding 0), the K/V heads repeated for GQA; no window, and T a multiple
-  of its 128-token blocks (`PALLAS_BLOCK`).
-
-A kernel's output for a query with no allowed key is not specified, so such rows are set to zero,
-as every other form returns.
-
-Example:
-    >>> with compiling_for("gpu"):  # doctest: +SKIP
-    ...     out = cudnn_attention(q_bthd, k_bthd, v_bthd, MaskRule(pos, pos, valid, self_keys=True))
-"""
+Rows with no allowed key are set to zero, as every other form returns."""
 
 from __future__ import annotations
 
@@ -48,11 +36,8 @@ def cudnn_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, rul
 
 def pallas_tpu_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, rule: MaskRule) -> jax.Array:
     """The Pallas TPU flash kernel under a causal `self_keys` rule without a window (T a multiple of
-    `PALLAS_BLOCK`). Runs on CPU too inside `pltpu.force_tpu_interpret_mode()` (tests).
-
-    Example:
-        >>> out = pallas_tpu_attention(q_bthd, k_bthd, v_bthd, MaskRule(pos, pos, valid, self_keys=True))  # doctest: +SKIP
-    """
+    `PALLAS_BLOCK`); runs on CPU inside `pltpu.force_tpu_interpret_mode()`."""
+    # imported where the TPU kernel is traced: the Pallas TPU ops are not needed on other backends
     from jax.experimental.pallas.ops.tpu.flash_attention import SegmentIds, flash_attention
     if not (rule.self_keys and rule.causal is True and not rule.window):
         raise ValueError("pallas_tpu_attention needs a causal self_keys MaskRule without a window")

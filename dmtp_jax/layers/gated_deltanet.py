@@ -1,23 +1,17 @@
 """Gated DeltaNet (Qwen3.5 / Qwen3.6 / Qwen3-Next linear attention) as pure functions.
 
-Per value head the recurrent state `S [dk, dv]` (fp32) follows the gated delta rule:
+Per value head the fp32 recurrent state `S [dk, dv]` follows the gated delta rule:
 
     S <- exp(g_t) * S                      # decay (g_t <= 0, a log decay)
     S <- S + k_t (beta_t (v_t - S^T k_t))^T # rank-1 delta correction
     o_t = S^T q_t
 
-`q`, `k` arrive L2-normalised, repeated to the value heads and (for `q`) scaled by `dk^-0.5`
-(`prepare_qk`). Two equivalent forms compute it: `gated_delta_recurrent` (a `lax.scan` over tokens:
-single-token decode and verify blocks, the same per-token op order as transformers' recurrent rule)
-and `gated_delta_chunked` (the UT-transform form over chunks of 64: prefill and training; one chunk
-over a verify block commits its accepted prefix, `gated_delta_state_after`).
-`gated_delta_rule` picks one by the static sequence length.
-
-A token with `g = 0, beta = 0` leaves the state unchanged: that is how padding is kept out of the
-state (`mask_gates`); a verify block's rejected drafts are skipped by `gated_delta_state_after`.
-
-The short causal depthwise conv keeps a window of the last `K-1` pre-conv inputs per row
-(`causal_conv_silu`, `conv_window_after`).
+`q`, `k` arrive L2-normalised and repeated to the value heads (`prepare_qk`). Two equivalent
+forms: `gated_delta_recurrent` (token scan: decode and verify blocks) and `gated_delta_chunked`
+(UT transform over chunks: prefill and training); `gated_delta_rule` picks one by the static
+length. A token with `g = 0, beta = 0` leaves the state unchanged (padding: `mask_gates`; rejected
+drafts: `gated_delta_state_after`). The causal conv keeps the last `K-1` pre-conv inputs per row.
+Numerics notes: docs/numerics.md#gated-deltanet-kernels.
 
 Example:
     >>> b, t, h, dk, dv = 1, 5, 2, 4, 4
@@ -39,13 +33,9 @@ RECURRENT_MAX_TOKENS = 16   # blocks up to this length use the token scan (decod
 
 
 def causal_conv_silu(x_btc: jax.Array, weight_ck: jax.Array, window_bwc: jax.Array | None) -> jax.Array:
-    """Depthwise causal conv over time, then SiLU: inputs rounded to the weight dtype, products
-    summed in fp32 and rounded once to the weight dtype (a conv kernel's accumulation), as
-    transformers' `conv1d` in that dtype.
-
-    `weight_ck [C, K]`; `window_bwc [B, K-1, C]` holds the previous pre-conv inputs (None: zeros,
-    i.e. the sequence starts here). Output `[B, T, C]` in `x`'s dtype.
-    """
+    """Depthwise causal conv over time, then SiLU, as transformers' `conv1d` in the weight dtype (fp32
+    sums rounded once). `weight_ck [C, K]`; `window_bwc [B, K-1, C]`: previous pre-conv inputs (None:
+    zeros). Output `[B, T, C]` in `x`'s dtype."""
     c, k = weight_ck.shape
     b, t, _ = x_btc.shape
     if window_bwc is None:
@@ -58,8 +48,8 @@ def causal_conv_silu(x_btc: jax.Array, weight_ck: jax.Array, window_bwc: jax.Arr
 
 
 def conv_window_after(window_bwc: jax.Array, x_btc: jax.Array, keep_b: jax.Array) -> jax.Array:
-    """The conv window after the first `keep_b` tokens of `x` per row: the last `K-1` pre-conv
-    inputs of `[window; x[:keep]]` (`keep_b = 0` keeps the window; a fresh row's window is zeros)."""
+    """The conv window after the first `keep_b` tokens of `x` per row: the last `K-1` pre-conv inputs of
+    `[window; x[:keep]]` (`keep_b = 0` keeps the window)."""
     full = jnp.concatenate([window_bwc, x_btc.astype(window_bwc.dtype)], axis=1)
     idx = keep_b[:, None] + jnp.arange(window_bwc.shape[1])[None]
     return jnp.take_along_axis(full, idx[:, :, None], axis=1)
@@ -87,8 +77,8 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 
 def prepare_qk(x_bthk: jax.Array, num_v_heads: int, scale: bool) -> jax.Array:
-    """L2-normalised fp32 `[B, T, nv, dk]`: each key head serves `nv / nk` consecutive value heads
-    (repeat-interleave); with `scale`, multiplied by `dk^-0.5` (the query)."""
+    """L2-normalised fp32 `[B, T, nv, dk]`, each key head repeated to its `nv / nk` value heads; with
+    `scale`, times `dk^-0.5` (the query)."""
     x = l2_normalize(x_bthk)
     reps = num_v_heads // x.shape[2]
     if reps > 1:
@@ -116,14 +106,9 @@ def gated_delta_recurrent(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_bhkv):
 
 
 def gated_delta_state_after(k_bthk, v_bthv, g_bth, beta_bth, state_bhkv, keep_b: jax.Array):
-    """The state after the first `keep_b` tokens of a block per row (the rest are skipped): how a
-    verify block commits its accepted prefix.
-
-    One chunk of the chunked form over the whole block, the skipped tokens' gates zeroed (they leave
-    the state unchanged, exactly: `keep_b = 0` returns `state` bit for bit). It reads the state
-    twice and writes it once, where replaying the token scan would read and write it once per token;
-    it equals the token scan up to fp32 rounding. Its outputs (zero queries) are not computed:
-    unused, XLA drops them."""
+    """The state after the first `keep_b` tokens of a block per row (the rest skipped): how a verify
+    block commits its accepted prefix. One chunk of the chunked form with the skipped tokens' gates
+    zeroed; `keep_b = 0` returns `state` bit for bit; equals the token scan up to fp32 rounding."""
     keep_bt = jnp.arange(k_bthk.shape[1])[None] < keep_b[:, None]
     g_bth, beta_bth = mask_gates(g_bth, beta_bth, keep_bt)
     _, state = gated_delta_chunked(jnp.zeros_like(k_bthk), k_bthk, v_bthv, g_bth, beta_bth, state_bhkv,
@@ -135,25 +120,16 @@ _HIGHEST = jax.lax.Precision.HIGHEST   # keep the chunk matmuls in true fp32 (no
 
 
 def _segment_log_decays(g_c: jax.Array) -> jax.Array:
-    """`out[..., i, j] = sum_{j < t <= i} g[..., t]` for `j < i`, else 0 (`g_c [..., C]`).
-
-    Summed per pair rather than as `cumsum_i - cumsum_j`, so strong decays earlier in the chunk do
-    not cost precision in the differences of later, weak ones (and nothing positive is exponentiated).
-    """
+    """`out[..., i, j] = sum_{j < t <= i} g[..., t]` for `j < i`, else 0 (`g_c [..., C]`), summed per
+    pair (not as a difference of cumsums) for precision."""
     c = g_c.shape[-1]
     strict = np.tri(c, k=-1, dtype=bool)        # static masks: numpy, so they compile to constants
     return jnp.cumsum(jnp.where(strict, g_c[..., :, None], 0.0), axis=-2)
 
 
 def _unit_lower_inverse(l_cc: jax.Array) -> jax.Array:
-    """`(I + L)^-1` for strictly lower triangular `L [..., C, C]`, by doubling inverted diagonal
-    blocks: with `B = diag(A, D)` (inverted) and `X` the lower-left block, `(B + X)^-1 = B^-1 -
-    B^-1 X B^-1` (exact as `X B^-1 X = 0`); log2 C levels of full-size batched matmuls (exact zeros
-    off the blocks, so the usual accuracy of a blocked triangular inversion).
-
-    Used instead of `solve_triangular`, whose batched CPU path is ~100x slower than this whole
-    function; full-size (not block-sized) matmuls keep every level the same shape, which halves its
-    XLA:CPU compile time for ~2x the (tiny, C^3 per chunk and head) flops."""
+    """`(I + L)^-1` for strictly lower triangular `L [..., C, C]`, by doubling inverted diagonal blocks
+    (`(B + X)^-1 = B^-1 - B^-1 X B^-1`), log2 C levels of full-size batched matmuls."""
     c = l_cc.shape[-1]
     p = 1 << max(c - 1, 0).bit_length()           # pad to a power of two: identity beyond C
     if p != c:
@@ -170,15 +146,13 @@ def _unit_lower_inverse(l_cc: jax.Array) -> jax.Array:
 
 
 def gated_delta_chunked(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_bhkv, chunk_size: int = CHUNK_SIZE):
-    """The chunked (UT-transform) form; same results as `gated_delta_recurrent` up to fp32 rounding.
+    """The chunked (UT-transform) form; `gated_delta_recurrent`'s results up to fp32 rounding.
 
-    `T` is padded to a multiple of `chunk_size` with `g = beta = 0`, zero q/k/v tokens (they leave the
-    state unchanged) and the padded outputs are dropped. Within a chunk (decays
-    `D[i, j] = exp(sum_{j<t<=i} g_t)`, `gam_i = exp(sum_{t<=i} g_t)`, all exponents <= 0), the UT
-    transform `[u, w] = (I + strict_tril(beta_i k_i.k_j D_ij))^-1 [beta v, beta gam k]` is computed for
-    all chunks at once; then a `lax.scan` over chunks carries the state `S`:
-    `v' = u - w S`, `o = (gam q) S + tril(q_i.k_j D_ij) v'`, `S <- gam_C S + (D_Cj k_j)^T v'`.
-    """
+    `T` is padded to a multiple of `chunk_size` with tokens that leave the state unchanged. Per chunk
+    (`D[i, j] = exp(sum_{j<t<=i} g_t)`, `gam_i = exp(sum_{t<=i} g_t)`):
+    `[u, w] = (I + strict_tril(beta_i k_i.k_j D_ij))^-1 [beta v, beta gam k]` for all chunks at once,
+    then a scan over chunks: `v' = u - w S`, `o = (gam q) S + tril(q_i.k_j D_ij) v'`,
+    `S <- gam_C S + (D_Cj k_j)^T v'`."""
     f32 = jnp.float32
     b, t, h, dk = q_bthk.shape
     dv = v_bthv.shape[-1]
@@ -239,8 +213,8 @@ def gated_delta_rule(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, state_bhkv):
 
 
 def gated_rms_norm(x_bthv: jax.Array, z_bthv: jax.Array, weight_v: jax.Array, eps: float) -> jax.Array:
-    """Qwen3.5's gated RMSNorm of the DeltaNet output: normalise in fp32, cast to the input dtype,
-    times `weight` (a plain weight, not 1+w), times `silu(z)` in fp32, cast back."""
+    """Qwen3.5's gated RMSNorm of the DeltaNet output: normalise in fp32, cast to the input dtype, times
+    `weight` (plain, not 1+w), times `silu(z)` in fp32, cast back."""
     dtype = x_bthv.dtype
     x32 = x_bthv.astype(jnp.float32)
     normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(dtype)

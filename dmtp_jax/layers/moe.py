@@ -1,7 +1,8 @@
 """The Qwen3-MoE / Qwen3.5-MoE sparse block, computed only for the routed experts.
 
 Router (as transformers' Qwen3MoeTopKRouter): fp32 softmax over experts, top-k, optional
-renormalisation, weights cast to the activation dtype. Expert `e` computes
+renormalisation, weights cast to the activation dtype; DeepSeek-V3 / GLM-4.7-Flash route by
+`grouped_sigmoid_top_k` and pass its result as `routing`. Expert `e` computes
 `down_e(silu(x @ gate_e) * (x @ up_e))`; a token's output is `sum_k weight_k * y_{e_k}`. Shapes are
 fixed (N*k routed rows), so it jits and is differentiable. Kernels (`impl`), all equal to
 `moe_mlp_dense`:
@@ -67,6 +68,32 @@ def moe_top_k(x_nh: jax.Array, router_he: jax.Array, top_k: int,
     if norm_topk_prob:
         weights_nk = weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True)
     return weights_nk.astype(x_nh.dtype), experts_nk.astype(jnp.int32)
+
+
+def grouped_sigmoid_top_k(x_nh: jax.Array, router_he: jax.Array, bias_e: jax.Array, top_k: int, n_group: int,
+                          topk_group: int, norm_topk_prob: bool, scaling: float) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's router (transformers' `DeepseekV3TopkRouter`), `(weights_nk in x dtype, experts_nk
+    int32)`: fp32 sigmoid scores; the choice uses `scores + bias_e`: the `topk_group` groups of
+    `E / n_group` experts with the largest sum of their two best, then the top-k experts inside them;
+    the weights are the plain scores of those, optionally renormalised, times `scaling`.
+
+    Example:
+        >>> w, e = grouped_sigmoid_top_k(jnp.array([[1.0, 0.5]]), jnp.eye(2, 4), jnp.zeros(4), 1, 2, 1, True, 2.5)
+        >>> e.tolist(), w.tolist()
+        ([[0]], [[2.5]])
+    """
+    e = router_he.shape[-1]
+    scores_ne = jax.nn.sigmoid(x_nh.astype(jnp.float32) @ router_he.astype(jnp.float32))
+    choice_ne = scores_ne + bias_e.astype(jnp.float32)
+    group_ng = jnp.sum(jax.lax.top_k(choice_ne.reshape(-1, n_group, e // n_group), min(2, e // n_group))[0], -1)
+    _, groups_nk = jax.lax.top_k(group_ng, topk_group)
+    keep_ng = jnp.sum(jax.nn.one_hot(groups_nk, n_group, dtype=jnp.int32), axis=1) > 0
+    keep_ne = jnp.repeat(keep_ng, e // n_group, axis=1)
+    _, experts_nk = jax.lax.top_k(jnp.where(keep_ne, choice_ne, -jnp.inf), top_k)
+    weights_nk = jnp.take_along_axis(scores_ne, experts_nk, axis=-1)
+    if norm_topk_prob:
+        weights_nk = weights_nk / (jnp.sum(weights_nk, axis=-1, keepdims=True) + 1e-20)
+    return (weights_nk * scaling).astype(x_nh.dtype), experts_nk.astype(jnp.int32)
 
 
 def moe_routing(x_nh: jax.Array, router_he: jax.Array, top_k: int, norm_topk_prob: bool) -> jax.Array:
@@ -364,14 +391,16 @@ def _expert_parallel_mlp(mesh, rules: MeshRules, x_nh, weights_nk, experts_nk, g
 
 def moe_mlp(x_nh: jax.Array, router_he: jax.Array, gate_ehi: jax.Array, up_ehi: jax.Array,
             down_eih: jax.Array, top_k: int, norm_topk_prob: bool, *, impl: str = "auto",
-            stacked: bool = True, rules: MeshRules | None = None) -> jax.Array:
+            stacked: bool = True, rules: MeshRules | None = None,
+            routing: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Sparse MoE MLP `[N, H] -> [N, H]` computing the routed (token, expert) pairs (`impl`: module
     docstring); equal to `moe_mlp_dense`. Expert-parallel over the weights' mesh when there is one (module docstring).
     `stacked=False` says the expert weights are whole arrays, not a layer's slice of a scanned stack
     (the MTP's layer): then `auto` may slice single experts in place (`"sliced"`). `rules`: the
-    mesh rules the weights were placed with, needed on a mesh of more than one device."""
+    mesh rules the weights were placed with, needed on a mesh of more than one device. `routing`: the
+    `(weights_nk, experts_nk)` of another router (`grouped_sigmoid_top_k`) instead of `moe_top_k`'s."""
     resolve_impl(impl)          # checks the name; "auto" is resolved per shard, by its token count
-    weights_nk, experts_nk = moe_top_k(x_nh, router_he, top_k, norm_topk_prob)
+    weights_nk, experts_nk = routing or moe_top_k(x_nh, router_he, top_k, norm_topk_prob)
     mesh = weights_mesh(gate_ehi)
     if mesh is None:
         y_nh = routed_expert_mlp(x_nh, weights_nk, experts_nk, gate_ehi, up_ehi, down_eih, 0, impl, stacked)

@@ -1,25 +1,78 @@
 """Rotary position embedding (NeoX half rotation), positions absolute per token.
 
 Partial rotary (Qwen3.5 / Qwen3-Next: `partial_rotary_factor` 0.25) rotates the first `rotary_dim`
-dims of each head and passes the rest through; the tables' width says how many.
+dims of each head and passes the rest through; the tables' width says how many. YaRN scaling
+(DeepSeek-V3: `scaling`, the config's yarn parameters) blends interpolated and extrapolated
+frequencies and scales the tables by its attention factor, as transformers'
+`_compute_yarn_parameters` does; `yarn_softmax_scale` is DeepSeek's matching softmax factor.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
-def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables `[..., rotary_dim]` for integer `positions [...]`, computed in fp32 like HF.
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """`0.1 * mscale * ln(factor) + 1` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict) -> tuple[np.ndarray, float]:
+    """`(inverse frequencies [rotary_dim / 2] fp32, attention factor)` of YaRN for `scaling`
+    (`factor`, `original_max_position_embeddings`, optional `beta_fast` 32, `beta_slow` 1,
+    `mscale`, `mscale_all_dim`, `attention_factor`, `truncate` True)."""
+    factor = float(scaling["factor"])
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attn = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+    orig = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return rotary_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv.astype(np.float32), float(attn)
+
+
+def yarn_softmax_scale(scaling: dict) -> float:
+    """DeepSeek's softmax factor under YaRN: `yarn_mscale(factor, mscale_all_dim) ** 2` (1 without
+    `mscale_all_dim` or without scaling)."""
+    if not scaling or not scaling.get("mscale_all_dim"):
+        return 1.0
+    return yarn_mscale(float(scaling["factor"]), scaling["mscale_all_dim"]) ** 2
+
+
+def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float, dtype,
+                 scaling: dict | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables `[..., rotary_dim]` for integer `positions [...]`, computed in fp32 like HF;
+    `scaling`: YaRN parameters (`yarn_inv_freq`), None for plain RoPE.
 
     Example:
         >>> cos, sin = rope_cos_sin(jnp.arange(4)[None], 8, 10000.0, jnp.float32)
         >>> cos.shape
         (1, 4, 8)
     """
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    if scaling:
+        inv_np, attn = yarn_inv_freq(rotary_dim, theta, scaling)
+        inv_freq = jnp.asarray(inv_np)
+    else:
+        inv_freq, attn = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)), 1.0
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if attn != 1.0:
+        cos, sin = cos * attn, sin * attn
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def apply_rope(x_bthd: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax.Array:
@@ -30,3 +83,14 @@ def apply_rope(x_bthd: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax
     rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
     out = x_rot * cos_btd[:, :, None, :] + rotated * sin_btd[:, :, None, :]
     return out if r == x_bthd.shape[-1] else jnp.concatenate([out, x_pass], axis=-1)
+
+
+def rope_tables(cfg, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """`rope_cos_sin` for a target config: its `rotary_dim`, `rope_theta` and YaRN `rope_scaling`
+    (a tuple of `(key, value)` pairs, empty for plain RoPE).
+
+    Example:
+        >>> rope_tables(cfg, jnp.arange(4)[None], jnp.float32)[0].shape  # doctest: +SKIP
+    """
+    scaling = dict(getattr(cfg, "rope_scaling", ()) or ()) or None
+    return rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, dtype, scaling)

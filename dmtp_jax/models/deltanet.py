@@ -1,19 +1,10 @@
 """The Gated DeltaNet token mixer of the hybrid Qwen families (`linear_attn.*` in HF checkpoints).
 
-Qwen3.5 / Qwen3.6 store separate projections `in_proj_qkv` (q | k | v, contiguous), `in_proj_z`,
-`in_proj_b`, `in_proj_a`; Qwen3-Next fuses them per key head as `in_proj_qkvz` (for each key head:
-q, k, its value heads' v, their z) and `in_proj_ba`. Both reduce to the same
-`(mixed_qkv, z, b, a)`, then: causal conv + SiLU, split, gates, L2-normalised q/k, the gated delta
-rule, the gated RMSNorm with `z`, `out_proj` (`layers/gated_deltanet.py` holds the math).
-
-State per row: the conv window and the recurrent state. A normal call advances them over the valid
-tokens; a speculative call (a verify block) leaves them and returns the block's per-token inputs,
-from which `commit_states` advances them over the accepted prefix only.
-
-Example:
-    >>> mixer = GatedDeltaNet(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))  # doctest: +SKIP
-    >>> y, (conv, ssm), pending = mixer(x_bth, conv_bwc, ssm_bhkv, valid_bt, speculative=False)  # doctest: +SKIP
-"""
+Qwen3.5 / Qwen3.6 store `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`; Qwen3-Next fuses
+them per key head as `in_proj_qkvz` and `in_proj_ba`. Both reduce to `(mixed_qkv, z, b, a)`; the
+math is `layers/gated_deltanet.py`'s. State per row: conv window and recurrent state. A normal
+call advances them over the valid tokens; a speculative call leaves them and returns the block's
+per-token inputs, from which `commit_states` advances them over the accepted prefix."""
 
 from __future__ import annotations
 
@@ -72,12 +63,9 @@ class GatedDeltaNet(nnx.Module):
         return mixed, z.reshape(b_, t, nv, dv), ba[..., :r].reshape(b_, t, nv), ba[..., r:].reshape(b_, t, nv)
 
     def __call__(self, x_bth, conv_bwc, ssm_bhkv, valid_bt, speculative: bool = False):
-        """Mixes `x [B, T, H]` given the previous conv window and state (None: a fresh sequence).
-
-        Returns `(y [B, T, H], (conv, ssm), pending)`: with `speculative=False` the state after the
-        valid tokens (`valid_bt`, None = all) and `pending = None`; with `speculative=True` the
-        state unchanged and `pending = (conv_in, k, v, g, beta)` of the block for `commit_states`.
-        """
+        """Mixes `x [B, T, H]` from the previous conv window and state (None: a fresh sequence):
+        `(y [B, T, H], (conv, ssm), pending)`. `speculative=False`: the state after the valid tokens,
+        `pending` None; `speculative=True`: the state unchanged, `pending = (conv_in, k, v, g, beta)`."""
         b_, t, _ = x_bth.shape
         mixed, z, b, a = self.projections(x_bth)
         conv_weight_ck = self.conv1d[...][:, 0, :]
@@ -102,9 +90,8 @@ class GatedDeltaNet(nnx.Module):
 
 
 def commit_states(conv_lbwc: jax.Array, ssm_lbhkv: jax.Array, pending: PendingBlock, keep_b: jax.Array):
-    """Every DeltaNet layer's conv window and recurrent state advanced over the first `keep_b`
-    tokens of the pending block per row (`keep_b = 0`: unchanged), the state by one chunk of the
-    chunked form over the block's kept inputs (`gated_delta_state_after`). Returns `(conv, ssm)`."""
+    """`(conv, ssm)` of every DeltaNet layer advanced over the first `keep_b` tokens of the pending block
+    per row (0: unchanged), the state by one chunk of the chunked form."""
     conv = jax.vmap(conv_window_after, in_axes=(0, 0, None))(conv_lbwc, pending.conv_in_lbtc, keep_b)
     ssm = jax.vmap(gated_delta_state_after, in_axes=(0, 0, 0, 0, 0, None))(
         pending.k_lbthk, pending.v_lbthv, pending.g_lbth, pending.beta_lbth, ssm_lbhkv, keep_b)

@@ -1,19 +1,12 @@
 """DFlash / DFlash2 block drafter (z-lab `dflash` 0.1.0 semantics) as a pure NNX module.
 
-The drafter has no embedding table and no LM head: block rows are target embedding rows
-(`[anchor, MASK, ..., MASK]` times `input_embedding_scale`), and draft logits come from the
-target's LM head (then `output_multiplier`, then softcap). Context is the concatenation of target
-layer outputs (`capture_layers=target_layer_ids`), fused by `fc` + `hidden_norm`; its K/V are
-computed once per position (`context_kv`) and cached by the caller. A drafter call attends from the
-block rows to [context rows ; block rows] with the reference's per-layer rules:
-
-* sliding layers (`layer_types[i] == "sliding_attention"`) see keys with `q_pos - k_pos < window`,
-  and also `k_pos - q_pos < window` when the layer is not causal;
-* in-block causality: `is_causal` unset -> sliding layers causal, full layers bidirectional;
-  `is_causal` set -> that value for every layer.
-
-DFlash2 adds a grouped dynamic causal conv around attention and MLP (causal within the block only)
-and a candidate selector that walks the block slots with a bigram-like score over the unary top-k.
+No embedding table and no LM head: block rows are target embedding rows (`[anchor, MASK, ...]`
+times `input_embedding_scale`), draft logits come from the target's LM head (then
+`output_multiplier`, softcap). The context (concatenated target layer outputs, `fc` +
+`hidden_norm`) has its K/V computed once per position (`context_kv`) and cached by the caller.
+Block rows attend to [context ; block] with the reference's per-layer rules (sliding window;
+`is_causal` unset: sliding layers causal, full layers bidirectional). DFlash2 adds a grouped
+dynamic causal conv around attention and MLP and a candidate selector.
 
 Example:
     >>> dcfg = DFlashConfig.from_hf_dict({"architectures": ["DFlashDraftModel"], "hidden_size": 32,
@@ -49,28 +42,16 @@ from dmtp_jax.layers.rows import per_row
 from dmtp_jax.models.qwen3 import Attention, DenseMLP
 
 def context_features(target_out, dcfg: DFlashConfig, num_target_layers: int) -> jax.Array:
-    """Concatenated target features `[B, T, n_ctx*H]` exactly as `dflash` builds them from HF
-    `hidden_states[k+1]`: the raw output of layer k, except for the target's last layer, whose HF
-    entry is the post-final-norm state. `target_out` is the target's output for
-    `capture_layers=dcfg.target_layer_ids` (its `captured` and `hidden_bth`); `QwenTarget` already
-    captures the last layer post-norm, so this is then a plain concatenation.
-
-    Example:
-        >>> out = target(tokens, positions, cache, capture_layers=dcfg.target_layer_ids)  # doctest: +SKIP
-        >>> feats = context_features(out, dcfg, target_cfg.num_hidden_layers)  # doctest: +SKIP
-    """
+    """Concatenated target features `[B, T, n_ctx*H]` as `dflash` builds them from HF
+    `hidden_states[k+1]` (layer k's raw output; the target's last layer post-final-norm) from the
+    target's output for `capture_layers=dcfg.target_layer_ids`."""
     parts = [target_out.hidden_bth if k == num_target_layers - 1 else x
              for k, x in zip(dcfg.target_layer_ids, target_out.captured)]
     return jnp.concatenate(parts, axis=-1)
 
 
 def make_block_tokens(anchor_b: jax.Array, dcfg: DFlashConfig, block_size: int | None = None) -> jax.Array:
-    """Block input ids `[B, block]`: the anchor (last committed token) then `mask_token_id`.
-
-    Example:
-        >>> make_block_tokens(jnp.array([7]), dcfg, 4)  # doctest: +SKIP
-        Array([[  7, 120, 120, 120]], dtype=int32)
-    """
+    """Block input ids `[B, block]`: the anchor (last committed token) then `mask_token_id`."""
     n = dcfg.block_size if block_size is None else block_size
     tokens = jnp.full((anchor_b.shape[0], n), dcfg.mask_token_id, anchor_b.dtype)
     return tokens.at[:, 0].set(anchor_b)
@@ -78,21 +59,12 @@ def make_block_tokens(anchor_b: jax.Array, dcfg: DFlashConfig, block_size: int |
 
 def block_embeddings(target_embed_fn: Callable[[jax.Array], jax.Array], block_tokens_bt: jax.Array,
                      dcfg: DFlashConfig) -> jax.Array:
-    """Raw target embedding rows of the block tokens times `input_embedding_scale`.
-
-    Example:
-        >>> x = block_embeddings(target.embed, make_block_tokens(anchor_b, dcfg), dcfg)  # doctest: +SKIP
-    """
+    """Raw target embedding rows of the block tokens times `input_embedding_scale`."""
     return target_embed_fn(block_tokens_bt) * dcfg.input_embedding_scale
 
 
 def transform_draft_logits(logits: jax.Array, dcfg: DFlashConfig) -> jax.Array:
-    """`output_multiplier`, then `tanh(x / c) * c` when `final_logit_softcapping` c is set.
-
-    Example:
-        >>> transform_draft_logits(jnp.ones((1, 4)), dcfg).shape  # doctest: +SKIP
-        (1, 4)
-    """
+    """`output_multiplier`, then `tanh(x / c) * c` when `final_logit_softcapping` c is set."""
     logits = logits * dcfg.output_multiplier
     if dcfg.final_logit_softcapping is not None:
         c = dcfg.final_logit_softcapping
@@ -111,8 +83,8 @@ class SelectorOutput:
 
 
 class GroupedDynamicCausalConv(nnx.Module):
-    """DFlash2 conv: `base_kernel [2, K, H]` (input side, output side) and `kernel_projection`
-    `[H, 2*K*G]` predicting both dynamic kernels from the pre-sublayer normed input."""
+    """DFlash2 conv: `base_kernel [2, K, H]` (input side, output side) and `kernel_projection
+    [H, 2*K*G]` predicting both dynamic kernels from the normed input."""
 
     def __init__(self, hidden: int, kernel_size: int, group_size: int, dtype, rngs: nnx.Rngs):
         self.kernel_size, self.group_size = kernel_size, group_size
@@ -149,8 +121,7 @@ REMAT_POLICIES = {"off": None, "full": jax.checkpoint_policies.nothing_saveable,
 
 
 class DFlashLayer(nnx.Module):
-    """One drafter decoder layer (params named as in HF: `self_attn.*`, `mlp.*`, layer norms,
-    and for DFlash2 `attention_conv` / `mlp_conv`)."""
+    """One drafter decoder layer (params named as in HF; DFlash2 adds `attention_conv` / `mlp_conv`)."""
 
     def __init__(self, dcfg: DFlashConfig, layer: int, dtype, rngs: nnx.Rngs):
         h = dcfg.hidden_size
@@ -184,8 +155,7 @@ class DFlashLayer(nnx.Module):
         return x + (self.mlp_conv.finish(y, mlp_dyn, block_len) if conv else y)
 
     def remat_call(self, policy: str, *args, block_len=None):
-        """`__call__` under `jax.checkpoint` with `REMAT_POLICIES[policy]`: the backward pass
-        recomputes what the policy does not save (training only; "off" is the plain call)."""
+        """`__call__` under `jax.checkpoint` with `REMAT_POLICIES[policy]` ("off": the plain call)."""
         if REMAT_POLICIES[policy] is None:
             return self(*args, block_len)
         graphdef, state = nnx.split(self)
@@ -194,7 +164,8 @@ class DFlashLayer(nnx.Module):
 
 
 class DFlashDrafter(nnx.Module):
-    """The DFlash / DFlash2 drafter. All methods are pure functions of params and inputs."""
+    """The DFlash / DFlash2 drafter; every method is a pure function of params and inputs."""
+    chained = False     # its context rows are target features only (`decode/round.py:commit`)
 
     def __init__(self, dcfg: DFlashConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = dcfg
@@ -208,20 +179,12 @@ class DFlashDrafter(nnx.Module):
 
     @jax.named_scope("drafter")
     def project_context(self, features_btf: jax.Array) -> jax.Array:
-        """`hidden_norm(fc(features))` for concatenated target layer outputs `[B, T, n_ctx*H]`.
-
-        Example:
-            >>> ctx_bth = drafter.project_context(jnp.concatenate(out.captured, -1))  # doctest: +SKIP
-        """
+        """`hidden_norm(fc(features))` for concatenated target layer outputs `[B, T, n_ctx*H]`."""
         return rms_norm(features_btf @ self.fc[...], self.hidden_norm[...], self.cfg.rms_norm_eps)
 
     @jax.named_scope("drafter")
     def context_kv(self, ctx_bth: jax.Array, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Per-layer K/V `[L, B, T, kv, D]` of context rows at absolute `positions` (k_norm + RoPE).
-
-        Example:
-            >>> k_lbtkd, v_lbtkd = drafter.context_kv(ctx_bth, jnp.arange(5)[None])  # doctest: +SKIP
-        """
+        """Per-layer K/V `[L, B, T, kv, D]` of context rows at absolute `positions` (k_norm + RoPE)."""
         cos, sin = rope_cos_sin(positions_bt, self.cfg.head_dim, self.cfg.rope_theta, ctx_bth.dtype)
         ks, vs = [], []
         for layer in self.layers:
@@ -258,20 +221,12 @@ class DFlashDrafter(nnx.Module):
                  ctx_k_lbskd: jax.Array, ctx_v_lbskd: jax.Array, ctx_pos_bs: jax.Array,
                  ctx_valid_bs: jax.Array, *, block_len: int | None = None,
                  block_valid_bt: jax.Array | None = None, remat: str = "off") -> jax.Array:
-        """Drafter layers over block rows, then the final norm. Returns hidden `[B, T, H]`.
+        """Drafter layers over block rows, then the final norm: hidden `[B, T, H]`.
 
-        Keys are the context rows (`ctx_k/v [L, B, S, kv, D]` from `context_kv`, at `ctx_pos`,
-        masked by `ctx_valid [B, S]` or per query `[B, T, S]`) followed by the block rows. With
-        `block_len`, the T rows are T/block_len independent blocks (block keys and the DFlash2 conv
-        never cross a block boundary) -- the training layout; by default T is one block.
-        `block_valid [B, T]` (optional) hides block rows as keys: a block cut to its first v rows,
-        as `dflash_generate` cuts the last blocks to the token budget (earlier rows never see later
-        ones through the conv or the selector, only through non-causal attention). `remat` (a
-        `REMAT_POLICIES` name, training only) checkpoints each layer; the values do not change.
-
-        Example:
-            >>> hidden = drafter(embeds, 10 + jnp.arange(8)[None], k, v, pos, valid)  # doctest: +SKIP
-        """
+        Keys: the context rows (`ctx_k/v [L, B, S, kv, D]` at `ctx_pos`, masked by `ctx_valid [B, S]` or
+        `[B, T, S]`), then the block rows. `block_len`: the T rows are independent blocks of that length
+        (training); default one block. `block_valid [B, T]` hides block rows as keys (a block cut to the
+        token budget). `remat`: a `REMAT_POLICIES` name (training; values unchanged)."""
         cfg = self.cfg
         x = block_embeds_bth
         cos, sin = rope_cos_sin(block_positions_bt, cfg.head_dim, cfg.rope_theta, x.dtype)
@@ -282,11 +237,7 @@ class DFlashDrafter(nnx.Module):
         return rms_norm(x, self.norm[...], cfg.rms_norm_eps)
 
     def draft_logits(self, hidden_bth: jax.Array, target_logits_fn: Callable[[jax.Array], jax.Array]):
-        """Target LM head on drafter hidden states, then `output_multiplier` and softcap.
-
-        Example:
-            >>> logits = drafter.draft_logits(hidden[:, 1:], target.logits)  # doctest: +SKIP
-        """
+        """Target LM head on drafter hidden states, then `output_multiplier` and softcap."""
         return transform_draft_logits(target_logits_fn(hidden_bth), self.cfg)
 
     def _selector_inputs(self, hidden_bth, logits_btv):
@@ -303,14 +254,8 @@ class DFlashDrafter(nnx.Module):
 
     def selector_scores(self, hidden_bth: jax.Array, logits_btv: jax.Array,
                         predecessors_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """DFlash2 candidate scores `[B, L, k]` and candidate ids `[B, L, k]` for given predecessor
-        tokens (teacher forcing: the anchor, then the gold tokens), all slots in parallel.
-
-        Slot j scores its unary top-k as `u + <P[pred_j] * (h_j @ W), S[cand]>`.
-
-        Example:
-            >>> scores, cand = drafter.selector_scores(h[:, 1:], logits, tokens[:, :-1])  # doctest: +SKIP
-        """
+        """DFlash2 candidate scores and ids `[B, L, k]` for given predecessor tokens (teacher forcing), all
+        slots in parallel: slot j scores its unary top-k as `u + <P[pred_j] * (h_j @ W), S[cand]>`."""
         unary_btk, cand_btk, proj_btr = self._selector_inputs(hidden_bth, logits_btv)
         b, t, k = cand_btk.shape
         pair = self._pair_scores(predecessors_bt.reshape(-1), proj_btr.reshape(b * t, -1),
@@ -319,19 +264,10 @@ class DFlashDrafter(nnx.Module):
 
     def select_tokens(self, hidden_bth: jax.Array, logits_btv: jax.Array, anchor_b: jax.Array,
                       temperature: float | jax.Array = 0.0, key: jax.Array | None = None) -> SelectorOutput:
-        """DFlash2 candidate selector over the proposal slots (block slots 1.., hidden and
-        transformed logits `[B, L, ...]`), walked left to right with `lax.scan`.
-
-        The predecessor of the first slot is `anchor_b`, then of each slot the token chosen before
-        it (scores as in `selector_scores`). A Python `temperature` <= 0 takes the argmax (no
-        probabilities); otherwise (a float or a traced scalar > 0) `key` is required and each slot
-        samples from `softmax(scores / temperature)` over its k candidates, with no top-p/top-k.
-
-        Example:
-            >>> out = drafter.select_tokens(hidden[:, 1:], logits, block_tokens[:, 0])  # doctest: +SKIP
-            >>> out.tokens_bl.shape  # doctest: +SKIP
-            (1, 7)
-        """
+        """DFlash2's selector walked left to right over the proposal slots (`lax.scan`), each slot's
+        predecessor the token chosen before it (the first's `anchor_b`). `temperature` <= 0 (Python):
+        argmax, no probabilities; else `key` is required and each slot samples `softmax(scores /
+        temperature)` over its k candidates."""
         unary_btk, cand_btk, proj_btr = self._selector_inputs(hidden_bth, logits_btv)
         greedy = isinstance(temperature, (int, float)) and temperature <= 0
         if not greedy and key is None:
@@ -361,10 +297,6 @@ class DFlashDrafter(nnx.Module):
     def propose(self, hidden_bth: jax.Array, anchor_b: jax.Array,
                 target_logits_fn: Callable[[jax.Array], jax.Array],
                 temperature: float | jax.Array = 0.0, key: jax.Array | None = None) -> SelectorOutput:
-        """`select_tokens` on `draft_logits(hidden)`, as `DFlash2DraftModel.propose` does.
-
-        Example:
-            >>> out = drafter.propose(hidden[:, 1:], anchor_b, target.logits, 0.7, key)  # doctest: +SKIP
-        """
+        """`select_tokens` on `draft_logits(hidden)`, as `DFlash2DraftModel.propose` does."""
         return self.select_tokens(hidden_bth, self.draft_logits(hidden_bth, target_logits_fn),
                                   anchor_b, temperature, key)

@@ -1,19 +1,10 @@
 """The DFlash / DFlash2 drafter's config (`DFlashConfig`, read from and written to the z-lab
-`config.json` layouts), its default capture layers, and the check that a drafter fits its target.
-
-Example:
-    >>> dcfg = DFlashConfig.from_hf_dict({"architectures": ["DFlashDraftModel"], "hidden_size": 32,
-    ...     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-    ...     "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 128,
-    ...     "dflash_config": {"block_size": 8, "mask_token_id": 120, "target_layer_ids": [0, 1]}})
-    >>> dcfg.version, dcfg.block_size
-    (1, 8)
-"""
+`config.json` layouts), its default capture layers, and the check that a drafter fits its target."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from dmtp_jax.config import ConfigError, validate_decoder_stack
 from dmtp_jax.hf_config import require, stack_fields
@@ -38,12 +29,17 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tup
 
 @dataclasses.dataclass(frozen=True)
 class DFlashConfig:
-    """A DFlash (version 1) or DFlash2 (version 2) drafter config.
+    """A DFlash (version 1) or DFlash2 (version 2) drafter config. Layer field names match
+    `TargetConfig` (the target's `Attention` and `DenseMLP` build the drafter layers);
+    `sliding_window` is None unless `use_sliding_window`; `is_causal` is None (unset), True or False.
 
-    Attribute names of the Qwen3 layer fields match `TargetConfig`, so the target's `Attention` and
-    `DenseMLP` modules build the drafter layers. `sliding_window` is None when the config does not
-    enable it (`use_sliding_window` false), exactly as `Qwen3Config` does; `is_causal` is None
-    (unset), True or False.
+    Example:
+        >>> dcfg = DFlashConfig.from_hf_dict({"architectures": ["DFlashDraftModel"], "hidden_size": 32,
+        ...     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        ...     "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 128,
+        ...     "dflash_config": {"block_size": 8, "mask_token_id": 120, "target_layer_ids": [0, 1]}})
+        >>> dcfg.version, dcfg.block_size, dcfg.to_hf_dict()["dflash_config"]["block_size"]
+        (1, 8, 8)
     """
 
     version: int
@@ -71,6 +67,7 @@ class DFlashConfig:
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    chained: ClassVar[bool] = False     # an EAGLE-3 drafter's config says True (`models/eagle3.py`)
 
     def __post_init__(self):
         where = f"drafter config (DFlash v{self.version})"
@@ -109,17 +106,8 @@ class DFlashConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
-        """Builds the config from a drafter `config.json` dict (legacy top-level `block_size` or
-        nested `dflash_config` layout). Drafter keys are looked up in `dflash_config` first, then at
-        the top level, like `dflash.model._draft_value`.
-
-        Example:
-            >>> DFlashConfig.from_hf_dict({"hidden_size": 32, "intermediate_size": 64,
-            ...     "num_hidden_layers": 1, "num_attention_heads": 4, "head_dim": 8, "vocab_size": 128,
-            ...     "block_size": 4, "dflash_config": {"mask_token_id": 3, "target_layer_ids": [0]}}
-            ...     ).block_size
-            4
-        """
+        """From a drafter `config.json` dict (legacy top-level `block_size` or nested `dflash_config`);
+        drafter keys are looked up in `dflash_config` first, then at the top level, like `dflash`."""
         nested = d.get("dflash_config") or {}
         if not isinstance(nested, dict):
             raise ConfigError("drafter config: 'dflash_config' must be an object")
@@ -166,12 +154,7 @@ class DFlashConfig:
         return cls(**kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The `config.json` dict (nested `dflash_config` layout) that `dflash` loads.
-
-        Example:
-            >>> cfg.to_hf_dict()["dflash_config"]["block_size"]  # doctest: +SKIP
-            16
-        """
+        """The `config.json` dict (nested `dflash_config` layout) that `dflash` loads."""
         nested: dict[str, Any] = {
             "block_size": self.block_size, "mask_token_id": self.mask_token_id,
             "target_layer_ids": list(self.target_layer_ids),
@@ -203,20 +186,23 @@ class DFlashConfig:
         return d
 
 
-def check_fits_target(dcfg: DFlashConfig, target_cfg) -> None:
-    """Raises `ConfigError` naming the key when the drafter cannot run on this target.
-
-    Example:
-        >>> check_fits_target(dcfg, target.cfg)  # doctest: +SKIP
-    """
-    where = "drafter does not fit the target"
-    if dcfg.hidden_size != target_cfg.hidden_size:
-        raise ConfigError(f"{where}: drafter 'hidden_size'={dcfg.hidden_size} but the target's "
+def check_hidden_and_taps(where: str, hidden_size: int, layer_ids, ids_key: str, target_cfg) -> None:
+    """A drafter reading the target's features: its hidden size is the target's and every tapped
+    layer id (`layer_ids`, config key `ids_key`) is one of the target's layers; else `ConfigError`
+    (one line, `where`: ..., naming the key)."""
+    if hidden_size != target_cfg.hidden_size:
+        raise ConfigError(f"{where}: drafter 'hidden_size'={hidden_size} but the target's "
                           f"hidden_size={target_cfg.hidden_size}")
-    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < target_cfg.num_hidden_layers]
+    bad = [i for i in layer_ids if not 0 <= i < target_cfg.num_hidden_layers]
     if bad:
-        raise ConfigError(f"{where}: 'target_layer_ids' {list(dcfg.target_layer_ids)} has ids {bad} "
+        raise ConfigError(f"{where}: '{ids_key}' {list(layer_ids)} has ids {bad} "
                           f"outside the target's {target_cfg.num_hidden_layers} layers")
+
+
+def check_fits_target(dcfg: DFlashConfig, target_cfg) -> None:
+    """Raises `ConfigError` naming the key when the drafter cannot run on this target."""
+    where = "drafter does not fit the target"
+    check_hidden_and_taps(where, dcfg.hidden_size, dcfg.target_layer_ids, "target_layer_ids", target_cfg)
     if not 0 <= dcfg.mask_token_id < target_cfg.vocab_size:
         raise ConfigError(f"{where}: 'mask_token_id'={dcfg.mask_token_id} is outside the target "
                           f"vocab (vocab_size={target_cfg.vocab_size})")

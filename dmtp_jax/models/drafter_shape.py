@@ -1,14 +1,4 @@
-"""The drafter shape a target gets when none is given: `train.py`'s fresh drafters and `plan`'s
-default (5 DFlash layers of the target's width, as every published DFlash drafter).
-
-Example:
-    >>> from dmtp_jax.config import TargetConfig
-    >>> t = TargetConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 64, "hidden_size": 16,
-    ...     "intermediate_size": 32, "num_hidden_layers": 8, "num_attention_heads": 2,
-    ...     "num_key_value_heads": 1, "head_dim": 8})
-    >>> default_drafter_config(t, num_layers=2).num_hidden_layers
-    2
-"""
+"""The drafter shape a target gets when none is given (`train.py`'s fresh drafters, `plan`'s default)."""
 
 from __future__ import annotations
 
@@ -45,18 +35,17 @@ def default_drafter_config(target_cfg, num_layers: int = DEFAULT_DRAFT_LAYERS, b
                            *, intermediate_size: int | None = None, target_layer_ids=None,
                            mask_token_id: int | None = None) -> DFlashConfig:
     """A fresh DFlash (version 1) drafter shaped like its target: `num_layers` Qwen3 layers of the
-    target's width, heads, KV heads and head dim; the MLP of the target's dense intermediate size
-    (3 x hidden for an all-MoE target) unless given; context from `default_target_layer_ids`; full
-    attention; the mask token `default_mask_token` unless given. `train.py` starts new drafters
-    from it and `plan` sizes with it (5 layers, as every published DFlash drafter).
+    target's width, heads and head dim; the target's dense intermediate size (3 x hidden for an
+    all-MoE target) unless given; context from `default_target_layer_ids`; full attention; mask token
+    `default_mask_token` unless given.
 
     Example:
         >>> from dmtp_jax.config import TargetConfig
         >>> t = TargetConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": 64, "hidden_size": 16,
         ...     "intermediate_size": 32, "num_hidden_layers": 8, "num_attention_heads": 2,
         ...     "num_key_value_heads": 1, "head_dim": 8})
-        >>> default_drafter_config(t).target_layer_ids
-        (1, 2, 3, 4, 5)
+        >>> default_drafter_config(t).target_layer_ids, default_drafter_config(t, num_layers=2).num_hidden_layers
+        ((1, 2, 3, 4, 5), 2)
     """
     inter = intermediate_size or target_cfg.intermediate_size
     if inter < target_cfg.hidden_size and not intermediate_size:     # an all-MoE target: no dense MLP width

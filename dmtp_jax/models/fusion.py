@@ -1,5 +1,5 @@
-"""DMTP's first-candidate fusion: how MTP's T1 and the MTP hidden state that predicted it enter the
-DFlash block. One module, one variant per method (the seed's section 3):
+"""DMTP's first-candidate fusion: how MTP's T1 and the MTP hidden that predicted it enter the DFlash
+block, one variant per method:
 
 | method                | block rows (positions)            | T1 slot input                                   |
 | --------------------- | --------------------------------- | ----------------------------------------------- |
@@ -12,19 +12,10 @@ DFlash block. One module, one variant per method (the seed's section 3):
 | `dmtp-ctx-mtp`        | `[T1, MASK x6]`                   | `E(T1)`; context = norm(W RMS_m(h_ctx)) (MTP features only), W = I |
 | `dmtp-adaptive`       | `[A, T1+Δ or MASK, MASK x6]`      | per row: `dmtp`'s fused T1, or `MASK` (DFlash's block) |
 
-`dmtp-adaptive` is one drafter with two first-candidate modes in one block shape: a row whose MTP
-is confident (`t1_from_mtp_b`) gets `dmtp`'s block and drafts T2..T7 after MTP's T1; any other row
-gets DFlash's `[A, MASK x7]` and drafts T1..T7 itself. Its params are `dmtp`'s.
-
-The two context variants change the drafter's context pathway instead of the T1 slot: `h_ctx` at
-context position p is the MTP's pre-norm output of row (h_p, x_{p+1}) -- the MTP feature aligned
-with the target features of position p. `fc(target) + W h` is the seed's 6H -> H projection of the
-concatenated streams, written as two blocks so the DFlash `fc` keeps its checkpoint shape.
-
-`h` is the MTP's pre-norm output that predicts T1 (T1 = head(mtp.norm(h))), always detached. With
-the zero inits, `dmtp` starts as "DFlash conditioned on MTP's T1 with two anchors" and the residual
-variants as candidate-only drafting, so an existing DFlash checkpoint continues training from
-exactly its own behaviour.
+`h` is the MTP's pre-norm output that predicts T1 (detached); `h_ctx` at context position p is
+the MTP's output of row (h_p, x_{p+1}). `dmtp-adaptive` has `dmtp`'s params; rows with
+`t1_from_mtp_b` get `dmtp`'s block, the others DFlash's. The zero inits make a DFlash checkpoint
+continue training from exactly its own behaviour.
 
 Example:
     >>> fusion = T1Fusion("dmtp", hidden=32, rank=0, eps=1e-6, dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -41,6 +32,7 @@ from flax import nnx
 from dmtp_jax.layers import params
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.methods import ADAPTIVE, DMTP_METHODS, METHODS
+from dmtp_jax.models.draft_head import draft_scores
 
 CONTEXT_VARIANTS = ("ctx-fusion", "ctx-mtp")
 DEFAULT_LOWRANK = 64
@@ -78,8 +70,8 @@ class T1Fusion(nnx.Module):
         return self.variant in CONTEXT_VARIANTS
 
     def context(self, drafter, features_btf: jax.Array, mtp_ctx_bth: jax.Array | None) -> jax.Array:
-        """The drafter's context rows: `drafter.project_context(features)` unless a context variant
-        mixes in the aligned MTP features (see the module table)."""
+        """The drafter's context rows: `drafter.project_context(features)`, with the aligned MTP features
+        mixed in by the context variants."""
         if not self.uses_mtp_context:
             return drafter.project_context(features_btf)
         mtp_part = self._hidden(mtp_ctx_bth).astype(features_btf.dtype) @ self.proj[...]
@@ -108,32 +100,21 @@ class T1Fusion(nnx.Module):
 
 def mtp_first_candidate(target, mtp, mtp_h_bh: jax.Array, head=None):
     """MTP's first candidate from its pre-norm hidden `h`: `(y = mtp.post_norm(h), fp32 logits of T1,
-    confidence)`, where the confidence is the MTP's top-1 probability at temperature 1 (whatever the
-    sampling temperature). `head`: the drafting side's efficient head (`models/draft_head.py`), None
-    for the full LM head; with it, the logits are -inf outside its shortlist and the confidence's
-    partition adds the low-rank scores' mass outside the shortlist. The one definition of
-    dmtp-adaptive's confidence: the decode round (`decode/proposers.py:mtp_first`) and calibration
-    (`train/calibrate.py:anchor_outcomes`) both call this, so a calibrated threshold means the same
-    thing when decoding.
-
-    Example:
-        >>> y, logits, confidence = mtp_first_candidate(target, mtp, state.mtp_h_bh)  # doctest: +SKIP
-    """
-    from dmtp_jax.models.draft_head import draft_scores
+    confidence)`, the confidence being the top-1 probability at temperature 1. `head`: the drafting
+    side's efficient head (None: full LM head; with it, logits are -inf outside its shortlist and the
+    partition adds the low-rank mass outside). The one definition of dmtp-adaptive's confidence, for
+    decoding and calibration alike."""
     y = mtp.post_norm(mtp_h_bh)
     scores = draft_scores(target, head, y)
     return y, scores.logits, mtp_confidence(scores.logits, scores.rest_lse)
 
 
 def mtp_confidence(logits_bv: jax.Array, rest_lse_b: jax.Array | None = None) -> jax.Array:
-    """The top-1 probability of `softmax(logits)` (temperature 1), fp32 (see `mtp_first_candidate`);
-    `rest_lse_b`: the log of mass outside `logits` that the partition also counts (an efficient
-    head's low-rank scores outside its shortlist).
+    """The fp32 top-1 probability of `softmax(logits)`; `rest_lse_b`: log of mass outside `logits` that
+    the partition also counts.
 
     Example:
         >>> round(float(mtp_confidence(jnp.log(jnp.array([0.7, 0.2, 0.1])))), 4)
-        0.7
-        >>> round(float(mtp_confidence(jnp.log(jnp.array([0.7, 0.2, 0.0])), jnp.log(0.1))), 4)
         0.7
     """
     logits = logits_bv.astype(jnp.float32)
@@ -145,16 +126,14 @@ def mtp_confidence(logits_bv: jax.Array, rest_lse_b: jax.Array | None = None) ->
 
 
 def block_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
-    """(position offsets of the drafter's block rows relative to the pending token's position L,
-    index of the first block row whose output is a draft). `slots` = verify slots (A + candidates).
+    """`(position offsets of the block rows from the pending token's L, index of the first drafting
+    row)`; `slots` = verify slots.
 
     Example:
         >>> block_layout("dflash", 8)
         ((0, 1, 2, 3, 4, 5, 6, 7), 1)
         >>> block_layout("dmtp", 8)[1], block_layout("dmtp-single", 8)
         (2, ((1, 2, 3, 4, 5, 6, 7), 1))
-        >>> block_layout("dmtp-adaptive", 8)[1]      # row 1 drafts T1 in a row's DFlash mode
-        1
     """
     if method in ("dflash", ADAPTIVE):
         return tuple(range(slots)), 1
@@ -167,13 +146,9 @@ def block_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
 def draft_block_embeds(method: str, slots: int, embed_fn, dcfg, fusion: T1Fusion | None,
                        pending_b: jax.Array, t1_b: jax.Array | None, mtp_h_bh: jax.Array | None,
                        t1_from_mtp_b: jax.Array | None = None) -> jax.Array:
-    """The drafter's block input `[B, rows, H]` for `method` (see the module table); shared by the
-    decode round and the trainer so both build exactly the same block.
-
-    `embed_fn` is the target's raw embedding lookup; every row is scaled by the drafter's
-    `input_embedding_scale` before the fusion acts on the T1 row. `t1_from_mtp_b` (bool `[B]`,
-    `dmtp-adaptive` only): rows that take MTP's T1; the others keep `MASK` unfused in the T1 slot.
-    """
+    """The drafter's block input `[B, rows, H]` for `method` (the module table), shared by the decode
+    round and the trainer. Rows are scaled by `input_embedding_scale` before the fusion acts on T1;
+    `t1_from_mtp_b` (dmtp-adaptive): rows that take MTP's T1."""
     if (method == ADAPTIVE) != (t1_from_mtp_b is not None):
         raise ValueError("t1_from_mtp_b is given for dmtp-adaptive and only for it")
     b = pending_b.shape[0]

@@ -1,25 +1,15 @@
 """Native MTP head (Qwen3.5 / Qwen3-Next / Qwen3.6 `mtp.*` format) for a Qwen-family target.
 
-One MTP step predicts token t+2 from the target's post-final-norm hidden state at t and the token at
-t+1 (the row sits at position t+1, transformers' `MtpModel` convention):
+One MTP step predicts token t+2 from the target's post-final-norm hidden at t and the token at t+1
+(the row sits at position t+1, transformers' `MtpModel` convention):
 
     u = fc([RMS_e(embed(x_{t+1})) ; RMS_h(h_t)])        # embedding first
     h = decoder_layer(u)                               # the target's own layer type, own KV cache
     y = norm(h);  logits = target.logits(y)            # the target's LM head, fp32 out
 
-Chained steps feed `y` back as the next step's hidden input. The layer is the target's own
-full-attention layer type, exactly as `transformers.modeling_layers.MtpModel` builds it: on a
-Qwen3 target a Qwen3 layer with plain RMSNorms; on a hybrid target (Qwen3.5 / Qwen3.6 / Qwen3-Next)
-a gated full-attention layer with partial RoPE, the target's MLP kind (dense, or MoE with its shared
-expert) and zero-centred `(1 + w)` norms everywhere (the MTP's own four too).
-
-The MTP's rows start at position 1 (row `(h_0, x_1)`), so cache slot 0 is never written and never
-read as a key.
-
-Example:
-    >>> head = MtpHead(mtp_config_for(cfg), dtype=jnp.float32, rngs=nnx.Rngs(0))  # doctest: +SKIP
-    >>> h, cache = head(embeds_bth, hidden_bth, positions_bt, cache)  # doctest: +SKIP
-"""
+Chained steps feed `y` back as the next hidden input. The layer is the target's full-attention
+layer type (hybrid targets: gated attention, partial RoPE, the target's MLP kind, zero-centred
+norms). Rows start at position 1, so cache slot 0 is never written or read."""
 
 from __future__ import annotations
 
@@ -33,14 +23,13 @@ from dmtp_jax.config import TargetConfig
 from dmtp_jax.layers import params
 from dmtp_jax.layers.kv_cache import KVCache
 from dmtp_jax.layers.norms import rms_norm
-from dmtp_jax.layers.rope import rope_cos_sin
-from dmtp_jax.models.qwen3 import DecoderLayer
+from dmtp_jax.layers.rope import rope_tables
+from dmtp_jax.models.deepseek import decoder_layer_class
 
 
 @dataclasses.dataclass(frozen=True)
 class MtpConfig:
-    """The MTP head of a target: its decoder layer is a 1-layer, full-attention copy of the target's
-    layer config (whose `zero_centred_norms` also sets the MTP's own norms)."""
+    """The MTP head of a target: a 1-layer, full-attention copy of the target's layer config."""
     layer_cfg: TargetConfig
 
     @property
@@ -53,8 +42,7 @@ class MtpConfig:
 
 
 def mtp_config_for(target_cfg: TargetConfig) -> MtpConfig:
-    """The MTP config of a target (layer 0 takes the sparse MLP when the target's last layer is
-    sparse, as `MtpModel` copies the last layer's class; always full attention)."""
+    """The MTP config of a target (a sparse MLP when the target's last layer is sparse; full attention)."""
     last = target_cfg.num_hidden_layers - 1
     layer_cfg = dataclasses.replace(
         target_cfg, num_hidden_layers=1, layer_types=("full_attention",),
@@ -72,8 +60,9 @@ class MtpHead(nnx.Module):
         self.pre_fc_norm_embedding = norm_init((h,), (None,), dtype)
         self.pre_fc_norm_hidden = norm_init((h,), (None,), dtype)
         self.fc = params.weight(rngs, (2 * h, h), ("features", "embed"), dtype)
-        self.layers = nnx.List([DecoderLayer(mcfg.layer_cfg, 0, dtype, rngs, first_key_slot=1, stacked=False,
-                                                 mesh_rules=mesh_rules)])
+        layer_cls = decoder_layer_class(mcfg.layer_cfg)
+        self.layers = nnx.List([layer_cls(mcfg.layer_cfg, 0, dtype, rngs, first_key_slot=1, stacked=False,
+                                          mesh_rules=mesh_rules)])
         self.norm = norm_init((h,), (None,), dtype)
 
     def _norm(self, x, w):
@@ -82,11 +71,8 @@ class MtpHead(nnx.Module):
     @jax.named_scope("mtp")
     def __call__(self, embeds_bth: jax.Array, hidden_bth: jax.Array, positions_bt: jax.Array,
                  cache: KVCache | None = None, kv_valid_bt: jax.Array | None = None):
-        """One MTP step over rows `(hidden at t, embedding of x_{t+1})` at positions t+1.
-
-        Returns the pre-norm output `h [B, T, H]` and the cache (slot == position; positions
-        `>= max_len` are scratch: not written). Use `post_norm(h)` for logits and chaining.
-        """
+        """One MTP step over rows `(hidden at t, embedding of x_{t+1})` at positions t+1: the pre-norm
+        output `h [B, T, H]` and the cache (slot == position; positions `>= max_len` are not written)."""
         x = self._fuse(embeds_bth, hidden_bth)
         cos, sin = self._rope(positions_bt, x.dtype)
         h, cache = self.layers[0](x, positions_bt, cos, sin, cache, kv_valid_bt)
@@ -97,20 +83,13 @@ class MtpHead(nnx.Module):
                                 self._norm(hidden_bth, self.pre_fc_norm_hidden)], axis=-1) @ self.fc[...]
 
     def _rope(self, positions_bt, dtype):
-        cfg = self.mcfg.layer_cfg
-        return rope_cos_sin(positions_bt, cfg.rotary_dim, cfg.rope_theta, dtype)
+        return rope_tables(self.mcfg.layer_cfg, positions_bt, dtype)
 
     @jax.named_scope("mtp")
     def advance(self, embeds_bth: jax.Array, hidden_bth: jax.Array, positions_bt: jax.Array, cache: KVCache,
                 last_b: jax.Array) -> tuple[jax.Array, KVCache]:
-        """The decode round's MTP advance: writes the keys and values of every row (positions
-        `>= max_len` are scratch) and runs the rest of the layer for row `last_b` only -- the one
-        whose output predicts the next first candidate; the other rows are only ever keys. Returns
-        that row's pre-norm output `[B, H]` (what `__call__` gives at `last_b`) and the cache.
-
-        Example:
-            >>> h_bh, cache = head.advance(embeds_bth, hidden_bth, positions_bt, cache, accepted_b)  # doctest: +SKIP
-        """
+        """The decode round's MTP advance: writes K/V of every row (positions `>= max_len`: scratch) and runs
+        the rest of the layer for row `last_b` only: `(its pre-norm output [B, H], cache)`."""
         layer = self.layers[0]
         attn = layer.self_attn
         x = self._fuse(embeds_bth, hidden_bth)

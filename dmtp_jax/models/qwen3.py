@@ -43,7 +43,7 @@ from dmtp_jax.layers.kv_cache import KVCache, PendingBlock, TargetCache, write_l
 from dmtp_jax.layers.mlp import swiglu
 from dmtp_jax.layers.moe import moe_mlp
 from dmtp_jax.layers.norms import rms_norm
-from dmtp_jax.layers.rope import apply_rope, rope_cos_sin
+from dmtp_jax.layers.rope import apply_rope, rope_tables
 from dmtp_jax.models.deltanet import GatedDeltaNet, commit_states
 from dmtp_jax.models.layer_stack import Context, captured_outputs, plan_stacks, run_stacks, stacked
 from dmtp_jax.sharding import MeshRules
@@ -250,7 +250,9 @@ class QwenTarget(nnx.Module):
     """A Qwen-family causal LM. Params use `[in, out]` kernels; HF names map in `checkpoint.hf`.
     The decoder layers are scanned stacks of a repeating group (`models/layer_stack.py`; params
     `stacks.{s}.{j}.*` stacked `[groups, ...]`); `scan_layers=False` makes one unrolled stack.
-    `mesh_rules`: the rules its params are placed with (the MoE layers' expert parallelism)."""
+    `mesh_rules`: the rules its params are placed with (the MoE layers' expert parallelism).
+    `decoder_layer`: the layer class (`models/deepseek.py` subclasses this target with its MLA layer)."""
+    decoder_layer = DecoderLayer
 
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs, scan_layers: bool = True,
                  mesh_rules: MeshRules | None = None):
@@ -260,7 +262,7 @@ class QwenTarget(nnx.Module):
         self.stack_specs = plan_stacks(cfg, scan_layers)
 
         def group(spec):
-            return lambda r: nnx.List([DecoderLayer(cfg, i, dtype, r, mesh_rules=mesh_rules)
+            return lambda r: nnx.List([self.decoder_layer(cfg, i, dtype, r, mesh_rules=mesh_rules)
                                        for i in range(spec.start, spec.start + spec.period)])
         self.stacks = nnx.List([stacked(group(spec), spec.repeats, rngs) for spec in self.stack_specs])
         norm_init = params.zeros if cfg.zero_centred_norms else params.ones
@@ -324,7 +326,7 @@ class QwenTarget(nnx.Module):
         """
         with jax.named_scope("embed"):
             x = self.embed(tokens_bt) if embeds_bth is None else embeds_bth
-            cos, sin = rope_cos_sin(positions_bt, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
+            cos, sin = rope_tables(self.cfg, positions_bt, x.dtype)
         ctx = Context(positions_bt, cos, sin, kv_valid_bt, speculative and cache is not None)
         carry, pending = run_stacks(self.stack_specs, self.stacks, x, None if cache is None else cache.kv,
                                     None if cache is None else cache.conv_lbwc,

@@ -1,18 +1,10 @@
-"""Plan before you rent: compile the functions a run would use, for the machine it would run on,
-on this CPU machine, without the weights and without the hardware.
+"""Plan before you rent: compile the functions a run would use for the machine it would run on, on
+this CPU machine, without the weights and without the hardware.
 
-`plan_inference` (`infer.py plan`) and `plan_training` (`train.py plan`) build abstract models
-(`plan.models`), lower the very jitted functions `generate` / the trainer compile with their real
-shapes and shardings, compile them with the target machine's compiler (`plan.topology`: libtpu for
-TPU slices, the CUDA plugin for GPU hosts, host devices for `cpu:N`) and report per-device memory,
-FLOPs, bytes accessed against the analytic minimum and, on TPU, the compiler's time estimate
-(`plan.report`).
-
-Example:
-    >>> plan = plan_inference("configs/models/qwen3.6-27b.json", method="dmtp", mesh="tensor=8",
-    ...                       topology="h100x8", batch_size=32, prompt_len=32768)  # doctest: +SKIP
-    >>> plan.fits, plan.per_device_peak_bytes  # doctest: +SKIP
-"""
+`plan_inference` (`infer.py plan`) and `plan_training` (`train.py plan`) lower the very jitted
+functions a run compiles on abstract models (`plan.models`), compile them for the target machine
+(`plan.topology`) and report per-device memory, FLOPs, bytes against the analytic minimum and, on
+TPU, the compiler's time estimate (`plan.report`). Usage: docs/sizing.md."""
 
 from __future__ import annotations
 
@@ -36,26 +28,15 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
                    exact_cost: bool = False, draft_head: str = "full", draft_head_rank: int | None = None,
                    draft_head_shortlist: int | None = None, draft_head_vocab: int | None = None,
                    prefix_cache_gb: float = 0.0, progress=None) -> PlanResult:
-    """Compiles the prefill and the decode step / round / K-round dispatch of `method` for one
-    request of `batch_size` prompts of `prompt_len` tokens and `max_new_tokens` new ones.
+    """Compiles the prefill and the decode step / round / K-round dispatch of `method` for one request of
+    `batch_size` prompts of `prompt_len` tokens and `max_new_tokens` new ones.
 
-    `target` / `draft` are checkpoint directories or `config.json` files (no weights needed);
-    without `draft`, the documented default drafter shape (`models.dflash.default_drafter_config`).
-    `accept_len` (tokens committed per round, e.g. from a bench) turns the round's time estimate
-    into tokens/s. `prefill_chunk` overrides the decoders' prefill chunk (tokens per prefill call).
-    `exact_cost` compiles an unrolled copy of each function for its FLOPs, bytes and time estimate
-    (XLA counts a loop body once: without it they cover one layer group). `draft_head` "efficient":
-    the drafting side's low-rank shortlist head (`models/draft_head.py`, rank / shortlist defaults
-    from `head_shape`; `draft_head_vocab` N: scoring only N vocabulary ids, no counts needed to
-    plan); "int8": the LM head quantized to int8 for drafting. `prefix_cache_gb`: `serve`'s
-    prefix-cache budget, held on the device besides the calls (a state line and part of the peak;
-    counted whole per device: its 1-row snapshots do not split over the batch axes). `progress(name)`
-    is called before each compile.
-
-    Example:
-        >>> plan = plan_inference("configs/models/qwen3.6-27b.json", topology="v5p:2x2x1",
-        ...                       mesh="tensor=4")  # doctest: +SKIP
-    """
+    `target` / `draft`: checkpoint directories or `config.json` files (no weights; without `draft`
+    the default drafter shape). `accept_len`: tokens per round, turns the time estimate into
+    tokens/s. `prefill_chunk`: tokens per prefill call. `exact_cost`: also compile an unrolled copy
+    for exact FLOPs, bytes and time. `draft_head`: "efficient" (`draft_head_vocab` N: N scored ids) or
+    "int8". `prefix_cache_gb`: `serve`'s prefix-cache budget, counted whole per device.
+    `progress(name)` is called before each compile."""
     from dmtp_jax.decode import make_decoder
     from dmtp_jax.plan.compile import compile_function
     from dmtp_jax.plan.inference import inference_calls
@@ -81,7 +62,8 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
         decoder = make_decoder(method, models["target"], models.get("drafter"), mtp=models.get("mtp"),
                                fusion=models.get("fusion"), block_size=block_size, mtp_steps=mtp_steps,
                                verify=verify, rounds_per_dispatch=rounds_per_dispatch,
-                               prefill_chunk=prefill_chunk, draft_head=models.get("draft_head"))
+                               prefill_chunk=prefill_chunk, draft_head=models.get("draft_head"),
+                               draft_model=models.get("draft_model"))
         calls = inference_calls(decoder, batch_size, prompt_len, max_new_tokens, temperature, accept_len)
         functions = []
         for call in calls:

@@ -1,6 +1,5 @@
 """Compile one lowered function for the plan's machine and read what the compiler says of it:
-per-device memory (`memory_analysis`), FLOPs, bytes accessed and, on TPU, XLA's own time estimate
-(`cost_analysis`'s `optimal_seconds`). GPU compilers give memory only (`cost_analysis` is empty).
+per-device memory, FLOPs, bytes accessed and, on TPU, XLA's time estimate (GPU: memory only).
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -19,6 +18,7 @@ from typing import Callable
 import jax
 
 from dmtp_jax.errors import UserError
+from dmtp_jax.platform import unrolled_layers
 
 
 @dataclasses.dataclass
@@ -66,9 +66,8 @@ class DoesNotFitError(UserError):
 
 
 def compile_or_refuse(name: str, lower: Callable[[], jax.stages.Lowered]):
-    """`lower().compile()`; the TPU compiler refuses a program whose buffers exceed the chip's memory
-    (RESOURCE_EXHAUSTED): that is a plan that does not fit (`DoesNotFitError`, exit status 2, one
-    line with the compiler's own figures), not a crash."""
+    """`lower().compile()`; a TPU RESOURCE_EXHAUSTED refusal is a `DoesNotFitError` (exit status 2, one
+    line with the compiler's figures), not a crash."""
     try:
         return lower().compile()
     except Exception as e:  # noqa: BLE001 -- jax raises JaxRuntimeError / XlaRuntimeError by version
@@ -81,18 +80,14 @@ def compile_or_refuse(name: str, lower: Callable[[], jax.stages.Lowered]):
 def compile_function(name: str, lower: Callable[[], jax.stages.Lowered], *, min_bytes: int, calls: int = 1,
                      tokens_per_call: float | None = None, parts: dict | None = None,
                      exact_cost: bool = False) -> FunctionPlan:
-    """Lowers and compiles (`lower()` returns a `jax.stages.Lowered`), timing both, and reads the
-    compiler's analyses. XLA's cost analysis counts a loop body once, so the scanned layers count
-    as one group; `exact_cost` lowers and compiles a second copy with the layer scan unrolled
-    (`platform.unrolled_layers`) and reads FLOPs, bytes and the estimate from it (memory and the
-    compile time stay those of the program a run compiles)."""
+    """Lowers and compiles, timing both, and reads the compiler's analyses. XLA counts a loop body once;
+    `exact_cost` compiles a second copy with the layer scan unrolled for FLOPs, bytes and estimate."""
     t0 = time.perf_counter()
     compiled = compile_or_refuse(name, lower)
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     cost = cost_of(compiled)
     if exact_cost and cost:
-        from dmtp_jax.platform import unrolled_layers
         jax.clear_caches()          # the jit's trace cache would hand back the scanned program
         with unrolled_layers():
             cost = cost_of(compile_or_refuse(name, lower))

@@ -1,15 +1,5 @@
-"""`infer.py plan`: the functions `generate` would compile for a method, at a batch / prompt /
-budget, lowered on abstract weights and state for the plan's mesh.
-
-`inference_calls` builds the decoder `generate` builds (`decode.make_decoder`) over abstract models
-and returns, per jitted entry point, a thunk that lowers it with the argument shapes and shardings
-a request of that size gets (the same bucketing: `decode.batch.pad_prompts`).
-
-Example:
-    >>> calls = inference_calls(decoder, batch=1, prompt_len=1024, max_new_tokens=256)  # doctest: +SKIP
-    >>> [c.name for c in calls]  # doctest: +SKIP
-    ['prefill', 'round']
-"""
+"""`infer.py plan`: per jitted entry point of the decoder `generate` builds (over abstract models), a
+thunk lowering it with the shapes and shardings a request of that size gets."""
 
 from __future__ import annotations
 
@@ -66,7 +56,7 @@ def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, t
     args = lambda *xs: abstract_args(xs, mesh)  # noqa: E731
     weights = {"target": shard_bytes(target.state)}
     if speculative:
-        for name in ("drafter", "mtp", "fusion", "draft_head"):
+        for name in ("drafter", "mtp", "fusion", "draft_head", "draft_model"):
             loaded = getattr(decoder, name)
             if loaded is not None:
                 weights[name] = shard_bytes(loaded.state)
@@ -75,6 +65,8 @@ def inference_calls(decoder, batch: int, prompt_len: int, max_new_tokens: int, t
         caches = {"target_cache": shard_bytes(state.target_cache)}
         if state.mtp_cache is not None:
             caches["mtp_cache"] = shard_bytes(state.mtp_cache)
+        if state.draft_cache is not None:
+            caches["draft_cache"] = shard_bytes(state.draft_cache)
         read = dict(caches)
         if state.ctx_cache is not None:     # the drafter reads its context window, not the whole cache
             caches["ctx_cache"] = shard_bytes(state.ctx_cache)

@@ -1,15 +1,6 @@
-"""Abstract models for planning: every parameter a `jax.ShapeDtypeStruct` placed at its mesh
-sharding, nothing allocated, built from a checkpoint directory or a bare `config.json` in seconds.
-
-The result is the same `LoadedModel` the decoders and the trainer take, so `plan` lowers the very
-jitted functions a run compiles.
-
-Example:
-    >>> from dmtp_jax.sharding import make_mesh
-    >>> m = plan_models("configs/models/qwen3.6-27b.json", "dmtp", make_mesh(), "bfloat16")  # doctest: +SKIP
-    >>> sorted(m)  # doctest: +SKIP
-    ['drafter', 'fusion', 'mtp', 'target']
-"""
+"""Abstract models for planning: every parameter a `jax.ShapeDtypeStruct` at its mesh sharding,
+nothing allocated, from a checkpoint directory or a bare `config.json`; the same `LoadedModel`s
+the decoders and the trainer take."""
 
 from __future__ import annotations
 
@@ -21,9 +12,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
 from dmtp_jax.checkpoint.hf import LoadedModel, abstract_target, place_abstract
+from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
 from dmtp_jax.config import ConfigError, TargetConfig, read_config_json
 from dmtp_jax.decode import method_needs
+from dmtp_jax.methods import EAGLE3
+from dmtp_jax.models.dflash_config import DFlashConfig, check_fits_target
+from dmtp_jax.models.drafter_shape import DEFAULT_PLAN_BLOCK, default_drafter_config
+from dmtp_jax.models.eagle3 import DEFAULT_BLOCK_SIZE as DEFAULT_EAGLE3_BLOCK
+from dmtp_jax.models.fusion import T1Fusion
+from dmtp_jax.models.mtp import mtp_config_for
 from dmtp_jax.sharding import replicated
 
 
@@ -67,8 +66,6 @@ def abstract_target_model(path: str, mesh: Mesh, dtype) -> LoadedModel:
 def drafter_config_of(path: str | None, target_cfg: TargetConfig, block_size: int | None):
     """The drafter config of `--draft DIR|CONFIG.json`, or `default_drafter_config` for the target;
     `(DFlashConfig, the stored dmtp_config block or None)`."""
-    from dmtp_jax.models.dflash_config import DFlashConfig, check_fits_target
-    from dmtp_jax.models.drafter_shape import DEFAULT_PLAN_BLOCK, default_drafter_config
     if path is None:
         return default_drafter_config(target_cfg, block_size=block_size or DEFAULT_PLAN_BLOCK), None
     raw = read_config_json(path)
@@ -79,23 +76,33 @@ def drafter_config_of(path: str | None, target_cfg: TargetConfig, block_size: in
     return dcfg, raw.get("dmtp_config")
 
 
+def abstract_eagle3(path: str | None, target_cfg: TargetConfig, block_size: int | None, dtype):
+    """`(Eagle3Config, graphdef, abstract state)` of `--draft DIR|CONFIG.json` (checked against the
+    target), or of `default_eagle3_config` for the target."""
+    from dmtp_jax.checkpoint.eagle3_ckpt import eagle3_config
+    from dmtp_jax.models.eagle3 import Eagle3Drafter, check_fits_target, default_eagle3_config
+    if path is None:
+        cfg = default_eagle3_config(target_cfg, block_size or DEFAULT_EAGLE3_BLOCK)
+    else:
+        cfg = eagle3_config(read_config_json(path), target_cfg.num_hidden_layers)
+        check_fits_target(cfg, target_cfg)
+        cfg = dataclasses.replace(cfg, block_size=block_size or cfg.block_size)
+    return (cfg, *nnx.split(nnx.eval_shape(lambda: Eagle3Drafter(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))))
+
+
 def plan_models(target_path: str, method: str, mesh: Mesh, dtype, draft_path: str | None = None,
                 block_size: int | None = None) -> dict[str, LoadedModel]:
-    """`{"target", and as `method` needs them "drafter", "mtp", "fusion"}`, all abstract.
-
-    The MTP head is the target's native one (`mtp_config_for`); a target whose config declares no
-    MTP layer (`mtp_num_hidden_layers`) gets one all the same (Qwen3-Next ships `mtp.*` without
-    declaring it) and the caller is told so through `models["mtp"].model_dir is None`.
-    """
-    from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
-    from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
-    from dmtp_jax.models.fusion import T1Fusion
-    from dmtp_jax.models.mtp import mtp_config_for
-
+    """`{"target", and as `method` needs them "drafter", "mtp", "fusion", "draft_model"}`, all
+    abstract (the draft model: the target checkpoint at `draft_path`). A target whose
+    config declares no MTP layer still gets one (Qwen3-Next ships `mtp.*` undeclared);
+    `models["mtp"].model_dir is None` then says so."""
     target = abstract_target_model(target_path, mesh, dtype)
     models = {"target": target}
     needs = method_needs(method)
-    if needs["drafter"]:
+    if method == EAGLE3:
+        models["drafter"] = place_abstract(*abstract_eagle3(draft_path, target.cfg, block_size, dtype), mesh,
+                                           draft_path)
+    elif needs["drafter"]:
         dcfg, stored = drafter_config_of(draft_path, target.cfg, block_size)
         models["drafter"] = place_abstract(dcfg, *abstract_drafter(dcfg, dtype), mesh, draft_path)
         if needs["fusion"]:
@@ -109,6 +116,10 @@ def plan_models(target_path: str, method: str, mesh: Mesh, dtype, draft_path: st
             cfg = {"method": method, "rank": rank, **({"threshold": stored["threshold"]} if "threshold" in stored
                                                        else {})}
             models["fusion"] = place_abstract(cfg, *nnx.split(fusion), mesh, draft_path)
+    if needs["draft_model"]:
+        if not draft_path:
+            raise ConfigError(f"method '{method}' needs a smaller target of the same vocabulary (--draft DIR)")
+        models["draft_model"] = abstract_target_model(draft_path, mesh, dtype)
     if needs["mtp"]:
         models["mtp"] = place_abstract(mtp_config_for(target.cfg), *abstract_mtp(target.cfg, dtype), mesh,
                                        target_path if target.cfg.mtp_num_hidden_layers else None)

@@ -1,14 +1,10 @@
-"""The machine a plan compiles for, without the machine: TPU slices through libtpu, GPU hosts
-through the CUDA plugin and a device spec, or N host CPU devices.
+"""The machine a plan compiles for, without the machine (`--topology`):
 
-Names (`--topology`):
-- TPU slices as libtpu spells them: `v5p:2x2x1` (4 chips), `v5p:2x2x2`, `v5p:4x4x4` (64 chips),
-  `v5e:4x4`, `v6e:2x4`, `v4:2x2x1`. Needs the `plan-tpu` extra (libtpu).
-- GPU hosts: `h100x8`, `h200x8`, `b200x8` (or `x1`, `x2`, `x4`). Needs the `plan-gpu` extra (the
-  CUDA plugin and its compiler). The device spec below is XLA's GPU target-config proto, filled
-  from each part's datasheet (SM count, memory, bandwidth, compute capability).
-- `cpu:N`: N host CPU devices (must be set before JAX starts its CPU backend). Memory and bytes
-  on CPU are not evidence for an accelerator: the CPU backend computes bf16 in fp32.
+- TPU slices as libtpu spells them (`v5p:2x2x1`, `v5e:4x4`, `v6e:2x4`, ...): the `plan-tpu` extra.
+- GPU hosts `h100x8`, `h200x8`, `b200x8` (or x1, x2, x4): the `plan-gpu` extra (CUDA plugin),
+  with XLA's GPU target config filled from each part's datasheet.
+- `cpu:N`: N host CPU devices (set before JAX starts its CPU backend; CPU computes bf16 in fp32,
+  so its memory and bytes are no evidence for an accelerator).
 
 Example:
     >>> topo = open_topology("cpu:1")
@@ -21,6 +17,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+
+import jax
+from jax.experimental import topologies
 
 from dmtp_jax.errors import UserError
 
@@ -108,12 +107,11 @@ device_description_str: "{part.description}"
 def _tpu(name: str) -> Topology:
     chip = name.split(":", 1)[0]
     try:
-        import libtpu  # noqa: F401
+        import libtpu  # noqa: F401     optional: the `plan-tpu` extra
     except ImportError:
         raise TopologyError(f"compiling for '{name}' needs libtpu: pip install -e \".[plan-tpu]\"") from None
     # compile-only: no chip is opened, so several planners (or a planner beside a TPU job) may share libtpu
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from jax.experimental import topologies
     try:
         desc = topologies.get_topology_desc(topology_name=name, platform="tpu")
     except Exception as e:      # libtpu's own message names what is wrong with the shape
@@ -125,11 +123,10 @@ def _tpu(name: str) -> Topology:
 def _gpu(name: str, part_name: str, count: int) -> Topology:
     part = GPU_PARTS[part_name]
     try:
-        import jax_cuda12_plugin  # noqa: F401
+        import jax_cuda12_plugin  # noqa: F401     optional: the `plan-gpu` extra
     except ImportError:
         raise TopologyError(f"compiling for '{name}' needs the CUDA plugin: pip install -e \".[plan-gpu]\"") from None
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    from jax.experimental import topologies
     desc = topologies.get_topology_desc(part_name, "cuda", target_config=gpu_target_config(part),
                                         topology=f"1x1x{count}")
     return Topology(name, "gpu", tuple(desc.devices), part.description, part.memory_bytes, part.bandwidth,
@@ -137,7 +134,6 @@ def _gpu(name: str, part_name: str, count: int) -> Topology:
 
 
 def _cpu(name: str, count: int) -> Topology:
-    import jax
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except Exception:           # the CPU backend already started: use what it has
@@ -151,8 +147,8 @@ def _cpu(name: str, count: int) -> Topology:
 
 
 def parse_topology(name: str) -> tuple[str, str, int]:
-    """`(kind, part, count)` of a topology name, checked without loading any compiler: kind is
-    "cpu", "gpu" or "tpu" (part and count: the GPU part and devices; for TPU the whole name).
+    """`(kind, part, count)` of a topology name, checked without loading a compiler: kind "cpu", "gpu"
+    or "tpu" (for TPU, part is the whole name).
 
     Example:
         >>> parse_topology("h100x8"), parse_topology("v5p:2x2x2"), parse_topology("cpu:4")
@@ -177,13 +173,8 @@ def parse_topology(name: str) -> tuple[str, str, int]:
 
 
 def open_topology(name: str) -> Topology:
-    """The compile-only devices of `name` (see the module docstring); one-line `TopologyError`s
-    for unknown names and missing compiler packages.
-
-    Example:
-        >>> open_topology("h100x8").hbm_bytes  # doctest: +SKIP
-        84978434048
-    """
+    """The compile-only devices of `name`; one-line `TopologyError`s for unknown names and missing
+    compiler packages."""
     kind, part, count = parse_topology(name)
     name = name.strip().lower()
     if kind == "cpu":

@@ -1,10 +1,5 @@
 """`train.py plan`: the drafter's train step compiled for the plan's machine on abstract weights,
-with the frozen target's and the optimizer's shares shown apart.
-
-Example:
-    >>> plan = plan_training("configs/models/qwen3.6-27b.json", method="dmtp", mesh="data=2,fsdp=4",
-    ...                      topology="v5p:2x2x2", batch_size=64, seq_len=4096)  # doctest: +SKIP
-"""
+with the frozen target's and the optimizer's shares shown apart."""
 
 from __future__ import annotations
 
@@ -17,13 +12,8 @@ def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None,
                   topology: str = "cpu:1", hbm_gb: float | None = None, exact_cost: bool = False,
                   progress=None) -> PlanResult:
     """Compiles `Trainer.lower_step(batch_size, seq_len)` for a fresh drafter of the target
-    (`default_drafter_config` with `draft_layers` / `block_size`), the target (and, for the DMTP
-    methods, its MTP head) frozen at `target_dtype`.
-
-    Example:
-        >>> plan = plan_training("configs/models/qwen3.6-27b.json", topology="v5p:2x2x2",
-        ...                      mesh="data=2,fsdp=4", batch_size=64)  # doctest: +SKIP
-    """
+    (`draft_layers`, `block_size`), the target (and, for DMTP methods, its MTP head) frozen at
+    `target_dtype`."""
     from dmtp_jax.errors import InputError
     from dmtp_jax.models.drafter_shape import default_drafter_config
     from dmtp_jax.plan.models import target_config_of
@@ -66,13 +56,8 @@ def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None,
 def step_plan(name: str, lower, train_state, params_name: str, target_model, mtp, topology: str, topo,
               device_mesh, hbm_gb: float | None, tokens_per_call: int, settings: dict, note: str,
               exact_cost: bool, progress) -> PlanResult:
-    """A training plan of one compiled step (`lower()`, inside `compiling_for`): the frozen target
-    (and MTP) and the trained state (`train_state`: params named `params_name`, the optimizer) per
-    device, the step's compile, the verdict.
-
-    Example:
-        >>> plan = step_plan("train_step", lower, state, "drafter params (fp32)", ...)  # doctest: +SKIP
-    """
+    """A training plan of one compiled step (`lower()`, inside `compiling_for`): the frozen models and
+    the trained state per device, the step's compile, the verdict."""
     from dmtp_jax.plan.compile import compile_function
     from dmtp_jax.plan.models import shard_bytes
 
@@ -95,16 +80,9 @@ def plan_head_factor(target: str, *, mesh: str | None = None, batch_size: int = 
                      target_dtype: str = "bfloat16", rank: int | None = None, vocab: int | None = None,
                      ce_chunk: int = 256, topology: str = "cpu:1", hbm_gb: float | None = None,
                      exact_cost: bool = False, progress=None) -> PlanResult:
-    """Compiles the `train.py head-factor` step (`train.head_factor.FactorDistiller.lower_step`):
-    the efficient head's factor (`rank`; over a `vocab`-id subset, or the whole vocabulary) trained
-    toward the full head, the target (and its MTP head, when the config or checkpoint has one) frozen at
-    `target_dtype`, `[batch_size, seq_len + 1]` token windows, `ce_chunk` rows per sequence scored
-    at once.
-
-    Example:
-        >>> plan = plan_head_factor("configs/models/qwen3.6-27b.json", topology="v5p:2x2x1", mesh="tensor=4",
-        ...                         vocab=32768)  # doctest: +SKIP
-    """
+    """Compiles the `train.py head-factor` step: the efficient head's factor (`rank`, over `vocab` ids or
+    all) trained toward the full head, the target (and MTP head) frozen at `target_dtype`,
+    `[batch_size, seq_len + 1]` windows, `ce_chunk` rows scored at once."""
     import os
 
     import jax

@@ -1,21 +1,9 @@
 """Batched admission: waiting prompts of one prompt-length bucket prefilled together.
 
-`form_group` takes the oldest waiting request and the next ones whose prompts fit its prompt bucket
-(padded to it), as many as fit the free rows and the step's prefill budget (row bucket x chunk width
-tokens per call; a lone request always fits); `PrefillGroup` runs their prefill chunk by chunk on a state of a compiled row
-bucket, and its finished rows go into the running state in one scatter (`rows.put_rows`). A request
-whose prefill failed in a group is prefilled alone afterwards (`solo`), so a fault is pinned on the
-request that causes it.
-
-`start_of` is the one place where a request's starting state and position are chosen: a fresh
-state at position 0, or with a prefix cache (`serve/prefix_cache.py`) the longest stored 1-row
-state whose tokens begin the prompt and its length; such a request is prefilled alone, over the
-prompt's rest only (`resume_tokens`), and a greedy repeat of a stored prompt prefills nothing.
-
-Example:
-    >>> group = form_group(waiting, free=4, buckets=(1, 2, 4), budget=512, prefill_chunk=512,
-    ...                    solo=set())  # doctest: +SKIP
-"""
+`form_group` picks the requests to prefill next; `PrefillGroup` runs their prefill chunk by chunk
+on a compiled row bucket, and the engine scatters the finished rows into the running state
+(`rows.put_rows`). A request whose group prefill failed is retried alone (`solo`). `start_of` is
+the one place a request's starting state and position are chosen (fresh, or a prefix cache hit)."""
 
 from __future__ import annotations
 
@@ -38,12 +26,7 @@ def prompt_bucket(req: Request) -> int:
 
 
 def row_bucket(n: int, buckets: tuple[int, ...]) -> int:
-    """The smallest compiled row bucket holding `n` rows.
-
-    Example:
-        >>> row_bucket(3, (1, 2, 4, 8))
-        4
-    """
+    """The smallest compiled row bucket holding `n` rows."""
     return next(b for b in buckets if b >= n)
 
 
@@ -62,9 +45,8 @@ def row_buckets(max_batch_size: int) -> tuple[int, ...]:
 
 def start_of(req: Request, cache=None, take: bool = False):
     """`(1-row starting state or None for a fresh one, start position)` of a request's prefill: the
-    longest stored prefix in `cache` (a `PrefixCache`), else `(None, 0)`. A peek unless `take`;
-    with `take` the hit is counted and marked used, and the state is a copy to prefill from (the
-    stored one itself when the start is the prompt's end: nothing runs, nothing is donated)."""
+    longest stored prefix in `cache`, else `(None, 0)`. A peek unless `take`; with `take` the hit is
+    counted and the state is a copy (the stored one itself when nothing runs)."""
     hit = None if cache is None else cache.lookup(req.prompt_ids, req.greedy, peek=not take)
     if hit is None:
         return None, 0
@@ -75,8 +57,7 @@ def start_of(req: Request, cache=None, take: bool = False):
 
 def resume_tokens(suffix) -> np.ndarray:
     """`[1, bucket]`: the tokens a resumed prefill runs, right-padded to a power of two from
-    `RESUME_BUCKET_FLOOR` (the prompt buckets from `PROMPT_BUCKET_FLOOR` on, so longer suffixes share
-    the prompts' programs; a chat turn's short new text runs the ones below).
+    `RESUME_BUCKET_FLOOR` (from `PROMPT_BUCKET_FLOOR` on, the prompt buckets' programs).
 
     Example:
         >>> resume_tokens([7, 8, 9]).shape, resume_tokens(list(range(40))).shape, resume_tokens([1] * 70).shape
@@ -88,12 +69,7 @@ def resume_tokens(suffix) -> np.ndarray:
 
 
 def resume_widths(prefill_chunk: int) -> list[int]:
-    """The resumed prefills' token widths below the prompt buckets (what `Engine.warm_up` adds).
-
-    Example:
-        >>> resume_widths(512), resume_widths(16)
-        ([16, 32], [16])
-    """
+    """The resumed prefills' token widths below the prompt buckets (what `Engine.warm_up` adds)."""
     return sorted({chunk_length(w, prefill_chunk) for w in range(RESUME_BUCKET_FLOOR, PROMPT_BUCKET_FLOOR)
                    if w & (w - 1) == 0})
 
@@ -101,10 +77,9 @@ def resume_widths(prefill_chunk: int) -> list[int]:
 def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefill_chunk: int,
                solo: set, cache=None) -> list[Request]:
     """The requests to prefill together next (oldest first; empty when none can start): the oldest
-    admissible waiting request, then others whose prompt bucket is at most its own while the row
-    bucket times the chunk width stays within `budget` tokens. A request in `solo`, or one starting
-    from a stored state (`start_of` with `cache`), goes alone.
-    """
+    admissible request, then others while row bucket x the chunk width of the group's longest prompt
+    bucket stays within `budget` tokens (a burst of arrivals is one prefill, as a static batch's, short
+    prompts padded to the longest). A request in `solo` or starting from a stored state goes alone."""
     group: list[Request] = []
     for req in waiting:
         if len(group) >= free:
@@ -112,8 +87,7 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
         alone = req.id in solo or start_of(req, cache)[0] is not None
         if group:
             width = chunk_length(max(prompt_bucket(r) for r in group + [req]), prefill_chunk)
-            if (alone or prompt_bucket(req) > prompt_bucket(group[0])
-                    or row_bucket(len(group) + 1, buckets) * width > budget):
+            if alone or row_bucket(len(group) + 1, buckets) * width > budget:
                 continue
         group.append(req)
         if alone:
@@ -123,9 +97,8 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
 
 @dataclasses.dataclass
 class PrefillGroup:
-    """The prefill of `reqs` in progress: `step()` runs one chunk and returns True once every chunk
-    ran (at once when none is left: a greedy repeat); then `state` holds their rows (0..len-1; the
-    rest padding) and `first` their first tokens."""
+    """The prefill of `reqs` in progress: `step()` runs one chunk and returns True once all ran; then
+    `state` holds their rows (0..len-1) and `first` their first tokens."""
     reqs: list[Request]
     rows: int
     width: int
@@ -139,8 +112,7 @@ class PrefillGroup:
     @classmethod
     def start(cls, bank, reqs: list[Request], rows: int, max_len: int, vocab_size: int, top_k_cap: int = 0,
               cache=None):
-        """The group's padded prompts (validated; each request's length was checked on arrival) and
-        its starting state (`start_of`; a resumed request is alone, on one row)."""
+        """The group's padded prompts and its starting state (`start_of`)."""
         batch = pad_prompts([r.prompt_ids for r in reqs], 1, vocab_size, batch_bucket=rows)
         row_state, start = start_of(reqs[0], cache, take=True)
         if row_state is None:

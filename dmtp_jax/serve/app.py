@@ -5,23 +5,12 @@
     POST /v1/chat/completions   messages through the tokenizer's chat template (400 without one)
     GET  /v1/models, /health, /metrics (Prometheus text); /docs, /redoc, /openapi.json with `enable_docs`
 
-Requests are checked before they reach the scheduler (`protocol.py`: strict types, finite numbers,
-64-bit seeds, token ids in the vocabulary, valid Unicode, stop-string caps, a text prompt too long
-to fit refused before tokenising) and guarded below the routes (`limits.py`: body size, API key,
-header timeout). Tokenising and chat templates run off the event loop (`asyncio.to_thread`). The
-scheduler thread (`scheduler.py`) hands each request's events to its handler's asyncio queue; a
-handler turns tokens into text with `text.TextStream` (stop strings cut exactly, streaming or not)
-and cancels its request on a stop string or when its client goes away (streaming: Starlette's
-disconnect listener; non-streaming: a task awaiting the client's disconnect), which frees the row
-at the next step. Errors are OpenAI-style JSON (`{"error": {"message", "type", "param", "code"}}`):
-400 bad input, 401 API key, 404 unknown model, 413 too large, 429 queue full, 503 shutting down. On
-shutdown (SIGTERM: uvicorn stops accepting connections and waits for running requests) the
-scheduler stops admitting and cancels what is left after `drain_s`.
-
-Example:
-    >>> app = build_app(Scheduler(engine), tokenizer, "demo")  # doctest: +SKIP
-    >>> uvicorn.run(app, host="127.0.0.1", port=8000)  # doctest: +SKIP
-"""
+Requests are checked by `protocol.py` before the scheduler and guarded below the routes by
+`limits.py`; tokenising runs off the event loop. Each handler turns its request's events into text
+(`text.TextStream`, stop strings cut exactly) and cancels the request on a stop string or when its
+client goes away. Errors are OpenAI-style JSON: 400 bad input, 401 API key, 404 unknown model, 413
+too large, 429 queue full, 503 shutting down. On shutdown the scheduler stops admitting and cancels
+what is left after `drain_s`."""
 
 from __future__ import annotations
 
@@ -30,9 +19,12 @@ import contextlib
 import json
 import logging
 import signal
+import sys
+import threading
 import time
 import uuid
 
+import uvicorn
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -40,27 +32,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dmtp_jax.errors import RequestError
 from dmtp_jax.serve.engine import Engine
-from dmtp_jax.serve.request import Request
 from dmtp_jax.serve.limits import ApiKeyAuth, BodyLimit, bind_socket, header_timeout_protocol
-from dmtp_jax.serve.protocol import (ApiError, ChatBody, CompletionBody, ServerLimits, check_prompt_chars,
-                                     check_text, error_body, one_prompt, request_of, stops_of)
+from dmtp_jax.serve.protocol import (ApiError, ChatBody, CompletionBody, ServerLimits, check_prompt_chars, check_text,
+                                     error_body, one_prompt, request_of, stops_of)
+from dmtp_jax.serve.request import Request
 from dmtp_jax.serve.scheduler import Scheduler
 from dmtp_jax.serve.text import TextStream, max_token_chars
 
-__all__ = ["ApiError", "Scheduler", "ServerLimits", "build_app", "error_body", "one_prompt", "serve", "warm_up"]
+__all__ = ["ApiError", "Scheduler", "ServerLimits", "build_app", "error_body", "one_prompt", "serve", "serving_in_thread",
+           "warm_up"]
 
 log = logging.getLogger(__name__)
 
 
 def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float = 30.0,
               limits: ServerLimits = ServerLimits(), api_key: str | None = None, enable_docs: bool = False) -> FastAPI:
-    """The FastAPI app serving `scheduler`'s engine as `model_name` (`tokenizer` may be None:
-    token-id prompts only); on shutdown it drains the scheduler for up to `drain_s`. `api_key`:
-    required as a Bearer token on every path but /health; `enable_docs`: serve /docs and /openapi.json.
-
-    Example:
-        >>> app = build_app(Scheduler(engine), tokenizer, "demo", api_key="secret")  # doctest: +SKIP
-    """
+    """The FastAPI app serving `scheduler`'s engine as `model_name` (`tokenizer` None: token-id prompts
+    only); drains the scheduler for up to `drain_s` on shutdown. `api_key`: a Bearer token required on
+    every path but /health; `enable_docs`: serve /docs and /openapi.json."""
     engine = scheduler.engine
     vocab_size = engine.cfg.vocab_size
     token_chars = max_token_chars(tokenizer) if tokenizer is not None else 0
@@ -249,13 +238,8 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
 
 
 def warm_up(engine: Engine, every_bucket: bool = True) -> None:
-    """Compiles the engine's rounds (greedy and sampled: no request field compiles anything later),
-    row moves, prefills and prefix-cache programs before the first request (`Engine.warm_up`), so
-    that `/health` answers only once they are ready and no request waits for a compile.
-
-    Example:
-        >>> warm_up(engine)  # doctest: +SKIP
-    """
+    """Compiles the engine's rounds (greedy and sampled), row moves, prefills and prefix-cache programs
+    (`Engine.warm_up`) before `/health` answers, so no request waits for a compile."""
     engine.warm_up(every_bucket)
     engine.counters.clear()
 
@@ -264,16 +248,9 @@ def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port:
           max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
           limits: ServerLimits = ServerLimits(), api_key: str | None = None, enable_docs: bool = False,
           sock=None, max_top_k: int = 256, prefix_cache_gb: float = 0.0) -> int:
-    """Binds `host:port` (unless given the bound `sock`; a port in use is an `InputError`), builds
-    the engine, compiles it, listens, prints "serving ..." and serves until SIGTERM / Ctrl-C (then
-    exits 0: running requests are finished, or cancelled after 30 s). `infer.py serve` calls it.
-
-    Example:
-        >>> serve(make_decoder("dmtp", target, d, mtp=m, fusion=f), tok, "demo", port=8000)  # doctest: +SKIP
-    """
-    import sys
-
-    import uvicorn
+    """Binds `host:port` (or uses the bound `sock`; a port in use is an `InputError`), builds and compiles
+    the engine, prints "serving ..." and serves until SIGTERM / Ctrl-C (exit 0: running requests
+    finished, or cancelled after 30 s). `infer.py serve` calls it."""
 
     sock = sock or bind_socket(host, port)
     port = sock.getsockname()[1]
@@ -294,3 +271,24 @@ def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port:
     signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+@contextlib.contextmanager
+def serving_in_thread(app, header_timeout_s: float = ServerLimits().header_timeout_s, **uvicorn_config):
+    """Serves `app` on a free port of 127.0.0.1 from a daemon thread of this process (tests and
+    benchmarks); yields the base url once uvicorn listens and shuts the server down on exit.
+    `uvicorn_config`: more `uvicorn.Config` fields (default `log_level="warning"`)."""
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, http=header_timeout_protocol(header_timeout_s),
+                                           **{"log_level": "warning", **uvicorn_config}))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the in-thread server stopped before it listened")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -1,21 +1,12 @@
-"""What guards the server below the routes: a request-body limit (ASGI middleware), an API-key check
-(ASGI middleware), a header timeout (uvicorn's h11 protocol, subclassed) and the listening socket.
+"""What guards the server below the routes:
 
-* `BodyLimit`: a body larger than `max_bytes` is answered 413 before any JSON parsing: at once from
-  its Content-Length, else as soon as a chunked body passes the limit (the rest is never read: the
-  connection closes). At most `max_bytes` of a body are ever held.
-* `ApiKeyAuth`: with a key, every path but `/health` (and the docs pages, when served) needs
-  `Authorization: Bearer KEY` (compared in constant time); 401 in OpenAI's format otherwise.
-* `header_timeout_protocol(s)`: uvicorn times out idle keep-alive connections only; this protocol
-  also closes a connection that has not sent a whole request head within `s` seconds of opening
-  (or of its previous response), so idle or trickling sockets cannot pile up.
-* `bind_socket(host, port)`: the server's socket, bound before anything is printed; a port in use
-  is an `InputError` (one `error:` line, exit status 2).
-
-Example:
-    >>> app = ApiKeyAuth(BodyLimit(app, 16 * 2**20), "secret")  # doctest: +SKIP
-    >>> uvicorn.Config(app, http=header_timeout_protocol(10.0))  # doctest: +SKIP
-"""
+* `BodyLimit` (ASGI): a body over `max_bytes` is a 413 before any parsing, from Content-Length or
+  as soon as a chunked body passes it; at most `max_bytes` are held.
+* `ApiKeyAuth` (ASGI): with a key, every path but `/health` (and docs pages) needs
+  `Authorization: Bearer KEY` (constant-time compare); else a 401.
+* `header_timeout_protocol(s)`: uvicorn's h11 protocol that also closes connections sending no
+  whole request head within `s` seconds.
+* `bind_socket(host, port)`: the server's socket, bound before anything is printed."""
 
 from __future__ import annotations
 
@@ -46,8 +37,8 @@ def header(scope, name: bytes) -> bytes | None:
 
 
 class BodyLimit:
-    """ASGI middleware: request bodies over `max_bytes` get a 413 (see the module docstring); the
-    body is read here and replayed to `app` whole."""
+    """ASGI middleware: request bodies over `max_bytes` get a 413; the body is read here and replayed to
+    `app` whole."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, int(max_bytes)
@@ -87,8 +78,7 @@ class BodyLimit:
 
 
 class ApiKeyAuth:
-    """ASGI middleware: `Authorization: Bearer KEY` on every path but `OPEN_PATHS` (see the module
-    docstring)."""
+    """ASGI middleware: `Authorization: Bearer KEY` on every path but `OPEN_PATHS`."""
 
     def __init__(self, app, api_key: str):
         self.app, self.key = app, api_key.encode()
@@ -106,8 +96,8 @@ class ApiKeyAuth:
 
 
 def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing connections that send no whole request head within
-    `timeout_s` of opening or of their previous response (pass it as `uvicorn.Config(http=...)`)."""
+    """uvicorn's h11 protocol closing connections that send no whole request head within `timeout_s` of
+    opening or of their previous response (`uvicorn.Config(http=...)`)."""
 
     class HeaderTimeoutProtocol(H11Protocol):
         _header_timer = None

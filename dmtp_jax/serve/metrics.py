@@ -42,8 +42,8 @@ class Histogram:
 
 
 def choice_lines(choice: dict, prefix: str = "dmtp") -> list[str]:
-    """The engine's current round choice (`Engine.choice`) and what it rests on: the method and why,
-    the rows and bucket it was chosen for, and each method's live tau and estimated tokens/s.
+    """The engine's current round choice (`Engine.choice`): the method and why, the rows and bucket, and
+    each method's live tau and estimated tokens/s.
 
     Example:
         >>> print("\\n".join(choice_lines({"method": "ar", "why": "highest estimated tok/s", "rows": 3,
@@ -84,12 +84,7 @@ class ServerMetrics:
             self.tpot.observe((req.finished_s - req.first_token_s) / (len(req.output_ids) - 1))
 
     def render(self, engine, prefix: str = "dmtp") -> str:
-        """The exposition text for `engine` (an `engine.Engine`).
-
-        Example:
-            >>> "dmtp_requests_total" in ServerMetrics().render(engine)  # doctest: +SKIP
-            True
-        """
+        """The exposition text for `engine` (an `engine.Engine`)."""
         c, m = engine.counters, f'method="{engine.method}"'
         rows = max(c["row_rounds"], 1)
         gauges = [

@@ -5,14 +5,15 @@ For `rows` running rows in a state of `bucket` rows, a method's estimate is
 
     rows x tau(method) / round_s(method, bucket)
 
-`tau`: tokens a row commits per round, measured live (exponential average over the rows of its
-rounds; `ar`: 1; before any round of the method: the auto verdict's `tau_per_verify` for the bucket,
-else `slots / 2`); `round_s`: seconds per round of the method at that bucket, measured live (a
-dispatch that compiled is not counted). A method not yet timed at a bucket is run once to time it
-(its first run compiles unless the engine was warmed up, and is not counted). Every
-`refresh_every` choices the speculative method whose tau is oldest runs once, so a method that
-stopped paying is measured again when the text makes it pay. `describe` says what the choice rests
-on (for `/metrics`).
+`tau`: tokens a row commits per round, measured live (`ar`: 1; before any round of the method: the
+auto verdict's `tau_per_verify` for the bucket, counted as one sample, else `slots / 2`), a running
+mean over its first `1 / ALPHA` samples and an exponential average after; `round_s`: seconds per
+round of the method at that bucket, the median of its last `TIME_WINDOW` samples (a dispatch that
+compiled is not counted): a round's cost is fixed by its shapes and a busy machine only adds to it,
+so one slow sample is outvoted as soon as two normal ones arrive. A method not yet timed at a
+bucket runs once to time it. Every `refresh_every` choices the method whose estimate at the bucket
+is oldest (plain decoding included) runs once, so an estimate that no longer holds is measured again.
+`describe` says what the choice rests on (for `/metrics`).
 
 Example:
     >>> p = LoadPolicy({"ar": 1, "dmtp": 8})
@@ -24,8 +25,48 @@ Example:
 
 from __future__ import annotations
 
-ALPHA = 0.25            # weight of a new sample in the running averages
-REFRESH_EVERY = 32      # choices between two refresh runs of a stale speculative method
+import collections
+import statistics
+
+ALPHA = 0.25            # the weight of a new sample once a running average holds 1 / ALPHA samples
+REFRESH_EVERY = 32      # choices between two refresh runs of the stalest other method
+TIME_WINDOW = 5         # round times a (method, bucket) estimate is the median of
+
+
+class RunningMean:
+    """A mean over the first `1 / ALPHA` samples, an exponential average (weight ALPHA) after.
+
+    Example:
+        >>> m = RunningMean(); m.add(4.0); m.add(1.0); m.value
+        2.5
+    """
+
+    def __init__(self, value: float | None = None, samples: int = 0):
+        self.value, self.samples = value, samples
+
+    def add(self, sample: float) -> None:
+        self.samples += 1
+        weight = max(ALPHA, 1.0 / self.samples)
+        self.value = sample if self.value is None else (1 - weight) * self.value + weight * sample
+
+
+class RecentMedian:
+    """The median of the last `TIME_WINDOW` samples.
+
+    Example:
+        >>> m = RecentMedian(); m.add(0.2); m.add(0.02); m.add(0.021); m.value
+        0.021
+    """
+
+    def __init__(self):
+        self.recent: collections.deque = collections.deque(maxlen=TIME_WINDOW)
+
+    def add(self, sample: float) -> None:
+        self.recent.append(sample)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.recent)
 
 
 class LoadPolicy:
@@ -34,40 +75,48 @@ class LoadPolicy:
     def __init__(self, slots: dict[str, int], prior_tau: dict[str, float] | None = None,
                  refresh_every: int = REFRESH_EVERY):
         self.slots = dict(slots)
-        self.tau = {m: 1.0 if m == "ar" else float((prior_tau or {}).get(m, max(1.0, n / 2)))
-                    for m, n in self.slots.items()}
-        self.round_s: dict[tuple[str, int], float] = {}
-        self.tau_age = {m: 0 for m in self.slots}       # choices since a method's tau was last measured
+        prior = prior_tau or {}
+        self._tau = {m: RunningMean(1.0, 1) if m == "ar" else
+                     RunningMean(float(prior[m]), 1) if m in prior else RunningMean(max(1.0, n / 2), 0)
+                     for m, n in self.slots.items()}
+        self._round_s: dict[tuple[str, int], RecentMedian] = {}
+        self._measured_at: dict[tuple[str, int], int] = {}    # the choice count of a key's last sample
         self.refresh_every = int(refresh_every)
         self.choices = 0
         self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "estimates": {}}
 
+    @property
+    def tau(self) -> dict[str, float]:
+        return {m: t.value for m, t in self._tau.items()}
+
+    @property
+    def round_s(self) -> dict[tuple[str, int], float]:
+        return {k: r.value for k, r in self._round_s.items()}
+
     def estimates(self, rows: int, bucket: int) -> dict[str, float]:
         """Estimated output tokens/s per method timed at `bucket`."""
-        return {m: rows * self.tau[m] / self.round_s[(m, bucket)] for m in self.slots
-                if self.round_s.get((m, bucket), 0) > 0}
+        return {m: rows * self._tau[m].value / self._round_s[(m, bucket)].value for m in self.slots
+                if (m, bucket) in self._round_s and self._round_s[(m, bucket)].value > 0}
 
     def choose(self, rows: int, bucket: int) -> str:
         """The method of the next round (see the module docstring)."""
         self.choices += 1
-        for m in self.tau_age:
-            self.tau_age[m] += 1
         est = self.estimates(rows, bucket)
-        untimed = [m for m in self.slots if (m, bucket) not in self.round_s]
+        untimed = [m for m in self.slots if (m, bucket) not in self._round_s]
         if len(self.slots) == 1:
             method, why = next(iter(self.slots)), "the only round"
         elif untimed:
             method, why = untimed[0], f"timing {untimed[0]} at {bucket} rows"
         else:
             best = max(est, key=est.get)
-            stale = [m for m in self.slots if m != "ar" and m != best and self.tau_age[m] >= self.refresh_every]
-            if stale and self.choices % self.refresh_every == 0:
-                method = max(stale, key=self.tau_age.get)
-                why = f"refreshing {method}'s acceptance"
+            age = {m: self.choices - self._measured_at.get((m, bucket), 0) for m in self.slots if m != best}
+            stalest = max(age, key=age.get)
+            if self.choices % self.refresh_every == 0 and age[stalest] >= self.refresh_every:
+                method, why = stalest, f"refreshing {stalest}'s estimate at {bucket} rows"
             else:
                 method, why = best, "highest estimated tok/s"
         self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "estimates": est,
-                     "tau": dict(self.tau)}
+                     "tau": self.tau}
         return method
 
     def observe(self, method: str, bucket: int, *, rounds: int, seconds: float, row_rounds: int, committed: int,
@@ -75,12 +124,10 @@ class LoadPolicy:
         """A dispatch of `rounds` rounds of `method` at `bucket` rows took `seconds`; its running rows
         ran `row_rounds` row rounds committing `committed` tokens (before stop cuts)."""
         if rounds > 0 and not compiled:
-            key, sample = (method, bucket), seconds / rounds
-            old = self.round_s.get(key)
-            self.round_s[key] = sample if old is None else (1 - ALPHA) * old + ALPHA * sample
+            self._round_s.setdefault((method, bucket), RecentMedian()).add(seconds / rounds)
+            self._measured_at[(method, bucket)] = self.choices
         if row_rounds > 0 and method != "ar":
-            self.tau[method] = (1 - ALPHA) * self.tau[method] + ALPHA * committed / row_rounds
-            self.tau_age[method] = 0
+            self._tau[method].add(committed / row_rounds)
 
     def describe(self) -> dict:
         """The last choice: method, why, rows, bucket, each method's tau and estimated tok/s."""

@@ -1,44 +1,13 @@
 """An exact prefix cache for the serving engine: 1-row decode states keyed by the tokens they hold.
 
-A snapshot is the engine's whole 1-row state (target K/V, Gated DeltaNet conv windows and recurrent
-states, the MTP and drafter context caches and, for speculative decoders, length / pending token /
-MTP hidden) at a point where `L` tokens are consumed and token `L` is pending. Its key is those
-`L + 1` tokens: every leaf is a function of them alone, whatever picked them (the MTP row at
-position `L` and the drafter context at `L - 1` pair with the pending token). Snapshots are taken
-
-    after a prefill    the prompt consumed, its first token pending (the engine offers each
-                       admitted row, `offer_row`)
-    at a finish        prompt + output consumed but the last output token, which is pending
-                       (`offer_row`; the engine offers it only when the last round committed no
-                       token past the kept output: a stop token or the budget mid-round leaves the
-                       state past the text, and a DeltaNet state cannot step back)
-    near the budget    a speculative row the next round may end by its `max_tokens`, once, before
-                       that round (`before_round`): the text so far, so a next turn still resumes
-                       within a round of the answer's end (after a stop token mid-round, it
-                       resumes from the prefill's snapshot)
-
-and reused by a prompt of `p` tokens (the longest match wins; `serve/admission.py:start_of` asks,
-and such a request is prefilled alone):
-
-    resume    a snapshot whose key is a prefix of the prompt with `L + 1 <= p`: a copy of its state
-              runs the decoder's own prefill step over the prompt from position `L` on, so at least
-              the pending token is re-run (the "one token short" rule: a prompt that repeats a
-              stored text exactly, e.g. the previous chat turn, still computes its first token).
-              Greedy tokens are those of a full prefill; a sampled first token is drawn as a full
-              prefill draws it (lossless)
-    repeat    greedy requests only: a snapshot of a greedy request whose key is the prompt plus one
-              token: that token is the greedy pick, the state is used as is, nothing runs.
-
-DeltaNet states exist only at the boundaries where they were produced, so keys are exact token
-sequences (their length and a hash of their ids, the ids compared on a hit), never a part of one.
-K/V slots past `L` may hold rejected drafts; the resumed prefill writes each slot before any query
-at or past it reads it (positions mask keys `k_pos <= q_pos`), as in a running batch.
-
-Snapshots stay on the device: a hit's state is what the next prefill starts from, so a host copy
-would cost a transfer each way per hit. Each counts its leaves' `nbytes` against the budget
-(`--prefix-cache-gb`); the least recently used go first past it. The engine hands the cache its
-jitted row programs: `extract` (`rows.extract_row` over the running state's batch axes) and `copy`
-(a 1-row state copied, so a snapshot survives the prefill that donates its copy).
+A snapshot is the engine's whole 1-row state with `L` tokens consumed and token `L` pending, keyed
+by those `L + 1` tokens; it is offered after a prefill, at a finish that ends exactly at the text,
+and once before a speculative round that may reach a row's budget. A prompt reuses the longest
+match: resume (a key that is a prefix of the prompt, `L + 1 <= p`: the decoder's prefill runs from
+position `L` on a copy, re-running at least the pending token) or, greedy only, repeat (a key equal
+to the prompt plus one token: the state is used as is). DeltaNet states exist only where produced,
+so there is no partial match inside a key. Snapshots stay on the device under a byte budget, least
+recently used evicted first. Outputs equal a full prefill's (docs/serving.md#prefix-cache).
 
 Example:
     >>> cache = PrefixCache(1 << 20)
@@ -65,12 +34,7 @@ from dmtp_jax.decode.batch import RequestError
 
 
 def prefix_cache_bytes(gb: float) -> int:
-    """`--prefix-cache-gb` in bytes (GiB, 2**30); raises `RequestError` when negative.
-
-    Example:
-        >>> prefix_cache_bytes(0.5)
-        536870912
-    """
+    """`--prefix-cache-gb` in bytes (GiB, 2**30); raises `RequestError` when negative."""
     if not gb >= 0:
         raise RequestError(f"--prefix-cache-gb must be >= 0, got {gb}")
     return int(gb * (1 << 30))
@@ -88,22 +52,12 @@ def prefix_key(tokens) -> tuple[int, bytes]:
 
 
 def state_nbytes(state) -> int:
-    """Bytes of every leaf of a state or of its shapes (global sizes).
-
-    Example:
-        >>> state_nbytes({"a": jnp.zeros((2, 3)), "b": None})
-        24
-    """
+    """Bytes of every leaf of a state or of its shapes (global sizes)."""
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
 
 
 def copy_state(state):
-    """A copy of every leaf (a stored snapshot stays valid when its copy is donated to a prefill).
-
-    Example:
-        >>> copy_state({"k": jnp.ones(2)})["k"].tolist()
-        [1.0, 1.0]
-    """
+    """A copy of every leaf (a stored snapshot stays valid when its copy is donated to a prefill)."""
     return jax.tree.map(jnp.copy, state)
 
 
@@ -119,7 +73,7 @@ class Snapshot:
 @dataclasses.dataclass
 class Hit:
     """What a lookup found: resume the prefill at `start` from a copy of the snapshot's state, or
-    (`ready`, a greedy repeat) use the state as is with its pending token as the first token."""
+    (`ready`, a greedy repeat) use the state as is, its pending token the first token."""
     snapshot: Snapshot
     start: int
     ready: bool
@@ -131,10 +85,8 @@ class Hit:
 
 
 class PrefixCache:
-    """Snapshots under a byte budget, least recently used evicted first (see the module docstring).
-    One engine's: the states are its bank's 1-row states. `extract(state, row)` and `copy(state)`:
-    the engine's jitted row programs (`offer_row` and a resume need them); `row_bytes`: a 1-row
-    state's bytes."""
+    """Snapshots under a byte budget, least recently used evicted first. `extract(state, row)` and
+    `copy(state)`: the engine's jitted row programs; `row_bytes`: a 1-row state's bytes."""
 
     def __init__(self, budget_bytes: int, *, extract=None, copy=None, row_bytes: int = 0):
         if budget_bytes < 0:
@@ -154,8 +106,8 @@ class PrefixCache:
 
     # ---- the store ---------------------------------------------------------------------------
     def lookup(self, prompt_ids, greedy: bool, peek: bool = False) -> Hit | None:
-        """The longest reusable snapshot for a prompt (a greedy repeat first), marked most recently
-        used and counted unless `peek`; None without one."""
+        """The longest reusable snapshot for a prompt (a greedy repeat first), marked used and counted unless
+        `peek`; None without one."""
         prompt = tuple(int(t) for t in prompt_ids)
         hit = None
         if greedy:
@@ -180,9 +132,8 @@ class PrefixCache:
         return None if key is None else self.entries.get(key)
 
     def offer(self, tokens, state, greedy: bool) -> bool:
-        """Stores `state` as the snapshot of `tokens` (consumed but the last, which is pending),
-        evicting the least recently used past the budget; returns whether it is stored (a known key
-        is only marked used; a snapshot larger than the budget is not kept)."""
+        """Stores `state` as the snapshot of `tokens`, evicting the least recently used past the budget;
+        returns whether it is stored (a known key is only marked used; one larger than the budget is not)."""
         tokens = tuple(int(t) for t in tokens)
         key = prefix_key(tokens)
         if key in self.entries:
@@ -214,11 +165,8 @@ class PrefixCache:
 
     # ---- the engine's hooks ---------------------------------------------------------------------
     def before_round(self, state, running, reach: int) -> None:
-        """Before a speculative dispatch that may commit up to `reach` tokens per row: the rows whose
-        budget it may reach are offered once (`offer_row`; row i runs `running[i]`). A round that
-        ends a row past its kept text leaves a state no later text can use (a DeltaNet state cannot
-        step back); this one ends exactly at its text so far, so the next turn resumes at most a
-        dispatch's tokens before the end of the answer."""
+        """Before a speculative dispatch that may commit up to `reach` tokens per row: offers once the rows
+        whose budget it may reach (row i runs `running[i]`), so a next turn resumes near the answer's end."""
         self._near_end &= {req.id for req in running if req is not None}
         for row, req in enumerate(running):
             if req is not None and req.id not in self._near_end and req.max_tokens - len(req.output_ids) <= reach:
@@ -226,9 +174,8 @@ class PrefixCache:
                 self.offer_row(state, row, req.prompt_ids + req.output_ids, req.greedy)
 
     def offer_row(self, state, row: int, tokens, greedy: bool) -> bool:
-        """A row of the running `state` offered as the snapshot of `tokens` (its prompt + output:
-        all consumed but the last, which is pending); extracted (`extract`) only when it is new and
-        fits the budget."""
+        """A row of the running `state` offered as the snapshot of `tokens` (prompt + output), extracted
+        only when new and within the budget."""
         key = prefix_key(tokens)
         if key in self.entries:
             self.entries.move_to_end(key)

@@ -1,11 +1,9 @@
 """The OpenAI request bodies and their checks: everything a request is validated against before it
 reaches the scheduler, and OpenAI's error object.
 
-Types are strict: a JSON `true` is not the token id 1 nor the number 1, numbers must be finite
-(JSON's NaN / Infinity are refused), a seed is a 64-bit integer, token ids lie in `[0, vocab)`, text
-is valid Unicode (a lone surrogate from a `\\ud800` escape cannot be tokenised), and stop strings are
-capped in number and length (`ServerLimits`). A text prompt longer than `max_model_len` times the
-tokenizer's longest token (in characters) cannot fit and is refused before it is tokenised.
+Types are strict: a JSON `true` is not 1, numbers are finite, a seed is a 64-bit integer, token
+ids lie in `[0, vocab)`, text is valid Unicode, stop strings are capped (`ServerLimits`), and a
+text prompt too long to fit `max_model_len` whatever its tokenisation is refused untokenised.
 
 Example:
     >>> body = CompletionBody(prompt=[1, 2], max_tokens=4, seed=7)
@@ -37,12 +35,7 @@ class ApiError(Exception):
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:
-    """OpenAI's error object.
-
-    Example:
-        >>> error_body("bad", param="n")["error"]["param"]
-        'n'
-    """
+    """OpenAI's error object `{"error": {"message", "type", "param", "code"}}`."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -96,12 +89,7 @@ def one_prompt(prompt) -> str | list[int]:
 
 
 def check_text(value, param: str) -> None:
-    """Raises a 400 when a string anywhere in `value` (strings, lists, dicts) is not valid Unicode
-    (a lone surrogate): no tokenizer or template can take it.
-
-    Example:
-        >>> check_text(["ok", {"content": "fine"}], "messages")
-    """
+    """Raises a 400 when a string anywhere in `value` (strings, lists, dicts) is not valid Unicode."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -117,36 +105,22 @@ def check_text(value, param: str) -> None:
 
 
 def check_token_ids(ids: list[int], vocab_size: int) -> None:
-    """Raises a 400 naming the first id outside `[0, vocab_size)`.
-
-    Example:
-        >>> check_token_ids([0, 5], 10)
-    """
+    """Raises a 400 naming the first id outside `[0, vocab_size)`."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ApiError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
 
 
 def check_prompt_chars(chars: int, max_model_len: int, max_token_chars: int) -> None:
-    """A 413 for a text prompt of `chars` characters that needs more than `max_model_len` tokens
-    however it is tokenised (no token is longer than `max_token_chars` characters), so it is never
-    tokenised.
-
-    Example:
-        >>> check_prompt_chars(100, 64, 2)
-    """
+    """Raises a 413 for a text prompt of `chars` characters that needs more than `max_model_len` tokens
+    however tokenised (no token is longer than `max_token_chars`)."""
     if chars > max_model_len * max_token_chars:
         raise ApiError(f"prompt: {chars} characters cannot fit the maximum model length {max_model_len} "
                        f"(no token is longer than {max_token_chars} characters)", 413, param="prompt")
 
 
 def stops_of(body: CompletionBody, limits: ServerLimits) -> list[str]:
-    """The request's stop strings, checked against the limits.
-
-    Example:
-        >>> stops_of(CompletionBody(stop="END"), ServerLimits())
-        ['END']
-    """
+    """The request's stop strings, checked against the limits."""
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > limits.max_stop_strings:
         raise ApiError(f"stop: at most {limits.max_stop_strings} stop strings (--max-stop-strings), got {len(stops)}",

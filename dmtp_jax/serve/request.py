@@ -1,6 +1,5 @@
-"""What the engine serves: a `Request` (its prompt, sampling and limits, and as it runs its output),
-the `Event`s a step emits, and the per-row sampling parameters of a batch of requests
-(`row_sampling`, the one place they are built).
+"""What the engine serves: a `Request` (prompt, sampling, limits and, as it runs, its output), the
+`Event`s a step emits, and `row_sampling`, the one builder of a batch's per-row sampling.
 
 Example:
     >>> Request([1, 2, 3], max_tokens=4).greedy
@@ -51,12 +50,7 @@ class Request:
         return self.temperature == 0.0
 
     def acceptance_stats(self) -> dict:
-        """This request's rounds and tokens per round (accepted drafts + bonus), for `usage`.
-
-        Example:
-            >>> Request([1], 4, acceptance=[3, 1]).acceptance_stats()["mean_acceptance_length"]
-            2.0
-        """
+        """This request's rounds and tokens per round (accepted drafts + bonus), for `usage`."""
         rounds = len(self.acceptance)
         return {"verify_rounds": rounds,
                 "mean_acceptance_length": sum(self.acceptance) / rounds if rounds else 0.0,
@@ -90,19 +84,17 @@ def check_request(req: Request, *, vocab_size: int, max_model_len: int, max_top_
 
 @dataclasses.dataclass
 class Event:
-    """What a step committed for a request: its new tokens (already cut at a stop token / the
-    budget) and whether it finished."""
+    """What a step committed for a request: its new tokens (cut at a stop token / the budget) and
+    whether it finished."""
     request: Request
     tokens: list[int]
     finished: bool
 
 
 def row_sampling(reqs, rows: int, top_k_cap: int = 0) -> tuple[SamplingParams, bool]:
-    """`(SamplingParams.rows over `rows` rows, greedy)` for `reqs` in rows 0..len-1 (the rest, and
-    greedy rows, temperature 0): every sampled round and prefill of the engine builds its
-    parameters here, in ONE form whatever the requests ask (top-k searching `top_k_cap`, top-p on:
-    a row's top_p 1 and top_k 0 keep every token), so no request's values compile anything. A top_k
-    above the cap keeps every token (`Engine.check` lets through only k >= the vocabulary there).
+    """`(SamplingParams.rows over `rows` rows, greedy)` for `reqs` in rows 0..len-1 (the rest, and greedy
+    rows, temperature 0), in ONE form whatever the requests ask (top-k searching `top_k_cap`, top-p
+    on), so no request's values compile anything. A top_k above the cap keeps every token.
 
     Example:
         >>> sp, greedy = row_sampling([Request([1], 2), Request([1], 2, temperature=0.5, top_k=9)], 4, 8)

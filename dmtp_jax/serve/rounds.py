@@ -1,21 +1,11 @@
 """The rounds an engine runs on ONE running state: plain decoding and the speculative rounds its
 models allow, switchable between any two steps.
 
-A `RoundBank` carries the union of the models its rounds need (the base decoder's: target, and
-where the base method uses them the drafter, the MTP head, the fusion and the drafting head), so its
-state (`round.SpecState`) holds every cache any of its rounds reads. Every round is
-`round.spec_round` over those models with its own proposer: `ar` is the one-slot round
-(`proposers.PlainProposer`: a plain target step), `mtp` the MTP chain, the base method its block.
-`round.commit` advances the MTP and writes the drafter's context whatever the proposer, so after any
-round the state is the one every other round expects: switching needs no re-prefill. Greedy rows
-commit the target's argmax in every round (the exact match of `generate`); a sampled round is
-lossless on its own, so a sequence of them is too.
-
-Example:
-    >>> bank = RoundBank.for_decoder(make_decoder("dmtp", target, d, mtp=m, fusion=f), family=True)  # doctest: +SKIP
-    >>> bank.slots  # doctest: +SKIP
-    {'ar': 1, 'dmtp': 8, 'mtp': 5}
-"""
+A `RoundBank` carries the union of the models its rounds need, so its `round.SpecState` holds
+every cache any round reads. Every round is `round.spec_round` with its own proposer (`ar`: the
+one-slot `PlainProposer`; `mtp`: the MTP chain; the base method its block), and `round.commit`
+keeps every cache current whatever the proposer, so switching needs no re-prefill. Greedy rows
+commit the target's argmax in every round; each sampled round is lossless."""
 
 from __future__ import annotations
 
@@ -39,13 +29,8 @@ DEFAULT_MTP_STEPS = 4       # the MTP chain's drafts when the models allow `mtp`
 
 
 def base_decoder(candidates: dict):
-    """The decoder whose models a bank carries for auto's `candidates` (`{method: decoder}`): the
-    speculative one needing the most models (dmtp first among equals), else the plain one.
-
-    Example:
-        >>> base_decoder({"ar": ar_dec, "mtp": mtp_dec, "dmtp": dmtp_dec}).method  # doctest: +SKIP
-        'dmtp'
-    """
+    """The decoder whose models a bank carries for auto's `candidates`: the speculative one needing the
+    most models (dmtp first among equals), else the plain one."""
     spec = {m: d for m, d in candidates.items() if not isinstance(d, ARDecoder)}
     if not spec:
         return next(iter(candidates.values()))
@@ -53,13 +38,10 @@ def base_decoder(candidates: dict):
 
 
 class RoundBank:
-    """Jitted prefill, rounds (`round[method]`) and K-round dispatches (`multi_round(method, K)`, built
-    on first use) over one set of models, and the state they share (see the module docstring).
-
-    `models`: `(target, drafter, mtp, fusion, draft_head)` `LoadedModel`s, None where absent;
-    `slots`: `{method: verify slots}` (`ar`: 1); `knobs`: the proposers' `RoundKnobs`;
-    `rounds_per_dispatch`: the decoder's K (the engine's default).
-    """
+    """Jitted prefill, rounds (`round[method]`) and K-round dispatches (`multi_round(method, K)`, built on
+    first use) over one set of models, and the state they share. `models`: `(target, drafter, mtp,
+    fusion, draft_head, draft_model)` `LoadedModel`s or None; `slots`: `{method: verify slots}`; `knobs`:
+    `RoundKnobs`; `rounds_per_dispatch`: the engine's default K."""
 
     def __init__(self, models: tuple, slots: dict[str, int], *, verify_mode: str = "rejection",
                  context_window: int = 4096, rounds_per_dispatch: int = 1, prefill_chunk: int = 512,
@@ -88,15 +70,15 @@ class RoundBank:
 
     @classmethod
     def for_decoder(cls, decoder, candidates: dict | None = None, switching: bool = False) -> "RoundBank":
-        """The bank of a decoder: an `ARDecoder` runs `ar` on the target alone; a `SpecDecoder` its
-        method, and with `switching` also `ar` and (with an MTP head) `mtp`, whose slots come from
-        `candidates`' mtp decoder when there is one."""
+        """The bank of a decoder: an `ARDecoder` runs `ar`; a `SpecDecoder` its method, and with `switching`
+        also `ar`, (with an MTP head) `mtp`, and `lookup` when it is a
+        candidate."""
         k = getattr(decoder, "rounds_per_dispatch", 1)
         if isinstance(decoder, ARDecoder):
-            return cls((decoder.target, None, None, None, None), {"ar": 1}, prefill_chunk=decoder.prefill_chunk,
+            return cls((decoder.target, None, None, None, None, None), {"ar": 1}, prefill_chunk=decoder.prefill_chunk,
                        rounds_per_dispatch=k)
         models = _used(decoder.proposer, decoder.target, decoder.drafter, decoder.mtp, decoder.fusion,
-                       decoder.draft_head)
+                       decoder.draft_head, decoder.draft_model)
         slots = {decoder.method: decoder.slots}
         if switching:
             slots = {"ar": 1, **slots}
@@ -105,6 +87,8 @@ class RoundBank:
                 slots["mtp"] = (mtp.slots if mtp is not None else
                                 verify_slots("mtp", mtp_steps=DEFAULT_MTP_STEPS, block_size=None,
                                              drafter_block_size=None))
+            if "lookup" in (candidates or {}) and "lookup" not in slots:     # needs no model: the token buffer
+                slots["lookup"] = candidates["lookup"].slots
         return cls(models, slots, verify_mode=decoder.verify_mode, context_window=decoder.context_window,
                    rounds_per_dispatch=k, prefill_chunk=decoder.prefill_chunk,
                    knobs=decoder.knobs())
@@ -122,13 +106,12 @@ class RoundBank:
 
     def new_state(self, rows: int, max_len: int):
         """A zero state of `rows` rows with every cache of the bank's models."""
-        return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len)
+        return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len, self.models[5])
 
     def run(self, method: str, state, active_b, limits_b, sp, base_key, first_round: int, greedy: bool,
             rounds: int = 1, stop_ids=()):
-        """One round of `method`, or (`rounds` > 1) up to `rounds` rounds stopping on device at
-        `stop_ids` and the limits. Returns `(state, tokens [B, k, n], accepted [B, k], ran [B, k],
-        rounds run, seconds from dispatch to the results on the host)`."""
+        """One round of `method`, or up to `rounds` stopping on device: `(state, tokens [B, k, n],
+        accepted [B, k], ran [B, k], rounds run, seconds from dispatch to host results)`."""
         t0 = time.perf_counter()
         if rounds == 1:
             state, *out = self.round[method](self.model_states(), state, active_b, limits_b, sp, base_key,
@@ -150,10 +133,8 @@ class RoundBank:
 
 
 def engine_bank(decoder):
-    """`(bank, gate)` of a decoder: a speculative decoder (auto: the base of its candidates,
-    `base_decoder`, with plain and MTP rounds beside) passes the exactness probe first and is
-    served with plain decoding when the probe declines. One bank per decoder: engines on one decoder
-    share its compiles."""
+    """`(bank, gate)` of a decoder (auto: `base_decoder` of its candidates); a speculative bank passes the
+    exactness probe first, else is served plainly. One bank per decoder, so engines share compiles."""
     if "_engine_bank" not in decoder.__dict__:
         auto = decoder if isinstance(decoder, AutoDecoder) else None
         base = base_decoder(auto.candidates) if auto is not None else decoder

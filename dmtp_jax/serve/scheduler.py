@@ -1,17 +1,10 @@
 """The scheduler thread: the only caller of the `Engine`. It admits submitted requests, runs
-`Engine.step()` while anything is running and hands each request's events to its sink.
+`Engine.step()` while anything runs and hands each request's events to its sink.
 
-Every submitted request gets exactly one final event (`Event.finished`): a request whose own
-admission fails (`engine.add` raising) ends alone with finish reason "error"; a failing step ends
-the requests the engine gives up on (`Engine.abort_all`); requests still queued when the thread
-stops are ended "cancelled". Nothing a request does ends the thread: every per-request failure is
-logged and answered. `submit` refuses a request (429) when `max_waiting` requests already wait
-beyond the running rows, and (503) once shutting down.
-
-Example:
-    >>> scheduler = Scheduler(engine, max_waiting=64)  # doctest: +SKIP
-    >>> scheduler.submit(Request([1, 2], 8), print)  # doctest: +SKIP
-"""
+Every submitted request gets exactly one final event: a failed admission ends that request
+("error"), a failing step ends the requests the engine gives up on, requests queued at shutdown
+end "cancelled"; no request's failure ends the thread. `submit` refuses with 429 when
+`max_waiting` requests already wait, and 503 once shutting down."""
 
 from __future__ import annotations
 
@@ -45,11 +38,7 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, req: Request, sink) -> Request:
-        """Checks and queues `req`; `sink(event)` is called (on the scheduler thread) per event.
-
-        Example:
-            >>> scheduler.submit(Request([1, 2], 8), print)  # doctest: +SKIP
-        """
+        """Checks and queues `req`; `sink(event)` is called on the scheduler thread per event."""
         if not self.accepting:
             raise ApiError("the server is shutting down", 503, kind="server_error")
         self.engine.check(req)
@@ -127,11 +116,7 @@ class Scheduler:
             self._fail(req, "cancelled")
 
     def shutdown(self, drain_s: float = 30.0) -> None:
-        """Stops admitting, lets running requests finish for up to `drain_s`, cancels the rest.
-
-        Example:
-            >>> scheduler.shutdown(drain_s=5)  # doctest: +SKIP
-        """
+        """Stops admitting, lets running requests finish for up to `drain_s`, cancels the rest."""
         self.accepting = False
         deadline = time.monotonic() + drain_s
         while (self.engine.busy or self._inbox) and time.monotonic() < deadline:

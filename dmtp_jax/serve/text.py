@@ -1,9 +1,7 @@
 """Output text of a request as its tokens arrive: incremental detokenisation and stop strings.
-
-`TextStream.add(tokens)` returns the text that is safe to send now: everything before the first
-stop string (then the request is done: `stopped`), less a held-back tail that could still be the
-start of a stop string, or an incomplete UTF-8 character (decoded as U+FFFD). So a stop string is
-cut exactly even when it spans a verified block or several, streaming or not.
+`TextStream.add(tokens)` returns the text safe to send now: everything before the first stop
+string, less a tail that could still begin one or is an incomplete UTF-8 character; so stop
+strings are cut exactly across blocks, streaming or not.
 
 Example:
     >>> ts = TextStream(lambda ids: "".join(map(chr, ids)), ["END"])
@@ -18,7 +16,7 @@ from __future__ import annotations
 
 def held_back(text: str, stops: list[str]) -> int:
     """How many trailing characters of `text` might begin a stop string (or be a partial UTF-8
-    character, U+FFFD), so must wait for more tokens.
+    character) and must wait for more tokens.
 
     Example:
         >>> held_back("x = 1\\n#", ["\\n##"]), held_back("abc", ["\\n##"])
@@ -36,8 +34,7 @@ def held_back(text: str, stops: list[str]) -> int:
 
 
 class TextStream:
-    """One request's output text (see the module docstring). `decode(ids) -> str` is the
-    tokenizer's; `stops` the request's stop strings."""
+    """One request's output text: `decode(ids) -> str` is the tokenizer's, `stops` its stop strings."""
 
     def __init__(self, decode, stops: list[str] | None = None):
         self.decode, self.stops = decode, [s for s in (stops or []) if s]
@@ -71,9 +68,7 @@ class TextStream:
 
 
 def max_token_chars(tokenizer) -> int:
-    """An upper bound on the characters one token decodes to: the longest token string of the
-    vocabulary (a byte-level or SentencePiece token's string has at least as many characters as
-    its text), so a prompt of more than `max_model_len` times this many characters cannot fit.
+    """An upper bound on the characters one token decodes to (the longest token string of the vocabulary).
 
     Example:
         >>> class Tok:

@@ -1,11 +1,5 @@
-"""What an `Engine` compiles before its first request (`Engine.warm_up`; `serve/app.py:warm_up`):
-every round at every row bucket, the row moves between buckets, the prefills of the prompt buckets
-and, with a prefix cache, its row extraction and copy and the resumed prefills' short buckets. A
-request then compiles nothing (tests count it).
-
-Example:
-    >>> warm_up_engine(engine, every_bucket=False)  # doctest: +SKIP
-"""
+"""What an `Engine` compiles before its first request (`Engine.warm_up`), so that a request compiles
+nothing: rounds at every row bucket, row moves, prefills, and the prefix cache's programs."""
 
 from __future__ import annotations
 
@@ -20,11 +14,10 @@ from dmtp_jax.serve.request import Request, row_sampling
 
 
 def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> None:
-    """Compiles, before `engine`'s first request, every round of the bank at every row bucket
-    (greedy, and sampled with every filter on when `sampled`: then no request field compiles anything;
-    K-round dispatches too when K > 1), the row moves between buckets, and the prefill of every
-    prompt bucket (`every_bucket`; else the shortest) at every row bucket the prefill budget
-    admits, so no request waits for a compile and the policy's first timings are clean."""
+    """Compiles every round of the bank at every row bucket (greedy, and with every sampling filter on
+    when `sampled`; K-round dispatches when K > 1), the row moves between buckets, and the prefill of
+    every prompt bucket (`every_bucket`; else the shortest) at every row bucket the prefill budget
+    admits."""
     top = next_pow2(engine.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
     dispatches = sorted({1, engine.rounds_per_dispatch})
     temperatures = (0.0, 1.0) if sampled else (0.0,)
@@ -52,9 +45,8 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
 
 
 def warm_up_prefix_cache(engine, temperatures=(0.0, 1.0)) -> None:
-    """Compiles an engine's prefix-cache programs: the row extraction at every row bucket, the scatter
-    of a resumed 1-row state, the row copy and the resumed prefills below the prompt buckets
-    (`admission.resume_widths`; longer ones run the prompts' programs); leaves the cache empty."""
+    """Compiles the prefix cache's programs (row extraction per row bucket, the resumed state's scatter,
+    the row copy, the resumed prefills below the prompt buckets); leaves the cache empty."""
     cache, one = engine.prefix_cache, engine.bank.new_state(1, engine.max_len)
     for rows in engine.buckets:
         cache.extract(engine.bank.new_state(rows, engine.max_len), np.int32(0))

@@ -1,15 +1,6 @@
-"""Anchor sampling (SpecForge's rule, static shapes).
-
-A position `a` is a valid anchor when `loss_mask[a] == loss_mask[a+1] == 1` and a full block fits
-(`a + block_size <= L`). Each step draws, per sequence, up to `num_anchors` distinct valid anchors
-uniformly without replacement (random keys, invalid ones pushed last, argsort), sorted by position;
-missing ones are padding: anchor 0 with `keep` False. Blocks may overlap.
-
-Example:
-    >>> a, keep = sample_anchors(jax.random.key(0), jnp.ones((1, 6), jnp.int32), 2, 4)
-    >>> a.shape, bool(keep.all())
-    ((1, 2), True)
-"""
+"""Anchor sampling (SpecForge's rule, static shapes): per sequence, up to `num_anchors` distinct
+valid anchors drawn uniformly without replacement, sorted by position; missing ones are anchor 0
+with `keep` False. Blocks may overlap."""
 
 from __future__ import annotations
 
@@ -20,13 +11,11 @@ import jax.numpy as jnp
 def valid_anchor_mask(loss_mask_bt: jax.Array, block_size: int, first_label: int = 1,
                       min_anchor: int = 0) -> jax.Array:
     """`[B, L]` bool: positions that may start a block: the anchor and the tokens up to the first
-    predicted one (`anchor + first_label`) are in the loss mask, the whole block fits, and the
-    anchor is at least `min_anchor` (1 for the DMTP methods: the MTP hidden at A needs h_{A-1}).
+    predicted one (`anchor + first_label`) are in the loss mask, the block fits, and the anchor is at
+    least `min_anchor` (1 for the DMTP methods).
 
     Example:
         >>> valid_anchor_mask(jnp.array([[0, 1, 1, 1, 1]]), 3).tolist()
-        [[False, True, True, False, False]]
-        >>> valid_anchor_mask(jnp.array([[1, 1, 1, 1, 1]]), 3, first_label=2, min_anchor=1).tolist()
         [[False, True, True, False, False]]
     """
     lm = loss_mask_bt.astype(bool)

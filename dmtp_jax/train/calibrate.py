@@ -1,24 +1,13 @@
 """dmtp-adaptive's arbitration threshold, calibrated on target-written text (never on eval prompts).
 
-A round of `dmtp-adaptive` gives MTP's T1 to a row when the MTP's top-1 probability is at least the
-threshold, else the drafter drafts T1 itself (`models/fusion.py`). On text the target wrote greedily
-(`train.py regen` of training prompts), teacher forcing gives each anchor A both outcomes exactly as
-greedy verification would score them:
+Teacher forcing on the target's greedy text scores each anchor A in both modes as greedy
+verification would (tokens committed: accepted drafts + bonus):
 
     MTP mode    : 1 + (MTP's T1 == x_{A+1}) * (1 + matching prefix of the drafter's T2..T7)
     DFlash mode : 1 + matching prefix of the drafter's own T1..T7
 
-(tokens committed by the round: accepted drafts + the bonus). The threshold maximises the mean over
-anchors of the chosen mode's tokens, over a grid of probabilities; threshold 0 is always-MTP (the
-`dmtp` regime) and a threshold above 1 never-MTP (the `dflash` regime).
-
-    python train.py calibrate --target demo/target --draft demo/dmtp_adaptive \\
-        --data demo_out/calibration.jsonl           # writes dmtp_config.threshold into --draft
-
-Example:
-    >>> table = calibration_table(top_p, tokens_mtp, tokens_drafter)  # doctest: +SKIP
-    >>> best_threshold(table)["threshold"]  # doctest: +SKIP
-"""
+The threshold maximises the mean committed tokens over a grid of MTP top-1 probabilities (0:
+always MTP, above 1: never). Usage: docs/training.md#dmtp-adaptive-calibrate-its-threshold."""
 
 from __future__ import annotations
 
@@ -26,10 +15,23 @@ import dataclasses
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
 
+from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
+from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
+from dmtp_jax.config import read_config_json
 from dmtp_jax.errors import InputError
+from dmtp_jax.models.fusion import mtp_first_candidate
 from dmtp_jax.options import NEVER_MTP_THRESHOLD
+from dmtp_jax.train.anchors import sample_anchors
+from dmtp_jax.train.data import TokenDataset
+from dmtp_jax.train.features import mtp_hidden, target_features
+from dmtp_jax.train.loss import block_inputs, drafter_block_logits
 
 GRID = tuple(round(0.05 * i, 2) for i in range(21)) + (NEVER_MTP_THRESHOLD,)     # never MTP's T1
 
@@ -48,17 +50,8 @@ class CalibrateConfig:
 
 
 def anchor_outcomes(target, mtp, drafter, fusion, tokens_bt, loss_mask_bt, anchors_bn, keep_bn):
-    """Per anchor: MTP top-1 probability, and the tokens the round commits in MTP mode and in
-    DFlash mode (teacher-forced greedy, see the module docstring). All `[B, N]`.
-
-    Example:
-        >>> p, t_mtp, t_own = anchor_outcomes(target, mtp, dr, fu, tokens, mask, anchors, keep)  # doctest: +SKIP
-    """
-    import jax.numpy as jnp
-
-    from dmtp_jax.models.fusion import mtp_first_candidate
-    from dmtp_jax.train.features import mtp_hidden, target_features
-    from dmtp_jax.train.loss import block_inputs, drafter_block_logits
+    """Per anchor, all `[B, N]`: MTP top-1 probability, and the tokens the round commits in MTP mode and
+    in DFlash mode (teacher-forced greedy)."""
 
     dcfg = drafter.cfg
     valid_bt = loss_mask_bt >= 0
@@ -106,24 +99,8 @@ def best_threshold(table: list[dict]) -> dict:
 
 
 def run_calibrate(cfg: CalibrateConfig) -> dict:
-    """Collects anchor outcomes over `cfg.data`, picks the threshold, writes it (and the table, as
-    `calibration.json`) into the drafter directory; returns the summary.
-
-    Example:
-        >>> run_calibrate(CalibrateConfig(target="demo/target", draft="demo/dmtp_adaptive",
-        ...                               data="demo_out/calibration.jsonl"))  # doctest: +SKIP
-    """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from tqdm.auto import tqdm
-
-    from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
-    from dmtp_jax.checkpoint.hf import load_target
-    from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
-    from dmtp_jax.config import read_config_json
-    from dmtp_jax.train.anchors import sample_anchors
-    from dmtp_jax.train.data import TokenDataset
+    """Collects anchor outcomes over `cfg.data`, picks the threshold and writes it (and the table, as
+    `calibration.json`) into the drafter directory; returns the summary."""
 
     stored = read_config_json(cfg.draft).get("dmtp_config") or {}
     if stored.get("method") != "dmtp-adaptive":

@@ -42,14 +42,17 @@ def restore_checkpoint(mngr, trainer, step: int | None = None):
     return TrainState(jax.tree.unflatten(p_def, list(got["params"])), opt_state, step_arr), got["meta"]
 
 
-def restore_params(run_dir: str, dcfg, step: int | None = None, method: str = "dflash", fusion_rank: int = 0):
+def restore_params(run_dir: str, dcfg, step: int | None = None, method: str = "dflash", fusion_rank: int = 0,
+                   abstract=None):
     """The trained params `{"drafter": nnx.State[, "fusion": nnx.State]}` (fp32) of a run's
-    checkpoint (default: the latest), and the step."""
+    checkpoint (default: the latest), and the step; `abstract`: the params' tree when it is not a
+    DFlash / DMTP drafter's (`dcfg` then unused)."""
     mngr = checkpoint_manager(run_dir, 1000)
     step = mngr.latest_step() if step is None else step
     if step is None:
         raise CheckpointError(f"{run_dir} has no checkpoint")
-    _, abstract = abstract_params(dcfg, StepConfig(method=method, fusion_rank=fusion_rank))
+    if abstract is None:
+        _, abstract = abstract_params(dcfg, StepConfig(method=method, fusion_rank=fusion_rank))
     leaves, treedef = jax.tree.flatten(abstract)
     rep = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     got = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(

@@ -1,6 +1,5 @@
-"""A drafter training run's configuration (`TrainConfig`: CLI flags and `configs/*.py`
-`get_config()` fill it; validated once with the decoders' rules) and the fresh drafter it starts
-from."""
+"""A drafter training run's configuration (`TrainConfig`, validated once with the decoders' rules)
+and the fresh drafter it starts from."""
 
 from __future__ import annotations
 
@@ -114,13 +113,8 @@ class TrainConfig:
 
 
 def fresh_drafter_config(cfg: TrainConfig, target_cfg, tokenizer=None):
-    """The drafter a run starts from without `--init-from`: `default_drafter_config` with the
-    run's layers, block, intermediate size, capture layers and mask token (the tokenizer's mask
-    token when it has one).
-
-    Example:
-        >>> dcfg = fresh_drafter_config(TrainConfig(draft_layers=2), target.cfg)  # doctest: +SKIP
-    """
+    """The drafter a run starts from without `--init-from`: `default_drafter_config` with the run's
+    layers, block, intermediate size, capture layers and mask token."""
     mask = cfg.mask_token_id
     if mask is None and tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is not None:
         mask = int(tokenizer.mask_token_id)

@@ -1,26 +1,12 @@
 """Training data: records -> fixed-length token rows with a loss mask -> global batches (grain).
 
-Records (one JSON object per line of a `.jsonl` file, or rows of a `.parquet` file with pyarrow):
-
-* `{"input_ids": [...], "loss_mask": [...]}` -- used as is (no tokenizer needed; `loss_mask`
-  defaults to all ones);
-* `{"messages": [{"role": ..., "content": ...}, ...]}` -- the target's chat template; the loss
-  mask is 1 on assistant turns (see `encode_messages`);
-* `{"text": "..."}` -- plain text, every token supervised.
-
-Layout: **padding, not packing**. Each record becomes one row of `seq_len` tokens: truncated to
-its first `seq_len` tokens, right-padded with `pad_id` and loss mask 0. A malformed record (bad
-JSON, unknown layout, ids outside the vocabulary, ...) is counted once (however often the epochs
-draw it) and replaced by an all-padding row with loss mask 0, with a warning: it never crashes a
-run and never shifts the other records (the batch of step s is the same whatever the malformed
-records are). A file with no valid record at all is a `DataError` before training starts
-(`TokenDataset.from_file` looks for the first valid record).
-
-Sharding by JAX process: the grain pipeline shuffles record *indices* (a new order each epoch)
-and batches them into global batches of `global_batch` indices; every process runs the same
-index pipeline and reads and encodes only the rows of each global batch that its devices hold
-(`process_rows`). The iterator state is grain's (`{"next_index": ...}`), JSON-serialisable and
-restored with `set_state`.
+Records (`.jsonl`, `.json` list, `.parquet`): `{"input_ids", "loss_mask"?}` as is;
+`{"messages"}` through the target's chat template (assistant turns supervised); `{"text"}` (every
+token supervised). Each record becomes one row of `seq_len` tokens (truncated, right-padded with
+`pad_id`, mask 0): padding, not packing. A malformed record is counted once and replaced by an
+all-padding row (never fatal, never shifts other records); a file with no valid record is a
+`DataError`. Every JAX process runs the same shuffled index pipeline and encodes only the rows
+its devices hold; the iterator state is grain's, JSON-serialisable.
 
 Example:
     >>> ds = TokenDataset.from_records([{"input_ids": [1, 2, 3]}], seq_len=4)
@@ -52,27 +38,14 @@ class MalformedRecord(ValueError):
 
 
 def read_records(path: str) -> list[Any]:
-    """Raw records of a data file, the one reader of training data and benchmark workloads.
-
-    A JSON-lines file (whatever its extension, `.gz` compressed or not): its non-blank lines,
-    unparsed (`parse_record` parses a line when it is used, so one bad line only spoils itself); a
-    `.json` / `.json.gz` file holding one JSON list: its items; a `.parquet` file (pyarrow): its rows
-    as dicts. A missing file, an empty one or a broken JSON list is a `DataError`.
-
-    Example:
-        >>> import pathlib, tempfile
-        >>> path = pathlib.Path(tempfile.mkdtemp()) / "train.jsonl"
-        >>> _ = path.write_text('{"text": "hello"}\\n\\n{"text": "bye"}\\n')
-        >>> read_records(str(path))
-        ['{"text": "hello"}', '{"text": "bye"}']
-        >>> parse_record(read_records(str(path))[1])
-        {'text': 'bye'}
-    """
+    """Raw records of a data file (training data and benchmark workloads): a JSON-lines file (`.gz` or
+    not) gives its non-blank lines unparsed; a `.json` list its items; a `.parquet` file its rows as
+    dicts. A missing or empty file or a broken JSON list is a `DataError`."""
     if not os.path.isfile(path):
         raise DataError(f"data file not found: {path}")
     if path.endswith(".parquet"):
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq     # optional: only .parquet files need it
         except ImportError:
             raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
         return pq.read_table(path).to_pylist()
@@ -104,12 +77,8 @@ def parse_record(raw: Any) -> dict:
 
 
 def _segments_for_messages(messages, tokenizer) -> list[tuple[str, int]]:
-    """(text, supervised) segments of a rendered conversation, assistant turns supervised.
-
-    Renders each prefix with the chat template; when a later render does not extend the previous
-    one (templates that rewrite earlier turns, e.g. Qwen3 dropping old thinking), only the final
-    assistant turn is supervised.
-    """
+    """(text, supervised) segments of a rendered conversation, assistant turns supervised; when a
+    template rewrites earlier turns, only the final assistant turn is."""
     def render(msgs, gen):
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
@@ -132,12 +101,7 @@ def _segments_for_messages(messages, tokenizer) -> list[tuple[str, int]]:
 
 
 def encode_messages(messages, tokenizer) -> tuple[list[int], list[int]]:
-    """Token ids and loss mask (1 on assistant turns) of a conversation with the chat template.
-
-    Example:
-        >>> ids, mask = encode_messages([{"role": "user", "content": "hi"},
-        ...                              {"role": "assistant", "content": "yo"}], tok)  # doctest: +SKIP
-    """
+    """Token ids and loss mask (1 on assistant turns) of a conversation with the chat template."""
     if not isinstance(messages, list) or not messages:
         raise MalformedRecord("'messages' must be a non-empty list")
     for m in messages:
@@ -194,10 +158,8 @@ def encode_record(record: dict, tokenizer=None, vocab_size: int | None = None) -
 
 def token_stream(records, eos_id: int, tokenizer=None, vocab_size: int | None = None,
                  seq_len: int | None = None) -> np.ndarray:
-    """Every valid record of `records` (raw, as `read_records` gives them) encoded as training encodes
-    it (`encode_record`; malformed ones skipped), cut to `seq_len` tokens when given and followed by
-    `eos_id`, as one int32 stream: the source of random-window batches (the demo's MTP distillation,
-    `train.py head-factor`).
+    """Every valid record encoded as training encodes it, cut to `seq_len` when given and followed by
+    `eos_id`, as one int32 stream (random-window batches).
 
     Example:
         >>> token_stream([{"input_ids": [5, 6, 8]}, "bad", {"input_ids": [7]}], 0, seq_len=2).tolist()
@@ -214,12 +176,7 @@ def token_stream(records, eos_id: int, tokenizer=None, vocab_size: int | None = 
 
 
 def pad_row(ids: Sequence[int], mask: Sequence[int], seq_len: int, pad_id: int = 0):
-    """Truncates / right-pads to `seq_len`: `(tokens_l int32, loss_mask_l int32)`.
-
-    Example:
-        >>> pad_row([7, 8], [0, 1], 4)
-        (array([7, 8, 0, 0], dtype=int32), array([0, 1, 0, 0], dtype=int32))
-    """
+    """Truncates / right-pads to `seq_len`: `(tokens_l int32, loss_mask_l int32)`."""
     tokens = np.full((seq_len,), pad_id, np.int32)
     loss_mask = np.zeros((seq_len,), np.int32)
     n = min(len(ids), seq_len)
@@ -230,11 +187,8 @@ def pad_row(ids: Sequence[int], mask: Sequence[int], seq_len: int, pad_id: int =
 
 @dataclasses.dataclass
 class TokenDataset:
-    """Random access to encoded rows: `encode(i) -> (tokens_l, loss_mask_l, malformed)`.
-
-    `malformed` counts distinct malformed records this process has met (a record drawn again in
-    a later epoch, or twice in one batch, counts once).
-    """
+    """Random access to encoded rows: `encode(i) -> (tokens_l, loss_mask_l, malformed)`; `malformed`
+    counts distinct malformed records met by this process."""
 
     records: list[Any]
     seq_len: int
@@ -266,13 +220,7 @@ class TokenDataset:
         return len(self._bad)
 
     def first_valid_record(self) -> int:
-        """Index of the first record that encodes; a `DataError` naming the first problem when no
-        record does (a file of garbage never trains). Scans only until it finds one.
-
-        Example:
-            >>> TokenDataset.from_records(["nope", '{"input_ids": [1]}'], 4).first_valid_record()
-            1
-        """
+        """Index of the first record that encodes, else a `DataError` naming the first problem."""
         first_problem = None
         for index, raw in enumerate(self.records):
             try:
@@ -299,26 +247,15 @@ class TokenDataset:
 
 
 def index_pipeline(num_records: int, global_batch: int, seed: int):
-    """grain pipeline of global batches of record indices: shuffled, a new order each epoch,
-    infinite. Its iterator's `get_state()` / `set_state()` is the data checkpoint.
-
-    Example:
-        >>> it = iter(index_pipeline(10, 4, seed=0))
-        >>> next(it).shape
-        (4,)
-    """
-    import grain.python as grain
+    """grain pipeline of global batches of record indices: shuffled anew each epoch, infinite; its
+    iterator's `get_state()` / `set_state()` is the data checkpoint."""
+    import grain.python as grain     # lazy: seconds to import; readers of records (bench, regen) skip it
     ds = grain.MapDataset.range(num_records).shuffle(seed=seed).repeat(None).batch(global_batch)
     return ds.to_iter_dataset()
 
 
 def process_rows(sharding, global_shape) -> tuple[int, int]:
-    """The `[lo, hi)` batch rows held by this process's devices under `sharding` (contiguous).
-
-    Example:
-        >>> process_rows(batch_sharding(mesh, (8, 64)), (8, 64))  # doctest: +SKIP
-        (0, 8)
-    """
+    """The `[lo, hi)` batch rows held by this process's devices under `sharding` (contiguous)."""
     rows = set()
     for index in sharding.addressable_devices_indices_map(tuple(global_shape)).values():
         sl = index[0]
@@ -331,10 +268,9 @@ def process_rows(sharding, global_shape) -> tuple[int, int]:
 
 
 class BatchIterator:
-    """Global batches for the train step, this process's rows only.
-
-    `next()` returns `{"tokens_bt": int32 [rows, L], "loss_mask_bt": int32 [rows, L],
-    "malformed": int}`; `get_state()` / `set_state()` checkpoint the position.
+    """Global batches for the train step, this process's rows only: `next()` ->
+    `{"tokens_bt": int32 [rows, L], "loss_mask_bt": int32 [rows, L], "malformed": int}`;
+    `get_state()` / `set_state()`.
 
     Example:
         >>> it = BatchIterator(TokenDataset.from_records([{"input_ids": [1, 2]}] * 4, 8), 2, (0, 2))

@@ -1,8 +1,5 @@
-"""`jax.distributed` initialisation from flags or the usual environment variables.
-
-Flags win; else `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`; else, on a
-managed cluster (SLURM with several tasks, Open MPI, TPU pods), JAX's own cluster detection. On CPU
-the cross-process collectives use gloo.
+"""`jax.distributed` initialisation: flags, else `JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` /
+`JAX_PROCESS_ID`, else JAX's cluster detection (SLURM, Open MPI, TPU pods); gloo on CPU.
 
 Example:
     >>> initialize_distributed()          # single process: does nothing
@@ -31,12 +28,7 @@ def _cluster_detected() -> bool:
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None) -> bool:
     """Initialises `jax.distributed` when flags, environment or a cluster ask for several processes;
-    returns whether it did. Must run before any JAX computation.
-
-    Example:
-        >>> initialize_distributed("localhost:12345", 2, 0)  # doctest: +SKIP
-        True
-    """
+    returns whether it did. Must run before any JAX computation."""
     coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
     if num_processes is None and os.environ.get("JAX_NUM_PROCESSES"):
         num_processes = int(os.environ["JAX_NUM_PROCESSES"])

@@ -1,22 +1,22 @@
-"""`export`: a run's latest (or chosen) checkpoint -> an HF-format drafter directory.
-
-The directory is what `save_drafter` writes (`config.json` with the nested `dflash_config` +
-safetensors), so `load_drafter` / `infer.py --draft` and `dflash.model.DFlashDraftModel.from_pretrained`
-load it.
-
-Example:
-    >>> export_run("/tmp/run", "/tmp/my-drafter")  # doctest: +SKIP
-    {'step': 100, 'out': '/tmp/my-drafter'}
-"""
+"""`export`: a run's checkpoint -> an HF-format drafter directory (`save_drafter`'s `config.json`
+with `dflash_config` + safetensors), loadable by `infer.py --draft` and `dflash`."""
 
 from __future__ import annotations
 
 import json
 import os
 
+from dmtp_jax.checkpoint.dflash_ckpt import LoadedDrafter, save_drafter
+from dmtp_jax.checkpoint.dmtp_ckpt import save_dmtp_drafter
+from dmtp_jax.checkpoint.hf import LoadedModel
 from dmtp_jax.errors import InputError
+from dmtp_jax.methods import EAGLE3
+from dmtp_jax.models.dflash_config import DFlashConfig
+from dmtp_jax.sharding import make_mesh
 from dmtp_jax.train.checkpoints import restore_params
+from dmtp_jax.train.eagle3 import abstract_eagle3_params, export_eagle3
 from dmtp_jax.train.loop import RUN_CONFIG
+from dmtp_jax.train.step import StepConfig, abstract_params
 
 
 def read_run_config(run_dir: str) -> dict:
@@ -28,20 +28,13 @@ def read_run_config(run_dir: str) -> dict:
 
 
 def export_run(run_dir: str, out_dir: str, step: int | None = None, dtype: str | None = None) -> dict:
-    """Writes the drafter of `run_dir` at `step` (default: latest) to `out_dir` in `dtype`
-    (default: float32, the master params).
-
-    Example:
-        >>> export_run("/tmp/run", "/tmp/d", dtype="bfloat16")  # doctest: +SKIP
-    """
-    from dmtp_jax.checkpoint.dflash_ckpt import LoadedDrafter, save_drafter
-    from dmtp_jax.checkpoint.dmtp_ckpt import save_dmtp_drafter
-    from dmtp_jax.checkpoint.hf import LoadedModel
-    from dmtp_jax.models.dflash_config import DFlashConfig
-    from dmtp_jax.sharding import make_mesh
-    from dmtp_jax.train.step import StepConfig, abstract_params
-
+    """Writes the drafter of `run_dir` at `step` (default: latest) to `out_dir` in `dtype` (default
+    float32, the master params): `{"step", "out"}`."""
     run = read_run_config(run_dir)
+    if run["train"].get("method") == EAGLE3:
+        params, got_step = restore_params(run_dir, None, step, abstract=abstract_eagle3_params(run))
+        export_eagle3(run_dir, run, params, out_dir, dtype=dtype)
+        return {"step": int(got_step), "out": out_dir}
     dcfg = DFlashConfig.from_hf_dict(run["drafter"])
     method, rank = run["train"].get("method", "dflash"), int(run["train"].get("fusion_rank") or 0)
     params, got_step = restore_params(run_dir, dcfg, step, method, rank)

@@ -1,8 +1,4 @@
-"""Frozen target features for the train step (computed inside the jitted step, no gradient).
-
-Example:
-    >>> feats_btf, hidden_bth = target_features(target, tokens_bt, valid_bt, dcfg)  # doctest: +SKIP
-"""
+"""Frozen target features for the train step (computed inside the jitted step, no gradient)."""
 
 from __future__ import annotations
 
@@ -14,16 +10,9 @@ from dmtp_jax.models.dflash_config import DFlashConfig
 
 
 def target_features(target, tokens_bt: jax.Array, valid_bt: jax.Array, dcfg: DFlashConfig):
-    """One causal target forward over whole sequences (no cache): the concatenated context
-    features at `dcfg.target_layer_ids` `[B, L, n_ctx*H]` (as `dflash` builds them) and the
-    post-norm hidden `[B, L, H]` (the MTP input), both under `stop_gradient`.
-
-    `valid_bt` marks real tokens; right padding never influences earlier rows (causal), it is only
-    passed so that padding rows do not attend to garbage.
-
-    Example:
-        >>> f, h = target_features(target, jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4), bool), dcfg)  # doctest: +SKIP
-    """
+    """One causal target forward over whole sequences (no cache), under `stop_gradient`: the context
+    features at `dcfg.target_layer_ids` `[B, L, n_ctx*H]` and the post-norm hidden `[B, L, H]`.
+    `valid_bt` marks real tokens."""
     positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     out = target(tokens_bt, positions_bt, None, capture_layers=dcfg.target_layer_ids,
                  kv_valid_bt=valid_bt)
@@ -32,13 +21,8 @@ def target_features(target, tokens_bt: jax.Array, valid_bt: jax.Array, dcfg: DFl
 
 
 def mtp_hidden(mtp, target, tokens_bt: jax.Array, hidden_bth: jax.Array) -> jax.Array:
-    """`[B, L, H]`: at position a, the frozen MTP's pre-norm hidden of row (h_{a-1}, x_a) -- the
-    state that predicts x_{a+1}, i.e. T1 when a is the anchor (0 at position 0). One causal MTP pass
-    over the whole sequence, as the MTP advance builds its history at inference.
-
-    Example:
-        >>> h = mtp_hidden(mtp, target, tokens_bt, hidden_bth)  # doctest: +SKIP
-    """
+    """`[B, L, H]`: at position a, the frozen MTP's pre-norm hidden of row (h_{a-1}, x_a), the state that
+    predicts x_{a+1} (0 at position 0); one causal MTP pass, as inference builds it."""
     b, length = tokens_bt.shape
     positions = jnp.broadcast_to(jnp.arange(1, length), (b, length - 1))
     h, _ = mtp(target.embed(tokens_bt[:, 1:]), hidden_bth[:, :-1].astype(target.dtype), positions)

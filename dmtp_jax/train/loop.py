@@ -1,32 +1,12 @@
-"""The one training loop (`run_loop`): orbax checkpoints, metrics, progress bar, resilience, for
-every trainer -- the drafter (`train.run.run_training`: `TrainConfig`, `setup`, `train.step.Trainer`),
-the demo's target pretraining and MTP distillation (`demo.pretrain.Pretrainer` / `MtpDistiller`) and
-the drafting head's factor (`train.head_factor`).
+"""The one training loop (`run_loop`): orbax checkpoints, metrics, progress bar and resilience, for
+every trainer (the drafter's `train.step.Trainer`, the demo's `Pretrainer` / `MtpDistiller`, the
+drafting head's factor).
 
-Run directory layout (`--out DIR`):
-
-* `run_config.json` -- the run's config (a drafter run: the `TrainConfig` and the drafter's HF
-  config, what `export` needs);
-* `checkpoints/<step>/` -- orbax: `params` (drafter, fp32), `opt` (optimizer state), `meta` (step,
-  data iterator state, non-finite counts); written every `checkpoint_every` steps and at exit
-  (async, atomic: a run killed with SIGKILL resumes from the last complete one and loses only the
-  steps after it);
-* `metrics.jsonl` -- one line per step (process 0): loss, acceptance proxy, tokens/s, lr, ...; the
-  line of a step is written before that step's checkpoint, so after `--resume` it holds every step
-  exactly once.
-
-`resume=True` restores params, optimizer, step and the data iterator, so the loss sequence equals
-an uninterrupted run's bit for bit (the step is a pure function of state, batch and step).
-
-Interference (`resilience.py`): SIGTERM / SIGINT finish the step, write its metrics and a
-checkpoint and return (`summary["stopped_by"]`); a checkpoint cut off mid-write or unreadable is
-skipped on resume with a warning; a non-finite loss skips its update and `max_nonfinite` of them
-in a row stop the run (`TrainingStopped`); a full disk stops it with one line, the previous
-checkpoint intact.
-
-Example:
-    >>> state, summary = run_loop(RunOptions(out="/tmp/run", steps=20), trainer, params, batches, {})  # doctest: +SKIP
-"""
+Run directory (`--out DIR`): `run_config.json` (what `export` needs); `checkpoints/<step>/`
+(orbax: `params` fp32, `opt`, `meta`: step, data iterator state, non-finite counts; every
+`checkpoint_every` steps and at exit, async and atomic); `metrics.jsonl` (one line per step,
+written before that step's checkpoint, so every step appears once after `--resume`). A resumed
+run's losses equal an uninterrupted run's bit for bit. Interruptions: `resilience.py`."""
 
 from __future__ import annotations
 
@@ -39,6 +19,7 @@ from typing import Protocol
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from dmtp_jax.errors import InputError
 from dmtp_jax.train import resilience
@@ -50,8 +31,7 @@ RUN_CONFIG = "run_config.json"
 
 
 class TrainerInterface(Protocol):
-    """What `run_loop` needs of a trainer; `train.step.Trainer` (drafters) and the demo's
-    `train.window.WindowTrainer` (`Pretrainer`, `MtpDistiller`, `FactorDistiller`) implement it."""
+    """What `run_loop` needs of a trainer (`train.step.Trainer`, `train.window.WindowTrainer`)."""
     BAR: dict                                    # progress-bar label -> metrics-line field
 
     def init_state(self, start): ...             # step 0 from `start` (the drafter's params, a seed)
@@ -63,7 +43,7 @@ class TrainerInterface(Protocol):
 
 
 class BatchSource(Protocol):
-    """What `run_loop` needs of the data: `DrafterBatches`, `train.window.WindowBatches`."""
+    """What `run_loop` needs of the data (`DrafterBatches`, `train.window.WindowBatches`)."""
     def next(self) -> dict: ...                  # one batch as `step` takes it ("malformed": counted)
     def get_state(self): ...                     # JSON: the position, saved with each checkpoint
     def set_state(self, state) -> None: ...
@@ -71,8 +51,7 @@ class BatchSource(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
-    """What `run_loop` needs of a run, whatever it trains (`TrainConfig.run_options`; the demo's
-    `PretrainConfig` / `DistilConfig` fill it too). `tokens_per_step` feeds `tokens_per_s`."""
+    """What `run_loop` needs of a run, whatever it trains; `tokens_per_step` feeds `tokens_per_s`."""
     out: str
     steps: int
     resume: bool = False
@@ -94,10 +73,8 @@ def write_run_config(out: str, run_config: dict) -> None:
 
 
 def resume_or_init(run: RunOptions, trainer: TrainerInterface, start, batches: BatchSource):
-    """`(mngr, state, meta)`: `trainer.init_state(start)` (`meta` None), or with `run.resume` the
-    newest checkpoint that restores (and `batches` at its position). Cut-off saves and unreadable
-    checkpoints are skipped with a warning (see `resilience`); `metrics.jsonl` is cut back to the
-    restored step (a line cut off by a kill dropped)."""
+    """`(mngr, state, meta)`: `trainer.init_state(start)` (`meta` None), or with `run.resume` the newest
+    checkpoint that restores (and `batches` at its position), `metrics.jsonl` cut back to its step."""
     lead = jax.process_index() == 0
     ckpt_dir = os.path.join(run.out, "checkpoints")
     metrics_path = os.path.join(run.out, "metrics.jsonl")
@@ -140,27 +117,15 @@ def resume_or_init(run: RunOptions, trainer: TrainerInterface, start, batches: B
 
 
 def run_loop(run: RunOptions, trainer: TrainerInterface, start, batches: BatchSource, run_config: dict):
-    """THE training loop, for every trainer (the drafter's `train.step.Trainer`, the demo's
-    `Pretrainer` / `MtpDistiller`): resume or `trainer.init_state(start)`, `run_config.json`,
-    then `state, metrics = trainer.step(state, batches.next())` until `run.steps` (or `run.stop_at`),
-    one `metrics.jsonl` line per step (`step_record`), checkpoints every `run.checkpoint_every`
-    steps and at the end (params, optimizer, step, `batches.get_state()`, non-finite counts), with
-    the interference of `resilience` handled: SIGTERM / SIGINT finish the step, checkpoint and
-    return (`stopped_by`); a non-finite loss skips its update, `max_nonfinite` in a row raise
-    `TrainingStopped` after a checkpoint; a full disk is one `TrainingStopped` line.
+    """The training loop: resume or `trainer.init_state(start)`, write `run_config.json`, then
+    `state, metrics = trainer.step(state, batches.next())` until `run.steps` (or `run.stop_at`), one
+    `metrics.jsonl` line per step, checkpoints every `run.checkpoint_every` steps and at the end.
+    SIGTERM / SIGINT finish the step, checkpoint and return; `max_nonfinite` non-finite steps in a row
+    or a full disk raise `TrainingStopped` (after a checkpoint where one can be written).
 
-    `trainer` implements `TrainerInterface`, `batches` `BatchSource`.
-
-    Returns `(state, summary)`: `first_loss`, `last_loss`, `losses`, `records`, `last` (record), `steps_run`,
-    `start_step`, `step` (the last one), `compile_count`, `last_checkpoint`, `tokens_per_s`
-    (median, first step left out), `train_seconds`, `nonfinite_steps`, `stopped_by` (the signal,
-    or None), `exit_status` (128 + signal, else 0).
-
-    Example:
-        >>> run = RunOptions(out="/tmp/run", steps=10)
-        >>> state, summary = run_loop(run, trainer, params, batches, {})  # doctest: +SKIP
-    """
-    from tqdm.auto import tqdm
+    Returns `(state, summary)`: `first_loss`, `last_loss`, `losses`, `records`, `last`, `steps_run`,
+    `start_step`, `step`, `compile_count`, `last_checkpoint`, `tokens_per_s` (median, first step left
+    out), `train_seconds`, `nonfinite_steps`, `stopped_by` (signal or None), `exit_status`."""
     mngr, state, meta = resume_or_init(run, trainer, start, batches)
     del start
     begin = int(meta["step"]) if meta else 0
@@ -202,7 +167,7 @@ def run_loop(run: RunOptions, trainer: TrainerInterface, start, batches: BatchSo
         bar.update(1)
 
     def checkpoint(at: int, wait: bool = False):
-        """The metrics of step `at` are written first (every step once, whatever kills the run)."""
+        """Checkpoint of step `at`, its metrics line written first."""
         nonlocal last_saved
         if pending is not None:
             flush()

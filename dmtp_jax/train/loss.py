@@ -1,22 +1,10 @@
 """Block inputs per method, the drafter's training forward and the position-decayed CE.
 
-Training layout (SpecForge, `dflash_recipe.md` section 3): for each of the N anchors `a` of a
-sequence, one block of `block_size` rows at positions `a .. a+B-1`; the N blocks are independent
-(`block_len`): a block sees the context features strictly before its anchor and its own rows.
-Slot k of the block is labelled with the data token at `a+k`; the known slots (slot 0 for
-`dflash`) get no loss, predicted slots get `w_k = exp(-(k-1)/gamma)` times the loss mask.
-
-The loss is returned as sums (`loss_sum`, `weight_sum`) so that the train step normalises by the
-summed weights of the whole optimiser step (all micro-batches, all devices). The train step takes
-the drafter's hidden states (`drafter_block_hidden`) to per-token CE with `token_ce`, chunk by
-chunk of block rows, never holding `[tokens, V]` logits; `drafter_block_logits` gives them all.
-
-Example:
-    >>> b = block_inputs("dflash", jnp.array([[5, 6, 7, 8]]), jnp.ones((1, 4), jnp.int32),
-    ...                  jnp.array([[1]]), jnp.array([[True]]), 3, mask_token_id=0, gamma=None)
-    >>> b.tokens_bnk.tolist(), b.labels_bnk.tolist(), b.weights_bnk.tolist()
-    ([[[6, 0, 0]]], [[[6, 7, 8]]], [[[0.0, 1.0, 1.0]]])
-"""
+For each of the N anchors `a` of a sequence, one block of `block_size` rows at `a .. a+B-1`; the
+blocks are independent: a block sees the context features before its anchor and its own rows.
+Slot k is labelled with the data token at `a+k`; known slots get no loss, predicted slots
+`w_k = exp(-(k-1)/gamma)` times the loss mask. Losses are sums (`loss_sum`, `weight_sum`), so the
+train step normalises over the whole optimiser step; `token_ce` never holds `[tokens, V]` logits."""
 
 from __future__ import annotations
 
@@ -35,31 +23,21 @@ from dmtp_jax.models.qwen3 import lm_head_logits
 
 def method_layout(method: str, slots: int) -> tuple[tuple[int, ...], int]:
     """`(row offsets from the anchor A, first predicted row)`, shared with the decode round
-    (`models.fusion.block_layout`). Raises for unknown methods (`options.check_method`).
-
-    Example:
-        >>> method_layout("dmtp", 4)
-        ((0, 1, 2, 3), 2)
-    """
+    (`models.fusion.block_layout`); raises for unknown methods."""
     check_method(method, TRAIN_METHODS, InputError, "training method")
     return block_layout(method, slots)
 
 
 def uses_mtp(method: str) -> bool:
-    """Whether training `method` runs the frozen MTP head: `options.method_needs`, the decoders' rule.
-
-    Example:
-        >>> uses_mtp("dflash"), uses_mtp("dmtp-single")
-        (False, True)
-    """
+    """Whether training `method` runs the frozen MTP head (`options.method_needs`)."""
     return method_needs(method)["mtp"]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class BlockInputs:
-    """Per block (`[B, N, K]`, K = block size): input ids, positions, labels, loss weights (decay x
-    validity) and validity of the predicted slots (for the accuracy proxy)."""
+    """Per block (`[B, N, K]`): input ids, positions, labels, loss weights (decay x validity) and
+    validity of the predicted slots."""
     tokens_bnk: jax.Array
     positions_bnk: jax.Array
     labels_bnk: jax.Array
@@ -70,17 +48,11 @@ class BlockInputs:
 def block_inputs(method: str, tokens_bt: jax.Array, loss_mask_bt: jax.Array, anchors_bn: jax.Array,
                  keep_bn: jax.Array, block_size: int, *, mask_token_id: int,
                  gamma: float | None, t1_masked_bn: jax.Array | None = None) -> BlockInputs:
-    """The blocks of `method` for these anchors (`block_size` = verify slots; see the module
-    docstring). Rows sit at `anchor + offsets` (`method_layout`); each predicted row is labelled
-    with the data token at its position; known rows (A, and T1 for the DMTP methods: T1 comes from
-    the data) get no loss.
-
-    `tokens_bnk` holds the input ids: `[A, MASK...]` (dflash), `[A, T1, MASK...]` (dmtp),
-    `[T1, MASK...]` (single-anchor variants); padded blocks are all MASK. The DMTP T1 row's
-    embedding is then fused with the MTP hidden by `drafter_block_logits`.
-
-    `dmtp-adaptive` mixes both per anchor: `t1_masked_bn` (bool) anchors get DFlash's block
-    `[A, MASK...]` with T1 supervised and DFlash's decay; the others `dmtp`'s block, T1 unsupervised.
+    """The blocks of `method` for these anchors (`block_size` = verify slots). Rows sit at
+    `anchor + offsets` (`method_layout`), labelled with the data token there; known rows (A, and T1
+    for the DMTP methods) get no loss. `tokens_bnk`: `[A, MASK...]` (dflash), `[A, T1, MASK...]`
+    (dmtp), `[T1, MASK...]` (single-anchor variants); padded blocks are all MASK. dmtp-adaptive:
+    `t1_masked_bn` anchors get DFlash's block with T1 supervised, the others `dmtp`'s.
 
     Example:
         >>> b = block_inputs("dmtp", jnp.array([[5, 6, 7, 8, 9]]), jnp.ones((1, 5), jnp.int32),
@@ -113,19 +85,10 @@ def drafter_block_hidden(drafter, target, feats_btf: jax.Array, valid_bt: jax.Ar
                          blocks: BlockInputs, anchors_bn: jax.Array, *, method: str = "dflash",
                          fusion=None, mtp_h_bth: jax.Array | None = None,
                          t1_masked_bn: jax.Array | None = None, remat: str = "off") -> jax.Array:
-    """Drafter hidden states `[B, N*R, H]` of all blocks in one drafter call (training layout),
-    the input of the LM head (`draft_head`); `remat` checkpoints each drafter layer
-    (`models.dflash.REMAT_POLICIES`).
-
-    Context rows are the target features at positions `0..L-1`; every row of the block of anchor
-    `a` sees the context rows `< a` (and `valid`), and its own block. The block input is built by
-    `models.fusion.draft_block_embeds`, the function the decode round uses; for the DMTP methods
-    `mtp_h_bth[:, a]` is the frozen MTP hidden that predicts T1 = x_{a+1} (`features.mtp_hidden`);
-    `t1_masked_bn`: dmtp-adaptive's DFlash-mode anchors (as in `block_inputs`).
-
-    Example:
-        >>> hidden = drafter_block_hidden(drafter, target, feats, valid, blocks, anchors)  # doctest: +SKIP
-    """
+    """Drafter hidden states `[B, N*R, H]` of all blocks in one drafter call; `remat` checkpoints each
+    drafter layer. Block rows of anchor `a` see context rows `< a` (and `valid`) and their block,
+    built by `models.fusion.draft_block_embeds` as in decoding; `mtp_h_bth[:, a]` is the frozen MTP
+    hidden that predicts T1 = x_{a+1} (DMTP methods)."""
     dcfg = drafter.cfg
     b, n, rows = blocks.tokens_bnk.shape
     length = feats_btf.shape[1]
@@ -156,13 +119,7 @@ def drafter_block_hidden(drafter, target, feats_btf: jax.Array, valid_bt: jax.Ar
 
 def draft_head(drafter, target) -> tuple[jax.Array, Callable[[jax.Array, jax.Array], jax.Array]]:
     """`(weight, logits_fn)`: the target's LM head weight and `logits_fn(weight, hidden) -> fp32
-    [..., V]`, the drafter's logits (`drafter.draft_logits(hidden, target.logits)` with the hidden
-    cast to the target's dtype), with the weight an explicit argument for `token_ce`.
-
-    Example:
-        >>> weight, logits_fn = draft_head(drafter, target)  # doctest: +SKIP
-        >>> logits = logits_fn(weight, hidden_bth)  # doctest: +SKIP
-    """
+    [..., V]` (the drafter's logits), the weight an explicit argument for `token_ce`."""
     tied, dcfg = target.cfg.tie_word_embeddings, drafter.cfg
 
     def logits_fn(weight, hidden):
@@ -172,12 +129,7 @@ def draft_head(drafter, target) -> tuple[jax.Array, Callable[[jax.Array, jax.Arr
 
 def drafter_block_logits(drafter, target, feats_btf: jax.Array, valid_bt: jax.Array,
                          blocks: BlockInputs, anchors_bn: jax.Array, **kwargs) -> jax.Array:
-    """fp32 draft logits `[B, N*R, V]` of all blocks (`drafter_block_hidden`, then `draft_head`):
-    the whole `[tokens, V]` at once, for evaluation; the train step uses `token_ce` instead.
-
-    Example:
-        >>> logits = drafter_block_logits(drafter, target, feats, valid, blocks, anchors)  # doctest: +SKIP
-    """
+    """fp32 draft logits `[B, N*R, V]` of all blocks at once (evaluation; training uses `token_ce`)."""
     weight, logits_fn = draft_head(drafter, target)
     return logits_fn(weight, drafter_block_hidden(drafter, target, feats_btf, valid_bt, blocks, anchors_bn, **kwargs))
 
@@ -189,22 +141,10 @@ def _ce_top1(logits_btv: jax.Array, labels_bt: jax.Array) -> tuple[jax.Array, ja
 
 
 def map_row_chunks(fn: Callable, chunk: int, weight, *rows_bt: jax.Array):
-    """`fn(weight, *rows)` over the positions of `[B, T, ...]` arrays `rows_bt`, its per-position
-    outputs (a tree of `[B, T, ...]` arrays), without running `fn` on every position at once when
-    `chunk` > 0.
-
-    `chunk` > 0: a `lax.scan` over `ceil(T / chunk)` slices of `chunk` positions of every row (the
-    batch axis, hence its sharding, stays whole; the last slice padded with zeros and its padding
-    dropped from the outputs), each under `jax.checkpoint`, so the backward pass recomputes a
-    slice's intermediates (a slice's `[B, chunk, V]` logits) instead of storing them: at most one
-    slice's are live, forward or backward. `chunk` = 0: `fn` on all positions at once. `weight` (any
-    tree) reaches every slice whole; gradients flow to it and to `rows_bt`.
-
-    Example:
-        >>> out = map_row_chunks(lambda w, x: (x * w).sum(-1), 2, 2.0, jnp.ones((1, 3, 4)))
-        >>> out.tolist()
-        [[8.0, 8.0, 8.0]]
-    """
+    """`fn(weight, *rows)` over the positions of `[B, T, ...]` arrays: its per-position outputs.
+    `chunk` > 0: a `lax.scan` over slices of `chunk` positions (batch axis whole, padding dropped),
+    each under `jax.checkpoint`, so at most one slice's intermediates are live; `chunk` = 0: all at
+    once. Gradients flow to `weight` and `rows_bt`."""
     if chunk <= 0:
         return fn(weight, *rows_bt)
     b, t = rows_bt[0].shape[:2]
@@ -221,12 +161,8 @@ def map_row_chunks(fn: Callable, chunk: int, weight, *rows_bt: jax.Array):
 
 def token_ce(logits_fn: Callable, weight, hidden_bth: jax.Array, labels_bt: jax.Array,
              chunk: int = 0) -> tuple[jax.Array, jax.Array]:
-    """Per-token cross-entropy `[B, T]` (fp32) and top-1 ids `[B, T]` of `logits_fn(weight, hidden)`
-    against `labels_bt`, without holding `[B, T, V]` logits when `chunk` > 0 (`map_row_chunks`:
-    slices of `chunk` positions of every row, each slice's logits recomputed in the backward pass).
-    `chunk` = 0 computes all logits at once (the reference). The values are the same either way
-    (each token's logits are reduced over the vocabulary alone); gradients flow to `hidden_bth`
-    and `weight`.
+    """Per-token fp32 cross-entropy `[B, T]` and top-1 ids `[B, T]` of `logits_fn(weight, hidden)`
+    against `labels_bt`, `chunk` positions at a time (`map_row_chunks`; 0: all at once, same values).
 
     Example:
         >>> f = lambda w, h: h @ w
@@ -238,17 +174,8 @@ def token_ce(logits_fn: Callable, weight, hidden_bth: jax.Array, labels_bt: jax.
 
 
 def ce_sums(ce_bnk: jax.Array, top1_bnk: jax.Array, blocks: BlockInputs) -> dict:
-    """Weighted CE sums and per-slot top-1 counts from per-token CE and top-1 ids (`token_ce`).
-
-    Returns `loss_sum` (sum of w*CE), `weight_sum` (sum of w), `correct_k` / `count_k` `[K]`
-    (top-1 hits and valid predicted slots per block slot: the acceptance proxy).
-
-    Example:
-        >>> s = ce_sums(jnp.ones((1, 1, 2)), jnp.zeros((1, 1, 2), jnp.int32), BlockInputs(
-        ...     *(jnp.zeros((1, 1, 2), jnp.int32),) * 3, jnp.array([[[0.0, 2.0]]]), jnp.array([[[False, True]]])))
-        >>> float(s["loss_sum"]), s["correct_k"].tolist()
-        (2.0, [0, 1])
-    """
+    """`loss_sum` (sum of w*CE), `weight_sum`, and per block slot `correct_k` / `count_k` `[K]` (top-1
+    hits and valid predicted slots) from `token_ce`'s outputs."""
     hit = (top1_bnk == blocks.labels_bnk) & blocks.valid_bnk
     return {"loss_sum": jnp.sum(blocks.weights_bnk * ce_bnk), "weight_sum": jnp.sum(blocks.weights_bnk),
             "correct_k": jnp.sum(hit, axis=(0, 1)).astype(jnp.int32),
@@ -256,14 +183,7 @@ def ce_sums(ce_bnk: jax.Array, top1_bnk: jax.Array, blocks: BlockInputs) -> dict
 
 
 def decayed_ce_sums(logits_btv: jax.Array, blocks: BlockInputs) -> dict:
-    """`ce_sums` of full logits `[B, N*K, V]` (fp32 reductions).
-
-    Example:
-        >>> s = decayed_ce_sums(jnp.zeros((1, 2, 4)), BlockInputs(*(jnp.zeros((1, 1, 2), jnp.int32),) * 3,
-        ...     jnp.array([[[0.0, 1.0]]]), jnp.array([[[False, True]]])))
-        >>> round(float(s["loss_sum"]), 4), s["count_k"].tolist()
-        (1.3863, [0, 1])
-    """
+    """`ce_sums` of full logits `[B, N*K, V]` (fp32 reductions)."""
     b, n, kk = blocks.labels_bnk.shape
     ce, top1 = _ce_top1(logits_btv.reshape(b, n, kk, -1), blocks.labels_bnk)
     return ce_sums(ce, top1, blocks)
@@ -271,10 +191,9 @@ def decayed_ce_sums(logits_btv: jax.Array, blocks: BlockInputs) -> dict:
 
 def acceptance_proxy(correct_k, count_k, known_slots: int = 1, base: int | None = None
                      ) -> tuple[list[float], float, float]:
-    """Per-slot top-1 accuracy of the predicted rows (rows from `known_slots` on), their mean
-    (pooled) and the implied acceptance length `base + sum_k prod_{j<=k} acc_j` (host-side, from
-    summed counts). `base` (default `known_slots`) counts the bonus, plus T1 for the DMTP methods
-    (the proxy then assumes MTP's T1 accepted: it measures the DFlash continuation).
+    """Host-side, from summed counts: per-slot top-1 accuracy of the predicted rows (from `known_slots`
+    on), their pooled mean, and the implied acceptance length `base + sum_k prod_{j<=k} acc_j`
+    (`base` defaults to `known_slots`).
 
     Example:
         >>> acceptance_proxy([0, 5, 2], [0, 10, 10])

@@ -1,10 +1,5 @@
-"""The metrics line of a training step, for every trainer (`train.loop.run_loop` writes one per
-step to `metrics.jsonl` through `resilience.append_metrics`), and its optional TensorBoard copy.
-
-Example:
-    >>> step_record(1, {"loss": 2.0}, {}, tokens=10, seconds=1.0)["tokens_per_s"]
-    10.0
-"""
+"""The metrics line of a training step, for every trainer (`run_loop` writes one per step to
+`metrics.jsonl`), and its optional TensorBoard copy."""
 
 from __future__ import annotations
 
@@ -14,9 +9,8 @@ import numpy as np
 
 
 def step_record(step: int, metrics: dict, derived: dict, tokens: int, seconds: float, malformed: int = 0) -> dict:
-    """The metrics line of one step, for every trainer: the step, its scalar metrics (host values;
-    integer ones as int; vectors left out), the trainer's `derived` fields (`record_fields`),
-    throughput, step time and the batch's malformed records.
+    """The metrics line of one step: the step, its scalar metrics (host values, integers as int, vectors
+    left out), the trainer's `derived` fields, throughput, step time and malformed records.
 
     Example:
         >>> step_record(3, {"loss": np.float32(2.5), "nonfinite": np.int32(0), "count_k": np.ones(4)},
@@ -34,18 +28,14 @@ def step_record(step: int, metrics: dict, derived: dict, tokens: int, seconds: f
 
 
 class TensorboardLog:
-    """Every float field of each metrics line as a TensorBoard scalar (`<out>/tb`), when enabled
-    and `torch.utils.tensorboard` is installed; otherwise nothing (`metrics.jsonl` is the record).
-
-    Example:
-        >>> log = TensorboardLog("/tmp/run", enabled=False); log.add({"step": 1, "loss": 2.0}); log.close()
-    """
+    """Every float field of each metrics line as a TensorBoard scalar (`<out>/tb`) when enabled and
+    `torch.utils.tensorboard` is installed; otherwise a no-op."""
 
     def __init__(self, out_dir: str, enabled: bool):
         self.writer = None
         if enabled:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter     # optional: torch + tensorboard
                 self.writer = SummaryWriter(os.path.join(out_dir, "tb"))
             except Exception:   # tensorboard not installed: JSONL only
                 self.writer = None

@@ -25,37 +25,20 @@ class OptimConfig:
 
 
 def optim_config(cfg) -> OptimConfig:
-    """The `OptimConfig` of a run's config (`TrainConfig`, the demo's `PretrainConfig`, any
-    `train.window.WindowRunConfig`): its `lr`, `steps`, `warmup_steps`, `min_lr_ratio`,
-    `weight_decay`, `max_grad_norm`.
-
-    Example:
-        >>> from dmtp_jax.demo.distil import DistilConfig
-        >>> optim_config(DistilConfig(steps=5, lr=0.1)).total_steps
-        5
-    """
+    """The `OptimConfig` of a run's config (`TrainConfig`, `PretrainConfig`, any `WindowRunConfig`)."""
     return OptimConfig(lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio,
                        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
 
 
 def lr_schedule(ocfg: OptimConfig) -> optax.Schedule:
-    """Warmup (at most the run length) then cosine.
-
-    Example:
-        >>> float(lr_schedule(OptimConfig(lr=1.0, total_steps=10, warmup_steps=2))(2))
-        1.0
-    """
+    """Warmup (at most the run length) then cosine."""
     warmup = min(ocfg.warmup_steps, max(ocfg.total_steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(0.0, ocfg.lr, warmup, max(ocfg.total_steps, warmup + 1),
                                               ocfg.lr * ocfg.min_lr_ratio)
 
 
 def make_optimizer(ocfg: OptimConfig) -> optax.GradientTransformation:
-    """`clip_by_global_norm` then AdamW on the schedule.
-
-    Example:
-        >>> tx = make_optimizer(OptimConfig())
-    """
+    """`clip_by_global_norm` then AdamW on the schedule."""
     return optax.chain(optax.clip_by_global_norm(ocfg.max_grad_norm),
                        optax.adamw(lr_schedule(ocfg), b1=ocfg.b1, b2=ocfg.b2, weight_decay=ocfg.weight_decay))
 
@@ -69,22 +52,15 @@ class TrainState:
 
 
 def new_state(tx: optax.GradientTransformation, params) -> TrainState:
-    """Step 0: `params`, `tx`'s fresh optimizer state, a zero step counter (every trainer's start).
-
-    Example:
-        >>> state = new_state(make_optimizer(OptimConfig()), {"w": jnp.ones(2)})
-        >>> int(state.step), state.params["w"].shape
-        (0, (2,))
-    """
+    """Step 0: `params`, `tx`'s fresh optimizer state, a zero step counter."""
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
 
 def apply_gradients(tx: optax.GradientTransformation, ocfg: OptimConfig, state: TrainState, grads,
                     loss) -> tuple[TrainState, dict]:
-    """The update every trainer makes (drafter, demo pretraining, MTP distillation): `tx` on
-    `grads`, except that a non-finite loss or gradient norm keeps the params and optimizer state
-    it was given (`jnp.where`: no recompile); the step counter still advances, so the schedule and
-    the data stay in step. Metrics: `grad_norm`, `lr` (of this step), `nonfinite` (1: skipped).
+    """`tx` on `grads`, except that a non-finite loss or gradient norm keeps the params and optimizer
+    state (`jnp.where`: no recompile); the step counter always advances. Metrics: `grad_norm`, `lr`,
+    `nonfinite` (1: skipped).
 
     Example:
         >>> tx, ocfg = make_optimizer(OptimConfig(lr=0.1)), OptimConfig(lr=0.1)

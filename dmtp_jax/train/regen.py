@@ -1,18 +1,9 @@
 """Regeneration: the frozen target answers the training prompts (DFlash trains on this text).
 
-Each input record gives a prompt (`prompt_ids`): `input_ids` up to the first supervised token,
-or `messages` without the trailing assistant turns rendered with the chat template and the
-generation prompt, or `text`. Output: one JSONL line per answered record,
-`{"source_index": i, "input_ids": prompt + answer, "loss_mask": [0]*len(prompt) + [1]*len(answer)}`
-(plus `"messages"` with the decoded answer when a tokenizer is present). `input_ids` take
-precedence when the file is read back for training, so the ids are exact.
-
-Resumable: records whose `source_index` is already in the output are skipped; each batch is
-appended and flushed when it is done.
-
-Example:
-    >>> run_regen(RegenConfig(target="/tmp/tiny", data="prompts.jsonl", out="regen.jsonl"))  # doctest: +SKIP
-"""
+Each record gives a prompt (`prompt_of`); each answered record is one JSONL line
+`{"source_index", "input_ids": prompt + answer, "loss_mask": [0]*len(prompt) + [1]*len(answer)}`
+(plus `"messages"` when a tokenizer is present). Resumable: records whose `source_index` is in the
+output are skipped; each batch is appended and flushed when done."""
 
 from __future__ import annotations
 
@@ -21,7 +12,15 @@ import json
 import logging
 import os
 
+from tqdm.auto import tqdm
+
+from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
+from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.decode import make_decoder
+from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.errors import DataError, InputError
+from dmtp_jax.sharding import make_mesh
+from dmtp_jax.tokenizer import load_tokenizer, stop_token_ids
 from dmtp_jax.train.data import MalformedRecord, parse_record, read_records
 
 log = logging.getLogger(__name__)
@@ -98,20 +97,7 @@ def done_indices(out_path: str) -> set[int]:
 
 
 def run_regen(cfg: RegenConfig) -> dict:
-    """Answers every not-yet-answered prompt; returns `{"written", "skipped_done", "malformed"}`.
-
-    Example:
-        >>> run_regen(RegenConfig(target=t, data=d, out=o, max_new_tokens=32))["written"]  # doctest: +SKIP
-        100
-    """
-    from tqdm.auto import tqdm
-
-    from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
-    from dmtp_jax.checkpoint.hf import load_target
-    from dmtp_jax.decode import make_decoder
-    from dmtp_jax.decode.sampling import SamplingParams
-    from dmtp_jax.sharding import make_mesh
-    from dmtp_jax.tokenizer import load_tokenizer, stop_token_ids
+    """Answers every not-yet-answered prompt: `{"written", "skipped_done", "malformed"}`."""
 
     for name in ("target", "data", "out"):
         if not getattr(cfg, name):

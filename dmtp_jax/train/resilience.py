@@ -1,22 +1,7 @@
-"""What keeps a training run whole when the world interferes: preemption signals, a checkpoint cut
-off mid-write, non-finite losses, a full disk, and a metrics file that must hold every step once.
-
-* `StopSignals`: SIGTERM (TPU / cloud preemption) and SIGINT (Ctrl-C) only *ask* the loop to stop;
-  it finishes the step, writes its metrics and a checkpoint, and returns. A second signal stops at
-  once (KeyboardInterrupt); the last complete checkpoint is still intact.
-* `cut_off_saves` / `restore_latest_good`: orbax writes a checkpoint into `<step>.orbax-checkpoint-tmp*`
-  and renames it when complete, so a kill during a save leaves that directory behind (orbax then
-  ignores it); a finalized checkpoint can still be unreadable (a truncated file). Resuming warns
-  about both and uses the newest checkpoint that restores; unreadable ones are moved to
-  `<run>/corrupt_checkpoints/` (only once an older one has restored, so a config mismatch that
-  spoils every checkpoint moves nothing).
-* `NonFiniteGuard`: the train step skips the update of a step whose loss or gradient is not finite
-  (`step.py`); the guard counts them and stops the run after `limit` in a row.
-* `disk_full` / `disk_full_error`: a full disk (ENOSPC / EDQUOT, also as tensorstore reports it
-  through orbax) becomes one clear `TrainingStopped` line; orbax's rename keeps the previous
-  checkpoint intact.
-* `append_metrics` / `truncate_metrics`: one JSON line per step, written before the checkpoint of
-  that step; on resume the lines after the checkpoint are dropped (a line cut off by a kill too).
+"""What keeps a training run whole (docs/training.md#interruptions): stop signals (`StopSignals`),
+checkpoints cut off mid-write or unreadable (`cut_off_saves`, `restore_latest_good`), non-finite
+steps (`NonFiniteGuard`), a full disk (`disk_full`), and a metrics file holding every step once
+(`append_metrics`, `truncate_metrics`).
 
 Example:
     >>> guard = NonFiniteGuard(limit=2)
@@ -35,9 +20,15 @@ import os
 import re
 import shutil
 import signal
+import sys
 import threading
 import time
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from dmtp_jax.checkpoint.safetensors_io import CheckpointError
 from dmtp_jax.errors import TrainingStopped
 
 log = logging.getLogger(__name__)
@@ -48,9 +39,9 @@ DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os_error_co
 
 # ---- signals -----------------------------------------------------------------------------------
 class StopSignals:
-    """Context manager: SIGTERM / SIGINT set `requested` (the signal's name) instead of killing
-    the process; a second one raises KeyboardInterrupt. Handlers are restored on exit. Outside the
-    main thread (where Python cannot install handlers) it does nothing.
+    """Context manager: SIGTERM / SIGINT set `requested` (the signal's name) instead of killing the
+    process; a second one raises KeyboardInterrupt; handlers restored on exit; a no-op outside the
+    main thread.
 
     Example:
         >>> with StopSignals() as stop:
@@ -93,13 +84,9 @@ class StopSignals:
 
 
 def agreed(flag: bool) -> bool:
-    """`flag` of any process (every process must stop at the same step): an all-gather when the
-    run has several processes, the flag itself otherwise."""
-    import jax
+    """`flag` of any process (an all-gather with several processes), so all stop at the same step."""
     if jax.process_count() == 1:
         return flag
-    import numpy as np
-    from jax.experimental import multihost_utils
     return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
 
 
@@ -132,22 +119,16 @@ class NonFiniteGuard:
 
 
 def finite_record(rec: dict) -> dict:
-    """A metrics record with non-finite floats as null (strict JSON), e.g. a skipped step's loss.
-
-    Example:
-        >>> finite_record({"loss": float("nan"), "step": 3})
-        {'loss': None, 'step': 3}
-    """
+    """A metrics record with non-finite floats as null (strict JSON)."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
 
 
 # ---- disk full ---------------------------------------------------------------------------------
 def disk_full(error: BaseException | None) -> bool:
-    """Whether `error` (or anything in its cause / context chain) says the disk or quota is full.
+    """Whether `error` (or anything in its cause / context chain) says the disk or quota is full
+    (ENOSPC / EDQUOT, also as tensorstore reports it).
 
     Example:
-        >>> disk_full(OSError(errno.ENOSPC, "No space left on device"))
-        True
         >>> disk_full(ValueError("RESOURCE_EXHAUSTED: ... [os_error_code='28']"))
         True
     """
@@ -170,8 +151,7 @@ def disk_full_error(what: str, last_good: int | None) -> TrainingStopped:
 
 
 class QuietDiskFull(logging.Filter):
-    """Drops log records that only repeat a full-disk error (orbax logs each failing save thread
-    with its traceback); the run reports it once, in one line."""
+    """Drops log records that only repeat a full-disk error (the run reports it once)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
@@ -179,15 +159,8 @@ class QuietDiskFull(logging.Filter):
 
 
 class DropTracebacks:
-    """Context: `sys.stderr` passes text through, except Python tracebacks whose last line contains
-    `pattern` (held back, per thread, until that line decides). A save that failed on a full disk leaves
-    tensorstore callbacks that find orbax's event loop closed and print "RuntimeError: Event loop
-    is closed" tracebacks from background threads; they say nothing the one-line error does not.
-
-    Example:
-        >>> with DropTracebacks("Event loop is closed"):
-        ...     print("kept", file=sys.stderr)  # doctest: +SKIP
-    """
+    """Context: `sys.stderr` passes text through except Python tracebacks whose last line contains
+    `pattern` (held back per thread until that line decides)."""
 
     HEADER = "Traceback (most recent call last):"
 
@@ -222,12 +195,10 @@ class DropTracebacks:
         return getattr(self._real, name)
 
     def __enter__(self):
-        import sys
         self._real, sys.stderr = sys.stderr, self
         return self
 
     def __exit__(self, *exc):
-        import sys
         sys.stderr = self._real
         for held in self._held.values():
             self._real.write(held)
@@ -242,12 +213,8 @@ def append_metrics(path: str, rec: dict) -> None:
 
 
 def truncate_metrics(path: str, last_step: int) -> None:
-    """Keeps the lines of steps <= `last_step`, each step once (the last line written for it);
-    drops lines after it and any line a kill cut off.
-
-    Example:
-        >>> truncate_metrics("/tmp/run/metrics.jsonl", 16)  # doctest: +SKIP
-    """
+    """Keeps the lines of steps <= `last_step`, each step once (its last line); drops later lines and
+    any line a kill cut off."""
     if not os.path.isfile(path):
         return
     by_step: dict[int, str] = {}
@@ -267,12 +234,7 @@ def truncate_metrics(path: str, last_step: int) -> None:
 
 # ---- checkpoints -------------------------------------------------------------------------------
 def cut_off_saves(ckpt_dir: str) -> list[tuple[int, str]]:
-    """`(step, path)` of the saves a kill interrupted (orbax's temporary directories).
-
-    Example:
-        >>> cut_off_saves("/tmp/run/checkpoints")  # doctest: +SKIP
-        [(16, '/tmp/run/checkpoints/16.orbax-checkpoint-tmp-1718000000')]
-    """
+    """`(step, path)` of the saves a kill interrupted (orbax's `<step>.orbax-checkpoint-tmp*` dirs)."""
     if not os.path.isdir(ckpt_dir):
         return []
     out = []
@@ -294,15 +256,14 @@ def discard_cut_off_saves(ckpt_dir: str) -> list[int]:
 
 
 def restore_latest_good(steps, restore, quarantine):
-    """`(step, restored)` of the newest step whose `restore(step)` succeeds, trying `steps` newest
-    first. Each failure is logged; once one restores, `quarantine(step)` is called for the newer
-    failed ones. None restorable: `CheckpointError` naming the newest failure, nothing moved.
+    """`(step, restored)` of the newest of `steps` whose `restore(step)` succeeds; failures are logged
+    and, once one restores, the newer failed ones passed to `quarantine`. None restorable:
+    `CheckpointError` naming the newest failure, nothing moved.
 
     Example:
         >>> restore_latest_good([1, 2], lambda s: {"s": s}, print)
         (2, {'s': 2})
     """
-    from dmtp_jax.checkpoint.safetensors_io import CheckpointError
     failed = []
     for step in sorted(steps, reverse=True):
         try:
@@ -322,8 +283,7 @@ def restore_latest_good(steps, restore, quarantine):
 
 
 def quarantine_checkpoint(run_dir: str, step: int) -> str:
-    """Moves `<run>/checkpoints/<step>` to `<run>/corrupt_checkpoints/<step>-<time>`; returns the
-    new path."""
+    """Moves `<run>/checkpoints/<step>` to `<run>/corrupt_checkpoints/<step>-<time>`: the new path."""
     dest_dir = os.path.join(run_dir, "corrupt_checkpoints")
     os.makedirs(dest_dir, exist_ok=True)
     dest = os.path.join(dest_dir, f"{step}-{int(time.time())}")

@@ -1,11 +1,5 @@
 """A drafter training run (`train.py train`): the target, the drafter's starting params, the
-`train.step.Trainer` and its batches (`setup`), driven by the one loop (`train.loop.run_loop`).
-
-Example:
-    >>> cfg = TrainConfig(target="/tmp/tiny", data="d.jsonl", out="/tmp/run", steps=20,
-    ...                   batch_size=4, seq_len=64)
-    >>> summary = run_training(cfg)  # doctest: +SKIP
-"""
+`train.step.Trainer` and its batches (`setup`), driven by `train.loop.run_loop`."""
 
 from __future__ import annotations
 
@@ -18,10 +12,12 @@ from dmtp_jax.checkpoint.hf import load_target
 from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
 from dmtp_jax.config import load_target_config
 from dmtp_jax.errors import InputError
+from dmtp_jax.methods import EAGLE3
 from dmtp_jax.sharding import make_mesh
 from dmtp_jax.tokenizer import load_tokenizer
 from dmtp_jax.train.checkpoints import latest_complete
 from dmtp_jax.train.config import TrainConfig, fresh_drafter_config
+from dmtp_jax.train.eagle3 import eagle3_setup, run_drafter_config
 from dmtp_jax.train.data import BatchIterator, TokenDataset, process_rows
 from dmtp_jax.train.loop import run_loop
 from dmtp_jax.train.loss import method_layout, uses_mtp
@@ -34,6 +30,9 @@ log = logging.getLogger(__name__)
 def setup(cfg: TrainConfig):
     """`(target, params, trainer, batches)`: the loaded target, the drafter's starting params,
     the `Trainer` and its `DrafterBatches`."""
+    if cfg.method == EAGLE3:
+        target, trainer, dataset = eagle3_setup(cfg)
+        return target, trainer.initial_params(cfg.seed), trainer, drafter_batches(cfg, trainer, dataset)
     cfg.validate()
     method_layout(cfg.method, cfg.block_size)           # unknown methods end here
     # cheap checks before any model is loaded: the target's config, the mesh, the data file
@@ -67,21 +66,21 @@ def setup(cfg: TrainConfig):
                       ce_chunk=cfg.ce_chunk, remat=cfg.remat)
     ocfg = optim_config(cfg)
     trainer = Trainer(target, dcfg, scfg, ocfg, mesh, mtp=mtp)
-    shape = (cfg.batch_size, cfg.seq_len)
-    batches = DrafterBatches(BatchIterator(dataset, cfg.batch_size, process_rows(trainer.batch_sharding(shape), shape),
-                                           seed=cfg.seed), trainer, shape)
     params = {"drafter": drafter.state, **({"fusion": fusion.state} if fusion is not None else {})}
-    return target, params, trainer, batches
+    return target, params, trainer, drafter_batches(cfg, trainer, dataset)
+
+
+def drafter_batches(cfg: TrainConfig, trainer, dataset) -> "DrafterBatches":
+    """The run's `DrafterBatches` over `dataset` (global `[batch_size, seq_len]`, at the trainer's
+    batch sharding)."""
+    shape = (cfg.batch_size, cfg.seq_len)
+    return DrafterBatches(BatchIterator(dataset, cfg.batch_size, process_rows(trainer.batch_sharding(shape), shape),
+                                        seed=cfg.seed), trainer, shape)
 
 
 class DrafterBatches:
-    """The drafter's batch source for `run_loop`: this process's `BatchIterator` rows as global
-    `[B, L]` arrays (`{"tokens_bt", "loss_mask_bt", "malformed"}`, what `Trainer.step` takes);
-    `get_state` / `set_state` are the iterator's (checkpointed with every step).
-
-    Example:
-        >>> batch = DrafterBatches(iterator, trainer, (8, 512)).next()  # doctest: +SKIP
-    """
+    """`run_loop`'s batch source for drafters: this process's `BatchIterator` rows as global `[B, L]`
+    arrays (`{"tokens_bt", "loss_mask_bt", "malformed"}`); state: the iterator's."""
 
     def __init__(self, iterator, trainer, global_shape):
         self.iterator, self.trainer, self.global_shape = iterator, trainer, tuple(global_shape)
@@ -100,18 +99,13 @@ class DrafterBatches:
 
 
 def run_training(cfg: TrainConfig) -> dict:
-    """Trains a drafter `cfg.steps` optimizer steps through `run_loop` (resuming when asked);
-    returns its summary (without the state) plus `malformed`. Raises `TrainingStopped` after
-    `max_nonfinite` non-finite steps in a row (after writing a checkpoint) or on a full disk.
-
-    Example:
-        >>> run_training(TrainConfig(target=t, data=d, out=o, steps=10, batch_size=4, seq_len=64))  # doctest: +SKIP
-    """
+    """Trains a drafter `cfg.steps` optimizer steps through `run_loop`: its summary (without the state)
+    plus `malformed`. Raises `TrainingStopped` as `run_loop` does."""
     if not cfg.resume and latest_complete(cfg.out) is not None:       # before any model is loaded
         raise InputError(f"{cfg.out} already has checkpoints; pass --resume to continue or use a new --out")
     _, params, trainer, batches = setup(cfg)
-    _, summary = run_loop(cfg.run_options(), trainer, params, batches,
-                          {"train": cfg.to_json(), "drafter": trainer.dcfg.to_hf_dict()})
+    drafter = run_drafter_config(trainer, cfg.out) if cfg.method == EAGLE3 else trainer.dcfg.to_hf_dict()
+    _, summary = run_loop(cfg.run_options(), trainer, params, batches, {"train": cfg.to_json(), "drafter": drafter})
     malformed = batches.dataset.malformed
     if malformed:
         log.warning("%d malformed records were skipped", malformed)

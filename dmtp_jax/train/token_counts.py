@@ -1,12 +1,6 @@
 """How often each vocabulary id is a supervised token of a training set: the counts behind the
-efficient drafting head's frequency subset (`infer.py --draft-head efficient --draft-head-vocab N`,
-`models/draft_head.py:frequent_ids`), EAGLE-3's idea of a draft vocabulary.
-
-The records are encoded exactly as training encodes them (`train/data.py`: chat template, loss
-mask, truncation to `seq_len`), and a token counts when its loss mask is 1: the tokens a drafter
-learns to propose. Malformed records are skipped with a warning, as in training.
-
-    python train.py token-counts --target DIR --data FILE --out DRAFTER_DIR   # DRAFTER_DIR/token_counts.npy
+efficient drafting head's frequency subset (`models/draft_head.py:frequent_ids`). Records are
+encoded as training encodes them; malformed ones are skipped with a warning.
 
 Example:
     >>> from dmtp_jax.train.data import TokenDataset
@@ -19,14 +13,17 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from tqdm.auto import tqdm
 
+from dmtp_jax.checkpoint.draft_head_ckpt import TOKEN_COUNTS
+from dmtp_jax.config import load_target_config
 from dmtp_jax.errors import InputError
+from dmtp_jax.tokenizer import load_tokenizer
+from dmtp_jax.train.data import TokenDataset
 
 
 def count_tokens(dataset, vocab: int, progress: bool = False) -> np.ndarray:
-    """`int64 [vocab]`: how often each id is a loss-masked token of `dataset`'s rows
-    (`TokenDataset.encode`). Example: see the module docstring."""
-    from tqdm.auto import tqdm
+    """`int64 [vocab]`: how often each id is a loss-masked token of `dataset`'s rows."""
     counts = np.zeros(vocab, np.int64)
     for index in tqdm(range(len(dataset)), disable=not progress, unit="rec", desc="counting tokens"):
         tokens, mask, malformed = dataset.encode(index)
@@ -36,19 +33,8 @@ def count_tokens(dataset, vocab: int, progress: bool = False) -> np.ndarray:
 
 
 def write_token_counts(target: str, data: str, out: str, seq_len: int = 4096, progress: bool = True) -> dict:
-    """Counts the supervised tokens of `data` with `target`'s tokenizer and vocabulary and writes
-    them to `out` (a directory: `out/token_counts.npy`; else the file `out`), atomically. Returns a
-    summary.
-
-    Example:
-        >>> write_token_counts("tiny_target", "train.jsonl", "drafter_dir")  # doctest: +SKIP
-        {'path': 'drafter_dir/token_counts.npy', 'records': 100, 'tokens': 51200, 'distinct': 812, ...}
-    """
-    from dmtp_jax.config import load_target_config
-    from dmtp_jax.checkpoint.draft_head_ckpt import TOKEN_COUNTS
-    from dmtp_jax.tokenizer import load_tokenizer
-    from dmtp_jax.train.data import TokenDataset
-
+    """Counts the supervised tokens of `data` with `target`'s tokenizer and writes them atomically to
+    `out` (a directory: `out/token_counts.npy`; else the file); returns a summary."""
     if seq_len < 1:
         raise InputError(f"--seq-len must be >= 1, got {seq_len}")
     vocab = load_target_config(target).vocab_size

@@ -1,8 +1,6 @@
 """Training on random windows of one token stream: the batches (`WindowBatches`, pure in
-`(seed, step)`, so a resumed run sees the batches an uninterrupted one would), the run fields
-(`WindowRunConfig`) and the trainer base (`WindowTrainer`) that `train.loop.run_loop` drives for
-the demo's pretraining and MTP distillation (`demo.pretrain`) and the drafting head's factor
-(`train.head_factor`)."""
+`(seed, step)`), the run fields (`WindowRunConfig`) and the trainer base (`WindowTrainer`) that
+`train.loop.run_loop` drives for the demo's pretraining and distillation and the head factor."""
 
 from __future__ import annotations
 
@@ -22,21 +20,15 @@ from dmtp_jax.train.optim import OptimConfig, TrainState, apply_gradients, make_
 
 
 def window_batch(stream: np.ndarray, batch_size: int, length: int, seed: int, step: int) -> np.ndarray:
-    """Batch `step`: `batch_size` random windows of `length` tokens of `stream` (pure in `(seed, step)`).
-
-    Example:
-        >>> window_batch(np.arange(100), 2, 5, seed=0, step=3).shape
-        (2, 5)
-    """
+    """Batch `step`: `batch_size` random windows of `length` tokens of `stream`, pure in `(seed, step)`."""
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(stream) - length + 1, size=batch_size)
     return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
 
 
 class WindowBatches:
-    """The demo's batch source for `train.loop.run_loop`: batch `s` is `{"tokens_bt": window_batch(
-    stream, batch_size, length, seed, s)}`; the state is the next batch's index, so a resumed run
-    sees exactly the batches an uninterrupted one would.
+    """A `BatchSource`: batch `s` is `{"tokens_bt": window_batch(stream, batch_size, length, seed, s)}`;
+    the state is the next batch's index.
 
     Example:
         >>> batches = WindowBatches(np.arange(100), 2, 5, seed=0)
@@ -63,9 +55,8 @@ class WindowBatches:
 
 @dataclasses.dataclass
 class WindowRunConfig:
-    """The optimisation and run fields of a `WindowTrainer` job (`demo.distil.DistilConfig`,
-    `train.head_factor.FactorConfig` add their own): `train.step.optim_config` and
-    `window_run_options` read them."""
+    """The optimisation and run fields of a `WindowTrainer` job (read by `train.step.optim_config` and
+    `window_run_options`)."""
     seq_len: int = 256
     batch_size: int = 16
     steps: int = 300
@@ -84,14 +75,7 @@ class WindowRunConfig:
 
 
 def window_run_options(cfg, out: str):
-    """`train.loop.RunOptions` of a demo run (`demo.build.PretrainConfig` or `demo.distil.DistilConfig`:
-    same field names) writing to `out`.
-
-    Example:
-        >>> from dmtp_jax.demo.distil import DistilConfig
-        >>> window_run_options(DistilConfig(steps=5, batch_size=2, seq_len=8), "/tmp/run").tokens_per_step
-        16
-    """
+    """`train.loop.RunOptions` of a window run config writing to `out`."""
     return RunOptions(out=out, steps=cfg.steps, resume=cfg.resume, checkpoint_every=cfg.checkpoint_every,
                       keep_checkpoints=cfg.keep_checkpoints, max_nonfinite=cfg.max_nonfinite, progress=cfg.progress,
                       tokens_per_step=cfg.batch_size * cfg.seq_len)
@@ -119,18 +103,11 @@ def window_metrics(setup: WindowStep, params, frozen, tokens_bt) -> dict:
 
 
 class WindowTrainer:
-    """What `Pretrainer`, `MtpDistiller` and `train.head_factor.FactorDistiller` share: the trainer
-    interface of `train.loop.run_loop` around a pure `loss_fn(params, frozen, tokens_bt) -> (loss,
-    metrics)` on `[B, L+1]` windows. `frozen` (a jit input, never trained: the distiller's target) is
-    held by the trainer; the step is one donated jit of `window_step` over the frozen `WindowStep`
-    setup. Everything lives on one `mesh` (default: one device): the trained params and
-    the optimizer state replicated, `frozen` at its own shardings, each batch split over the batch
-    axes of the mesh.
-
-    Example:
-        >>> pt = Pretrainer(target_cfg, PretrainStep(), OptimConfig(total_steps=10))  # doctest: +SKIP
-        >>> state = pt.init_state(0); state, m = pt.step(state, {"tokens_bt": batch})  # doctest: +SKIP
-    """
+    """`run_loop`'s trainer interface around a pure `loss_fn(params, frozen, tokens_bt) -> (loss,
+    metrics)` on `[B, L+1]` windows. `frozen` (a jit input, never trained) is held by the trainer; the
+    step is one donated jit of `window_step` over the frozen `WindowStep` setup. On `mesh` (default one
+    device): params and optimizer state replicated, `frozen` at its shardings, batches split over the
+    batch axes."""
 
     BAR = {"loss": "loss"}
 
@@ -166,13 +143,8 @@ class WindowTrainer:
         return self._step(state, self.frozen, self._tokens(batch["tokens_bt"]))
 
     def lower_step(self, batch_size: int, window: int, frozen) -> jax.stages.Lowered:
-        """The step for `[batch_size, window]` token windows, lowered on abstract inputs (the state,
-        `frozen` as ShapeDtypeStructs at their shardings, the tokens): nothing allocated, the run's
-        compile counter untouched (`train.py plan --job head-factor`).
-
-        Example:
-            >>> compiled = trainer.lower_step(8, 2049, abstract_frozen).compile()  # doctest: +SKIP
-        """
+        """The step for `[batch_size, window]` windows lowered on abstract inputs: nothing allocated, the
+        compile counter untouched."""
         shape = (batch_size, window)
         tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(self.mesh, shape))
         return jax.jit(functools.partial(window_step, self.setup), donate_argnums=(0,),
@@ -180,11 +152,7 @@ class WindowTrainer:
             self.abstract_state(), frozen, tokens)
 
     def evaluate(self, params, batches) -> dict:
-        """Mean metrics of `params` over `batches` (dicts as `step` takes: held-out windows).
-
-        Example:
-            >>> pt.evaluate(state.params, [WindowBatches(val, 8, 257, 1).batch(i) for i in range(4)])  # doctest: +SKIP
-        """
+        """Mean metrics of `params` over `batches` (dicts as `step` takes)."""
         got = [jax.device_get(self._eval(params, self.frozen, self._tokens(b["tokens_bt"]))) for b in batches]
         return {k: float(np.mean([g[k] for g in got])) for k in got[0]} if got else {}
 

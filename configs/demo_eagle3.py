@@ -1,0 +1,18 @@
+"""The demo's EAGLE-3 drafter: one Llama-style layer over the target's layer 0 / 1 / 2 outputs, a chain
+of 7 drafts (block 8), trained with training-time test (7 unrolled passes, weights 0.8^k) on the same
+data, steps and hyper-parameters as the demo's DFlash drafter (`configs/demo_dflash.py` `SHARED`).
+
+    python train.py --config configs/demo_eagle3.py                          # = train --config ...
+    python train.py export --run demo_out/runs/eagle3 --out demo/eagle3 --dtype bfloat16
+"""
+
+import os
+
+from dmtp_jax.cli import load_config_file
+
+COMMAND = "train"
+
+
+def get_config() -> dict:
+    shared = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_dflash.py"))
+    return dict(shared, method="eagle3", out="demo_out/runs/eagle3", target_layer_ids=(0, 1, 2))

@@ -1,0 +1,68 @@
+"""A full-model drafter (`--method draft-model`): a smaller target of the same vocabulary with its own
+`TargetCache` (K/V and, when hybrid, DeltaNet states), kept in step with the target's.
+
+Protocol (the state's `draft_cache` holds the draft model's cache over the same committed positions
+`0..L-1` as the target's):
+
+    prefill        the prompt chunks through the draft model too (`prefill_draft_cache`)
+    draft_chain    k single-token steps from the pending token at `L..L+k-1`, each token picked from
+                   the draft model's own logits; the steps run on a copy whose DeltaNet states are
+                   dropped afterwards, only their K/V (slot == position) are kept
+    commit         the draft model over the verify block `[A, drafts]` at `L..L+k` (speculative, as the
+                   target's verify forward), then its `commit` keeps the accepted prefix + bonus row:
+                   DeltaNet states roll back exactly as the target's do (`commit_draft_cache`)
+
+Example:
+    >>> drafts_bk, q_bkv, cache = draft_chain(model, state.draft_cache, state.pending_b, state.lengths_b, 4,
+    ...                                       choose)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from dmtp_jax.layers.kv_cache import TargetCache
+
+
+def draft_chain(model, cache: TargetCache, pending_b: jax.Array, lengths_b: jax.Array, steps: int,
+                choose: Callable[[jax.Array, int], tuple]):
+    """`(drafts [B, steps], q [B, steps, V] or None, cache)`: the draft model chained `steps` tokens
+    from `pending_b` at positions `lengths_b..`; `choose(logits_bv, j)` -> `(token_b, q_bv or None)`
+    picks draft j. The returned cache holds the chain's K/V and the states it started from.
+
+    Example: see the module docstring.
+    """
+    kv_cache, token_b, drafts, qs = cache, pending_b, [], []
+    for j in range(steps):
+        out = model(token_b[:, None], (lengths_b + j)[:, None], kv_cache)
+        kv_cache = out.cache
+        token_b, q = choose(model.logits(out.hidden_bth[:, 0]), j)
+        drafts.append(token_b)
+        qs.append(q)
+    q_all = None if qs[0] is None else jnp.stack(qs, axis=1)
+    return jnp.stack(drafts, axis=1), q_all, TargetCache(kv_cache.kv, cache.conv_lbwc, cache.ssm_lbhkv)
+
+
+def commit_draft_cache(model, cache: TargetCache, tokens_bn: jax.Array, positions_bn: jax.Array,
+                       keep_b: jax.Array) -> TargetCache:
+    """The draft model's cache after the round: the verify block `tokens_bn` at `positions_bn` run
+    speculatively from `cache` (the pre-round states), the first `keep_b` tokens of each row kept.
+
+    Example:
+        >>> cache = commit_draft_cache(model, cache, fwd.tokens_bn, fwd.positions_bn, acc_b + 1)  # doctest: +SKIP
+    """
+    out = model(tokens_bn, positions_bn, cache, speculative=True)
+    return model.commit(out.cache, out.pending, keep_b)
+
+
+def prefill_draft_cache(model, cache: TargetCache, tokens_bt: jax.Array, positions_bt: jax.Array,
+                        lengths_b: jax.Array) -> TargetCache:
+    """The draft model's cache after one prefill chunk (tokens real where `positions < lengths_b`).
+
+    Example:
+        >>> cache = prefill_draft_cache(model, cache, chunk_bt, positions_bt, lengths_b)  # doctest: +SKIP
+    """
+    return model(tokens_bt, positions_bt, cache, kv_valid_bt=positions_bt < lengths_b[:, None]).cache

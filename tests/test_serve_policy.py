@@ -1,0 +1,53 @@
+"""The engine's round policy (`serve/policy.py`), on made-up timings: no model, no compile."""
+
+from dmtp_jax.serve.policy import LoadPolicy
+
+SLOTS = {"ar": 1, "mtp": 5, "dmtp": 8}
+
+
+def run(policy, timing, tau, rows=1, bucket=1, choices=200):
+    """Drives `policy` for `choices` rounds with seconds per round `timing(method, i)` and tokens
+    per row round `tau[method]`; returns the methods chosen."""
+    chosen = []
+    for i in range(choices):
+        m = policy.choose(rows, bucket)
+        chosen.append(m)
+        policy.observe(m, bucket, rounds=1, seconds=timing(m, i), row_rounds=rows, committed=rows * tau[m])
+    return chosen
+
+
+def test_one_slow_first_sample_does_not_lock_in_plain_decoding():
+    """dmtp's timing round lands in a slow spell (10x): ar wins at first, but the refreshes outvote
+    the outlier and dmtp (4 tokens a round at 2x ar's cost) serves the rest."""
+    policy = LoadPolicy(SLOTS, {"dmtp": 4.0, "mtp": 2.0}, refresh_every=8)
+    base = {"ar": 0.010, "mtp": 0.015, "dmtp": 0.020}
+    chosen = run(policy, lambda m, i: base[m] * (10 if (m == "dmtp" and i < 3) else 1),
+                 {"ar": 1, "mtp": 2, "dmtp": 4})
+    assert chosen[:3] == ["ar", "mtp", "dmtp"]                  # each timed once
+    assert "dmtp" not in chosen[3:8]                             # the outlier made mtp look best
+    assert chosen[-100:].count("dmtp") >= 85, chosen[-100:]      # then dmtp, but for the refreshes
+    assert policy.describe()["why"] in ("highest estimated tok/s", "refreshing ar's estimate at 1 rows",
+                                        "refreshing mtp's estimate at 1 rows")
+
+
+def test_plain_decoding_is_retimed_when_its_estimate_goes_stale():
+    """ar's timing round was slow (a busy machine), dmtp wins; ar's refreshes find it fast again
+    once the acceptance drops, and ar takes over."""
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.0}, refresh_every=8)
+    tau = {"ar": 1, "dmtp": 4}
+    chosen = run(policy, lambda m, i: 0.050 if m == "ar" else 0.020, tau, choices=40)
+    assert chosen[2:].count("dmtp") >= 34, chosen
+    tau["dmtp"] = 1                                             # text where drafts stop landing
+    chosen = run(policy, lambda m, i: 0.010 if m == "ar" else 0.020, tau, choices=120)
+    assert chosen[-40:].count("ar") >= 35, chosen[-40:]
+
+
+def test_each_bucket_is_timed_on_its_own():
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 3.0})
+    tau = {"ar": 1, "dmtp": 3}
+    run(policy, lambda m, i: 0.01 if m == "ar" else 0.02, tau, rows=1, bucket=1, choices=10)
+    assert policy.choose(8, 8) == "ar" and policy.describe()["why"] == "timing ar at 8 rows"
+    assert set(policy.round_s) == {("ar", 1), ("dmtp", 1)}
+    # at 8 rows dmtp's round costs 4x ar's: 3 tokens do not pay for it
+    run(policy, lambda m, i: 0.01 if m == "ar" else 0.04, tau, rows=8, bucket=8, choices=30)
+    assert policy.choose(8, 8) == "ar" and policy.choose(1, 1) == "dmtp"
