@@ -169,10 +169,8 @@ def _blocked_expert_mlp(x_mh, group_sizes_g, gate_ghi, up_ghi, down_gih):
 
 
 def _dense_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, first_expert=0):
-    """Every local expert on every token, the unrouted (token, expert) pairs masked out before the
-    down projection: fp32 `[N, H]`. One pass over the local weights, no sort, no loop; `E/k` times
-    the routed flops (G local experts per token instead of its k / shards) and `[N, G, I]`
-    temporaries, so for few tokens only (decode)."""
+    """Every local expert on every token, unrouted pairs masked before the down projection: fp32
+    `[N, H]`. One read of the local weights; `E/k` times the routed flops, so for few tokens (decode)."""
     g = gate_ghi.shape[0]
     onehot_nkg = jax.nn.one_hot(experts_nk - first_expert, g, dtype=weights_nk.dtype)  # not local: 0
     combine_ng = jnp.einsum("nk,nkg->ng", weights_nk, onehot_nkg)
@@ -186,11 +184,9 @@ def _dense_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, 
 
 
 def _sliced_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih, first_expert=0):
-    """Each routed (token, expert) pair on its own: the expert's three matrices sliced in place
-    (`dynamic_index`, clamped to the local range; a pair whose expert is not local adds 0), so a call
-    reads N*k experts' weights instead of all G local ones. fp32 `[N, H]`. Unrolled over the pairs:
-    for calls with fewer pairs than local experts (an MTP step at small batch), on weights that are
-    whole arrays (inside the target's layer scan a slice of the stacked weights is copied first)."""
+    """Each routed (token, expert) pair on its own, its expert's matrices sliced in place (a pair whose
+    expert is not local adds 0): reads N*k experts' weights, not all G. fp32 `[N, H]`. Unrolled over
+    the pairs: for few pairs on weights that are whole arrays (an MTP step at small batch)."""
     g = gate_ghi.shape[0]
     local_nk = experts_nk - first_expert
     rows = []
@@ -208,15 +204,10 @@ def _sliced_expert_mlp(x_nh, weights_nk, experts_nk, gate_ghi, up_ghi, down_gih,
 
 
 def _scan_expert_mlp(x_nh, token_m, weight_m, group_sizes_g, gate_ghi, up_ghi, down_gih):
-    """`sum` over the sorted local assignments `m` of `weight_m * expert(x_nh[token_m])`, as fp32 `[N, H]`.
-
-    The assignments (sorted by local expert; `group_sizes_g` of them per expert, the non-local rest at
-    the end) are cut into blocks of B rows of one expert each, and a `lax.scan` over the blocks
-    gathers each block's B token rows from `x_nh`, slices the block's expert weights in place,
-    and scatter-adds the B weighted outputs into the `[N, H]` accumulator; blocks past the last
-    used one are skipped at run time (`lax.cond`). Nothing of size `N*k x H` or `blocks x H x I` is
-    materialised: the temporaries are the accumulator, the `[N*k]` index arrays and one block's
-    `B x (H + I)` rows."""
+    """`sum` over the sorted local assignments `m` (`group_sizes_g` per expert, the non-local rest last)
+    of `weight_m * expert(x_nh[token_m])`, as fp32 `[N, H]`: a `lax.scan` over blocks of B rows of one
+    expert gathers the block's tokens, slices its expert in place and scatter-adds into the
+    accumulator; unused blocks are skipped (`lax.cond`). No `N*k x H` or `blocks x H x I` temporary."""
     n, h = x_nh.shape
     m, g = token_m.shape[0], gate_ghi.shape[0]
     block, num_blocks, block_start_g, block_end_g, row_start_g, row_end_g, block_ids_b, group_b = \
@@ -266,11 +257,9 @@ def _scan_expert_mlp(x_nh, token_m, weight_m, group_sizes_g, gate_ghi, up_ghi, d
 GROUPED_EXPERT_MLPS = {"ragged": _ragged_expert_mlp, "blocked": _blocked_expert_mlp, "scan": _scan_expert_mlp,
                        "dense": _dense_expert_mlp, "sliced": _sliced_expert_mlp}
 AUTO_IMPL = {"tpu": "ragged", "gpu": "scan", "cpu": "scan"}
-# platforms where calls of at most this many (per-shard) tokens use "dense" under "auto": peak bf16
-# flops / HBM bandwidth (H100 989e12 / 3.35e12 ~ 295 tokens, TPU v5p 459e12 / 2.76e12 ~ 166), below
-# which its G/k extra flops cost less than its single read of the local weights. On TPU this also
-# avoids ragged's weight copy: inside the layer scan the custom call cannot take its slice of the
-# stacked expert weights in place, so each call first copies them out (3x the weight bytes).
+# platforms where calls of at most this many (per-shard) tokens use "dense" under "auto": about peak
+# bf16 flops / HBM bandwidth, below which dense's extra flops cost less than reading the weights
+# (the derivation: docs/moe.md)
 AUTO_DENSE_MAX_TOKENS = {"gpu": 256, "tpu": 160}
 CHUNKED_IMPLS = ("ragged", "blocked", "dense")
 SLICED_MAX_PAIRS = 16        # "sliced" is unrolled over the (token, expert) pairs: at most this many
