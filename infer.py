@@ -30,15 +30,18 @@ exactness probe (`dmtp_jax/decode/probe.py`; `--strict` makes a failed probe an 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import tempfile
 
-from dmtp_jax.cli import (ArgumentParser, add_compile_cache_arg, add_plan_args, enable_compile_cache, int_list,
-                          finish_plan, plan_progress, port_number, run_command, skip_absent_gpu_plugin,
-                          use_host_backend)
+from dmtp_jax.cli import (ArgumentParser, add_compile_cache_arg, add_plan_args, draft_head_options,
+                          enable_compile_cache, int_list, finish_plan, model_sources, plan_progress, port_number,
+                          run_command, skip_absent_gpu_plugin, use_host_backend)
 from dmtp_jax.errors import InputError
+from dmtp_jax.options import (DraftHeadOptions, check_max_model_len, check_non_negative, check_positive,
+                              check_positive_int)
 
 DTYPES = ["float32", "bfloat16", "float16"]
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
@@ -239,7 +242,7 @@ def cmd_generate(args) -> int:
     preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
                                    args.adaptive_threshold, args.prefill_chunk)
     methods, _ = decoder_methods(args, target_dir, [method])
-    preflight.check_draft_head(args)
+    preflight.check_draft_head(model_sources(args))
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
     tokenizer = load_tokenizer(target_dir, plain=True)     # no transformers / torch import when exact
@@ -251,8 +254,7 @@ def cmd_generate(args) -> int:
     if not prompts:
         raise InputError("give at least one --prompt or --prompt-ids")
     if args.batch_size is not None:
-        if args.batch_size < 1:
-            raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+        check_positive_int("--batch-size", args.batch_size)
         if args.batch_size < len(prompts):
             raise InputError(f"--batch-size {args.batch_size} is smaller than the {len(prompts)} prompts given")
         prompts = [prompts[i % len(prompts)] for i in range(args.batch_size)]
@@ -336,14 +338,11 @@ def cmd_serve(args) -> int:
     preflight.check_decode_options(args.mtp_steps, args.block_size, 1, args.rounds_per_dispatch,
                                    args.adaptive_threshold, args.prefill_chunk)
     methods, _ = decoder_methods(args, target_dir, [method])
-    preflight.check_draft_head(args)
-    if args.max_model_len is not None and not 2 <= args.max_model_len <= cfg.max_position_embeddings:
-        raise InputError(f"--max-model-len must be in [2, {cfg.max_position_embeddings}] (the model's "
-                         f"max_position_embeddings), got {args.max_model_len}")
-    if args.max_batch_size < 1:
-        raise InputError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
-    if not args.prefix_cache_gb >= 0:
-        raise InputError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
+    preflight.check_draft_head(model_sources(args))
+    if args.max_model_len is not None:
+        check_max_model_len(args.max_model_len, cfg.max_position_embeddings)
+    check_positive_int("--max-batch-size", args.max_batch_size)
+    check_non_negative("--prefix-cache-gb", args.prefix_cache_gb)
     sock = bind_socket(args.host, args.port)             # a port in use fails here, before the models load
     tokenizer = load_tokenizer(target_dir, plain=True)     # transformers' only where it adds something (chat template)
     decoder, stops = load_decoder(args, target_dir, method, methods, make_mesh(args.mesh), tokenizer)
@@ -377,7 +376,12 @@ def cmd_plan(args) -> int:
     from dmtp_jax import preflight
     from dmtp_jax.plan import plan_inference
 
-    preflight.check_plan_options(args)
+    preflight.check_plan_options(target=args.target, draft=args.draft, topology=args.topology,
+                                 batch_size=args.batch_size, prompt_len=args.prompt_len,
+                                 max_new_tokens=args.max_new_tokens, mtp_steps=args.mtp_steps,
+                                 block_size=args.block_size, rounds_per_dispatch=args.rounds_per_dispatch,
+                                 prefill_chunk=args.prefill_chunk, prefix_cache_gb=args.prefix_cache_gb,
+                                 draft_head=draft_head_options(args))
     plan = plan_inference(args.target, method=args.method, draft=args.draft, block_size=args.block_size,
                           mesh=args.mesh, batch_size=args.batch_size, prompt_len=args.prompt_len,
                           max_new_tokens=args.max_new_tokens, dtype=args.dtype,
@@ -448,15 +452,14 @@ def run_bench(args) -> dict:
     unknown = [m for m in methods if m not in METHODS and m != AUTO]
     if unknown or not methods:
         raise InputError(f"unknown method(s) {unknown or methods}; available: {', '.join(METHODS + (AUTO,))}")
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_positive_int("--batch-size", args.batch_size)
     verifies = verify_modes(args.verify)
     if AUTO in methods and len(verifies) > 1:
         raise InputError("--methods auto takes one --verify mode")
     preflight.check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
                                    args.adaptive_threshold, args.prefill_chunk)
     built, candidates = decoder_methods(args, target_dir, methods)
-    preflight.check_draft_head(args)
+    preflight.check_draft_head(model_sources(args))
     sampling = SamplingParams.make(args.temperature, args.top_p, args.top_k)
     mesh = make_mesh(args.mesh)
     workload = load_workload(args.workload, args.data_dir, args.num_prompts)
@@ -612,11 +615,9 @@ def server_limits(args):
     positive = {"--max-body-mb": args.max_body_mb, "--max-stop-chars": args.max_stop_chars,
                 "--max-top-k": args.max_top_k, "--header-timeout": args.header_timeout}
     for flag, value in positive.items():
-        if not value > 0:
-            raise InputError(f"{flag} must be > 0, got {value}")
+        check_positive(flag, value)
     for flag, value in {"--max-waiting": args.max_waiting, "--max-stop-strings": args.max_stop_strings}.items():
-        if value < 0:
-            raise InputError(f"{flag} must be >= 0, got {value}")
+        check_non_negative(flag, value)
     return ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20), max_waiting=args.max_waiting,
                         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
                         header_timeout_s=args.header_timeout)
@@ -653,17 +654,20 @@ def method_models(args, target, methods) -> dict:
     shared by all), and the demo's token counts (`demo/dmtp/token_counts.npy`) unless
     `--draft-head-counts` is given."""
     from dmtp_jax.decode.loading import load_draft_head, load_method_models
+    sources = model_sources(args)
     if args.draft or not uses_demo(args):
-        return load_method_models(args, target, methods)
+        return load_method_models(sources, target, methods)
     groups: dict = {}
     for m in methods:
         groups.setdefault(demo_drafter(m, args.mtp), []).append(m)
     # the demo drafters' token counts are one file's (same training data); mtp has no drafter directory
-    counts = getattr(args, "draft_head_counts", None) or os.path.join(DEMO_DIR, "dmtp")
-    head = load_draft_head(argparse.Namespace(**{**vars(args), "draft_head_counts": counts}), target, methods)
+    counts = sources.draft_head.counts or os.path.join(DEMO_DIR, "dmtp")
+    head = load_draft_head(dataclasses.replace(sources, draft_head=dataclasses.replace(sources.draft_head,
+                                                                                       counts=counts)),
+                           target, methods)
     out = {}
     for draft, group in groups.items():       # the drafting head is built once, above, for every group
-        out.update(load_method_models(argparse.Namespace(**{**vars(args), "draft": draft, "draft_head": "full"}),
+        out.update(load_method_models(dataclasses.replace(sources, draft=draft, draft_head=DraftHeadOptions()),
                                       target, group))
     return {m: {**out[m], **({"draft_head": head} if head is not None and m != "ar" else {})} for m in methods}
 

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dmtp_jax.layers.mlp import moe_mlp, moe_mlp_dense, resolve_impl  # noqa: E402
+from dmtp_jax.layers.moe import moe_mlp, moe_mlp_dense, resolve_impl  # noqa: E402
 
 
 def layer_fn(impl: str, top_k: int):

@@ -44,7 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from dmtp_jax.layers import mlp  # noqa: E402
+from dmtp_jax.layers import moe  # noqa: E402
 from dmtp_jax.platform import compiling_for  # noqa: E402
 from dmtp_jax.sharding import DEFAULT_RULES, make_mesh, parse_mesh_spec, spec_for  # noqa: E402
 
@@ -84,8 +84,8 @@ def layer_args(mesh, tokens: int):
 def measure(target: str, mesh, tokens: int, impl: str) -> dict:
     local_tokens = tokens // (mesh.shape["data"] * mesh.shape["fsdp"])
     with compiling_for(target):
-        kernel = mlp.resolve_impl(impl, local_tokens)        # what moe_mlp picks in each shard
-        fn = jax.jit(lambda *a: mlp.moe_mlp(*a, K, True, impl=impl))
+        kernel = moe.resolve_impl(impl, local_tokens)        # what moe_mlp picks in each shard
+        fn = jax.jit(lambda *a: moe.moe_mlp(*a, K, True, impl=impl, rules=DEFAULT_RULES))
         t0 = time.perf_counter()
         compiled = fn.lower(*layer_args(mesh, tokens)).compile()
     mem = compiled.memory_analysis()
@@ -108,8 +108,8 @@ def main() -> None:
     tokens_list = [int(t) for t in args.tokens.split(",")]
     impls = args.impls.split(",")
     print(f"MoE layer H={H} E={E} top-{K} I={I} bf16, compile-only; per device; "
-          f"ragged/blocked token chunk {mlp.MAX_ROUTED_ROWS // K} tokens; AUTO_IMPL {mlp.AUTO_IMPL}, "
-          f"dense up to {mlp.AUTO_DENSE_MAX_TOKENS} tokens")
+          f"ragged/blocked token chunk {moe.MAX_ROUTED_ROWS // K} tokens; AUTO_IMPL {moe.AUTO_IMPL}, "
+          f"dense up to {moe.AUTO_DENSE_MAX_TOKENS} tokens")
     header = (f"{'target':6} {'mesh':16} {'tokens':>6} {'kernel':8} {'temp MiB':>9} {'rows*(H+I)':>10} "
               f"{'E_loc*H*I':>9} {'args MiB':>8} {'GFLOP':>9} {'/routed':>7} {'GB read':>8} {'/routed':>7} "
               f"{'compile s':>9}")
@@ -134,14 +134,14 @@ def main() -> None:
                 for impl in impls:
                     r = measure(target, mesh, tokens, impl)
                     rows_per_token = E // ep if r["kernel"] == "dense" else K
-                    chunks = math.ceil(tokens / max(1, mlp.MAX_ROUTED_ROWS // rows_per_token))
+                    chunks = math.ceil(tokens / max(1, moe.MAX_ROUTED_ROWS // rows_per_token))
                     if r["flops"] is None:
                         flops = nbytes = "-"
                         f_ratio = b_ratio = ""
                     elif r["kernel"] == "scan":
                         flops, nbytes, f_ratio, b_ratio = "loop", "loop", "", ""
                     else:
-                        scale = chunks if r["kernel"] in mlp.CHUNKED_IMPLS else 1
+                        scale = chunks if r["kernel"] in moe.CHUNKED_IMPLS else 1
                         mark = "~" if scale > 1 else ""
                         flops = f"{mark}{r['flops'] * scale / 1e9:.1f}"
                         nbytes = f"{mark}{r['bytes'] * scale / 1e9:.2f}"

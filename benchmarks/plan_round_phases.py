@@ -85,7 +85,8 @@ def phase_costs(target, method, topology, mesh, dtype, prompt_len, max_new_token
     from dmtp_jax.decode import make_decoder
     from dmtp_jax.decode.round import merge_models, verify_forward
     from dmtp_jax.decode.sampling import SamplingParams
-    from dmtp_jax.models.draft_head import abstract_draft_head, head_name
+    from dmtp_jax.checkpoint.draft_head_ckpt import abstract_draft_head
+    from dmtp_jax.models.draft_head import head_name
     from dmtp_jax.plan.compile import cost_of
     from dmtp_jax.plan.inference import inference_calls, request_shapes
     from dmtp_jax.plan.models import abstract_args, plan_models

@@ -22,6 +22,7 @@ import sys
 from typing import Callable
 
 from dmtp_jax.errors import InputError, UserError, format_user_error, one_line
+from dmtp_jax.options import DraftHeadOptions, ModelSources
 from dmtp_jax.paths import cache_root
 
 
@@ -54,23 +55,35 @@ def port_number(text: str) -> int:
     return port
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """`argparse.ArgumentParser` whose errors are `error: ...` and `hint: run '<prog> --help' ...`
-    (two lines, exit status 2) instead of the whole usage. Subparsers inherit the class.
+def draft_head_options(args: argparse.Namespace) -> DraftHeadOptions:
+    """The `--draft-head*` flags as options (flags a command lacks: their defaults).
 
     Example:
-        >>> import contextlib, io
-        >>> err = io.StringIO()
-        >>> with contextlib.redirect_stderr(err):
-        ...     try:
-        ...         ArgumentParser(prog="infer.py").parse_args(["--bogus"])
-        ...     except SystemExit as stop:
-        ...         print("exit status", stop.code)
-        exit status 2
-        >>> print(err.getvalue().strip())
-        error: unrecognized arguments: --bogus
-        hint: run 'infer.py --help' for the options
+        >>> draft_head_options(argparse.Namespace(draft_head="int8"))
+        DraftHeadOptions(kind='int8', rank=None, shortlist=None, vocab=None, counts=None, factor=None)
     """
+    return DraftHeadOptions(kind=getattr(args, "draft_head", "full"), rank=getattr(args, "draft_head_rank", None),
+                            shortlist=getattr(args, "draft_head_shortlist", None),
+                            vocab=getattr(args, "draft_head_vocab", None),
+                            counts=getattr(args, "draft_head_counts", None),
+                            factor=getattr(args, "draft_head_factor", None))
+
+
+def model_sources(args: argparse.Namespace) -> ModelSources:
+    """`--draft`, `--eagle3`, `--mtp`, `--dtype` and the drafting head as `ModelSources`.
+
+    Example:
+        >>> model_sources(argparse.Namespace(draft="d", dtype="bfloat16")).draft
+        'd'
+    """
+    return ModelSources(draft=getattr(args, "draft", None), eagle3=getattr(args, "eagle3", None),
+                        mtp=getattr(args, "mtp", None),
+                        dtype=getattr(args, "dtype", "float32"), draft_head=draft_head_options(args))
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """`argparse.ArgumentParser` whose errors are `error: ...` and `hint: run '<prog> --help' ...`
+    (two lines, exit status 2) instead of the whole usage. Subparsers inherit the class."""
 
     def error(self, message: str):
         sys.stderr.write(f"error: {one_line(message)}\nhint: run '{self.prog} --help' for the options\n")
@@ -130,9 +143,8 @@ def add_compile_cache_arg(parser: argparse.ArgumentParser) -> None:
 
 def enable_compile_cache(flag: str | None = None) -> str | None:
     """Turns on JAX's persistent compilation cache at `compile_cache_dir(flag)` for every compile,
-    however short (CPU compiles of the small models take well under JAX's 1 s default), or turns it
-    off. Only the CLI entry points call this: importing the library never writes a cache.
-    Returns the directory, or None when off.
+    however short, or turns it off; returns the directory, or None when off. Only the CLI entry
+    points call this: importing the library never writes a cache.
 
     Example:
         >>> enable_compile_cache("off") is None
@@ -208,11 +220,10 @@ def use_host_backend() -> None:
 
 
 def skip_absent_gpu_plugin() -> str | None:
-    """Keeps an installed CUDA plugin (the `plan-gpu` extra) quiet on a machine without an NVIDIA
-    GPU: unless `JAX_PLATFORMS` says otherwise, the platforms become the host's (plus a visible TPU),
-    so the plugin skips the CUDA version check whose failure JAX logs as a traceback at backend
-    start. The plugin still registers (plan compiles for GPUs). Returns the platforms set, or None.
-    A no-op once a backend has started.
+    """On a machine without an NVIDIA GPU, the platforms become the host's (plus a visible TPU)
+    unless `JAX_PLATFORMS` says otherwise, so an installed CUDA plugin skips its failing version
+    check (it still registers: plan compiles for GPUs). Returns the platforms set, or None; a no-op
+    once a backend has started.
 
     Example:
         >>> skip_absent_gpu_plugin() in (None, "cpu", "tpu,cpu")

@@ -1,24 +1,12 @@
-"""Every decode and training option, checked in one place: its range, its message, and which models
-each method needs. `preflight` (before any model load), `decode.make_decoder` / `SpecDecoder`
-(after it) and the trainer (`train.config.TrainConfig.validate`) call these same functions, so what
-the command line accepts is exactly what the decoders and the trainer accept.
+"""Every decode, serve and training option, checked in one place: its range, its message (naming the
+flag; decode options raise `RequestError`, training and CLI-only ones `InputError`), and which models
+each method needs. `preflight`, the decoders, the engine and the trainer call these same functions,
+so what the command line accepts is what the library accepts. `DraftHeadOptions` and
+`ModelSources` are the CLI's model options as data (built by `cli.model_sources`).
 
-Messages name the command-line flag (`--flag must be ...`). Decode options raise `RequestError`,
-training options `InputError` (the `error` argument of the shared checks).
-
-The rules:
-
-- `--block-size` in [3, 64], for decoding and training alike. With 2 slots the DMTP layouts
-  (`[A, T1, ..]`, `[T1, ..]`: two rows known before the drafter runs) have no drafted row: the
-  drafter adds nothing to a round and its training blocks carry no loss. One rule for every
-  method and for both sides, so no drafter is trained that could not be decoded with (training
-  accepted 2 before). 64 bounds the verify block.
-- `--mtp-steps` in [1, 15]: the MTP chain, 2 .. 16 verify slots.
-- `--adaptive-threshold` in [0, 1.01]: an MTP top-1 probability; 1.01 (`NEVER_MTP_THRESHOLD`, the
-  last point of calibration's grid) never takes MTP's T1, so a calibrated "never" is accepted by
-  preflight and by the decoder alike (preflight allowed only [0, 1] before).
-- `--rounds-per-dispatch`, `--prefill-chunk`: an integer >= 1; `--max-new-tokens` >= 1;
-  `--verify` one of `VERIFY_MODES`.
+Ranges: `--block-size` in [3, 64] (decoding and training alike: a DMTP block of 2 slots drafts
+nothing), `--mtp-steps` in [1, 15], `--adaptive-threshold` in [0, 1.01] (1.01: never MTP's T1),
+`--rounds-per-dispatch`, `--prefill-chunk`, `--max-new-tokens` >= 1, `--verify` one of `VERIFY_MODES`.
 
 Example:
     >>> check_decode_options(method="dmtp", block_size=8, mtp_steps=4, max_new_tokens=16)
@@ -32,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 from dmtp_jax.errors import InputError, RequestError
@@ -49,14 +38,12 @@ DEFAULT_ADAPTIVE_THRESHOLD = 0.5    # dmtp-adaptive without a calibrated thresho
 
 
 def method_needs(method: str) -> dict[str, bool]:
-    """Which models a method uses: `{"drafter", "mtp", "fusion", "draft_model"}` (the one rule for
-    decoding, preflight, loading and training).
+    """Which models a method uses: `{"drafter", "mtp", "fusion", "draft_model"}` (decoding, preflight,
+    loading and training read this one rule).
 
     Example:
         >>> method_needs("dmtp")
         {'drafter': True, 'mtp': True, 'fusion': True, 'draft_model': False}
-        >>> method_needs("mtp")
-        {'drafter': False, 'mtp': True, 'fusion': False, 'draft_model': False}
     """
     known = METHODS.get(method)
     return (known or METHODS["ar"]).needs()
@@ -64,11 +51,10 @@ def method_needs(method: str) -> dict[str, bool]:
 
 def check_method(method: str, methods: tuple[str, ...] = DECODE_METHODS, error: type = RequestError,
                  what: str = "method") -> None:
-    """`method` is one of `methods` (decode: `DECODE_METHODS`; speculative: `SPEC_METHODS`;
-    training: `TRAIN_METHODS`, `error=InputError`, `what="training method"`).
+    """`method` is one of `methods` (decode: `DECODE_METHODS`, training: `TRAIN_METHODS` with
+    `error=InputError`, `what="training method"`).
 
     Example:
-        >>> check_method("dmtp-single", TRAIN_METHODS, InputError, "training method")
         >>> check_method("mtp", TRAIN_METHODS[:2], InputError, "training method")
         Traceback (most recent call last):
         ...
@@ -90,28 +76,12 @@ def _in_range(flag: str, value, bounds: tuple, error: type = RequestError, note:
 
 
 def check_block_size(block_size: int, error: type = RequestError, name: str = "--block-size") -> None:
-    """A drafter block (verify slots) in [3, 64], for decoding and training alike; `name` is what
-    the message calls it (the flag, or "the drafter's block_size" when it comes from the drafter).
-
-    Example:
-        >>> check_block_size(16)
-        >>> check_block_size(2, InputError)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.InputError: --block-size must be in [3, 64], got 2
-    """
+    """A drafter block (verify slots) in [3, 64]; `name` is what the message calls it."""
     _in_range(name, block_size, BLOCK_SIZE_RANGE, error)
 
 
 def check_mtp_steps(mtp_steps: int) -> None:
-    """The MTP chain length of method `mtp` in [1, 15].
-
-    Example:
-        >>> check_mtp_steps(0)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 0
-    """
+    """The MTP chain length of method `mtp` in [1, 15]."""
     _in_range("--mtp-steps", mtp_steps, MTP_STEPS_RANGE)
 
 
@@ -121,17 +91,13 @@ def check_adaptive_threshold(threshold: float) -> float:
     Example:
         >>> check_adaptive_threshold(NEVER_MTP_THRESHOLD)
         1.01
-        >>> check_adaptive_threshold(1.5)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.RequestError: --adaptive-threshold must be in [0, 1.01] (1.01: never MTP's T1), got 1.5
     """
     _in_range("--adaptive-threshold", threshold, ADAPTIVE_THRESHOLD_RANGE, note=" (1.01: never MTP's T1)")
     return float(threshold)
 
 
 def check_rounds_per_dispatch(rounds: int) -> None:
-    """Speculative rounds per jitted call: an integer >= 1.
+    """Speculative rounds per jitted call: an integer >= 1 (not a bool).
 
     Example:
         >>> check_rounds_per_dispatch(True)
@@ -143,39 +109,18 @@ def check_rounds_per_dispatch(rounds: int) -> None:
 
 
 def check_prefill_chunk(chunk: int) -> None:
-    """Prefill chunk length: an integer >= 1.
-
-    Example:
-        >>> check_prefill_chunk(0)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.RequestError: --prefill-chunk must be an integer >= 1, got 0
-    """
+    """Prefill chunk length: an integer >= 1."""
     _positive_int("--prefill-chunk", chunk, RequestError)
 
 
 def check_max_new_tokens(max_new_tokens: int) -> None:
-    """The generation budget: an integer >= 1.
-
-    Example:
-        >>> check_max_new_tokens(0)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.RequestError: --max-new-tokens must be >= 1, got 0
-    """
+    """The generation budget: >= 1."""
     if max_new_tokens < 1:
         raise RequestError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
 
 
 def check_verify_mode(verify: str) -> None:
-    """The sampled verifier: one of `VERIFY_MODES`.
-
-    Example:
-        >>> check_verify_mode("token")
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.RequestError: --verify must be one of rejection, target-only, block, got 'token'
-    """
+    """The sampled verifier: one of `VERIFY_MODES`."""
     if verify not in VERIFY_MODES:
         raise RequestError(f"--verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
 
@@ -184,12 +129,10 @@ def check_decode_options(*, method: str | None = None, mtp_steps: int | None = N
                          max_new_tokens: int | None = None, rounds_per_dispatch: int | None = None,
                          adaptive_threshold: float | None = None, prefill_chunk: int | None = None,
                          verify: str | None = None) -> None:
-    """Every decode option that is given (None: not given, the decoder's default applies), each by
-    its check above. `mtp_steps` and `block_size` are checked whatever the method (a flag given on
-    the command line is checked even where a method ignores it).
+    """Every decode option that is given (None: the decoder's default applies), each by its check
+    above, whatever the method (a flag given is checked even where a method ignores it).
 
     Example:
-        >>> check_decode_options(method="ar", max_new_tokens=8, prefill_chunk=512)
         >>> check_decode_options(method="ar", mtp_steps=16)
         Traceback (most recent call last):
         ...
@@ -209,12 +152,7 @@ MISSING_MODEL = {"drafter": "a DFlash drafter (--draft DIR)", "mtp": "the target
 
 
 def missing_model_error(method: str, kind: str) -> RequestError:
-    """The error for a model `kind` ("drafter", "mtp", "fusion") that `method` needs and lacks.
-
-    Example:
-        >>> print(missing_model_error("dmtp", "mtp"))
-        method 'dmtp' needs the target's native MTP head
-    """
+    """The error for a model `kind` ("drafter", "mtp", "fusion") that `method` needs and lacks."""
     what = "an EAGLE-3 drafter (--eagle3 DIR)" if method == EAGLE3 and kind == "drafter" else MISSING_MODEL[kind]
     return RequestError(f"method '{method}' needs {what}")
 
@@ -224,7 +162,6 @@ def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None, draf
     a DFlash (version 1) drafter.
 
     Example:
-        >>> check_models_given("mtp", mtp=object())
         >>> check_models_given("dflash")
         Traceback (most recent call last):
         ...
@@ -268,10 +205,6 @@ def verify_slots(method: str, *, mtp_steps: int, block_size: int | None, drafter
         16
         >>> verify_slots("lookup", mtp_steps=4, block_size=None, drafter_block_size=None)
         8
-        >>> verify_slots("dflash", mtp_steps=4, block_size=None, drafter_block_size=2)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.RequestError: the drafter's block_size (set --block-size) must be in [3, 64], got 2
     """
     if method == "mtp":
         check_mtp_steps(mtp_steps)
@@ -312,3 +245,103 @@ def verify_modes(text: str) -> list[str]:
     if bad or not modes:
         raise InputError(f"--verify: unknown verifier(s) {bad or text!r}; available: {', '.join(VERIFY_MODES)}")
     return modes
+
+
+def _non_negative(flag: str, value, error: type) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+        raise error(f"{flag} must be >= 0, got {value}")
+
+
+def check_positive_int(flag: str, value, error: type = InputError) -> None:
+    """An integer >= 1 (`--batch-size`, `--prompt-len`, `--max-batch-size`, ...)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise error(f"{flag} must be >= 1, got {value}")
+
+
+def check_positive(flag: str, value, error: type = InputError) -> None:
+    """A number > 0 (serve's `--max-body-mb`, `--header-timeout`, ...)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise error(f"{flag} must be > 0, got {value}")
+
+
+def check_non_negative(flag: str, value, error: type = InputError) -> None:
+    """A number >= 0, NaN refused (`--prefix-cache-gb`, `--max-waiting`, ...)."""
+    _non_negative(flag, value, error)
+
+
+def check_ce_chunk(value: int, flag: str = "--ce-chunk") -> None:
+    """The loss's rows per chunk: >= 0 (0: no chunking).
+
+    Example:
+        >>> check_ce_chunk(-1)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.InputError: --ce-chunk must be >= 0 (0: no chunking), got -1
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise InputError(f"{flag} must be >= 0 (0: no chunking), got {value}")
+
+
+def check_max_model_len(value: int, max_positions: int, error: type = InputError) -> None:
+    """serve's `--max-model-len` in [2, the model's `max_position_embeddings`]."""
+    if not 2 <= value <= max_positions:
+        raise error(f"--max-model-len must be in [2, {max_positions}] (the model's max_position_embeddings), "
+                    f"got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftHeadOptions:
+    """The drafting side's LM head (`--draft-head*`): `kind` "full", "efficient" or "int8"; for the
+    efficient head its `rank`, `shortlist`, vocabulary subset `vocab` (None: defaults / the whole
+    vocabulary), the subset's token counts `counts` (a path) or a trained `factor` (a path)."""
+    kind: str = "full"
+    rank: int | None = None
+    shortlist: int | None = None
+    vocab: int | None = None
+    counts: str | None = None
+    factor: str | None = None
+
+
+def check_draft_head_options(head: DraftHeadOptions) -> None:
+    """The efficient head's rank, shortlist and subset are >= 1, and its flags are not given to
+    another head (files: `preflight.check_draft_head`).
+
+    Example:
+        >>> check_draft_head_options(DraftHeadOptions("int8", vocab=8))
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.InputError: --draft-head-vocab is an option of --draft-head efficient
+    """
+    if head.kind == "efficient":
+        for flag, value in (("--draft-head-rank", head.rank), ("--draft-head-shortlist", head.shortlist)):
+            if value is not None and value < 1:
+                raise InputError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--draft-head-factor", head.factor), ("--draft-head-vocab", head.vocab)):
+        if value is not None and head.kind != "efficient":
+            raise InputError(f"{flag} is an option of --draft-head efficient")
+    if head.factor is None and head.vocab is not None and head.vocab < 1:
+        raise InputError(f"--draft-head-vocab must be >= 1, got {head.vocab}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSources:
+    """Where a decoding method's models come from: the drafter directory `draft` (a DFlash / DMTP
+    drafter, or a smaller target for `draft-model`), the EAGLE-3 drafter's directory `eagle3` (None:
+    `draft` when it holds one), the MTP head's directory `mtp` (None: the target's), the weights'
+    `dtype` and the drafting head.
+
+    Example:
+        >>> ModelSources(draft="runs/drafter").token_counts
+        'runs/drafter'
+    """
+    draft: str | None = None
+    eagle3: str | None = None
+    mtp: str | None = None
+    dtype: str = "float32"
+    draft_head: DraftHeadOptions = DraftHeadOptions()
+
+    @property
+    def token_counts(self) -> str | None:
+        """Where `--draft-head-vocab` reads its token counts: `--draft-head-counts`, else the drafter
+        directory; None when neither is given."""
+        return self.draft_head.counts or self.draft

@@ -1,9 +1,5 @@
-"""Cheap checks of a command line, run before any model is loaded: a bad input costs milliseconds
-(not a model load) and is reported before anything is written to stdout.
-
-Each check raises one of our error types (`dmtp_jax.errors`), with the same message the loaders or
-decoders would give later: option ranges and "which models a method needs" are `dmtp_jax.options`,
-the very functions the decoders and the trainer call.
+"""Cheap checks of a command line before any model is loaded (configs and tensor names read, no
+weights), with the messages the loaders and decoders would give later (`dmtp_jax.options`).
 
 Example:
     >>> check_decode_options(mtp_steps=4, block_size=None, max_new_tokens=16)
@@ -18,9 +14,17 @@ from __future__ import annotations
 import os
 
 from dmtp_jax import options
+from dmtp_jax.checkpoint.dflash_ckpt import load_dflash_config
+from dmtp_jax.checkpoint.draft_head_ckpt import HEAD_FACTOR, TOKEN_COUNTS, drafter_file
+from dmtp_jax.checkpoint.mtp_ckpt import MissingMtpError, has_mtp
+from dmtp_jax.config import load_target_config, read_config_json
 from dmtp_jax.decode.batch import pad_prompts
 from dmtp_jax.errors import InputError, RequestError
+from dmtp_jax.checkpoint.eagle3_ckpt import eagle3_config
+from dmtp_jax.decode.loading import eagle3_dir
 from dmtp_jax.methods import EAGLE3
+from dmtp_jax.models.eagle3 import check_fits_target
+from dmtp_jax.plan.topology import parse_topology
 
 
 def target_config(target_dir: str):
@@ -33,7 +37,6 @@ def target_config(target_dir: str):
         ...
         dmtp_jax.errors.ConfigError: model directory not found: /does-not-exist
     """
-    from dmtp_jax.config import load_target_config
     return load_target_config(target_dir)
 
 
@@ -72,9 +75,6 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
         if method == EAGLE3 and not _eagle3_dir(draft, eagle3):
             raise options.missing_model_error(method, "drafter")
         if method == EAGLE3:        # hidden size, vocabulary and taps against the target's config
-            from dmtp_jax.checkpoint.eagle3_ckpt import eagle3_config
-            from dmtp_jax.config import read_config_json
-            from dmtp_jax.models.eagle3 import check_fits_target
             tcfg = target_config(target_dir)
             check_fits_target(eagle3_config(read_config_json(_eagle3_dir(draft, eagle3)), tcfg.num_hidden_layers), tcfg)
         if need["drafter"] and method != EAGLE3 and not draft and not demo_drafters:
@@ -84,7 +84,6 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
                 raise options.missing_model_error(method, "draft_model")
             options.check_draft_vocab(target_config(target_dir).vocab_size, target_config(draft).vocab_size, draft)
     if any(n["mtp"] for n in needs):
-        from dmtp_jax.checkpoint.mtp_ckpt import MissingMtpError, has_mtp
         mtp_dir = mtp or target_dir
         if mtp and not os.path.isdir(mtp):
             raise InputError(f"MTP directory not found: {mtp}")
@@ -101,15 +100,13 @@ def draft_is_target(draft: str) -> bool:
         >>> draft_is_target("/models/Qwen3-0.6B")  # doctest: +SKIP
         True
     """
-    from dmtp_jax.config import read_config_json
     archs = read_config_json(draft).get("architectures") or []
     return any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in archs)
 
 
 def _eagle3_dir(draft: str | None, eagle3: str | None) -> str | None:
     """`--eagle3`, else a `--draft` directory holding an EAGLE-3 drafter (`decode.loading.eagle3_dir`)."""
-    from dmtp_jax.checkpoint.eagle3_ckpt import is_eagle3_dir
-    return eagle3 or (draft if draft and is_eagle3_dir(draft) else None)
+    return eagle3_dir(options.ModelSources(draft=draft, eagle3=eagle3))
 
 
 def auto_candidates(target_dir: str, draft: str | None, mtp: str | None, demo_drafters: bool = False,
@@ -124,7 +121,6 @@ def auto_candidates(target_dir: str, draft: str | None, mtp: str | None, demo_dr
         >>> auto_candidates("/models/no-mtp", None, None)  # doctest: +SKIP
         ['ar']
     """
-    from dmtp_jax.checkpoint.mtp_ckpt import has_mtp
     check_method_models([], target_dir, draft, mtp, eagle3=eagle3)
     if mtp and not os.path.isdir(mtp):
         raise InputError(f"MTP directory not found: {mtp}")
@@ -135,7 +131,6 @@ def auto_candidates(target_dir: str, draft: str | None, mtp: str | None, demo_dr
     elif draft and draft_is_target(draft):
         out += ["draft-model"]
     elif draft:
-        from dmtp_jax.config import read_config_json
         stored = (read_config_json(draft).get("dmtp_config") or {}).get("method")
         out += [stored] if stored and with_mtp else [] if stored else ["dflash"]
     elif demo_drafters:
@@ -159,43 +154,29 @@ def check_drafter_block(methods, draft: str | None, block_size: int | None, eagl
         if options.method_needs(method)["drafter"] and (path or block_size is not None):
             drafter_block = None
             if block_size is None and method == EAGLE3:
-                from dmtp_jax.checkpoint.eagle3_ckpt import eagle3_config
-                from dmtp_jax.config import read_config_json
                 drafter_block = eagle3_config(read_config_json(path), 1).block_size
             elif block_size is None:
-                from dmtp_jax.checkpoint.dflash_ckpt import load_dflash_config
                 drafter_block = load_dflash_config(draft).block_size
             options.verify_slots(method, mtp_steps=0, block_size=block_size, drafter_block_size=drafter_block)
 
 
-def check_draft_head(args, counts: bool = True) -> None:
-    """`--draft-head efficient`'s rank, shortlist and vocabulary subset are >= 1
-    (`models/draft_head.head_shape`) and, when `counts` (plan needs none), the subset's token counts
-    or the trained factor are there, before the target is loaded.
+def check_draft_head(sources: options.ModelSources, counts: bool = True) -> None:
+    """The drafting head's options (`options.check_draft_head_options`) and, when `counts` (plan
+    reads no file), its token counts or trained factor file, before the target is loaded.
 
     Example:
-        >>> import argparse
-        >>> check_draft_head(argparse.Namespace(draft_head="efficient", draft_head_rank=0, draft_head_shortlist=None))
+        >>> check_draft_head(options.ModelSources(draft_head=options.DraftHeadOptions("efficient", rank=0)))
         Traceback (most recent call last):
         ...
         dmtp_jax.errors.InputError: --draft-head-rank must be >= 1, got 0
     """
-    if getattr(args, "draft_head", "full") == "efficient":
-        from dmtp_jax.models.draft_head import head_shape
-        head_shape(1, 1, args.draft_head_rank, args.draft_head_shortlist)
-    factor, vocab = getattr(args, "draft_head_factor", None), getattr(args, "draft_head_vocab", None)
-    for flag, value in (("--draft-head-factor", factor), ("--draft-head-vocab", vocab)):
-        if value is not None and getattr(args, "draft_head", "full") != "efficient":
-            raise InputError(f"{flag} is an option of --draft-head efficient")
-    if factor is None and vocab is not None and vocab < 1:
-        raise InputError(f"--draft-head-vocab must be >= 1, got {vocab}")
-    if counts and (factor is not None or vocab is not None):    # plan reads neither file
-        from dmtp_jax.decode.loading import token_counts_path
-        from dmtp_jax.checkpoint.draft_head_ckpt import HEAD_FACTOR, TOKEN_COUNTS, drafter_file
-        if factor is not None:
-            drafter_file(factor, HEAD_FACTOR)
-        elif path := token_counts_path(args):   # else the demo's drafter directories, each read when its models load
-            drafter_file(path, TOKEN_COUNTS)
+    head = sources.draft_head
+    options.check_draft_head_options(head)
+    if counts and (head.factor is not None or head.vocab is not None):
+        if head.factor is not None:
+            drafter_file(head.factor, HEAD_FACTOR)
+        elif sources.token_counts:      # else the demo's drafter directories, each read when its models load
+            drafter_file(sources.token_counts, TOKEN_COUNTS)
 
 
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, cfg) -> None:
@@ -208,33 +189,29 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, cfg) -> None:
     pad_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
 
 
-def check_plan_options(args) -> None:
+def check_plan_options(*, target: str, draft: str | None, topology: str, batch_size: int, prompt_len: int,
+                       max_new_tokens: int, mtp_steps: int, block_size: int | None, rounds_per_dispatch: int,
+                       prefill_chunk: int | None = None, prefix_cache_gb: float = 0.0,
+                       draft_head: options.DraftHeadOptions = options.DraftHeadOptions()) -> None:
     """`infer.py plan`: sizes and budgets in range, the target / drafter configs readable, and the
     request within the target's positions, before any compile.
 
     Example:
-        >>> import argparse
-        >>> check_plan_options(argparse.Namespace(target="/nope.json", draft=None, batch_size=1, topology="cpu:1",
-        ...     prompt_len=8, max_new_tokens=8, mtp_steps=4, block_size=None, rounds_per_dispatch=1))
+        >>> check_plan_options(target="/nope.json", draft=None, batch_size=1, topology="cpu:1", prompt_len=8,
+        ...     max_new_tokens=8, mtp_steps=4, block_size=None, rounds_per_dispatch=1)
         Traceback (most recent call last):
         ...
         dmtp_jax.errors.ConfigError: model directory not found: /nope.json
     """
-    from dmtp_jax.plan.topology import parse_topology
-    parse_topology(args.topology)
-    if args.batch_size < 1:
-        raise RequestError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.prompt_len < 1:
-        raise RequestError(f"--prompt-len must be >= 1, got {args.prompt_len}")
-    if not getattr(args, "prefix_cache_gb", 0.0) >= 0:
-        raise RequestError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
-    check_decode_options(args.mtp_steps, args.block_size, args.max_new_tokens, args.rounds_per_dispatch,
-                         prefill_chunk=getattr(args, "prefill_chunk", None))
-    check_draft_head(args, counts=False)
-    cfg = target_config(args.target)
-    if args.draft:
-        from dmtp_jax.config import read_config_json
-        read_config_json(args.draft)
-    if args.prompt_len + args.max_new_tokens > cfg.max_position_embeddings:
-        raise RequestError(f"--prompt-len ({args.prompt_len}) + --max-new-tokens ({args.max_new_tokens}) exceeds "
+    parse_topology(topology)
+    options.check_positive_int("--batch-size", batch_size, RequestError)
+    options.check_positive_int("--prompt-len", prompt_len, RequestError)
+    options.check_non_negative("--prefix-cache-gb", prefix_cache_gb, RequestError)
+    check_decode_options(mtp_steps, block_size, max_new_tokens, rounds_per_dispatch, prefill_chunk=prefill_chunk)
+    options.check_draft_head_options(draft_head)
+    cfg = target_config(target)
+    if draft:
+        read_config_json(draft)
+    if prompt_len + max_new_tokens > cfg.max_position_embeddings:
+        raise RequestError(f"--prompt-len ({prompt_len}) + --max-new-tokens ({max_new_tokens}) exceeds "
                            f"the target's max_position_embeddings ({cfg.max_position_embeddings})")

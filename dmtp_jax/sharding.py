@@ -2,7 +2,7 @@
 
 Axes: `data`/`fsdp`/`expert` split the batch, hence activations and every cache (`fsdp` also the
 params' embed dim), `expert` also splits MoE expert weights (data-parallel attention + expert-parallel
-MoE: the MoE layer gathers the tokens over `expert`, see `dmtp_jax.layers.mlp.moe_mlp`), `tensor`
+MoE: the MoE layer gathers the tokens over `expert`, see `dmtp_jax.layers.moe.moe_mlp`), `tensor`
 heads/MLP/vocab. Every
 axis defaults to size 1, so `"tensor=4,data=2"` or `"fsdp=8"` mean what they always did.
 
@@ -203,3 +203,16 @@ def kv_cache_sharding(mesh: Mesh, shape, rules: MeshRules = DEFAULT_RULES) -> Na
     """`[layers, batch, max_len, kv_heads, head_dim]`: batch over the batch axes (data, fsdp, expert),
     heads over tensor."""
     return named_sharding((None, "batch", None, "cache_heads", None), shape, mesh, rules)
+
+
+def weights_mesh(w: jax.Array):
+    """The mesh `w` is placed on (abstract inside jit), else the context mesh; None if neither."""
+    mesh = getattr(getattr(jax.typeof(w), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty:
+        mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or mesh.empty or mesh.size <= 1 else mesh
+
+
+def mesh_axes(entry) -> tuple[str, ...]:
+    """A `PartitionSpec` entry as a tuple of mesh axis names."""
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))

@@ -10,6 +10,7 @@ import infer
 from dmtp_jax.bench.report import build_report, format_table
 from dmtp_jax.bench.runner import run_benchmark
 from dmtp_jax.decode.loading import load_method_models, make_decoders
+from dmtp_jax.options import ModelSources
 from dmtp_jax.bench.workloads import (WORKLOADS, Request, default_data_dir, load_workload,
                                       render_prompt)
 
@@ -70,11 +71,9 @@ def test_bench_cli_json_and_plot(tiny_qwen3_dir, draft_dir, ids_jsonl, tmp_path,
 
 
 def test_runner_keeps_outputs_and_skips_too_long(tiny_qwen3_dir, draft_dir, ids_jsonl):
-    import argparse
-
     from dmtp_jax.checkpoint.hf import load_target
     target = load_target(tiny_qwen3_dir)
-    models = load_method_models(argparse.Namespace(draft=draft_dir, dtype="float32"), target, ["ar", "dflash"])
+    models = load_method_models(ModelSources(draft=draft_dir), target, ["ar", "dflash"])
     assert models["ar"] == {} and set(models["dflash"]) == {"drafter"}
     wl = load_workload(ids_jsonl)
     decoders = make_decoders(["ar"], target, models)
@@ -102,7 +101,7 @@ def test_method_models_follow_method_needs(monkeypatch):
             for kind in ("drafter", "mtp", "fusion")}
     monkeypatch.setattr(loading, "MODEL_LOADERS", fake)
     methods = ["ar", "mtp", "dflash", "dmtp", "dmtp-single"]
-    models = load_method_models(None, None, methods)
+    models = load_method_models(ModelSources(), None, methods)
     assert models["ar"] == {}
     for m in methods[1:]:
         assert set(models[m]) == {k for k, v in decode.method_needs(m).items() if v}
@@ -192,15 +191,14 @@ def test_demo_methods_share_one_drafting_head(monkeypatch):
     import argparse
 
     from dmtp_jax.decode import loading
-    from dmtp_jax.checkpoint import draft_head_ckpt as draft_head
     heads, counts = [], []
 
     def make_draft_head(target, kind, rank, shortlist, counts_v, subset, factor):
         counts.append(counts_v)
         heads.append(object())
         return heads[-1]
-    monkeypatch.setattr(draft_head, "make_draft_head", make_draft_head)
-    monkeypatch.setattr(draft_head, "read_token_counts", lambda path, vocab: path)
+    monkeypatch.setattr(loading, "make_draft_head", make_draft_head)
+    monkeypatch.setattr(loading, "read_token_counts", lambda path, vocab: path)
     monkeypatch.setattr(loading, "MODEL_LOADERS", {k: (lambda a, t, m: a.draft, share_key(k))
                                                    for k in ("drafter", "mtp", "fusion")})
     args = infer.build_parser().parse_args(["bench", "--draft-head", "efficient", "--draft-head-vocab", "8"])

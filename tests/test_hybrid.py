@@ -50,7 +50,7 @@ def test_image_text_layout_gives_text_logits(tiny_qwen3_5_moe_dir, tmp_path):
     """`model.language_model.*` + `model.visual.*`, fused experts, two shards, nested text_config:
     the same target and MTP head as the text-only save."""
     from conftest import to_image_text_layout
-    from dmtp_jax.compare import jax_forward
+    from dmtp_jax.compare.forward import jax_forward
 
     vlm_dir = to_image_text_layout(tiny_qwen3_5_moe_dir, str(tmp_path / "vlm"))
     text, vlm = load_target(tiny_qwen3_5_moe_dir), load_target(vlm_dir)
@@ -112,7 +112,7 @@ def test_hybrid_greedy_equals_ar_for_every_method(method, hybrid, hybrid_ar):
 def test_hybrid_committed_state_equals_a_fresh_prefill(hybrid):
     """After speculative rounds, each row's DeltaNet states equal those of one prefill over the
     committed text (the snapshot the next round starts from is the accepted prefix's)."""
-    from dmtp_jax.compare import prefill_logits
+    from dmtp_jax.compare.forward import prefill_logits
     from dmtp_jax.decode.caches import TargetCaches
 
     target = hybrid["target"]

@@ -1,4 +1,4 @@
-"""Sparse MoE (`dmtp_jax.layers.mlp.moe_mlp`) equals the dense reference, in value and gradient, on one
+"""Sparse MoE (`dmtp_jax.layers.moe.moe_mlp`) equals the dense reference, in value and gradient, on one
 device and with the experts sharded over 8 fake CPU devices; the token-chunked calls of the ragged /
 blocked kernels equal one call; the scan kernel's temporaries scale with the routed rows, not the experts.
 
@@ -8,6 +8,7 @@ this file as a script in a subprocess (`python tests/test_moe.py --sharded`), wh
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -28,8 +29,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dmtp_jax.layers import mlp  # noqa: E402
-from dmtp_jax.layers.mlp import block_rows_for, moe_mlp, moe_mlp_dense  # noqa: E402
+from dmtp_jax.layers import moe as moe_layer  # noqa: E402
+from dmtp_jax.layers.moe import block_rows_for, moe_mlp, moe_mlp_dense  # noqa: E402
 
 WEIGHT_AXES = [("batch", None), ("embed", None), ("experts", "embed", "mlp"),
                ("experts", "embed", "mlp"), ("experts", "mlp", "embed")]
@@ -98,7 +99,7 @@ def test_gradients_equal_dense():
 def test_token_chunks_equal_one_call(monkeypatch):
     """ragged / blocked run one call per MAX_ROUTED_ROWS // k tokens, dense per MAX_ROUTED_ROWS // E
     (the last chunk padded); same values and gradients as the dense reference."""
-    monkeypatch.setattr(mlp, "MAX_ROUTED_ROWS", 24)    # k=4: 6 tokens per chunk, 13 = 6+6+1; dense: 1
+    monkeypatch.setattr(moe_layer, "MAX_ROUTED_ROWS", 24)    # k=4: 6 tokens per chunk, 13 = 6+6+1; dense: 1
     n, e, k = 13, 16, 4
     args = random_moe(n, 16, e, 8, seed=11)
     ref_nh = np.asarray(jax.jit(moe_mlp_dense, static_argnums=(5, 6))(*args, k, True))
@@ -135,16 +136,16 @@ def test_auto_impl_follows_compile_platform():
     from dmtp_jax.platform import compiling_for
     for platform, impl, dense_max in [("tpu", "ragged", 160), ("gpu", "scan", 256), ("cpu", "scan", 0)]:
         with compiling_for(platform):
-            assert mlp.resolve_impl("auto") == impl == mlp.AUTO_IMPL[platform]
-            assert mlp.resolve_impl("auto", max(dense_max, 256) + 1) == impl
-            assert mlp.resolve_impl("auto", 160) == ("dense" if dense_max else impl)
-            assert mlp.resolve_impl("auto", 256) == ("dense" if dense_max >= 256 else impl)
-            assert mlp.resolve_impl("ragged", 1) == "ragged"
+            assert moe_layer.resolve_impl("auto") == impl == moe_layer.AUTO_IMPL[platform]
+            assert moe_layer.resolve_impl("auto", max(dense_max, 256) + 1) == impl
+            assert moe_layer.resolve_impl("auto", 160) == ("dense" if dense_max else impl)
+            assert moe_layer.resolve_impl("auto", 256) == ("dense" if dense_max >= 256 else impl)
+            assert moe_layer.resolve_impl("ragged", 1) == "ragged"
             # whole (unstacked) weights: single experts sliced while pairs < local experts and <= 16
-            assert mlp.resolve_impl("auto", 2, top_k=8, local_experts=64, stacked=False) == "sliced"
-            assert mlp.resolve_impl("auto", 2, top_k=8, local_experts=64) == ("dense" if dense_max else impl)
-            assert mlp.resolve_impl("auto", 1, top_k=8, local_experts=8, stacked=False) != "sliced"
-            assert mlp.resolve_impl("auto", 3, top_k=8, local_experts=256, stacked=False) != "sliced"
+            assert moe_layer.resolve_impl("auto", 2, top_k=8, local_experts=64, stacked=False) == "sliced"
+            assert moe_layer.resolve_impl("auto", 2, top_k=8, local_experts=64) == ("dense" if dense_max else impl)
+            assert moe_layer.resolve_impl("auto", 1, top_k=8, local_experts=8, stacked=False) != "sliced"
+            assert moe_layer.resolve_impl("auto", 3, top_k=8, local_experts=256, stacked=False) != "sliced"
     # the GPU choice on a real (CPU) trace: a dense einsum for decode-sized calls, the scan loop beyond
     args = random_moe(8, 16, 8, 8)
     with compiling_for("gpu"):
@@ -178,12 +179,12 @@ def test_mesh_axes_keep_old_specs():
 def sharded_main() -> None:
     """Prints `{mesh: {"out": max |diff|, "grads": [max |diff|], "gate_spec": str, "collectives": [..]}}`
     against the unsharded result, for each of SHARDED_MESHES."""
-    from dmtp_jax.sharding import make_mesh, named_sharding
+    from dmtp_jax.sharding import DEFAULT_RULES, make_mesh, named_sharding
 
     c = SHARDED_CASE
     args = random_moe(c["n"], c["h"], c["e"], c["i"], seed=5)
-    forward = jax.jit(lambda *a: moe_mlp(*a, c["k"], True))
-    grads = jax.jit(jax.grad(loss_fn(moe_mlp, c["k"], True), argnums=GRAD_ARGNUMS))
+    forward = jax.jit(lambda *a: moe_mlp(*a, c["k"], True, rules=DEFAULT_RULES))
+    grads = jax.jit(jax.grad(loss_fn(functools.partial(moe_mlp, rules=DEFAULT_RULES), c["k"], True), argnums=GRAD_ARGNUMS))
     ref_out, ref_grads = forward(*args), grads(*args)
     report = {}
     for spec in SHARDED_MESHES:
@@ -198,18 +199,18 @@ def sharded_main() -> None:
                 r"= \w+\[([\d,]*)\]\S* all-gather\(", compiled.as_text())],
             "reduce_scatters": compiled.as_text().count(" reduce-scatter("),
         }
-        dense = jax.jit(lambda *a: moe_mlp(*a, c["k"], True, impl="dense"))     # the GPU decode kernel
+        dense = jax.jit(lambda *a: moe_mlp(*a, c["k"], True, impl="dense", rules=DEFAULT_RULES))     # the GPU decode kernel
         report[spec]["dense_out"] = float(jnp.max(jnp.abs(dense(*placed) - ref_out)))
         # the MTP's kernel: 3 tokens x top-4, each pair's expert sliced in place on whichever shard
-        sliced = jax.jit(lambda *a: moe_mlp(*a, c["k"], True, impl="sliced"))
+        sliced = jax.jit(lambda *a: moe_mlp(*a, c["k"], True, impl="sliced", rules=DEFAULT_RULES))
         few = [jax.device_put(args[0][:3], named_sharding(("batch", None), (3, c["h"]), mesh))] + placed[1:]
         report[spec]["sliced_out"] = float(jnp.max(jnp.abs(sliced(*few) - ref_out[:3])))
     # ragged in token chunks inside each shard: 12 local tokens, 5 per chunk (last one padded)
-    mlp.MAX_ROUTED_ROWS = 5 * c["k"]
+    moe_layer.MAX_ROUTED_ROWS = 5 * c["k"]
     spec = "expert=4,data=2"
     mesh = make_mesh(spec)
     placed = [jax.device_put(a, named_sharding(ax, a.shape, mesh)) for a, ax in zip(args, WEIGHT_AXES)]
-    chunked = jax.jit(lambda *a: moe_mlp(*a, c["k"], True, impl="ragged"))
+    chunked = jax.jit(lambda *a: moe_mlp(*a, c["k"], True, impl="ragged", rules=DEFAULT_RULES))
     report[spec]["ragged_chunked_out"] = float(jnp.max(jnp.abs(chunked(*placed) - ref_out)))
     print(json.dumps(report))
 

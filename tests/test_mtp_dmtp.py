@@ -58,7 +58,7 @@ def engine_for(method, models, dmtp_dirs, **options):
 def test_mtp_matches_transformers_mtp_model(models, mtp_target_dir):
     from transformers import AutoModelForCausalLM
 
-    from dmtp_jax.compare import reference_mtp_model
+    from dmtp_jax.compare.heads import reference_mtp_model
     target, mtp = models
     hf = AutoModelForCausalLM.from_pretrained(mtp_target_dir, dtype=torch.float32).eval()
     ref = reference_mtp_model(hf, mtp_target_dir)

@@ -159,7 +159,7 @@ def test_cli_passes_rounds_per_dispatch_to_the_decoder(tiny_qwen3_dir, monkeypat
     def capture(method, target, *args, **options):
         seen.update(options, method=method)
         raise Captured
-    monkeypatch.setattr("dmtp_jax.decode.make_decoder", capture)
+    monkeypatch.setattr("dmtp_jax.decode.loading.make_decoder", capture)
     with pytest.raises(Captured):
         infer.main(["generate", "--target", tiny_qwen3_dir, "--prompt-ids", "1,2", "--rounds-per-dispatch", "3"])
     assert seen["method"] == "ar" and seen["rounds_per_dispatch"] == 3

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -15,7 +16,7 @@ from dmtp_jax.checkpoint.safetensors_io import SafetensorsFile
 from dmtp_jax.errors import InputError
 from dmtp_jax.models.draft_head import (DRAFT_HEADS, EfficientHead, Int8Head, efficient_shape, factor_head,
                                         frequent_ids, quantize_head)
-from dmtp_jax.sharding import state_shardings
+from dmtp_jax.sharding import DEFAULT_RULES, MeshRules, state_shardings
 
 
 TOKEN_COUNTS = "token_counts.npy"
@@ -59,10 +60,11 @@ def read_head_factor(path: str) -> dict:
 
 
 def make_efficient_head(target, rank: int | None = None, shortlist: int | None = None, counts=None,
-                        subset: int | None = None, factor: dict | None = None):
+                        subset: int | None = None, factor: dict | None = None,
+                        mesh_rules: MeshRules = DEFAULT_RULES):
     """A `LoadedModel` holding the efficient head of a loaded target (`factor_head` of its LM head) at its
-    mesh shardings. `subset` N with `counts`: score only the N most frequent ids. `factor`: a trained
-    factor instead of the SVD (its shape sets rank and subset)."""
+    mesh shardings (placed with `mesh_rules`). `subset` N with `counts`: score only the N most frequent
+    ids. `factor`: a trained factor instead of the SVD (its shape sets rank and subset)."""
     ids = None
     if factor is not None:
         trained_rank = factor["down"].shape[1]
@@ -85,28 +87,48 @@ def make_efficient_head(target, rank: int | None = None, shortlist: int | None =
                              "directory holding token_counts.npy", hint=_MISSING[TOKEN_COUNTS][1])
         ids = frequent_ids(counts, subset)
     model = nnx.merge(target.graphdef, target.state)
-    head = EfficientHead(**shape, dtype=target.state_dtype)
+    head = EfficientHead(**shape, dtype=target.state_dtype, mesh_rules=mesh_rules)
     pair = None if factor is None else (factor["down"], factor["up"])
     return _loaded(target, cfg, factor_head(head, model.head_weight(), ids, tied=target.cfg.tie_word_embeddings,
-                                            factor=pair))
+                                            factor=pair), mesh_rules)
 
 
-def _loaded(target, head_cfg: dict, head):
+def _loaded(target, head_cfg: dict, head, mesh_rules: MeshRules):
     """A made head as a `LoadedModel`, its params at their shardings on the target's mesh."""
     graphdef, state = nnx.split(head)
-    state = jax.device_put(state, state_shardings(state, target.mesh))
+    state = jax.device_put(state, state_shardings(state, target.mesh, mesh_rules))
     return LoadedModel(head_cfg, graphdef, state, target.mesh, None)
 
 
 def make_draft_head(target, kind: str, rank: int | None = None, shortlist: int | None = None, counts=None,
-                    subset: int | None = None, factor: dict | None = None):
+                    subset: int | None = None, factor: dict | None = None, mesh_rules: MeshRules = DEFAULT_RULES):
     """A `LoadedModel` holding the drafting head of `kind` ("efficient": `make_efficient_head`; "int8":
     `quantize_head` of the LM head) at its mesh shardings."""
     if kind == "efficient":
-        return make_efficient_head(target, rank, shortlist, counts, subset, factor)
+        return make_efficient_head(target, rank, shortlist, counts, subset, factor, mesh_rules)
     if kind != "int8":
         raise InputError(f"unknown draft head '{kind}'; use {', '.join(DRAFT_HEADS)}")
     cfg = target.cfg
     model = nnx.merge(target.graphdef, target.state)
     return _loaded(target, {"kind": "int8"}, quantize_head(Int8Head(hidden=cfg.hidden_size, vocab=cfg.vocab_size),
-                                                           model.head_weight(), tied=cfg.tie_word_embeddings))
+                                                           model.head_weight(), tied=cfg.tie_word_embeddings), mesh_rules)
+
+
+def abstract_efficient_head(target_cfg, dtype, rank: int | None = None, shortlist: int | None = None,
+                            subset: int | None = None, mesh_rules: MeshRules = DEFAULT_RULES):
+    """`(cfg, graphdef, abstract state)` of an efficient head for a target config (nothing allocated)."""
+    cfg, shape = efficient_shape(target_cfg, rank, shortlist, subset)
+    head = nnx.eval_shape(lambda: EfficientHead(**shape, dtype=jnp.dtype(dtype), mesh_rules=mesh_rules))
+    return cfg, *nnx.split(head)
+
+
+def abstract_draft_head(kind: str, target_cfg, dtype, rank: int | None = None, shortlist: int | None = None,
+                        subset: int | None = None, mesh_rules: MeshRules = DEFAULT_RULES):
+    """`(cfg, graphdef, abstract state)` of a drafting head of `kind` ("efficient" or "int8") for a
+    target config, nothing allocated (`plan`)."""
+    if kind == "efficient":
+        return abstract_efficient_head(target_cfg, dtype, rank, shortlist, subset, mesh_rules)
+    if kind != "int8":
+        raise InputError(f"unknown draft head '{kind}'; use {', '.join(DRAFT_HEADS)}")
+    head = nnx.eval_shape(lambda: Int8Head(hidden=target_cfg.hidden_size, vocab=target_cfg.vocab_size))
+    return {"kind": "int8"}, *nnx.split(head)

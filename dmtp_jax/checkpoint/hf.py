@@ -230,9 +230,10 @@ class LoadedModel:
 LoadedTarget = LoadedModel      # cfg: TargetConfig
 
 
-def abstract_target(cfg: TargetConfig, dtype, scan_layers: bool = True):
-    """(graphdef, abstract state) without allocating any parameter (`scan_layers=False`: unrolled)."""
-    model = nnx.eval_shape(lambda: build_target(cfg, jnp.dtype(dtype), nnx.Rngs(0), scan_layers))
+def abstract_target(cfg: TargetConfig, dtype, scan_layers: bool = True, mesh_rules: MeshRules = DEFAULT_RULES):
+    """(graphdef, abstract state) without allocating any parameter (`scan_layers=False`: unrolled),
+    for placing with `mesh_rules`."""
+    model = nnx.eval_shape(lambda: build_target(cfg, jnp.dtype(dtype), nnx.Rngs(0), scan_layers, mesh_rules))
     return nnx.split(model)
 
 
@@ -249,7 +250,7 @@ def load_target(model_dir: str, dtype="float32", mesh: Mesh | None = None,
     """Loads an HF target directory into sharded params."""
     cfg = load_target_config(model_dir)
     mesh = mesh or make_mesh()
-    graphdef, abstract = abstract_target(cfg, dtype, scan_layers)
+    graphdef, abstract = abstract_target(cfg, dtype, scan_layers, mesh_rules)
     reader = CheckpointReader(model_dir)
     image_text = f"{IMAGE_TEXT_PREFIX}embed_tokens.weight" in reader
     rules = image_text_rules(target_rules(cfg)) if image_text else target_rules(cfg)
@@ -269,9 +270,10 @@ def init_target(cfg: TargetConfig, dtype="float32", mesh: Mesh | None = None, se
                 mesh_rules: MeshRules = DEFAULT_RULES, scan_layers: bool = True) -> LoadedTarget:
     """Random init placed directly at the mesh shardings (one jit, no host copy)."""
     mesh = mesh or make_mesh()
-    graphdef, abstract = abstract_target(cfg, dtype, scan_layers)
+    graphdef, abstract = abstract_target(cfg, dtype, scan_layers, mesh_rules)
     shardings = state_shardings(abstract, mesh, mesh_rules)
-    make = jax.jit(lambda: nnx.split(build_target(cfg, jnp.dtype(dtype), nnx.Rngs(seed), scan_layers))[1],
+    make = jax.jit(lambda: nnx.split(build_target(cfg, jnp.dtype(dtype), nnx.Rngs(seed), scan_layers,
+                                                  mesh_rules))[1],
                    out_shardings=shardings)
     return LoadedTarget(cfg, graphdef, make(), mesh)
 

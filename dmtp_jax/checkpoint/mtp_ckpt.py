@@ -45,8 +45,9 @@ def mtp_names(target_cfg: TargetConfig) -> tuple[tuple, str]:
     return MTP_NAME_RULES, MTP_PREFIX
 
 
-def abstract_mtp(target_cfg: TargetConfig, dtype):
-    model = nnx.eval_shape(lambda: MtpHead(mtp_config_for(target_cfg), dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+def abstract_mtp(target_cfg: TargetConfig, dtype, mesh_rules: MeshRules = DEFAULT_RULES):
+    model = nnx.eval_shape(lambda: MtpHead(mtp_config_for(target_cfg), dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0),
+                                           mesh_rules=mesh_rules))
     return nnx.split(model)
 
 
@@ -60,7 +61,7 @@ def load_mtp(model_dir: str, target_cfg: TargetConfig, dtype="float32", mesh: Me
         raise MissingMtpError(f"{model_dir} has no native MTP head (no '{fc}'); the methods "
                               "mtp / dmtp need a target that carries one, or --mtp DIR")
     mesh = mesh or make_mesh()
-    graphdef, abstract = abstract_mtp(target_cfg, dtype)
+    graphdef, abstract = abstract_mtp(target_cfg, dtype, mesh_rules)
     state, _ = load_params(abstract, reader, mesh, dtype, rules=rules, prefix=prefix, mesh_rules=mesh_rules)
     return LoadedModel(mtp_config_for(target_cfg), graphdef, state, mesh, model_dir)
 
@@ -69,9 +70,9 @@ def init_mtp(target_cfg: TargetConfig, dtype="float32", mesh: Mesh | None = None
              mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedModel:
     """A random MTP head placed at its shardings (tests, pretraining)."""
     mesh = mesh or make_mesh()
-    graphdef, abstract = abstract_mtp(target_cfg, dtype)
+    graphdef, abstract = abstract_mtp(target_cfg, dtype, mesh_rules)
     make = jax.jit(lambda: nnx.split(MtpHead(mtp_config_for(target_cfg), dtype=jnp.dtype(dtype),
-                                             rngs=nnx.Rngs(seed)))[1],
+                                             rngs=nnx.Rngs(seed), mesh_rules=mesh_rules))[1],
                    out_shardings=state_shardings(abstract, mesh, mesh_rules))
     return LoadedModel(mtp_config_for(target_cfg), graphdef, make(), mesh)
 

@@ -1,63 +1,64 @@
-"""Loading the models a decoding method needs, from CLI-style arguments (`generate` and `bench`).
+"""Loading the models a decoding method needs, from `options.ModelSources` (`generate`, `bench`,
+`serve`).
 
 Example:
-    >>> models = load_method_models(args, target, ["ar", "dmtp"])  # doctest: +SKIP
+    >>> models = load_method_models(ModelSources(draft="runs/dmtp"), target, ["ar", "dmtp"])  # doctest: +SKIP
     >>> decoders = make_decoders(["ar", "dmtp"], target, models, block_size=None)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from dmtp_jax.decode import method_needs
+from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
+from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
+from dmtp_jax.checkpoint.draft_head_ckpt import make_draft_head, read_head_factor, read_token_counts
+from dmtp_jax.checkpoint.eagle3_ckpt import is_eagle3_dir, load_eagle3
+from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
+from dmtp_jax.decode import make_decoder, method_needs
 from dmtp_jax.methods import EAGLE3
+from dmtp_jax.options import ModelSources
 
 
-def eagle3_dir(args) -> str | None:
-    """The EAGLE-3 drafter directory of CLI-style arguments: `--eagle3`, else a `--draft` directory
-    whose config names `LlamaForCausalLMEagle3`, else None.
+def eagle3_dir(sources: ModelSources) -> str | None:
+    """The EAGLE-3 drafter directory: `sources.eagle3`, else a `sources.draft` directory whose config
+    names `LlamaForCausalLMEagle3`, else None.
 
     Example:
-        >>> import argparse
-        >>> eagle3_dir(argparse.Namespace(eagle3="runs/e3", draft=None))
+        >>> eagle3_dir(ModelSources(eagle3="runs/e3"))
         'runs/e3'
     """
-    from dmtp_jax.checkpoint.eagle3_ckpt import is_eagle3_dir
-    draft = getattr(args, "draft", None)
-    return getattr(args, "eagle3", None) or (draft if draft and is_eagle3_dir(draft) else None)
+    draft = sources.draft
+    return sources.eagle3 or (draft if draft and is_eagle3_dir(draft) else None)
 
 
-def _load_drafter(args, target, method):
+def _load_drafter(sources: ModelSources, target, method):
     if method == EAGLE3:
-        path = eagle3_dir(args)
+        path = eagle3_dir(sources)
         if not path:
             return None         # the factory then says that eagle3 needs --eagle3
-        from dmtp_jax.checkpoint.eagle3_ckpt import load_eagle3
-        return load_eagle3(path, target.cfg, args.dtype, target.mesh)
-    if not getattr(args, "draft", None):
+        return load_eagle3(path, target.cfg, sources.dtype, target.mesh)
+    if not sources.draft:
         return None             # the factory then says which method needs --draft
-    from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
-    return load_drafter(args.draft, target.cfg, args.dtype, target.mesh)
+    return load_drafter(sources.draft, target.cfg, sources.dtype, target.mesh)
 
 
-def _load_mtp(args, target, method):
-    from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
-    return load_mtp(getattr(args, "mtp", None) or target.model_dir, target.cfg, args.dtype, target.mesh)
+def _load_mtp(sources: ModelSources, target, method):
+    return load_mtp(sources.mtp or target.model_dir, target.cfg, sources.dtype, target.mesh)
 
 
-def _load_fusion(args, target, method):
-    if not getattr(args, "draft", None):
+def _load_fusion(sources: ModelSources, target, method):
+    if not sources.draft:
         return None
-    from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
-    return load_dmtp_drafter(args.draft, target.cfg, method, args.dtype, target.mesh)[1]
+    return load_dmtp_drafter(sources.draft, target.cfg, method, sources.dtype, target.mesh)[1]
 
 
-def _load_draft_model(args, target, method):
-    if not getattr(args, "draft", None):
+def _load_draft_model(sources: ModelSources, target, method):
+    if not sources.draft:
         return None
-    from dmtp_jax.checkpoint.hf import load_target
-    return load_target(args.draft, args.dtype, target.mesh)
+    return load_target(sources.draft, sources.dtype, target.mesh)
 
 
-# make_decoder keyword -> (loader(args, target, method) -> model or None, which methods share one:
+# make_decoder keyword -> (loader(sources, target, method) -> model or None, which methods share one:
 # method -> key). Only the kinds `method_needs(method)` asks for are loaded. A new model kind is one line here.
 MODEL_LOADERS = {
     "drafter": (_load_drafter, lambda m: m == EAGLE3),  # --draft's DFlash drafter; eagle3: --eagle3's
@@ -67,26 +68,19 @@ MODEL_LOADERS = {
 }
 
 
-def load_method_models(args, target, methods) -> dict[str, dict]:
-    """`{method: {make_decoder keyword: model}}`: the models each method needs (per
-    `dmtp_jax.decode.method_needs`), loaded once and shared between methods.
-
-    `args` carries the paths (`draft`, ...) and `dtype`; the target carries its mesh. `args.draft_head`
-    "efficient" or "int8": one drafting head (`checkpoint/draft_head_ckpt.py:make_draft_head`; the efficient
-    one of `draft_head_rank` / `draft_head_shortlist` / `draft_head_vocab`, the last with the token
-    counts of `token_counts_path`, or the trained factor at `draft_head_factor`) shared by every
-    speculative method. A model kind
-    with no path given is left out, so the factory raises its own one-line error for the method
-    that needs it. Add a model kind with one line in `MODEL_LOADERS`.
+def load_method_models(sources: ModelSources, target, methods) -> dict[str, dict]:
+    """`{method: {make_decoder keyword: model}}`: the models each method needs (`method_needs`),
+    loaded once and shared between methods, and the drafting head of `sources.draft_head`
+    (`load_draft_head`) for every speculative method. A model kind with no path given is left out,
+    so the factory raises its own one-line error for the method that needs it.
 
     Example:
-        >>> load_method_models(argparse.Namespace(draft="d", dtype="float32"), target, ["ar", "dflash"])
-        ... # doctest: +SKIP
+        >>> load_method_models(ModelSources(draft="d"), target, ["ar", "dflash"])  # doctest: +SKIP
         {'ar': {}, 'dflash': {'drafter': LoadedDrafter(...)}}
     """
     loaded: dict = {}
     out = {}
-    head = load_draft_head(args, target, methods)
+    head = load_draft_head(sources, target, methods)
     for method in methods:
         needs = method_needs(method)
         out[method] = {} if head is None or method == "ar" else {"draft_head": head}
@@ -95,60 +89,41 @@ def load_method_models(args, target, methods) -> dict[str, dict]:
                 continue
             key = (kind, share(method))
             if key not in loaded:
-                loaded[key] = loader(args, target, method)
+                loaded[key] = loader(sources, target, method)
             if loaded[key] is not None:
                 out[method][kind] = loaded[key]
     return out
 
 
-def load_draft_head(args, target, methods):
-    """The drafting head `args.draft_head` asks for (a `LoadedModel`; see `load_method_models`),
-    or None for the full head or when only `ar` runs.
+def load_draft_head(sources: ModelSources, target, methods):
+    """The drafting head `sources.draft_head` asks for (a `LoadedModel`,
+    `checkpoint/draft_head_ckpt.py:make_draft_head`: the efficient one with the token counts at
+    `sources.token_counts` or its trained factor), or None for the full head or when only `ar` runs.
 
     Example:
-        >>> load_draft_head(argparse.Namespace(draft_head="int8"), target, ["dmtp"]).cfg  # doctest: +SKIP
+        >>> load_draft_head(ModelSources(draft_head=DraftHeadOptions("int8")), target, ["dmtp"]).cfg  # doctest: +SKIP
         {'kind': 'int8'}
     """
-    kind = getattr(args, "draft_head", "full")
-    if kind == "full" or all(m == "ar" for m in methods):
+    head = sources.draft_head
+    if head.kind == "full" or all(m == "ar" for m in methods):
         return None
-    from dmtp_jax.checkpoint.draft_head_ckpt import make_draft_head
-    subset = getattr(args, "draft_head_vocab", None)
     counts = factor = None
-    if getattr(args, "draft_head_factor", None) and kind == "efficient":
-        from dmtp_jax.checkpoint.draft_head_ckpt import read_head_factor
-        factor = read_head_factor(args.draft_head_factor)
-    elif subset and kind == "efficient":
-        from dmtp_jax.checkpoint.draft_head_ckpt import read_token_counts
-        path = token_counts_path(args)          # None: `make_draft_head` says what is missing
+    if head.factor and head.kind == "efficient":
+        factor = read_head_factor(head.factor)
+    elif head.vocab and head.kind == "efficient":
+        path = sources.token_counts             # None: `make_draft_head` says what is missing
         counts = None if path is None else read_token_counts(path, target.cfg.vocab_size)
-    return make_draft_head(target, kind, getattr(args, "draft_head_rank", None),
-                           getattr(args, "draft_head_shortlist", None), counts, subset, factor)
-
-
-def token_counts_path(args) -> str | None:
-    """Where `--draft-head-vocab` reads its token counts: `--draft-head-counts`, else the drafter
-    directory (`--draft`, its `token_counts.npy`); None when neither is given.
-
-    Example:
-        >>> import argparse
-        >>> token_counts_path(argparse.Namespace(draft_head_counts=None, draft="runs/drafter"))
-        'runs/drafter'
-    """
-    return getattr(args, "draft_head_counts", None) or getattr(args, "draft", None)
+    return make_draft_head(target, head.kind, head.rank, head.shortlist, counts, head.vocab, factor)
 
 
 def make_decoders(methods, target, models: dict[str, dict], **options) -> dict:
     """`{method: decoder}` from `dmtp_jax.decode.make_decoder`, passing each method's models (from
     `load_method_models`) and the options (`block_size`, `verify`, `mtp_steps`, `strict`,
-    `rounds_per_dispatch`, `prefill_chunk`); None options are left out. Unknown methods and missing models raise the
-    factory's one-line errors.
+    `rounds_per_dispatch`, `prefill_chunk`, `adaptive_threshold`); None options are left out.
 
     Example:
         >>> make_decoders(["ar"], target, {})  # doctest: +SKIP
         {'ar': <dmtp_jax.decode.ar.ARDecoder ...>}
     """
-    from dmtp_jax.decode import make_decoder
-
     options = {k: v for k, v in options.items() if v is not None}
     return {m: make_decoder(m, target, **models.get(m, {}), **options) for m in methods}

@@ -1,24 +1,17 @@
 """The exactness probe: does a verify block give the same greedy tokens as single-token decoding
 on the running backend and dtype?
 
-Speculative decoding is exact only if the target's one forward over a block of `n` tokens picks
-the same argmax at every position as `n` single-token forwards would. Mathematically it does; in
-floating point it need not: a block forward is a matrix-matrix product where single-token decoding
-is a matrix-vector product, and a backend may choose other kernels, tilings and reduction orders
-for the two shapes. In fp32 on CPU the differences are ~1e-6 and never flip an argmax on our
-checkpoints; in bfloat16 (8 bits of mantissa) on an accelerator they reach ~1e-2 relative, and a
-near-tie between two logits can then flip, so the speculative output would drift from `ar`.
+Speculative decoding is exact only if the target's forward over a block of `n` tokens picks the
+same argmax at every position as `n` single-token forwards. In floating point it need not (a
+matrix-matrix product against matrix-vector products: other kernels and reduction orders), most of
+all in bfloat16 on an accelerator, where a near-tie can flip.
 
-Before the first speculative request, `exactness_gate(decoder)` checks it once (memoized per
-target and block width): `inputs` random prompts of `prompt_len` tokens are prefilled, then decoded
-greedily one token at a time (the chain: `ARDecoder`'s own prefill and decode-step functions) for
-`width` more tokens, and ONE verify forward over the chain's first `width` tokens from the same
-prefilled cache (the block: the round's `verify_forward` phase) must give the chain's next token at
-every position. On a
-mismatch the decoder warns once and declines to plain decoding (`ar`), or raises
-`InexactBackendError` when the decoder is strict (`--strict`); `DMTP_JAX_ALLOW_INEXACT=1` engages
-speculative decoding anyway (its greedy output may then differ from `ar`). The verdict is in every
-result's `stats["exactness_probe"]`.
+Each speculative decoder owns an `ExactnessCheck` that, before its first request, prefills
+`PROBE_INPUTS` random prompts, decodes `width` tokens one at a time (`ARDecoder`'s own prefill and
+decode step) and runs ONE verify forward over them (the round's `verify_forward`), memoized per
+(target, width). On a mismatch the decoder warns once and decodes plainly (`ar`), or raises
+`InexactBackendError` when strict; `DMTP_JAX_ALLOW_INEXACT=1` engages speculative decoding anyway.
+The verdict is in every result's `stats["exactness_probe"]`.
 
 Example:
     >>> result = run_probe(target, width=8)  # doctest: +SKIP
@@ -241,29 +234,37 @@ def decide(probe: ProbeResult, strict: bool, allow_inexact: bool) -> tuple[bool,
     return False, "plain"
 
 
-def exactness_gate(decoder) -> ExactnessGate:
-    """The decoder's gate, probing on first use: `decoder.slots` is the block width,
-    `decoder.strict` (default False) turns a mismatch into `InexactBackendError`. Warns once per
-    (target, width) on a mismatch.
+class ExactnessCheck:
+    """A decoder's exactness gate, a field it makes at construction: `gate()` probes the target at
+    `width` on first use (then memoized) and decides (`decide`; `strict` raises), warning once per
+    (target, width) on a mismatch; `probed` says whether it has.
 
     Example:
-        >>> gate = exactness_gate(spec_decoder)  # doctest: +SKIP
+        >>> gate = spec_decoder.exactness.gate()  # doctest: +SKIP
         >>> gate.engaged, gate.summary()["exact"]  # doctest: +SKIP
         (True, True)
     """
-    gate = decoder.__dict__.get("_exactness_gate")
-    if gate is not None:
-        return gate
-    probe = probe_target(decoder.target, decoder.slots)
-    engaged, decision = decide(probe, decoder.strict,
-                               os.environ.get(ALLOW_INEXACT_ENV, "") not in ("", "0"))
-    key = (id(decoder.target), decoder.slots)
-    if not probe.exact and key not in _WARNED:
-        _WARNED.add(key)
-        action = (f"engaging anyway ({ALLOW_INEXACT_ENV})" if engaged
-                  else "using plain decoding (pass --strict to fail instead)")
-        log.warning("%s; %s", verdict_text(probe), action)
-    gate = ExactnessGate(probe, engaged, decision, decoder.target, getattr(decoder, "method", ""),
-                         getattr(decoder, "prefill_chunk", None))
-    decoder._exactness_gate = gate
-    return gate
+
+    def __init__(self, target, width: int, *, strict: bool = False, method: str = "",
+                 prefill_chunk: int | None = None):
+        self.target, self.width, self.strict = target, width, strict
+        self.method, self.prefill_chunk = method, prefill_chunk
+        self._gate: ExactnessGate | None = None
+
+    @property
+    def probed(self) -> bool:
+        return self._gate is not None
+
+    def gate(self) -> ExactnessGate:
+        if self._gate is not None:
+            return self._gate
+        probe = probe_target(self.target, self.width)
+        engaged, decision = decide(probe, self.strict, os.environ.get(ALLOW_INEXACT_ENV, "") not in ("", "0"))
+        key = (id(self.target), self.width)
+        if not probe.exact and key not in _WARNED:
+            _WARNED.add(key)
+            action = (f"engaging anyway ({ALLOW_INEXACT_ENV})" if engaged
+                      else "using plain decoding (pass --strict to fail instead)")
+            log.warning("%s; %s", verdict_text(probe), action)
+        self._gate = ExactnessGate(probe, engaged, decision, self.target, self.method, self.prefill_chunk)
+        return self._gate

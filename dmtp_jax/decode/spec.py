@@ -30,6 +30,7 @@ from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
 from dmtp_jax.decode.caches import TargetCaches, kv_cache_shape, kv_cache_value_dim, new_kv_cache
 from dmtp_jax.decode.multi_round import feed_rounds, pad_stop_ids, run_rounds
 from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK, prefill_chunks
+from dmtp_jax.decode.probe import ExactnessCheck
 from dmtp_jax.decode.proposers import PROPOSERS, Proposer, RoundKnobs, make_proposer
 from dmtp_jax.decode.round import SpecState, constrain_state, merge_models, prefill_step, spec_round, state_shardings
 from dmtp_jax.decode.sampling import SamplingParams
@@ -188,10 +189,11 @@ class SpecDecoder:
         self.adaptive_threshold = threshold
         self.target, self.drafter, self.mtp, self.fusion = target, drafter, mtp, fusion
         self.draft_head, self.draft_model = draft_head, draft_model
-        self.strict = strict        # exactness probe mismatch: raise instead of plain decoding
         self.caches = TargetCaches(target)
         self.prefill_chunk = int(prefill_chunk)
         proposer = make_proposer(method, slots, context_window)
+        self.exactness = ExactnessCheck(target, proposer.slots, strict=strict, method=proposer.method,
+                                        prefill_chunk=self.prefill_chunk)
         graphdefs = tuple(None if m is None else m.graphdef
                           for m in _used(proposer, target, drafter, mtp, fusion, draft_head, draft_model))
         self.setup = RoundSetup(graphdefs, target.mesh, proposer, verify, int(rounds_per_dispatch))
@@ -256,15 +258,14 @@ class SpecDecoder:
         knobs = self.knobs()
         batch = pad_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings,
                             slack=self.slots)
-        from dmtp_jax.decode.probe import exactness_gate   # block == chain on this backend? (once per decoder)
-        probing = None
-        if "_exactness_gate" in self.__dict__:
-            gate = exactness_gate(self)
+        probing = None                  # block == chain on this backend? (once per decoder)
+        if self.exactness.probed:
+            gate = self.exactness.gate()
             if not gate.engaged:
                 return gate.plain_generate(prompts, max_new_tokens, sampling, seed, stop_ids, on_tokens)
         else:   # first request: the probe compiles and runs in a thread while this one compiles prefill and round
             probing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dmtp-probe")
-            gate_future = probing.submit(exactness_gate, self)
+            gate_future = probing.submit(self.exactness.gate)
         rows = batch.tokens_bt.shape[0]
         tracker = StopTracker(batch.num_rows, max_new_tokens, stop_ids)
         base_key = jax.random.key(seed)

@@ -129,30 +129,36 @@ DRAFTERS = {
 
 
 def main(argv=None) -> int:
-    """Writes the cards of the target and of every drafter present."""
+    """`python -m dmtp_jax.demo.cards`: `write_cards` from the command line."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--work-dir", default="demo_out")
     p.add_argument("--runs", default="demo_out/runs")
     p.add_argument("--demo", default="demo")
     args = p.parse_args(argv)
-    with open(os.path.join(args.work_dir, "target_run", "summary.json")) as fh:
+    write_cards(args.work_dir, args.runs, args.demo)
+    return 0
+
+
+def write_cards(work_dir: str, runs: str, demo: str) -> None:
+    """Writes the cards of the target (from `work_dir`'s runs) and of every drafter present in both
+    `runs` and `demo` into `demo/<name>/README.md`."""
+    with open(os.path.join(work_dir, "target_run", "summary.json")) as fh:
         summary = json.load(fh)
     distil = None
-    distil_path = os.path.join(args.work_dir, "mtp_run", "summary.json")
+    distil_path = os.path.join(work_dir, "mtp_run", "summary.json")
     if os.path.isfile(distil_path):
         with open(distil_path) as fh:
             distil = json.load(fh)
-        with open(os.path.join(args.work_dir, "mtp_run", "run_config.json")) as fh:
+        with open(os.path.join(work_dir, "mtp_run", "run_config.json")) as fh:
             distil["config"] = json.load(fh)["distil_mtp"]
     cards = {"target": target_card(summary, distil)}
     for name, text in DRAFTERS.items():
-        if os.path.isdir(os.path.join(args.runs, name)) and os.path.isdir(os.path.join(args.demo, name)):
-            cards[name] = drafter_card(name, os.path.join(args.runs, name), text,
-                                       os.path.join(args.demo, name, "calibration.json"))
+        if os.path.isdir(os.path.join(runs, name)) and os.path.isdir(os.path.join(demo, name)):
+            cards[name] = drafter_card(name, os.path.join(runs, name), text,
+                                       os.path.join(demo, name, "calibration.json"))
     for name, text in cards.items():
-        with open(os.path.join(args.demo, name, "README.md"), "w") as fh:
+        with open(os.path.join(demo, name, "README.md"), "w") as fh:
             fh.write(text)
-    return 0
 
 
 if __name__ == "__main__":

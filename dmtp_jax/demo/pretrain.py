@@ -1,25 +1,11 @@
-"""Pretraining a Qwen3-format target jointly with its native (Qwen3.5-format) MTP head.
+"""Pretraining a Qwen3-format target jointly with its native MTP head, then distilling the head.
 
-Loss (DeepSeek-V3 / Qwen MTP pretraining): `main CE + mtp_lambda * MTP CE`.
-
-* main: the target's post-norm hidden `h_t` -> LM head -> `x_{t+1}`;
-* MTP: rows `(h_t, embed(x_{t+1}))` at position `t+1` -> `MtpHead` -> `post_norm` -> the shared
-  LM head -> `x_{t+2}`, exactly the rows the decoder feeds the head.
-
-Gradients of the MTP loss flow into the trunk, the shared embedding and the LM head (as in
-DeepSeek-V3; `mtp_stop_gradient=True` detaches `h_t` instead). Data: packed windows of
-`seq_len + 1` tokens drawn from one token stream; batch `s` is a pure function of `(seed, s)`, so a
-resumed run sees exactly the batches an uninterrupted one would.
-
-The state is `train.step.TrainState` with `params = {"target": ..., "mtp": ...}`; optimiser
-`train.step.make_optimizer`, update `train.step.apply_gradients`, one jitted donated step
-(`train.window.WindowTrainer`, shared with `MtpDistiller`). Both run in `train.loop.run_loop`, the
-drafter's loop (checkpoints, metrics, signals, non-finite losses, full disk), on `train.window.WindowBatches`.
-
-A second phase, `MtpDistiller`, trains only the MTP head against the frozen target: at every row it
-matches the target's own next-token distribution (soft cross-entropy to `softmax(target logits)`
-of the token the head predicts) on text the target wrote. That makes the head a predictor of *its
-target* rather than of the corpus -- the role a native MTP head plays in speculative decoding.
+`Pretrainer`: `main CE + mtp_lambda * MTP CE` (the MTP row `(h_t, embed(x_{t+1}))` at position
+`t+1` predicts `x_{t+2}` through the shared LM head, exactly the rows decoding feeds it; its
+gradient reaches the trunk unless `mtp_stop_gradient`). `MtpDistiller`: only the MTP head, against
+the frozen target's own next-token distribution on text the target wrote (soft cross-entropy).
+Both are `train.window.WindowTrainer`s (one jitted donated step of a pure loss) run by
+`train.loop.run_loop` on `train.window.WindowBatches`.
 
 Example:
     >>> pt = Pretrainer(target_cfg, PretrainStep(), OptimConfig(total_steps=10))  # doctest: +SKIP
@@ -30,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +108,18 @@ class PretrainStep:
     compute_dtype: str = "float32"
 
 
+def pretrain_loss(target_graphdef, mtp_graphdef, scfg: PretrainStep, params, frozen, tokens_bt):
+    """`joint_loss` as a `WindowTrainer` loss (nothing frozen)."""
+    del frozen
+    return joint_loss(params, target_graphdef, mtp_graphdef, tokens_bt, scfg.mtp_lambda, scfg.mtp_stop_gradient,
+                      jnp.dtype(scfg.compute_dtype))
+
+
+def distil_loss(target_graphdef, mtp_graphdef, compute_dtype, params, frozen, tokens_bt):
+    """`mtp_distil_loss` as a `WindowTrainer` loss (the target frozen)."""
+    return mtp_distil_loss(params["mtp"], frozen, target_graphdef, mtp_graphdef, tokens_bt, compute_dtype)
+
+
 class Pretrainer(WindowTrainer):
     """The joint target + MTP trainer (`joint_loss`); fresh params from the seed.
 
@@ -134,7 +133,8 @@ class Pretrainer(WindowTrainer):
         self.cfg, self.scfg = target_cfg, scfg
         self.target_graphdef, t_abs = abstract_target(target_cfg, "float32")
         self.mtp_graphdef, m_abs = abstract_mtp(target_cfg, "float32")
-        super().__init__(ocfg, {"target": t_abs, "mtp": m_abs})
+        loss_fn = functools.partial(pretrain_loss, self.target_graphdef, self.mtp_graphdef, scfg)
+        super().__init__(ocfg, {"target": t_abs, "mtp": m_abs}, loss_fn)
 
     def initial_params(self, seed: int) -> dict:
         """Fresh fp32 target (from `seed`) and MTP head (from `seed + 1`)."""
@@ -147,10 +147,6 @@ class Pretrainer(WindowTrainer):
             return {"target": t, "mtp": m}
         return jax.jit(make)()
 
-    def loss(self, params, frozen, tokens_bt):
-        del frozen
-        return joint_loss(params, self.target_graphdef, self.mtp_graphdef, tokens_bt, self.scfg.mtp_lambda,
-                          self.scfg.mtp_stop_gradient, jnp.dtype(self.scfg.compute_dtype))
 
 
 class MtpDistiller(WindowTrainer):
@@ -170,13 +166,12 @@ class MtpDistiller(WindowTrainer):
         self.target_graphdef, _ = abstract_target(target_cfg, "float32")
         self.mtp_graphdef, m_abs = abstract_mtp(target_cfg, "float32")
         self.initial_mtp = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), mtp_params)
-        super().__init__(ocfg, {"mtp": m_abs}, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target_params))
+        loss_fn = functools.partial(distil_loss, self.target_graphdef, self.mtp_graphdef, self.compute_dtype)
+        super().__init__(ocfg, {"mtp": m_abs}, loss_fn,
+                         jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), target_params))
 
     def initial_params(self, seed: int) -> dict:
         """The given MTP head (`seed` unused: nothing is random)."""
         del seed
         return {"mtp": self.initial_mtp}
 
-    def loss(self, params, frozen, tokens_bt):
-        return mtp_distil_loss(params["mtp"], frozen, self.target_graphdef, self.mtp_graphdef, tokens_bt,
-                               self.compute_dtype)

@@ -8,7 +8,7 @@ A layer is the pre-norm block of `qwen3.DecoderLayer` with
   `TargetConfig.kv_cache_dims`), read in the absorbed form; softmax scale `qk_head_dim^-0.5` times
   YaRN's `mscale^2` when the config scales RoPE;
 * `DeepSeekMoE` from `first_k_dense_replace` (GLM: `mlp_layer_types`) on, a dense SwiGLU before:
-  routed experts chosen by `layers/mlp.py:grouped_sigmoid_top_k` (`e_score_correction_bias`,
+  routed experts chosen by `layers/moe.py:grouped_sigmoid_top_k` (`e_score_correction_bias`,
   `n_group`, `topk_group`, `routed_scaling_factor`, `norm_topk_prob`) plus the shared experts.
 
 `DeepSeekTarget` is `QwenTarget` with these layers (`models/__init__.py:build_target` picks it), so
@@ -37,21 +37,20 @@ from dmtp_jax.layers import params
 from dmtp_jax.layers.attention import MaskRule
 from dmtp_jax.layers.kv_cache import KVCache, write_layer
 from dmtp_jax.layers.mla import absorbed_query, deinterleave, latent_attention, split_kv_b
-from dmtp_jax.layers.mlp import grouped_sigmoid_top_k, moe_mlp
+from dmtp_jax.layers.moe import grouped_sigmoid_top_k, moe_mlp
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import apply_rope, yarn_softmax_scale
 from dmtp_jax.models.qwen3 import DecoderLayer, DenseMLP, QwenTarget
+from dmtp_jax.sharding import MeshRules
 
 
 class MlaAttention(nnx.Module):
     """Multi-head latent attention with the `qwen3.Attention` interface the layer stack and the MTP
     head call (`q_gate`, `kv`, `write`, `attend_cache`, `__call__`); its "k" is the latent and its
-    "v" zero-wide, so `write` stores only the latent."""
+    "v" zero-wide, so `write` stores only the latent. The cache layer `kv_index` is an argument."""
 
-    def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs: nnx.Rngs, *, kv_index: int | None = None,
-                 first_key_slot: int = 0):
+    def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs: nnx.Rngs, *, first_key_slot: int = 0):
         h, nh = cfg.hidden_size, cfg.num_attention_heads
-        self.kv_index = layer if kv_index is None else kv_index
         self.first_key_slot = first_key_slot
         self.num_heads, self.eps, self.interleave = nh, cfg.rms_norm_eps, cfg.rope_interleave
         self.nope, self.rope, self.rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
@@ -100,36 +99,39 @@ class MlaAttention(nnx.Module):
         _, w_uv = split_kv_b(self.kv_b_proj[...], self.num_heads, self.nope)
         return self.out(latent_attention(q_bthl, latent_bs1l, w_uv.astype(q_bthl.dtype), rule))
 
-    def write(self, cache: KVCache, k_btkd, v_btkd, positions_bt) -> KVCache:
-        """The cache with this layer's new latents at their positions (slot == position)."""
-        i = self.kv_index
-        return KVCache(write_layer(cache.k_lbskd, i, k_btkd, positions_bt),
-                       write_layer(cache.v_lbskd, i, v_btkd, positions_bt))
+    def write(self, cache: KVCache, kv_index, k_btkd, v_btkd, positions_bt) -> KVCache:
+        """The cache with this layer's new latents (cache layer `kv_index`, a Python int or a traced
+        scalar) at their positions (slot == position)."""
+        return KVCache(write_layer(cache.k_lbskd, kv_index, k_btkd, positions_bt),
+                       write_layer(cache.v_lbskd, kv_index, v_btkd, positions_bt))
 
-    def attend_cache(self, q_bthl, gate_btf, positions_bt, cache: KVCache):
-        """Output of queries at `positions_bt` over this layer's cached latents (causal, never a slot
-        below `first_key_slot`); `gate_btf` is always None."""
-        latents = cache.k_lbskd[self.kv_index]
+    def attend_cache(self, q_bthl, gate_btf, positions_bt, cache: KVCache, kv_index):
+        """Output of queries at `positions_bt` over cache layer `kv_index`'s latents (causal, never a
+        slot below `first_key_slot`); `gate_btf` is always None."""
+        latents = cache.k_lbskd[kv_index]
         k_pos = jnp.broadcast_to(jnp.arange(cache.max_len), latents.shape[:2])
         valid = k_pos >= self.first_key_slot if self.first_key_slot else None
         return self._attend(q_bthl, latents, MaskRule(positions_bt, k_pos, valid, causal=True))
 
-    def __call__(self, x_bth, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt):
+    def __call__(self, x_bth, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt, kv_index=0):
+        """Attention of the new tokens: over each other without a cache, else written to and read
+        from cache layer `kv_index`."""
         q, _ = self.q_gate(x_bth, cos, sin)
         latent, empty = self.kv(x_bth, cos, sin)
         if cache is None:
             rule = MaskRule(positions_bt, positions_bt, kv_valid_bt, causal=True, self_keys=True)
             return self._attend(q, latent, rule), cache
-        cache = self.write(cache, latent, empty, positions_bt)
-        return self.attend_cache(q, None, positions_bt, cache), cache
+        cache = self.write(cache, kv_index, latent, empty, positions_bt)
+        return self.attend_cache(q, None, positions_bt, cache, kv_index), cache
 
 
 class DeepSeekMoE(nnx.Module):
     """Routed experts (`grouped_sigmoid_top_k`) plus the always-on shared experts (one SwiGLU of
-    `n_shared_experts * moe_intermediate_size`). `stacked` as in `qwen3.SparseMoE`."""
+    `n_shared_experts * moe_intermediate_size`). `stacked` and `mesh_rules` as in `qwen3.SparseMoE`."""
 
-    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs, stacked: bool = True):
-        self.stacked = stacked
+    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs, stacked: bool = True,
+                 mesh_rules: MeshRules | None = None):
+        self.stacked, self.mesh_rules = stacked, mesh_rules
         h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.n_group, self.topk_group, self.scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
@@ -148,7 +150,7 @@ class DeepSeekMoE(nnx.Module):
         routing = grouped_sigmoid_top_k(x, self.router[...], self.e_score_correction_bias[...], self.top_k,
                                         self.n_group, self.topk_group, self.norm_topk_prob, self.scaling)
         y = moe_mlp(x, self.router[...], self.gate_proj[...], self.up_proj[...], self.down_proj[...],
-                    self.top_k, self.norm_topk_prob, stacked=self.stacked, routing=routing)
+                    self.top_k, self.norm_topk_prob, stacked=self.stacked, rules=self.mesh_rules, routing=routing)
         if self.has_shared:
             y = y + self.shared_experts(x)
         return y.reshape(b, t, h)
@@ -158,13 +160,13 @@ class MlaDecoderLayer(DecoderLayer):
     """`qwen3.DecoderLayer` (its `norm`, `finish`, `__call__`) with `MlaAttention` and the DeepSeek
     MLP: `DeepSeekMoE` where `cfg.is_moe_layer`, else a dense SwiGLU of `intermediate_size`."""
 
-    def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs: nnx.Rngs, *, kv_index: int | None = None,
-                 first_key_slot: int = 0, stacked: bool = True):
+    def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs: nnx.Rngs, *, first_key_slot: int = 0,
+                 stacked: bool = True, mesh_rules: MeshRules | None = None):
         self.eps, self.zero_centred, self.is_linear = cfg.rms_norm_eps, False, False
         self.input_layernorm = params.ones((cfg.hidden_size,), (None,), dtype)
         self.post_attention_layernorm = params.ones((cfg.hidden_size,), (None,), dtype)
-        self.self_attn = MlaAttention(cfg, layer, dtype, rngs, kv_index=kv_index, first_key_slot=first_key_slot)
-        self.mlp = (DeepSeekMoE(cfg, dtype, rngs, stacked) if cfg.is_moe_layer(layer)
+        self.self_attn = MlaAttention(cfg, layer, dtype, rngs, first_key_slot=first_key_slot)
+        self.mlp = (DeepSeekMoE(cfg, dtype, rngs, stacked, mesh_rules) if cfg.is_moe_layer(layer)
                     else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs))
 
 

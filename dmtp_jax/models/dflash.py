@@ -177,10 +177,12 @@ class DFlashDrafter(nnx.Module):
         if dcfg.version == 2:
             self.candidate_selector = CandidateSelector(dcfg, dtype, rngs)
 
+    @jax.named_scope("drafter")
     def project_context(self, features_btf: jax.Array) -> jax.Array:
         """`hidden_norm(fc(features))` for concatenated target layer outputs `[B, T, n_ctx*H]`."""
         return rms_norm(features_btf @ self.fc[...], self.hidden_norm[...], self.cfg.rms_norm_eps)
 
+    @jax.named_scope("drafter")
     def context_kv(self, ctx_bth: jax.Array, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Per-layer K/V `[L, B, T, kv, D]` of context rows at absolute `positions` (k_norm + RoPE)."""
         cos, sin = rope_cos_sin(positions_bt, self.cfg.head_dim, self.cfg.rope_theta, ctx_bth.dtype)
@@ -214,6 +216,7 @@ class DFlashDrafter(nnx.Module):
                 masks[key] = m if extra is None else m & extra
         return masks
 
+    @jax.named_scope("drafter")
     def __call__(self, block_embeds_bth: jax.Array, block_positions_bt: jax.Array,
                  ctx_k_lbskd: jax.Array, ctx_v_lbskd: jax.Array, ctx_pos_bs: jax.Array,
                  ctx_valid_bs: jax.Array, *, block_len: int | None = None,

@@ -1,43 +1,18 @@
-"""The drafting side's vocabulary projection: the full LM head, or an efficient head that shortlists
-candidates with a low-rank factor of the LM head and rescores the shortlist exactly.
+"""The drafting side's vocabulary projection: the full LM head, or a cheaper head for drafting only.
 
-    full        logits = h W                                  (the target's own head, V columns)
-    efficient   shortlist = top-K of (h A) B                  A [H, r], B [r, V]: W ~= A B
-                (XLA's `approx_max_k`: on TPU an approximate top-K, recall >= 0.95 of it; elsewhere
-                the exact top-K. Any shortlist keeps decoding exact / lossless, see below.)
-                logits[v] = h W[:, v] for v in the shortlist, -inf elsewhere
+    full        logits = h W
+    efficient   shortlist = top-K of (h A) B, A [H, r], B [r, V] (W ~= A B, the rank-r truncated
+                SVD made at load time, or a trained factor); logits = h W[:, v] on the shortlist,
+                -inf elsewhere. With a vocabulary subset (`--draft-head-vocab N`) only the N most
+                frequent ids of the drafter's training data are ever scored.
+    int8        logits = (h Q) * s, Q int8 [H, V], s [V] per vocabulary entry
 
-On a mesh that splits the vocabulary over S shards, each shard shortlists its own top K / S ids and
-rescores them from the rows it holds (`shortlist_logits`): the rows never cross devices.
-
-    efficient over a vocabulary subset (`--draft-head-vocab N`, EAGLE-3's draft vocabulary)
-                the same, over the N most frequent supervised tokens of the drafter's training data
-                only (`frequent_ids` of the counts `train.py token-counts` writes): B is `[r, N]`, the
-                rows `[N, H]` are the head's columns of those ids and `ids [N]` maps them back to the
-                vocabulary; the other ids are never proposed (-inf). Split over the shards evenly,
-                whatever the ids: each shard rescores its own K / S, and the shards exchange those
-                `[rows, K]` ids and scores, so each fills its own part of the `[..., V]` logits.
-
-    int8        logits = (h Q) * s                           Q int8 [H, V], s [V]: W ~= Q diag(s)
-                (per vocabulary entry, symmetric: s_v = max_h |W[h, v]| / 127; half the bytes of a
-                bf16 head, every column scored)
-
-The factor is the rank-r truncated SVD of the LM head, made once at load time
-(`checkpoint.draft_head_ckpt.make_efficient_head`): with `W W^T = U S^2 U^T`, `A = U_r` and
-`B = U_r^T W`, the best rank-r approximation of `W`. It is model state (`down`, `up`; `up` sharded like the head's vocabulary
-axis), so it travels into the jitted round as an argument and is never baked into the program.
-
-The efficient head's output is the same dense fp32 `[..., V]` as the full head's, with the exact
-values on the shortlist and -inf elsewhere, so `pick`, `filtered_probs`, DFlash2's selector and
-verification are unchanged: greedy verification stays token-exact, and sampled verification stays
-lossless because the proposal q it receives is exactly the distribution the draft was sampled from
-(zero outside the shortlist). Only the drafting side uses it (MTP's T1 and chain steps, the
-drafter's positions); the target's verify logits always come from the full head.
-
-dmtp-adaptive's confidence (the MTP's top-1 probability) over the shortlist alone would overstate
-it (the mass outside the shortlist is missing), so the partition adds the low-rank scores' mass
-outside the shortlist (`DraftScores.rest_lse`, see `fusion.mtp_confidence`). A subset head counts
-the subset's mass only: the ids outside it can never be drafted.
+Every head returns dense fp32 `[..., V]` logits, so sampling, DFlash2's selector and verification
+are unchanged: greedy verification stays token-exact and sampled verification lossless (the
+proposal is exactly the distribution drafted from). The target's verify logits always use the full
+head. `DraftScores.rest_lse` carries the low-rank mass outside the shortlist, so dmtp-adaptive's
+confidence is not overstated. On a mesh the shortlist is computed per vocabulary shard
+(`layers/shortlist.py`).
 
 Example:
     >>> head = EfficientHead(hidden=8, vocab=32, rank=8, shortlist=4, dtype=jnp.float32)
@@ -57,10 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from dmtp_jax.errors import InputError
 from dmtp_jax.layers import params
+from dmtp_jax.layers.shortlist import shortlist_logits
+from dmtp_jax.sharding import MeshRules
 
 DRAFT_HEADS = ("full", "efficient", "int8")
 DEFAULT_RANK = 256          # at most; H // 4 for narrow models (`head_shape`)
@@ -92,10 +68,8 @@ def head_shape(hidden: int, vocab: int, rank: int | None = None, shortlist: int 
 
 
 def row_layout(hidden: int) -> tuple[int, int]:
-    """How an untied head's rows store one row of `hidden` values: `(H / 128, 128)`, so that a
-    gathered row is whole 128-lane tiles on TPU (XLA's TPU cost model charges a gather of `[V, H]`
-    rows at about ten times the rows it reads, of `[V, H / 128, 128]` rows at three times), or
-    `(1, H)` when H is not a multiple of 128.
+    """How an untied head's rows store one row of `hidden` values: `(H / 128, 128)` (a gathered
+    row is whole 128-lane tiles on TPU), or `(1, H)` when H is not a multiple of 128.
 
     Example:
         >>> row_layout(5120), row_layout(48)
@@ -113,11 +87,13 @@ class EfficientHead(nnx.Module):
     `subset` N > 0: the head scores only N vocabulary entries (the most frequent tokens of the
     drafter's training data, `frequent_ids`): `up` is `[r, N]`, `rows` `[N, *row_layout(H)]` (its own
     copy, tied or not) and `ids` `[N]` the entries' vocabulary ids, -1 for padding (N is padded by
-    `subset_size`). The other entries are never proposed (-inf)."""
+    `subset_size`). The other entries are never proposed (-inf). `mesh_rules`: the rules its params
+    are placed with (static; needed on a mesh)."""
 
     def __init__(self, *, hidden: int, vocab: int, rank: int, shortlist: int, dtype, tied: bool = False,
-                 subset: int = 0):
+                 subset: int = 0, mesh_rules: MeshRules | None = None):
         self.rank, self.shortlist, self.subset = int(rank), int(shortlist), int(subset)
+        self.mesh_rules = mesh_rules
         self.vocab = int(vocab)
         self.tied = bool(tied) and not subset           # rows are the target's embed_tokens
         cols = subset or vocab
@@ -136,95 +112,8 @@ class EfficientHead(nnx.Module):
         rows = embed_vh if self.tied else self.rows[...]
         ids = self.ids[...] if self.subset else None
         logits, rest = shortlist_logits(hidden.reshape(-1, h), self.down[...], self.up[...], rows, self.shortlist,
-                                        ids, self.vocab)
+                                        ids, self.vocab, self.mesh_rules)
         return DraftScores(logits.reshape(*lead, logits.shape[-1]), rest.reshape(lead))
-
-
-def shortlist_logits(x_nh: jax.Array, down_hr: jax.Array, up_rv: jax.Array, rows: jax.Array,
-                     shortlist: int, ids: jax.Array | None = None, vocab: int | None = None
-                     ) -> tuple[jax.Array, jax.Array]:
-    """`(logits [N, V] fp32, rest_lse [N])`: `x_n . rows[v]` on the shortlist (the top of the low-rank
-    scores `(x A) B`), -inf elsewhere; and the low-rank scores' logsumexp outside the shortlist.
-    `rows`: `[V, H]` or `[V, *row_layout(H)]`. With `ids` (`[C]`, -1 for padding): `up_rv`'s and
-    `rows`' C entries are those vocabulary ids of a `vocab`-entry vocabulary, the rest is never
-    scored.
-
-    On a mesh that splits the vocabulary over S shards, each shard shortlists its own top
-    `shortlist // S` ids and rescores them from the rows it holds: no row, and no `[N, V]` array,
-    crosses devices; only the `[N, r]` low-rank projection and the partial scores are summed over
-    the shards that split H, and the `[N]` logsumexp over the vocabulary shards. With `ids`, the
-    shards also gather each other's `[N, K / S]` rescored ids and keep those in their own part of
-    the vocabulary. The shortlist then depends on the mesh; any shortlist keeps decoding exact (see
-    the module docstring).
-
-    Example:
-        >>> rows = jnp.arange(12.0).reshape(4, 3)
-        >>> logits, rest = shortlist_logits(jnp.ones((1, 3)), jnp.eye(3), rows.T, rows, 2)
-        >>> logits.tolist(), round(float(rest[0]), 3)
-        ([[-inf, -inf, 21.0, 30.0]], 12.0)
-        >>> logits, _ = shortlist_logits(jnp.ones((1, 3)), jnp.eye(3), rows[:2].T, rows[:2], 1, jnp.array([3, 0]), 6)
-        >>> logits.tolist()     # the subset's entries 0, 1 (scores 3, 12) are vocabulary ids 3, 0
-        [[12.0, -inf, -inf, -inf, -inf, -inf]]
-    """
-    from dmtp_jax.layers.mlp import _axes, weights_mesh
-    from dmtp_jax.sharding import DEFAULT_RULES, spec_for
-
-    def local(x, down, up, rows, ids, k, embed_axes=(), vocab_axes=(), shards=1):
-        z = jnp.dot(x, down, preferred_element_type=jnp.float32)
-        z = (jax.lax.psum(z, embed_axes) if embed_axes else z).astype(x.dtype)
-        approx = jnp.dot(z, up, preferred_element_type=jnp.float32)                   # [N, C_local]
-        if ids is not None:
-            approx = jnp.where(ids >= 0, approx, -jnp.inf)                           # padding
-        _, idx = jax.lax.approx_max_k(approx, k)                   # [N, k]; exact top-k off TPU
-        picked = jnp.take(rows, idx, axis=0)                        # [N, k, *row]
-        exact = jnp.einsum("n...,nk...->nk", x.reshape(x.shape[0], *rows.shape[1:]), picked,
-                           preferred_element_type=jnp.float32)
-        exact = jax.lax.psum(exact, embed_axes) if embed_axes else exact
-        n = jnp.arange(x.shape[0])[:, None]
-        rest = jax.nn.logsumexp(approx.at[n, idx].set(-jnp.inf), axis=-1)
-        if vocab_axes:                                              # logsumexp over the shards
-            top = jax.lax.pmax(rest, vocab_axes)
-            top = jnp.where(jnp.isfinite(top), top, 0.0)
-            rest = top + jnp.log(jax.lax.psum(jnp.exp(rest - top), vocab_axes))
-        if ids is None:
-            logits = jnp.full(approx.shape, -jnp.inf, jnp.float32).at[n, idx].set(exact)
-            return logits, rest
-        gid = ids[idx]                                              # [N, k] vocabulary ids, -1: padding
-        width, first = vocab, 0
-        if vocab_axes:                  # every shard's rescored ids; keep those in this shard's part
-            gid = jax.lax.all_gather(gid, vocab_axes, axis=1, tiled=True)
-            exact = jax.lax.all_gather(exact, vocab_axes, axis=1, tiled=True)
-            width = vocab // shards
-            first = jax.lax.axis_index(vocab_axes) * width
-        slot = gid - first
-        slot = jnp.where((gid >= 0) & (slot >= 0) & (slot < width), slot, width)   # width: dropped
-        logits = jnp.full((x.shape[0], width), -jnp.inf, jnp.float32).at[n, slot].set(exact, mode="drop")
-        return logits, rest
-
-    columns = rows.shape[0]
-    vocab = columns if ids is None else int(vocab)
-    mesh = weights_mesh(rows)
-    if mesh is None:
-        return local(x_nh, down_hr, up_rv, rows, ids, min(shortlist, columns))
-    # the rows' own split (vocab, embed) and, for the N axis, the batch axes they leave free
-    spec = tuple(spec_for(("vocab", "embed", "batch") if rows.ndim == 2 else ("vocab", "embed", None, "batch"),
-                          (*rows.shape, x_nh.shape[0]), mesh, DEFAULT_RULES))
-    spec += (None,) * (rows.ndim + 1 - len(spec))
-    vocab_axes, embed_axes = _axes(spec[0]), _axes(spec[1])
-    shards = int(np.prod([mesh.shape[a] for a in vocab_axes]))
-    if vocab % shards:
-        raise InputError(f"the efficient head's vocabulary subset splits over {shards} shards, the vocabulary "
-                         f"of {vocab} does not")
-    k = max(1, min(shortlist // shards, columns // shards))
-    v_ax, e_ax, n_ax = spec[0], spec[1], spec[-1]       # spec_for gives None for an unsplit dim
-    in_specs = (P(n_ax, e_ax), P(e_ax, None), P(None, v_ax), P(*spec[:-1]))
-    if ids is None:
-        fn = lambda x, d, u, r: local(x, d, u, r, None, k, embed_axes, vocab_axes, shards)  # noqa: E731
-        args = (x_nh, down_hr, up_rv, rows)
-    else:
-        fn = lambda x, d, u, r, i: local(x, d, u, r, i, k, embed_axes, vocab_axes, shards)  # noqa: E731
-        args, in_specs = (x_nh, down_hr, up_rv, rows, ids), in_specs + (P(v_ax),)
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(P(n_ax, v_ax), P(n_ax)))(*args)
 
 
 def subset_columns(weight, ids, tied: bool) -> jax.Array:
@@ -276,8 +165,8 @@ SUBSET_ALIGN = 1024     # a subset of more ids is padded to a multiple of this (
 
 
 def subset_size(n: int) -> int:
-    """The padded size of an efficient head's vocabulary subset of `n` ids: a multiple of 1024 (of 8
-    under 1024 ids), so that it splits evenly over up to 8 vocabulary shards.
+    """The padded size of a vocabulary subset of `n` ids: a multiple of 1024 (of 8 under 1024 ids),
+    so that it splits evenly over up to 8 vocabulary shards.
 
     Example:
         >>> subset_size(32768), subset_size(30000), subset_size(100)
@@ -300,8 +189,7 @@ def frequent_ids(counts, n: int) -> np.ndarray:
 
 class Int8Head(nnx.Module):
     """The LM head quantized to int8 per vocabulary entry. Params: `weight` int8 `[H, V]` (sharded
-    like an untied LM head, whether or not the target ties it) and `scale` `[V]`. Its logits are a
-    proper distribution over the whole vocabulary, so nothing else changes downstream.
+    like an untied LM head) and `scale` `[V]`.
 
     Example:
         >>> w = jax.random.normal(jax.random.key(0), (8, 32))
@@ -383,23 +271,3 @@ def efficient_shape(target_cfg, rank, shortlist, subset) -> tuple[dict, dict]:
     cfg = {"rank": rank, "shortlist": shortlist, **({"subset": subset} if subset else {})}
     return cfg, dict(hidden=target_cfg.hidden_size, vocab=vocab, rank=rank, shortlist=shortlist,
                      tied=target_cfg.tie_word_embeddings, subset=subset_size(subset) if subset else 0)
-
-
-def abstract_efficient_head(target_cfg, dtype, rank: int | None = None, shortlist: int | None = None,
-                            subset: int | None = None):
-    """`(cfg, graphdef, abstract state)` of an efficient head for a target config (nothing allocated)."""
-    cfg, shape = efficient_shape(target_cfg, rank, shortlist, subset)
-    head = nnx.eval_shape(lambda: EfficientHead(**shape, dtype=jnp.dtype(dtype)))
-    return cfg, *nnx.split(head)
-
-
-def abstract_draft_head(kind: str, target_cfg, dtype, rank: int | None = None, shortlist: int | None = None,
-                        subset: int | None = None):
-    """`(cfg, graphdef, abstract state)` of a drafting head of `kind` ("efficient" or "int8") for a
-    target config, nothing allocated (`plan`)."""
-    if kind == "efficient":
-        return abstract_efficient_head(target_cfg, dtype, rank, shortlist, subset)
-    if kind != "int8":
-        raise InputError(f"unknown draft head '{kind}'; use {', '.join(DRAFT_HEADS)}")
-    head = nnx.eval_shape(lambda: Int8Head(hidden=target_cfg.hidden_size, vocab=target_cfg.vocab_size))
-    return {"kind": "int8"}, *nnx.split(head)

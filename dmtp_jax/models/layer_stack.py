@@ -1,29 +1,16 @@
 """The target's decoder layers as scanned stacks: program size and compile time flat in depth.
 
-A target's layers are cut into *stacks*. A stack is `repeats` copies of one *group* of `period`
-consecutive layers of the same kinds (layer type: attention / sliding / linear, and dense / MoE
-MLP); its params are the group's params stacked along a leading axis `[repeats, ...]` (logical
-axis "layers", on no mesh axis), and it runs as one `jax.lax.scan` over the groups. Qwen3 dense /
-MoE: one stack, a group is one layer. Qwen3.5 / 3.6: one stack, a group is the `layer_types`
-period (3 Gated DeltaNet + 1 gated attention). Irregular patterns (`mlp_only_layers`,
-`decoder_sparse_step`, full then sliding layers, a tail that does not fill a group) get more
-stacks: `plan_stacks` picks the period whose stacks hold the fewest layer bodies in all, and a
-stack with `repeats == 1` runs without a scan (at static indices, like the old unrolled loop).
-`plan_stacks(cfg, scan=False)` is that unrolled loop: one stack of every layer.
+A *stack* is `repeats` copies of one *group* of `period` consecutive layers of the same kinds (layer
+type and dense / MoE MLP); its params are stacked `[repeats, ...]` (logical axis "layers") and it
+runs as one `jax.lax.scan` over the groups (`repeats == 1`: no scan, static indices). Qwen3: one
+stack of 1-layer groups; Qwen3.5 / 3.6: one stack of the `layer_types` period. Irregular patterns
+get more stacks (`plan_stacks` picks the period with the fewest layer bodies); `plan_stacks(cfg,
+scan=False)` is one unrolled stack.
 
-What the scan threads (all in place: the carry of a scan is one buffer per loop):
-
-* carry: the hidden state, the K/V cache `[attention layers, B, S, kv, D]` (each attention layer
-  writes its rows at its index `attn_start + g * attn_per_group + j`), the DeltaNet conv windows
-  and states `[linear layers, B, ...]` (read and written at the linear-layer index likewise) and,
-  when layers are captured, a buffer `[n_capture + 1, B, T, H]` that layer `i` writes at its slot
-  (the extra slot is where layers nobody asked for write);
-* ys: a speculative call's `PendingBlock` parts per group `[linear per group, B, T, ...]`, which
-  come out `[repeats, linear per group, ...]` and reshape to linear-layer order.
-
-Param paths: `stacks.{s}.{j}.<the layer's own path>` (member `j` of stack `s`); member `j` of group
-`g` is layer `start + g * period + j`, so HF names follow from the paths and shapes alone
-(`stack_layer_ids`; `checkpoint/hf.py` maps them to `model.layers.{i}.*`).
+The scan's carry: the hidden state, the K/V cache `[attention layers, ...]` and DeltaNet states
+`[linear layers, ...]` (each layer reads and writes at its own index, passed to it), and the
+capture buffer `[n_capture + 1, B, T, H]`; its ys: a speculative call's `PendingBlock` parts.
+Param paths `stacks.{s}.{j}.*` (member `j` of stack `s`) map to HF layer ids by `stack_layer_ids`.
 
 Example:
     >>> from dmtp_jax.config import TargetConfig
@@ -178,14 +165,14 @@ def run_layer(layer, carry: Carry, ctx: Context, kv_index, linear_index):
     `linear_index` (each a Python int or a traced scalar)."""
     x = carry.x_bth
     if not layer.is_linear:
-        layer.self_attn.kv_index = kv_index
-        x, kv = layer(x, ctx.positions_bt, ctx.cos, ctx.sin, carry.kv, ctx.kv_valid_bt)
+        x, kv = layer(x, ctx.positions_bt, ctx.cos, ctx.sin, carry.kv, ctx.kv_valid_bt, kv_index)
         return dataclasses.replace(carry, x_bth=x.astype(carry.x_bth.dtype), kv=kv), None
     conv, ssm = carry.conv_lbwc, carry.ssm_lbhkv
     speculative = ctx.speculative and ssm is not None
-    y, (c, s), block = layer.linear_attn(
-        layer.norm(x, layer.input_layernorm), None if conv is None else conv[linear_index],
-        None if ssm is None else ssm[linear_index], ctx.kv_valid_bt, speculative=speculative)
+    with jax.named_scope("linear_attention"):
+        y, (c, s), block = layer.linear_attn(
+            layer.norm(x, layer.input_layernorm), None if conv is None else conv[linear_index],
+            None if ssm is None else ssm[linear_index], ctx.kv_valid_bt, speculative=speculative)
     if block is None and ssm is not None:
         conv, ssm = conv.at[linear_index].set(c), ssm.at[linear_index].set(s)
     x = layer.finish(x, y).astype(carry.x_bth.dtype)
@@ -206,8 +193,9 @@ def run_stack(spec: StackSpec, members: nnx.List, carry: Carry, ctx: Context,
         layers = nnx.merge(graphdef, state_g)
         blocks, a, lin = [], 0, 0
         for j, layer in enumerate(layers):
-            carry, block = run_layer(layer, carry, ctx, spec.attn_start + g * n_attn + a,
-                                     spec.linear_start + g * n_linear + lin)
+            with jax.named_scope(f"layer_{spec.start + j}" if spec.repeats == 1 else f"member_{j}"):
+                carry, block = run_layer(layer, carry, ctx, spec.attn_start + g * n_attn + a,
+                                         spec.linear_start + g * n_linear + lin)
             if layer.is_linear:
                 lin += 1
             else:

@@ -53,7 +53,7 @@ def mtp_config_for(target_cfg: TargetConfig) -> MtpConfig:
 class MtpHead(nnx.Module):
     """Params: `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc` `[2H, H]`, `layers[0]`, `norm`."""
 
-    def __init__(self, mcfg: MtpConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, mcfg: MtpConfig, *, dtype, rngs: nnx.Rngs, mesh_rules=None):
         self.mcfg = mcfg
         h = mcfg.hidden_size
         norm_init = params.zeros if mcfg.zero_centred else params.ones
@@ -61,12 +61,14 @@ class MtpHead(nnx.Module):
         self.pre_fc_norm_hidden = norm_init((h,), (None,), dtype)
         self.fc = params.weight(rngs, (2 * h, h), ("features", "embed"), dtype)
         layer_cls = decoder_layer_class(mcfg.layer_cfg)
-        self.layers = nnx.List([layer_cls(mcfg.layer_cfg, 0, dtype, rngs, first_key_slot=1, stacked=False)])
+        self.layers = nnx.List([layer_cls(mcfg.layer_cfg, 0, dtype, rngs, first_key_slot=1, stacked=False,
+                                          mesh_rules=mesh_rules)])
         self.norm = norm_init((h,), (None,), dtype)
 
     def _norm(self, x, w):
         return rms_norm(x, w[...], self.mcfg.layer_cfg.rms_norm_eps, self.mcfg.zero_centred)
 
+    @jax.named_scope("mtp")
     def __call__(self, embeds_bth: jax.Array, hidden_bth: jax.Array, positions_bt: jax.Array,
                  cache: KVCache | None = None, kv_valid_bt: jax.Array | None = None):
         """One MTP step over rows `(hidden at t, embedding of x_{t+1})` at positions t+1: the pre-norm
@@ -83,6 +85,7 @@ class MtpHead(nnx.Module):
     def _rope(self, positions_bt, dtype):
         return rope_tables(self.mcfg.layer_cfg, positions_bt, dtype)
 
+    @jax.named_scope("mtp")
     def advance(self, embeds_bth: jax.Array, hidden_bth: jax.Array, positions_bt: jax.Array, cache: KVCache,
                 last_b: jax.Array) -> tuple[jax.Array, KVCache]:
         """The decode round's MTP advance: writes K/V of every row (positions `>= max_len`: scratch) and runs
@@ -92,10 +95,10 @@ class MtpHead(nnx.Module):
         x = self._fuse(embeds_bth, hidden_bth)
         x_norm = layer.norm(x, layer.input_layernorm)
         cos, sin = self._rope(positions_bt, x.dtype)
-        cache = attn.write(cache, *attn.kv(x_norm, cos, sin), positions_bt)
+        cache = attn.write(cache, 0, *attn.kv(x_norm, cos, sin), positions_bt)
         pick = lambda a: jnp.take_along_axis(a, last_b.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)  # noqa: E731
         q, gate = attn.q_gate(pick(x_norm), pick(cos), pick(sin))
-        h = layer.finish(pick(x), attn.attend_cache(q, gate, pick(positions_bt), cache))
+        h = layer.finish(pick(x), attn.attend_cache(q, gate, pick(positions_bt), cache, 0))
         return h[:, 0], cache
 
     def post_norm(self, h_bth: jax.Array) -> jax.Array:

@@ -40,11 +40,13 @@ from dmtp_jax.config import TargetConfig
 from dmtp_jax.layers import params
 from dmtp_jax.layers.attention import DENSE_MAX_QUERIES, MaskRule, grouped_attention
 from dmtp_jax.layers.kv_cache import KVCache, PendingBlock, TargetCache, write_layer
-from dmtp_jax.layers.mlp import moe_mlp, swiglu
+from dmtp_jax.layers.mlp import swiglu
+from dmtp_jax.layers.moe import moe_mlp
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import apply_rope, rope_tables
 from dmtp_jax.models.deltanet import GatedDeltaNet, commit_states
 from dmtp_jax.models.layer_stack import Context, captured_outputs, plan_stacks, run_stacks, stacked
+from dmtp_jax.sharding import MeshRules
 
 
 @jax.tree_util.register_dataclass
@@ -61,10 +63,8 @@ class Attention(nnx.Module):
     gate (`q_proj` is `[H, heads * 2D]`, each head's query then its gate), zero-centred q/k norms
     and partial rotary (the tables' width). Also the drafter's attention (`models/dflash.py`)."""
 
-    def __init__(self, cfg, layer: int, dtype, rngs: nnx.Rngs, *, kv_index: int | None = None,
-                 first_key_slot: int = 0):
+    def __init__(self, cfg, layer: int, dtype, rngs: nnx.Rngs, *, first_key_slot: int = 0):
         h, nh, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.kv_index = layer if kv_index is None else kv_index
         self.first_key_slot = first_key_slot      # cache slots below it are never keys (the MTP's 0)
         self.num_heads, self.num_kv_heads, self.head_dim = nh, kv, hd
         self.eps = cfg.rms_norm_eps
@@ -91,9 +91,8 @@ class Attention(nnx.Module):
         b, t, _ = x_bth.shape
         q = x_bth @ self.q_proj[...]
         if t <= DENSE_MAX_QUERIES:
-            # A few rows (decode, verify and drafter blocks): left free, XLA's TPU layout pass makes
-            # this matmul emit heads-major rows by copying `q_proj` transposed, a full weight read and
-            # write per layer and call (27B verify: 17.5 -> 13.6 GB per round). The barrier keeps q row-major.
+            # A few rows (decode, verify and drafter blocks): left free, XLA's TPU layout pass copies
+            # `q_proj` transposed per layer and call to emit heads-major rows; the barrier keeps q row-major.
             q = jax.lax.optimization_barrier(q)
         if self.has_bias:
             q = q + self.q_bias[...]
@@ -126,30 +125,32 @@ class Attention(nnx.Module):
         y = y @ self.o_proj[...]
         return y + self.o_bias[...] if self.has_bias else y
 
-    def write(self, cache: KVCache, k_btkd, v_btkd, positions_bt) -> KVCache:
-        """The cache with this layer's new keys and values at their positions (slot == position)."""
-        i = self.kv_index
-        return KVCache(write_layer(cache.k_lbskd, i, k_btkd, positions_bt),
-                       write_layer(cache.v_lbskd, i, v_btkd, positions_bt))
+    def write(self, cache: KVCache, kv_index, k_btkd, v_btkd, positions_bt) -> KVCache:
+        """The cache with this layer's new keys and values (cache layer `kv_index`, a Python int or
+        a traced scalar) at their positions (slot == position)."""
+        return KVCache(write_layer(cache.k_lbskd, kv_index, k_btkd, positions_bt),
+                       write_layer(cache.v_lbskd, kv_index, v_btkd, positions_bt))
 
-    def attend_cache(self, q_bthd, gate_btf, positions_bt, cache: KVCache):
-        """Output of queries at `positions_bt` over this layer's cached keys (causal, window, never
-        a slot below `first_key_slot`)."""
-        keys, values = cache.k_lbskd[self.kv_index], cache.v_lbskd[self.kv_index]
+    def attend_cache(self, q_bthd, gate_btf, positions_bt, cache: KVCache, kv_index):
+        """Output of queries at `positions_bt` over cache layer `kv_index`'s keys (causal, window,
+        never a slot below `first_key_slot`)."""
+        keys, values = cache.k_lbskd[kv_index], cache.v_lbskd[kv_index]
         k_pos = jnp.broadcast_to(jnp.arange(cache.max_len), keys.shape[:2])
         valid = k_pos >= self.first_key_slot if self.first_key_slot else None
         rule = MaskRule(positions_bt, k_pos, valid, causal=True, window=self.window)
         return self.out(grouped_attention(q_bthd, keys, values, rule), gate_btf)
 
-    def __call__(self, x_bth, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt):
+    def __call__(self, x_bth, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt, kv_index=0):
+        """Attention of the new tokens: over each other without a cache, else written to and read
+        from cache layer `kv_index`."""
         q, gate = self.q_gate(x_bth, cos, sin)
         k, v = self.kv(x_bth, cos, sin)
         if cache is None:
             rule = MaskRule(positions_bt, positions_bt, kv_valid_bt, causal=True, window=self.window,
                             self_keys=True)
             return self.out(grouped_attention(q, k, v, rule), gate), cache
-        cache = self.write(cache, k, v, positions_bt)
-        return self.attend_cache(q, gate, positions_bt, cache), cache
+        cache = self.write(cache, kv_index, k, v, positions_bt)
+        return self.attend_cache(q, gate, positions_bt, cache, kv_index), cache
 
 
 class DenseMLP(nnx.Module):
@@ -165,10 +166,12 @@ class DenseMLP(nnx.Module):
 class SparseMoE(nnx.Module):
     """Top-k routed experts; Qwen3.5-MoE / Qwen3-Next add a shared expert scaled by
     `sigmoid(x @ shared_expert_gate)`. `stacked`: the layer is one of a scanned stack (the target's);
-    False for a layer of its own (the MTP's), whose experts `moe_mlp` may slice in place."""
+    False for a layer of its own (the MTP's), whose experts `moe_mlp` may slice in place.
+    `mesh_rules`: the rules the params are placed with (static; needed on a mesh)."""
 
-    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs, stacked: bool = True):
-        self.stacked = stacked
+    def __init__(self, cfg: TargetConfig, dtype, rngs: nnx.Rngs, stacked: bool = True,
+                 mesh_rules: MeshRules | None = None):
+        self.stacked, self.mesh_rules = stacked, mesh_rules
         h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.router = params.weight(rngs, (h, e), ("embed", None), dtype)
@@ -184,7 +187,7 @@ class SparseMoE(nnx.Module):
         b, t, h = x_bth.shape
         x = x_bth.reshape(b * t, h)
         y = moe_mlp(x, self.router[...], self.gate_proj[...], self.up_proj[...], self.down_proj[...],
-                    self.top_k, self.norm_topk_prob, stacked=self.stacked)
+                    self.top_k, self.norm_topk_prob, stacked=self.stacked, rules=self.mesh_rules)
         if self.has_shared:
             y = y + jax.nn.sigmoid(x @ self.shared_expert_gate[...]) * self.shared_expert(x)
         return y.reshape(b, t, h)
@@ -194,8 +197,8 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: `x += mixer(norm(x)); x += mlp(norm(x))`. The mixer is attention (`self_attn`)
     or, for `linear_attention` layers, Gated DeltaNet (`linear_attn`)."""
 
-    def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs: nnx.Rngs, *, kv_index: int | None = None,
-                 first_key_slot: int = 0, stacked: bool = True):
+    def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs: nnx.Rngs, *, first_key_slot: int = 0,
+                 stacked: bool = True, mesh_rules: MeshRules | None = None):
         self.eps = cfg.rms_norm_eps
         self.zero_centred = cfg.zero_centred_norms
         self.is_linear = cfg.layer_types[layer] == "linear_attention"
@@ -205,8 +208,8 @@ class DecoderLayer(nnx.Module):
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(cfg, dtype, rngs)
         else:
-            self.self_attn = Attention(cfg, layer, dtype, rngs, kv_index=kv_index, first_key_slot=first_key_slot)
-        self.mlp = (SparseMoE(cfg, dtype, rngs, stacked) if cfg.is_moe_layer(layer)
+            self.self_attn = Attention(cfg, layer, dtype, rngs, first_key_slot=first_key_slot)
+        self.mlp = (SparseMoE(cfg, dtype, rngs, stacked, mesh_rules) if cfg.is_moe_layer(layer)
                     else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs))
 
     def norm(self, x, weight):
@@ -215,13 +218,16 @@ class DecoderLayer(nnx.Module):
     def finish(self, x, mixed):
         """Residual add of the mixer output, then the MLP half of the block."""
         x = x + mixed
-        return x + self.mlp(self.norm(x, self.post_attention_layernorm))
+        with jax.named_scope("mlp"):
+            return x + self.mlp(self.norm(x, self.post_attention_layernorm))
 
-    def __call__(self, x, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt):
-        """An attention layer (`layer_stack.run_layer` runs a DeltaNet layer's `linear_attn` itself,
-        since it threads the layer's conv window and state, then calls `finish`)."""
-        attn, cache = self.self_attn(self.norm(x, self.input_layernorm), positions_bt, cos, sin, cache,
-                                     kv_valid_bt)
+    def __call__(self, x, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt, kv_index=0):
+        """An attention layer on cache layer `kv_index` (`layer_stack.run_layer` runs a DeltaNet
+        layer's `linear_attn` itself, since it threads the layer's conv window and state, then calls
+        `finish`)."""
+        with jax.named_scope("attention"):
+            attn, cache = self.self_attn(self.norm(x, self.input_layernorm), positions_bt, cos, sin, cache,
+                                         kv_valid_bt, kv_index)
         return self.finish(x, attn), cache
 
 
@@ -244,18 +250,19 @@ class QwenTarget(nnx.Module):
     """A Qwen-family causal LM. Params use `[in, out]` kernels; HF names map in `checkpoint.hf`.
     The decoder layers are scanned stacks of a repeating group (`models/layer_stack.py`; params
     `stacks.{s}.{j}.*` stacked `[groups, ...]`); `scan_layers=False` makes one unrolled stack.
+    `mesh_rules`: the rules its params are placed with (the MoE layers' expert parallelism).
     `decoder_layer`: the layer class (`models/deepseek.py` subclasses this target with its MLA layer)."""
     decoder_layer = DecoderLayer
 
-    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs, scan_layers: bool = True):
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs, scan_layers: bool = True,
+                 mesh_rules: MeshRules | None = None):
         self.cfg = cfg
         self.embed_tokens = params.weight(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
         # the layers as stacks of repeated groups, params `[repeats, ...]` (`models/layer_stack.py`)
         self.stack_specs = plan_stacks(cfg, scan_layers)
-        kv_index = {layer: j for j, layer in enumerate(cfg.attention_layers)}
 
         def group(spec):
-            return lambda r: nnx.List([self.decoder_layer(cfg, i, dtype, r, kv_index=kv_index.get(i))
+            return lambda r: nnx.List([self.decoder_layer(cfg, i, dtype, r, mesh_rules=mesh_rules)
                                        for i in range(spec.start, spec.start + spec.period)])
         self.stacks = nnx.List([stacked(group(spec), spec.repeats, rngs) for spec in self.stack_specs])
         norm_init = params.zeros if cfg.zero_centred_norms else params.ones
@@ -265,7 +272,8 @@ class QwenTarget(nnx.Module):
 
     def layer(self, i: int) -> DecoderLayer:
         """Layer `i` as its own `DecoderLayer` (a view of its slice of the stacked params, for
-        inspection and per-layer checks; the forward never builds it).
+        inspection and per-layer checks; the forward never builds it). An attention layer's cache
+        layer is `cfg.attention_layers.index(i)`.
 
         Example:
             >>> model.layer(3).self_attn.q_proj.shape  # doctest: +SKIP
@@ -275,10 +283,7 @@ class QwenTarget(nnx.Module):
             if spec.start <= i < spec.start + spec.period * spec.repeats:
                 g, j = divmod(i - spec.start, spec.period)
                 graphdef, state = nnx.split(members[j])
-                layer = nnx.merge(graphdef, jax.tree.map(lambda v: v[g], state))
-                if not layer.is_linear:
-                    layer.self_attn.kv_index = self.cfg.attention_layers.index(i)
-                return layer
+                return nnx.merge(graphdef, jax.tree.map(lambda v: v[g], state))
         raise IndexError(f"layer {i} of a {self.cfg.num_hidden_layers}-layer target")
 
     @property
@@ -296,7 +301,8 @@ class QwenTarget(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """fp32 logits `[..., V]` of post-norm hidden states `[..., H]` (`lm_head_logits`): the
         one LM head of the target, its MTP head and the DFlash / DMTP drafters."""
-        return lm_head_logits(hidden, self.head_weight(), tied=self.cfg.tie_word_embeddings)
+        with jax.named_scope("lm_head"):
+            return lm_head_logits(hidden, self.head_weight(), tied=self.cfg.tie_word_embeddings)
 
     def commit(self, cache: TargetCache, pending: PendingBlock | None, keep_b: jax.Array) -> TargetCache:
         """The cache after keeping the first `keep_b` tokens of the last speculative call per row
@@ -318,13 +324,15 @@ class QwenTarget(nnx.Module):
         state. `speculative=True` leaves DeltaNet states for `commit`. `embeds_bth` replaces the
         embedding lookup when given.
         """
-        x = self.embed(tokens_bt) if embeds_bth is None else embeds_bth
-        cos, sin = rope_tables(self.cfg, positions_bt, x.dtype)
+        with jax.named_scope("embed"):
+            x = self.embed(tokens_bt) if embeds_bth is None else embeds_bth
+            cos, sin = rope_tables(self.cfg, positions_bt, x.dtype)
         ctx = Context(positions_bt, cos, sin, kv_valid_bt, speculative and cache is not None)
         carry, pending = run_stacks(self.stack_specs, self.stacks, x, None if cache is None else cache.kv,
                                     None if cache is None else cache.conv_lbwc,
                                     None if cache is None else cache.ssm_lbhkv, ctx, capture_layers)
-        hidden = rms_norm(carry.x_bth, self.norm[...], self.cfg.rms_norm_eps, self.cfg.zero_centred_norms)
+        with jax.named_scope("final_norm"):
+            hidden = rms_norm(carry.x_bth, self.norm[...], self.cfg.rms_norm_eps, self.cfg.zero_centred_norms)
         captured = captured_outputs(carry, capture_layers, self.cfg.num_hidden_layers - 1, hidden)
         new_cache = None if cache is None else TargetCache(carry.kv, carry.conv_lbwc, carry.ssm_lbhkv)
         return TargetOutput(hidden, captured, new_cache, pending)

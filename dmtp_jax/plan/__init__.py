@@ -52,7 +52,7 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
         models = plan_models(target, method, device_mesh, dtype, draft, block_size)
         if draft_head != "full" and method != "ar":
             from dmtp_jax.checkpoint.hf import place_abstract
-            from dmtp_jax.models.draft_head import abstract_draft_head
+            from dmtp_jax.checkpoint.draft_head_ckpt import abstract_draft_head
             models["draft_head"] = place_abstract(*abstract_draft_head(
                 draft_head, models["target"].cfg, dtype, draft_head_rank, draft_head_shortlist, draft_head_vocab),
                 device_mesh)

@@ -90,7 +90,7 @@ def plan_head_factor(target: str, *, mesh: str | None = None, batch_size: int = 
 
     from dmtp_jax.checkpoint.hf import LoadedModel
     from dmtp_jax.checkpoint.mtp_ckpt import has_mtp
-    from dmtp_jax.models.draft_head import abstract_efficient_head
+    from dmtp_jax.checkpoint.draft_head_ckpt import abstract_efficient_head
     from dmtp_jax.plan.models import target_config_of
     from dmtp_jax.plan.topology import open_topology
     from dmtp_jax.platform import compiling_for

@@ -1,43 +1,23 @@
 """Continuous batching over rounds that follow the load: the serving core, no HTTP.
 
 An `Engine` owns one `RoundBank` (`serve/rounds.py`: plain decoding and the speculative rounds its
-models allow, all on one state) and one running state whose row count is a compiled row bucket
-(powers of two up to `max_batch_size`): the running requests live in its first rows, so a step
-costs the rows in use, not `max_batch_size`. Each `step()`:
+models allow, on one state) and one running state whose row count is a compiled row bucket (powers
+of two up to `max_batch_size`), the running requests in its first rows. Each `step()`:
 
-    cancel     rows whose request was cancelled (client gone, stop string) are freed at once
-    admit      waiting requests are prefilled in groups padded to one prompt bucket
-               (`serve/admission.py`), as many chunks per step as fit the prefill budget (4 x
-               `prefill_chunk` tokens: row bucket x chunk width), so a burst of arrivals costs one
-               prefill per group; a finished group's rows go into the running state in one scatter
-               (the state grows to the next row bucket first)
-    round      the policy (`serve/policy.py`) picks the round (`auto`: plain, MTP or the base
-               method, from the live rows and the acceptance and round times measured live; else
-               the decoder's method), which runs over the state's rows, the first `n` active; with
-               `rounds_per_dispatch` K > 1 and nobody waiting, up to K rounds run per dispatch with
-               on-device stopping. Each request's `StopTracker` cuts at its stop tokens /
-               `max_tokens`; finished rows are filled by the last running rows (`rows.move_row`:
-               every cache of the row moves) and the state shrinks to the smallest bucket that
-               holds the rest once nobody waits.
+    cancel     rows of cancelled requests are freed
+    admit      waiting requests are prefilled in groups (`serve/admission.py`), within the prefill
+               budget per step; a finished group's rows go into the running state in one scatter
+    round      the policy (`serve/policy.py`) picks the round (plain, MTP or the base method), run
+               over the active rows (K rounds per dispatch when nobody waits); each request's
+               `StopTracker` cuts at its stops; finished rows are filled by the last running rows
+               and the state shrinks to the smallest bucket that holds the rest
 
 With `prefix_cache_gb` > 0 a prompt that begins with a stored text resumes from its 1-row state
-(`admission.start_of`); admitted rows, rows ending exactly at their text and rows a dispatch may end
-(`PrefixCache.before_round`) are offered to the cache (`serve/prefix_cache.py`). Outputs are unchanged.
-
-A request's greedy output is `generate`'s on the same prompt whatever else is in the batch and
-whichever rounds ran: rows never read each other and every round commits the target's argmax.
-Sampled rows carry their own temperature / top-p / top-k (`request.row_sampling`: traced values in
-one form, top-k searching `max_top_k` and top-p on, so no request's values compile anything). A lone request's `seed`
-seeds its first token; rounds draw from the engine's round keys (lossless, not reproducible per
-request).
-
-Faults: an exception while admitting a group ends the request if it was alone, else its group's
-requests are prefilled alone next (the one that fails again ends with finish reason "error"); a
-failed round ends the running requests with "error", keeps the waiting ones and rebuilds the
-running state.
-
-Speculative decoders pass the exactness probe first (`decode/probe.py:exactness_gate`); on a
-decline the engine serves plain decoding with the same target.
+(`serve/prefix_cache.py`). A request's greedy output is `generate`'s on the same prompt whatever
+else is in the batch; sampled rows carry their own parameters as traced values (nothing
+recompiles). A failed admission retries its group's requests alone; a failed round ends the
+running requests with "error" and rebuilds the state. A speculative decoder that fails its
+exactness probe is served with plain decoding.
 
 Example:
     >>> engine = Engine(make_decoder("dmtp", target, drafter=d, mtp=m, fusion=f), max_batch_size=8)  # doctest: +SKIP
@@ -48,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import time
 
@@ -57,14 +36,14 @@ import numpy as np
 
 from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.auto import AUTO, AutoDecoder
-from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts, round_up
-from dmtp_jax.decode.sampling import check as check_sampling
+from dmtp_jax.decode.batch import RequestError, StopTracker, round_up
+from dmtp_jax.options import check_max_model_len, check_positive_int
 from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
 from dmtp_jax.serve.policy import LoadPolicy
 from dmtp_jax.serve.prefix_cache import PrefixCache, copy_state, prefix_cache_bytes, state_nbytes
-from dmtp_jax.serve.request import Event, Request, row_sampling
+from dmtp_jax.serve.request import Event, Request, check_request, row_sampling
 from dmtp_jax.serve.rounds import engine_bank
-from dmtp_jax.serve.rows import batch_axes, extract_row, insert_row, move_row, put_rows, resize_rows
+from dmtp_jax.serve.rows import RowMoves, insert_row
 from dmtp_jax.serve.warmup import warm_up_engine
 
 __all__ = ["Engine", "Event", "Request", "insert_row"]
@@ -91,12 +70,9 @@ class Engine:
                  rounds_per_dispatch: int | None = None, max_top_k: int = 256, prefix_cache_gb: float = 0.0):
         cfg = decoder.target.cfg
         self.max_top_k = int(max_top_k)              # top-k's search width in sampled rounds (static)
-        if max_batch_size < 1:
-            raise RequestError(f"--max-batch-size must be >= 1, got {max_batch_size}")
+        check_positive_int("--max-batch-size", max_batch_size, RequestError)
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
-        if not 2 <= self.max_model_len <= cfg.max_position_embeddings:
-            raise RequestError(f"--max-model-len must be in [2, {cfg.max_position_embeddings}] "
-                               f"(the model's max_position_embeddings), got {self.max_model_len}")
+        check_max_model_len(self.max_model_len, cfg.max_position_embeddings, RequestError)
         self.decoder, self.cfg, self.seed = decoder, cfg, seed
         self.stop_ids = tuple(cfg.eos_token_ids if stop_ids is None else stop_ids)
         self.max_batch_size = int(max_batch_size)
@@ -119,15 +95,13 @@ class Engine:
         self.max_len = round_up(self.max_model_len + self.bank.max_slots, 128)
         self.prefill_budget = int(prefill_budget or PREFILL_BUDGET_CHUNKS * self.bank.prefill_chunk)
         self.base_key = jax.random.key(seed)
-        one, two = self.bank.new_state(1, self.max_len), self.bank.new_state(2, self.max_len)
-        axes, shardings = batch_axes(one, two), jax.tree.map(lambda x: x.sharding, one)
-        self._put = counted_jit(functools.partial(put_rows, axes), donate_argnums=0, out_shardings=shardings)
-        self._move = counted_jit(functools.partial(move_row, axes), donate_argnums=0, out_shardings=shardings)
-        self._resize = counted_jit(functools.partial(resize_rows, axes), static_argnums=1, out_shardings=shardings)
+        one = self.bank.new_state(1, self.max_len)
+        self.moves = RowMoves(one, self.bank.new_state(2, self.max_len))    # the running state's row moves
         budget = prefix_cache_bytes(prefix_cache_gb)
         self.prefix_cache = None if not budget else PrefixCache(
-            budget, extract=counted_jit(functools.partial(extract_row, axes), out_shardings=shardings),
-            copy=counted_jit(copy_state, out_shardings=shardings), row_bytes=state_nbytes(one))
+            budget, extract=self.moves.extract,
+            copy=counted_jit(copy_state, out_shardings=jax.tree.map(lambda x: x.sharding, one)),
+            row_bytes=state_nbytes(one))
         self.state = self.bank.new_state(self.buckets[0], self.max_len)
 
     @property
@@ -141,27 +115,9 @@ class Engine:
         return self.policy.describe()
     # ---- requests ------------------------------------------------------------------------------
     def check(self, req: Request) -> Request:
-        """Validates a request (raises `RequestError` naming the problem); returns it.
-
-        Example:
-            >>> engine.check(Request([1, 2], max_tokens=0))  # doctest: +SKIP
-            Traceback (most recent call last):
-            dmtp_jax.errors.RequestError: max_tokens must be >= 1, got 0
-        """
-        if req.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
-        check_sampling(req.temperature, req.top_p, req.top_k)
-        if not -2**63 <= req.seed < 2**63:
-            raise RequestError(f"seed must be a 64-bit integer, got {req.seed}")
-        if self.max_top_k < req.top_k < self.cfg.vocab_size:
-            raise RequestError(f"top_k must be <= {self.max_top_k} (--max-top-k), or 0 / >= the vocabulary "
-                               f"({self.cfg.vocab_size}) for none, got {req.top_k}")
-        total = len(req.prompt_ids) + req.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
-                               f"exceeds --max-model-len {self.max_model_len}")
-        pad_prompts([req.prompt_ids], req.max_tokens, self.cfg.vocab_size, self.max_model_len, batch_bucket=1)
-        return req
+        """Validates a request against this engine's limits (`request.check_request`); returns it."""
+        return check_request(req, vocab_size=self.cfg.vocab_size, max_model_len=self.max_model_len,
+                             max_top_k=self.max_top_k)
 
     def add(self, req: Request) -> Request:
         """Queues a (checked) request; it is admitted by a later `step`.
@@ -302,7 +258,7 @@ class Engine:
         self._resize_to(row_bucket(need, self.buckets))
         dst = np.full(group.rows, self.rows, np.int32)          # past the rows: dropped
         dst[keep] = np.arange(len(self.running), need, dtype=np.int32)
-        self.state = self._put(self.state, group.state, dst)
+        self.state = self.moves.put(self.state, group.state, dst)
         now = time.perf_counter()
         for i, req in enumerate(group.reqs):
             self._solo.discard(req.id)
@@ -336,7 +292,7 @@ class Engine:
     # ---- rows ----------------------------------------------------------------------------------
     def _resize_to(self, rows: int) -> None:
         if rows != self.rows:
-            self.state = self._resize(self.state, rows)
+            self.state = self.moves.resize(self.state, rows)
 
     def _compact(self) -> None:
         """Drops finished rows: the last running rows fill their places; the state shrinks to the
@@ -348,7 +304,7 @@ class Engine:
             movers = [i for i in live if i >= n]
             order = list(range(len(self.running)))
             for hole, src in zip(holes, movers):
-                self.state = self._move(self.state, np.int32(src), np.int32(hole))
+                self.state = self.moves.move(self.state, np.int32(src), np.int32(hole))
                 order[hole] = src
             self.running = [self.running[order[i]] for i in range(n)]
         if not self.waiting and self._group is None:
@@ -400,5 +356,4 @@ class Engine:
         """The bank's compile counts plus the row moves' (`put_rows`, `move_row`, `resize_rows`) and
         the prefix cache's (`extract_row`, `copy_row`)."""
         cache = {} if self.prefix_cache is None else self.prefix_cache.compile_counts()
-        return {**self.bank.compile_counts(), "put_rows": self._put.compiles, "move_row": self._move.compiles,
-                "resize_rows": self._resize.compiles, **cache}
+        return {**self.bank.compile_counts(), **self.moves.compile_counts(), **cache}

@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from dmtp_jax.decode.batch import StopTracker
-from dmtp_jax.decode.sampling import SamplingParams
+from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
+from dmtp_jax.decode.sampling import SamplingParams, check as check_sampling
 
 _IDS = itertools.count(1)
 
@@ -55,6 +55,31 @@ class Request:
         return {"verify_rounds": rounds,
                 "mean_acceptance_length": sum(self.acceptance) / rounds if rounds else 0.0,
                 "first_candidate_acceptance": sum(a > 1 for a in self.acceptance) / rounds if rounds else 0.0}
+
+
+def check_request(req: Request, *, vocab_size: int, max_model_len: int, max_top_k: int) -> Request:
+    """Validates a request against a server's limits (raises `RequestError` naming the problem).
+
+    Example:
+        >>> check_request(Request([1, 2], max_tokens=0), vocab_size=64, max_model_len=32, max_top_k=8)
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.errors.RequestError: max_tokens must be >= 1, got 0
+    """
+    if req.max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {req.max_tokens}")
+    check_sampling(req.temperature, req.top_p, req.top_k)
+    if not -2**63 <= req.seed < 2**63:
+        raise RequestError(f"seed must be a 64-bit integer, got {req.seed}")
+    if max_top_k < req.top_k < vocab_size:
+        raise RequestError(f"top_k must be <= {max_top_k} (--max-top-k), or 0 / >= the vocabulary "
+                           f"({vocab_size}) for none, got {req.top_k}")
+    total = len(req.prompt_ids) + req.max_tokens
+    if total > max_model_len:
+        raise RequestError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
+                           f"exceeds --max-model-len {max_model_len}")
+    pad_prompts([req.prompt_ids], req.max_tokens, vocab_size, max_model_len, batch_bucket=1)
+    return req
 
 
 @dataclasses.dataclass

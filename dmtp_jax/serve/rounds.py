@@ -140,8 +140,7 @@ def engine_bank(decoder):
         base = base_decoder(auto.candidates) if auto is not None else decoder
         gate = None
         if not isinstance(base, ARDecoder):
-            from dmtp_jax.decode.probe import exactness_gate
-            gate = exactness_gate(base)
+            gate = base.exactness.gate()
             if not gate.engaged:
                 base = ARDecoder(base.target, prefill_chunk=base.prefill_chunk)
         decoder.__dict__["_engine_bank"] = (

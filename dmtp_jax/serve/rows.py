@@ -9,7 +9,8 @@ bucket. A leaf's batch axis is where a 1-row and a 2-row state differ (`batch_ax
     resize_rows the first `rows` rows (shrink), or the state padded with zero rows (grow)
     extract_row row `row` as a 1-row state (a copy; the inverse of `insert_row`)
 
-A row that moves keeps its whole state: every leaf's row moves together.
+A row that moves keeps its whole state: every leaf's row moves together. `RowMoves` jits them for
+one state layout (the engine's, its warm-up's and its prefix cache's).
 
 Example:
     >>> axes = {"k": 1, "n": 0}
@@ -21,8 +22,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from dmtp_jax.counted_jit import counted_jit
 
 
 def batch_axis(small_shape: tuple, big_shape: tuple) -> int:
@@ -115,3 +120,21 @@ def extract_row(axes, state, row):
         [3.0]
     """
     return jax.tree.map(lambda axis, x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis), axes, state)
+
+
+class RowMoves:
+    """The row moves jitted for states laid out like `one` (a 1-row state) and `two` (2 rows), every
+    output at `one`'s shardings: `put` and `move` donate the big state, `resize` takes the row count
+    static, `extract` copies one row. Compiles are counted (`compile_counts`)."""
+
+    def __init__(self, one, two):
+        self.axes = batch_axes(one, two)
+        shardings = jax.tree.map(lambda x: x.sharding, one)
+        self.put = counted_jit(functools.partial(put_rows, self.axes), donate_argnums=0, out_shardings=shardings)
+        self.move = counted_jit(functools.partial(move_row, self.axes), donate_argnums=0, out_shardings=shardings)
+        self.resize = counted_jit(functools.partial(resize_rows, self.axes), static_argnums=1,
+                                  out_shardings=shardings)
+        self.extract = counted_jit(functools.partial(extract_row, self.axes), out_shardings=shardings)
+
+    def compile_counts(self) -> dict[str, int]:
+        return {"put_rows": self.put.compiles, "move_row": self.move.compiles, "resize_rows": self.resize.compiles}

@@ -26,11 +26,11 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
         engine.bank.run(method, engine.bank.new_state(rows, engine.max_len), np.zeros(rows, bool),
                         np.zeros(rows, np.int32), sp, engine.base_key, 1, greedy, k, engine.stop_ids)
     for rows, other in itertools.product(engine.buckets, engine.buckets):     # the row moves between buckets
-        state = engine._resize(engine.bank.new_state(rows, engine.max_len), other)
+        state = engine.moves.resize(engine.bank.new_state(rows, engine.max_len), other)
         if other <= rows:
-            state = engine._put(engine._resize(state, rows), engine.bank.new_state(other, engine.max_len),
+            state = engine.moves.put(engine.moves.resize(state, rows), engine.bank.new_state(other, engine.max_len),
                                 np.full(other, rows, np.int32))
-            state = engine._move(state, np.int32(0), np.int32(0))
+            state = engine.moves.move(state, np.int32(0), np.int32(0))
     for bucket in itertools.takewhile(lambda b: b <= top, (PROMPT_BUCKET_FLOOR << i for i in itertools.count())):
         width = chunk_length(bucket, engine.bank.prefill_chunk)
         for rows, t in itertools.product([r for r in engine.buckets if r == 1 or r * width <= engine.prefill_budget],
@@ -50,7 +50,7 @@ def warm_up_prefix_cache(engine, temperatures=(0.0, 1.0)) -> None:
     cache, one = engine.prefix_cache, engine.bank.new_state(1, engine.max_len)
     for rows in engine.buckets:
         cache.extract(engine.bank.new_state(rows, engine.max_len), np.int32(0))
-        engine._put(engine.bank.new_state(rows, engine.max_len), one, np.full(1, rows, np.int32))
+        engine.moves.put(engine.bank.new_state(rows, engine.max_len), one, np.full(1, rows, np.int32))
     base = [0] * 8
     for width, t in itertools.product(resume_widths(engine.bank.prefill_chunk), temperatures):
         cache.offer(base + [0], one, greedy=False)

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -83,6 +84,16 @@ def eagle3_loss(drafter: Eagle3Drafter, target, tokens_bt: jax.Array, loss_mask_
     return loss, metrics
 
 
+def eagle3_train_loss(target_graphdef, graphdef, compute_dtype, passes: int, params, frozen, batch):
+    """`eagle3_loss` as a `WindowTrainer` loss: `frozen = (target state, draft vocabulary)`, `batch =
+    (tokens_bt, loss_mask_bt)`, the drafter's fp32 params cast to `compute_dtype`."""
+    tokens_bt, loss_mask_bt = batch
+    target_state, vocab = frozen
+    target = nnx.merge(target_graphdef, jax.lax.stop_gradient(target_state))
+    cparams = jax.tree.map(lambda x: x.astype(compute_dtype), params["drafter"])
+    return eagle3_loss(nnx.merge(graphdef, cparams, vocab), target, tokens_bt, loss_mask_bt, passes)
+
+
 class Eagle3Trainer(WindowTrainer):
     """The EAGLE-3 drafter's trainer for `train.loop.run_loop`: `params = {"drafter": its nnx.Param
     state}` (fp32 masters, cast to `compute_dtype` in the step), the target and the draft vocabulary
@@ -102,20 +113,14 @@ class Eagle3Trainer(WindowTrainer):
         params, vocab = drafter.state.filter(nnx.Param), drafter.state.filter(DraftVocab)
         self.initial = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
-        super().__init__(ocfg, {"drafter": abstract}, (target.state, vocab), mesh)
+        loss_fn = functools.partial(eagle3_train_loss, self.target_graphdef, self.graphdef, self.compute_dtype,
+                                    self.dcfg.block_size - 1)
+        super().__init__(ocfg, {"drafter": abstract}, loss_fn, (target.state, vocab), mesh)
 
     def initial_params(self, seed: int) -> dict:
         """The drafter's starting params (`seed` unused: drawn when the drafter was made)."""
         del seed
         return {"drafter": self.initial}
-
-    def loss(self, params, frozen, batch):
-        tokens_bt, loss_mask_bt = batch
-        target_state, vocab = frozen
-        target = nnx.merge(self.target_graphdef, jax.lax.stop_gradient(target_state))
-        cparams = jax.tree.map(lambda x: x.astype(self.compute_dtype), params["drafter"])
-        drafter = nnx.merge(self.graphdef, cparams, vocab)
-        return eagle3_loss(drafter, target, tokens_bt, loss_mask_bt, self.dcfg.block_size - 1)
 
     def batch_sharding(self, global_shape):
         return batch_sharding(self.mesh, tuple(global_shape))

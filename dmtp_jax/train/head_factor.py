@@ -1,29 +1,16 @@
 """`train.py head-factor`: the efficient drafting head's low-rank factor, trained toward the full head.
 
-The efficient head (`models/draft_head.py`) shortlists with low-rank scores `(x A) B` and rescores
-the shortlist exactly. Its factor is the truncated SVD of the LM head by default: the best rank-r
-approximation of the head's weights, whatever hidden states it is applied to. This trains `A, B`
-(starting from that SVD) toward the full head's distribution on the hidden states the drafting side
-actually scores: the frozen target's final post-norm hidden states and, when the target has an MTP
-head, the MTP's post-norm hidden states (T1), on the drafter's training data. Loss: soft
-cross-entropy of `softmax((x A) B)` against `softmax(x W)` (= KL + the teacher's entropy), over the
-vocabulary or over a frequency subset (`vocab` N with token counts, `train.py token-counts`).
-Metrics: `kl`, `agree` (low-rank argmax == full argmax) and `recall` (the full head's argmax is in
-the low-rank top-`shortlist`: the rounds where the shortlist holds the draft the full head would
-make).
+Starting from the SVD factor (`models/draft_head.py`), trains `A, B` so that `softmax((x A) B)`
+matches the full head's `softmax(x W)` (soft cross-entropy) on the hidden states the drafting side
+scores: the frozen target's final post-norm states and, with an MTP head, the MTP's, over the
+vocabulary or a frequency subset. Metrics: `kl`, `agree` (same argmax), `recall` (the full head's
+argmax in the low-rank top-`shortlist`).
 
     python train.py head-factor --target DIR --data FILE --out DRAFTER_DIR --rank 64 [--vocab N]
     python infer.py generate ... --draft-head efficient --draft-head-factor DRAFTER_DIR
 
-Writes `DRAFTER_DIR/head_factor.safetensors` (`down [H, r]`, `up [r, C]` fp32, and `ids [C]` for a
-subset) at the end; the run itself (checkpoints, `metrics.jsonl`, `--resume`, signals) is the one
-training loop's (`train/loop.py:run_loop`) in `DRAFTER_DIR/head_factor_run`.
-
-At real sizes: `--target-dtype bfloat16` (the frozen target; the full head's scores accumulate in
-fp32 as at inference), `--mesh tensor=4` (the target sharded as `train` shards it; the factor, 0.25
-GB fp32 at rank 256 over 248 K ids, and its AdamW state replicated), and `--ce-chunk` rows per
-sequence whose `[B, rows, V]` scores are live at once. `train.py plan --job head-factor` compiles
-this step for a TPU slice or GPU host first (the 27B and 35B-A3B rows of docs/sizing.md).
+Writes `DRAFTER_DIR/head_factor.safetensors` (`down [H, r]`, `up [r, C]`, `ids [C]` for a subset);
+the run is the one training loop's (`train/loop.py:run_loop`) in `DRAFTER_DIR/head_factor_run`.
 
 Example:
     >>> summary = train_head_factor(FactorConfig(target="t", data="d.jsonl", out="drafter"))  # doctest: +SKIP
@@ -32,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -42,6 +30,7 @@ from flax import nnx
 
 from dmtp_jax.train.window import WindowBatches, WindowRunConfig, WindowTrainer, window_run_options
 from dmtp_jax.errors import InputError
+from dmtp_jax.options import check_ce_chunk, check_positive_int
 from dmtp_jax.checkpoint.draft_head_ckpt import HEAD_FACTOR
 
 
@@ -72,8 +61,7 @@ def check_factor_shape(batch_size: int, seq_len: int, ce_chunk: int, target_dtyp
     """
     if batch_size < 1 or seq_len < 2:
         raise InputError(f"--batch-size must be >= 1 and --seq-len >= 2, got {batch_size}, {seq_len}")
-    if ce_chunk < 0:
-        raise InputError(f"--ce-chunk must be >= 0 (0: no chunking), got {ce_chunk}")
+    check_ce_chunk(ce_chunk)
     if target_dtype not in ("float32", "bfloat16", "float16"):
         raise InputError(f"--target-dtype must be float32, bfloat16 or float16, got {target_dtype}")
 
@@ -141,6 +129,12 @@ def factor_loss(params: dict, frozen: dict, target_graphdef, mtp_graphdef, token
     return soft_ce, {"kl": kl, "agree": agree, "recall": recall}
 
 
+def factor_window_loss(target_graphdef, mtp_graphdef, tied: bool, shortlist: int, chunk: int, params, frozen,
+                       tokens_bt):
+    """`factor_loss` as a `WindowTrainer` loss."""
+    return factor_loss(params, frozen, target_graphdef, mtp_graphdef, tokens_bt, tied, shortlist, chunk)
+
+
 class FactorDistiller(WindowTrainer):
     """`factor_loss` as a `train.loop.run_loop` trainer: params `{"down", "up"}` (fp32, from the given
     efficient head's factor), the target, MTP and subset ids frozen, all on the target's mesh.
@@ -161,8 +155,10 @@ class FactorDistiller(WindowTrainer):
         self.start = {k: getattr(model, k).get_value() for k in ("down", "up")}
         frozen = {"target": target.state, "mtp": None if mtp is None else mtp.state,
                   "ids": model.ids.get_value() if model.subset else None}
+        loss_fn = functools.partial(factor_window_loss, self.target_graphdef, self.mtp_graphdef, self.tied,
+                                    self.shortlist, chunk)
         super().__init__(ocfg, {k: jax.ShapeDtypeStruct(v.shape, jnp.float32) for k, v in self.start.items()},
-                         frozen, target.mesh)
+                         loss_fn, frozen, target.mesh)
 
     @property
     def initial(self) -> dict:
@@ -173,10 +169,6 @@ class FactorDistiller(WindowTrainer):
         """The given head's factor (`seed` unused)."""
         del seed
         return self.initial
-
-    def loss(self, params, frozen, tokens_bt):
-        return factor_loss(params, frozen, self.target_graphdef, self.mtp_graphdef, tokens_bt, self.tied,
-                           self.shortlist, self.chunk)
 
 
 def train_head_factor(cfg: FactorConfig) -> dict:
@@ -199,8 +191,7 @@ def train_head_factor(cfg: FactorConfig) -> dict:
     from dmtp_jax.train.optim import optim_config
 
     check_factor_shape(cfg.batch_size, cfg.seq_len, cfg.ce_chunk, cfg.target_dtype)
-    if cfg.steps < 1:
-        raise InputError(f"--steps must be >= 1, got {cfg.steps}")
+    check_positive_int("--steps", cfg.steps)
     mesh = make_mesh(cfg.mesh)
     vocab = load_target_config(cfg.target).vocab_size       # the data is checked before any weights load
     dataset = TokenDataset.from_file(cfg.data, cfg.seq_len, load_tokenizer(cfg.target), vocab)

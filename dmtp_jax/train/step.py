@@ -1,19 +1,12 @@
-"""The ONE jitted train step of the drafter (sharded, donated, one compile); the optimiser is
-`train.optim`'s.
+"""The ONE jitted train step of the drafter (sharded, donated, one compile).
 
-`TrainState = (params fp32, opt_state, step)`; `params` is `{"drafter": ..., "fusion": ...}` (the
-fusion only for the DMTP methods). The step takes the frozen target (and, for DMTP, the frozen MTP
-head) state as plain inputs (never differentiated: gradients are taken w.r.t. `params` only, and
-the features are under `stop_gradient`), draws anchors from `fold_in(key(seed), step)`, splits the global batch
-into `grad_accum` micro-batches (a `lax.scan`), sums the gradients of the weighted CE numerator,
-divides by the summed weights of the whole step (SpecForge's normalisation), clips, and applies
-AdamW with warmup + cosine. Compute runs in `compute_dtype` (params cast in the step; master
-params and optimizer state stay fp32). `apply_gradients` is the update of every trainer (this one
-and the demo's `Pretrainer` / `MtpDistiller`): a step whose loss or gradient norm is not finite
-keeps the params and optimizer state it was given (`jnp.where`, no recompile) and reports
-`nonfinite` = 1; the loop counts such steps (`resilience.NonFiniteGuard`). `Trainer.lower_step` lowers the step on
-abstract inputs (ShapeDtypeStructs at their shardings; `abstract_models` builds weightless target /
-MTP), for compiling for a topology and reading its memory analysis.
+`TrainState = (params fp32, opt_state, step)`, `params = {"drafter": ..., "fusion": ...}` (fusion:
+DMTP only). `train_step` is jitted over a frozen `DrafterStep` setup; it takes the frozen target
+(and MTP head) state as inputs (never differentiated), draws anchors from `fold_in(key(seed),
+step)`, runs `grad_accum` micro-batches in a scan, normalises by the step's summed weights, and
+applies `train.optim.apply_gradients` (a non-finite step keeps its state, `nonfinite` = 1). Compute
+runs in `compute_dtype`; master params and optimizer state stay fp32. `Trainer.lower_step` lowers
+the same step on abstract inputs (`abstract_models`) for planning.
 
 Example:
     >>> trainer = Trainer(target, drafter_cfg, StepConfig(), OptimConfig(total_steps=100), mesh)  # doctest: +SKIP
@@ -40,6 +33,7 @@ from dmtp_jax.methods import ADAPTIVE
 from dmtp_jax.models.dflash import REMAT_POLICIES
 from dmtp_jax.models.dflash_config import DFlashConfig
 from dmtp_jax.models.fusion import T1Fusion
+from dmtp_jax.options import check_ce_chunk, check_positive_int
 from dmtp_jax.sharding import (DEFAULT_RULES, MeshRules, at_shardings, batch_sharding, gathered_over, replicated,
                                state_shardings)
 from dmtp_jax.train.anchors import sample_anchors
@@ -127,6 +121,62 @@ def loss_sums(params, graphdefs, target_graphdef, target_state, mtp_graphdef, mt
     return sums["loss_sum"], sums
 
 
+@dataclasses.dataclass(frozen=True)
+class DrafterStep:
+    """What the drafter's jitted step and evaluation close over, fixed at construction (as decode's
+    `RoundSetup`): the trained params' and frozen models' graphdefs, the configs, the optimizer, the
+    compute-dtype params' shardings (or None) and the block's slot count."""
+    graphdefs: dict
+    target_graphdef: object
+    mtp_graphdef: object
+    scfg: StepConfig
+    ocfg: OptimConfig
+    tx: optax.GradientTransformation
+    compute_shardings: object
+    slots: int
+
+
+def micro_batch_sums(setup: DrafterStep, params, target_state, mtp_state, tokens_bt, loss_mask_bt, key):
+    """`loss_sums` of one micro-batch under `setup`."""
+    scfg = setup.scfg
+    return loss_sums(params, setup.graphdefs, setup.target_graphdef, target_state, setup.mtp_graphdef, mtp_state,
+                     tokens_bt, loss_mask_bt, key, scfg, jnp.dtype(scfg.compute_dtype), setup.compute_shardings)
+
+
+def train_step(setup: DrafterStep, state: TrainState, target_state, mtp_state, tokens_bt, loss_mask_bt):
+    """One optimizer step: the global batch as `grad_accum` micro-batches (rows j, j+m, ..., each
+    spanning every data shard) in a scan, gradients over the step's summed weights, `apply_gradients`."""
+    m = setup.scfg.grad_accum
+    b, length = tokens_bt.shape
+    micro_tokens = tokens_bt.reshape(b // m, m, length).swapaxes(0, 1)
+    micro_mask = loss_mask_bt.reshape(b // m, m, length).swapaxes(0, 1)
+    key = jax.random.fold_in(jax.random.key(setup.scfg.seed), state.step)
+    grad_fn = jax.grad(functools.partial(micro_batch_sums, setup), has_aux=True)
+
+    def micro(carry, xs):
+        grads_acc, sums_acc = carry
+        j, toks, lm = xs
+        grads, sums = grad_fn(state.params, target_state, mtp_state, toks, lm, jax.random.fold_in(key, j))
+        return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
+
+    zeros_sums = {"loss_sum": jnp.zeros((), jnp.float32), "weight_sum": jnp.zeros((), jnp.float32),
+                  "correct_k": jnp.zeros((setup.slots,), jnp.int32), "count_k": jnp.zeros((setup.slots,), jnp.int32)}
+    zero_grads = jax.tree.map(jnp.zeros_like, state.params)
+    (grads, sums), _ = jax.lax.scan(micro, (zero_grads, zeros_sums), (jnp.arange(m), micro_tokens, micro_mask))
+    denom = jnp.where(sums["weight_sum"] > 0, sums["weight_sum"], 1.0)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    loss = sums["loss_sum"] / denom
+    state, update = apply_gradients(setup.tx, setup.ocfg, state, grads, loss)
+    return state, {"loss": loss, "weight_sum": sums["weight_sum"], "correct_k": sums["correct_k"],
+                   "count_k": sums["count_k"], **update}
+
+
+def eval_sums(setup: DrafterStep, params, target_state, mtp_state, tokens_bt, loss_mask_bt) -> dict:
+    """The sums of `loss_sums` on one batch (the key of step 0), no update."""
+    return micro_batch_sums(setup, params, target_state, mtp_state, tokens_bt, loss_mask_bt,
+                            jax.random.key(setup.scfg.seed))[1]
+
+
 def abstract_models(target_cfg, dtype, mesh, mesh_rules: MeshRules = DEFAULT_RULES, *, with_mtp: bool = False):
     """`(target, mtp)`: weightless `LoadedModel`s (`checkpoint.hf.place_abstract`), for building a
     `Trainer` that only lowers / compiles (`Trainer.lower_step`). `mtp` is None unless `with_mtp`.
@@ -138,8 +188,10 @@ def abstract_models(target_cfg, dtype, mesh, mesh_rules: MeshRules = DEFAULT_RUL
     from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
     from dmtp_jax.models.mtp import mtp_config_for
 
-    target = place_abstract(target_cfg, *abstract_target(target_cfg, dtype), mesh, mesh_rules=mesh_rules)
-    mtp = (place_abstract(mtp_config_for(target_cfg), *abstract_mtp(target_cfg, dtype), mesh, mesh_rules=mesh_rules)
+    target = place_abstract(target_cfg, *abstract_target(target_cfg, dtype, mesh_rules=mesh_rules), mesh,
+                            mesh_rules=mesh_rules)
+    mtp = (place_abstract(mtp_config_for(target_cfg), *abstract_mtp(target_cfg, dtype, mesh_rules), mesh,
+                          mesh_rules=mesh_rules)
            if with_mtp else None)
     return target, mtp
 
@@ -161,21 +213,17 @@ class Trainer:
         method_layout(scfg.method, scfg.block_size or dcfg.block_size)     # validates the method
         if scfg.remat not in REMAT_POLICIES:
             raise InputError(f"unknown remat '{scfg.remat}'; available: {', '.join(REMAT_POLICIES)}")
-        if scfg.ce_chunk < 0:
-            raise InputError(f"ce_chunk must be >= 0 (0: no chunking), got {scfg.ce_chunk}")
+        check_ce_chunk(scfg.ce_chunk, "ce_chunk")
         if uses_mtp(scfg.method) and mtp is None:
             raise ValueError(f"method '{scfg.method}' trains against the target's frozen MTP head (mtp=...)")
         self.mtp = mtp if uses_mtp(scfg.method) else None
-        if scfg.grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1, got {scfg.grad_accum}")
+        check_positive_int("grad_accum", scfg.grad_accum)
         self.target, self.dcfg, self.scfg, self.ocfg, self.mesh = target, dcfg, scfg, ocfg, mesh
         self.tx = make_optimizer(ocfg)
         self.graphdefs, abstract = abstract_params(dcfg, scfg)
         self.param_shardings = {k: state_shardings(v, mesh, mesh_rules) for k, v in abstract.items()}
         # FSDP: the step gathers the drafter's (small) weights over `fsdp` at their use and
-        # reduce-scatters their gradients. Left to itself, XLA gathered the activations instead:
-        # the context features' weight gradient took [global batch, seq, 5 x hidden] per device
-        # (27B, v5p:4x4x4 data=4,fsdp=16, batch 256: 105 GiB of temporaries).
+        # reduce-scatters their gradients (left to itself, XLA gathers the activations instead).
         self.compute_shardings = (gathered_over(self.param_shardings, "fsdp")
                                   if mesh.shape.get("fsdp", 1) > 1 else None)
         self.abstract_params = abstract
@@ -189,6 +237,9 @@ class Trainer:
         self.mtp_shardings = None if self.mtp is None else jax.tree.map(lambda x: x.sharding, self.mtp.state)
         self._init = jax.jit(functools.partial(new_state, self.tx), in_shardings=(self.param_shardings,),
                              out_shardings=self.state_shardings)
+        self.setup = DrafterStep(self.graphdefs, target.graphdef, None if self.mtp is None else self.mtp.graphdef,
+                                 scfg, ocfg, self.tx, self.compute_shardings,
+                                 len(method_layout(scfg.method, scfg.block_size or dcfg.block_size)[0]))
         self._steps: dict = {}
         self._eval = None
 
@@ -209,38 +260,6 @@ class Trainer:
         return batch_sharding(self.mesh, tuple(global_shape))
 
     # ---- the step ------------------------------------------------------------------------------
-    def _step(self, state: TrainState, target_state, mtp_state, tokens_bt, loss_mask_bt):
-        scfg = self.scfg
-        compute_dtype = jnp.dtype(scfg.compute_dtype)
-        m = scfg.grad_accum
-        b, length = tokens_bt.shape
-        # micro-batch j = rows j, j+m, ... (each micro-batch spans every data shard)
-        micro_tokens = tokens_bt.reshape(b // m, m, length).swapaxes(0, 1)
-        micro_mask = loss_mask_bt.reshape(b // m, m, length).swapaxes(0, 1)
-        key = jax.random.fold_in(jax.random.key(scfg.seed), state.step)
-        grad_fn = jax.grad(loss_sums, has_aux=True)
-
-        def micro(carry, xs):
-            grads_acc, sums_acc = carry
-            j, toks, lm = xs
-            grads, sums = grad_fn(state.params, self.graphdefs, self.target.graphdef, target_state,
-                                  self.mtp.graphdef if self.mtp else None, mtp_state, toks, lm,
-                                  jax.random.fold_in(key, j), scfg, compute_dtype, self.compute_shardings)
-            return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, sums_acc, sums)), None
-
-        kk = len(method_layout(scfg.method, scfg.block_size or self.dcfg.block_size)[0])
-        zeros_sums = {"loss_sum": jnp.zeros((), jnp.float32), "weight_sum": jnp.zeros((), jnp.float32),
-                      "correct_k": jnp.zeros((kk,), jnp.int32), "count_k": jnp.zeros((kk,), jnp.int32)}
-        zero_grads = jax.tree.map(jnp.zeros_like, state.params)
-        (grads, sums), _ = jax.lax.scan(micro, (zero_grads, zeros_sums),
-                                        (jnp.arange(m), micro_tokens, micro_mask))
-        denom = jnp.where(sums["weight_sum"] > 0, sums["weight_sum"], 1.0)
-        grads = jax.tree.map(lambda g: g / denom, grads)
-        loss = sums["loss_sum"] / denom
-        state, update = apply_gradients(self.tx, self.ocfg, state, grads, loss)
-        return state, {"loss": loss, "weight_sum": sums["weight_sum"], "correct_k": sums["correct_k"],
-                       "count_k": sums["count_k"], **update}
-
     def _jit_kwargs(self, global_shape) -> dict:
         """The step's jit arguments (donation, shardings) for this global batch shape."""
         if global_shape[0] % self.scfg.grad_accum:
@@ -254,7 +273,7 @@ class Trainer:
         """The jitted step for this global batch shape (built once; one compile)."""
         key = tuple(global_shape)
         if key not in self._steps:
-            self._steps[key] = counted_jit(self._step, **self._jit_kwargs(key))
+            self._steps[key] = counted_jit(functools.partial(train_step, self.setup), **self._jit_kwargs(key))
         return self._steps[key]
 
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
@@ -263,12 +282,6 @@ class Trainer:
         tokens_bt = batch["tokens_bt"]
         return self.step_fn(tokens_bt.shape)(state, self.target.state, self.mtp.state if self.mtp else None,
                                              tokens_bt, batch["loss_mask_bt"])
-
-    def _eval_sums(self, params, target_state, mtp_state, tokens_bt, loss_mask_bt):
-        scfg = self.scfg
-        return loss_sums(params, self.graphdefs, self.target.graphdef, target_state,
-                         self.mtp.graphdef if self.mtp else None, mtp_state, tokens_bt, loss_mask_bt,
-                         jax.random.key(scfg.seed), scfg, jnp.dtype(scfg.compute_dtype), self.compute_shardings)[1]
 
     def evaluate(self, params, batches) -> dict:
         """Loss and acceptance proxy of `params` over `batches` (dicts as `step` takes), no update:
@@ -279,7 +292,7 @@ class Trainer:
             3.91
         """
         if self._eval is None:
-            self._eval = jax.jit(self._eval_sums)
+            self._eval = jax.jit(functools.partial(eval_sums, self.setup))
         mtp_state = self.mtp.state if self.mtp else None
         got = [jax.device_get(self._eval(params, self.target.state, mtp_state, b["tokens_bt"], b["loss_mask_bt"]))
                for b in batches]
@@ -328,7 +341,7 @@ class Trainer:
         shape = (int(global_batch), int(seq_len))
         batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding(shape))
         target_state, mtp_state = self.abstract_frozen()
-        lowered = jax.jit(self._step, **self._jit_kwargs(shape))      # the run's counter counts runs only
+        lowered = jax.jit(functools.partial(train_step, self.setup), **self._jit_kwargs(shape))   # not counted
         return lowered.lower(self.abstract_state(), target_state, mtp_state, batch, batch)
 
     def backward_residual_bytes(self, batch: int, seq_len: int) -> int:
@@ -342,14 +355,13 @@ class Trainer:
             >>> trainer.backward_residual_bytes(4, 512)  # doctest: +SKIP
             64159744
         """
-        shape, scfg = (int(batch), int(seq_len)), self.scfg
+        shape = (int(batch), int(seq_len))
         target_state, mtp_state = self.abstract_frozen()
+        setup = dataclasses.replace(self.setup, compute_shardings=None)
 
         def vjp_closure(params, t_state, m_state, tokens, mask):
-            return jax.vjp(lambda p: loss_sums(
-                p, self.graphdefs, self.target.graphdef, t_state, self.mtp.graphdef if self.mtp else None,
-                m_state, tokens, mask, jax.random.key(scfg.seed), scfg, jnp.dtype(scfg.compute_dtype))[0],
-                params)[1]
+            return jax.vjp(lambda p: micro_batch_sums(setup, p, t_state, m_state, tokens, mask,
+                                                      jax.random.key(setup.scfg.seed))[0], params)[1]
         batch_abs = jax.ShapeDtypeStruct(shape, jnp.int32)
         leaves = jax.tree.leaves(jax.eval_shape(vjp_closure, self.abstract_params, target_state, mtp_state,
                                                 batch_abs, batch_abs))

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.sharding import batch_sharding, make_mesh, replicated
@@ -79,25 +81,45 @@ def window_run_options(cfg, out: str):
                       tokens_per_step=cfg.batch_size * cfg.seq_len)
 
 
+@dataclasses.dataclass(frozen=True)
+class WindowStep:
+    """What a `WindowTrainer`'s jitted step and evaluation close over, fixed at construction: the
+    optimizer, its config and the pure `loss_fn(params, frozen, tokens_bt) -> (loss, metrics)`."""
+    tx: optax.GradientTransformation
+    ocfg: OptimConfig
+    loss_fn: Callable
+
+
+def window_step(setup: WindowStep, state: TrainState, frozen, tokens_bt):
+    """One optimizer step of `setup.loss_fn` (`apply_gradients`: non-finite steps skip their update)."""
+    (loss, metrics), grads = jax.value_and_grad(setup.loss_fn, has_aux=True)(state.params, frozen, tokens_bt)
+    state, update = apply_gradients(setup.tx, setup.ocfg, state, grads, loss)
+    return state, {**metrics, "loss": loss, **update}
+
+
+def window_metrics(setup: WindowStep, params, frozen, tokens_bt) -> dict:
+    """The metrics of `setup.loss_fn` (no update)."""
+    return setup.loss_fn(params, frozen, tokens_bt)[1]
+
+
 class WindowTrainer:
-    """`run_loop`'s trainer interface around a subclass's `loss(params, frozen, tokens_bt) -> (loss,
+    """`run_loop`'s trainer interface around a pure `loss_fn(params, frozen, tokens_bt) -> (loss,
     metrics)` on `[B, L+1]` windows. `frozen` (a jit input, never trained) is held by the trainer; the
-    step is one donated jit (`train.step.apply_gradients`). On `mesh` (default one device): params and
-    optimizer state replicated, `frozen` at its shardings, batches split over the batch axes."""
+    step is one donated jit of `window_step` over the frozen `WindowStep` setup. On `mesh` (default one
+    device): params and optimizer state replicated, `frozen` at its shardings, batches split over the
+    batch axes."""
 
     BAR = {"loss": "loss"}
 
-    def __init__(self, ocfg: OptimConfig, abstract_params: dict, frozen=None, mesh=None):
-        self.ocfg, self.tx = ocfg, make_optimizer(ocfg)
+    def __init__(self, ocfg: OptimConfig, abstract_params: dict, loss_fn: Callable, frozen=None, mesh=None):
+        self.setup = WindowStep(make_optimizer(ocfg), ocfg, loss_fn)
+        self.ocfg, self.tx = ocfg, self.setup.tx
         self.abstract_params, self.frozen = abstract_params, frozen
         self.mesh = mesh if mesh is not None else make_mesh()
         self.replicated = replicated(self.mesh)
-        self._step = counted_jit(self._step_impl, donate_argnums=(0,), out_shardings=self.replicated)
-        self._eval = jax.jit(lambda params, frozen, tokens_bt: self.loss(params, frozen, tokens_bt)[1],
-                             out_shardings=self.replicated)
-
-    def loss(self, params, frozen, tokens_bt) -> tuple[jax.Array, dict]:
-        raise NotImplementedError
+        self._step = counted_jit(functools.partial(window_step, self.setup), donate_argnums=(0,),
+                                 out_shardings=self.replicated)
+        self._eval = jax.jit(functools.partial(window_metrics, self.setup), out_shardings=self.replicated)
 
     def initial_params(self, seed: int) -> dict:
         raise NotImplementedError
@@ -110,11 +132,6 @@ class WindowTrainer:
         """ShapeDtypeStructs of the state (for `train.loop.restore_checkpoint` and `lower_step`)."""
         shapes = jax.eval_shape(functools.partial(new_state, self.tx), self.abstract_params)
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated), shapes)
-
-    def _step_impl(self, state: TrainState, frozen, tokens_bt):
-        (loss, metrics), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, frozen, tokens_bt)
-        state, update = apply_gradients(self.tx, self.ocfg, state, grads, loss)
-        return state, {**metrics, "loss": loss, **update}
 
     def _tokens(self, tokens_bt) -> jax.Array:
         """A batch of windows on the mesh, split over its batch axes."""
@@ -130,7 +147,8 @@ class WindowTrainer:
         compile counter untouched."""
         shape = (batch_size, window)
         tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(self.mesh, shape))
-        return jax.jit(self._step_impl, donate_argnums=(0,), out_shardings=self.replicated).lower(
+        return jax.jit(functools.partial(window_step, self.setup), donate_argnums=(0,),
+                       out_shardings=self.replicated).lower(
             self.abstract_state(), frozen, tokens)
 
     def evaluate(self, params, batches) -> dict:
