@@ -1,12 +1,7 @@
-"""Every decode, serve and training option, checked in one place: its range, its message (naming the
-flag; decode options raise `RequestError`, training and CLI-only ones `InputError`), and which models
-each method needs. `preflight`, the decoders, the engine and the trainer call these same functions,
-so what the command line accepts is what the library accepts. `DraftHeadOptions` and
-`ModelSources` are the CLI's model options as data (built by `cli.model_sources`).
-
-Ranges: `--block-size` in [3, 64] (decoding and training alike: a DMTP block of 2 slots drafts
-nothing), `--mtp-steps` in [1, 15], `--adaptive-threshold` in [0, 1.01] (1.01: never MTP's T1),
-`--rounds-per-dispatch`, `--prefill-chunk`, `--max-new-tokens` >= 1, `--verify` one of `VERIFY_MODES`.
+"""Every decode, serve and training option, checked in one place: its range and its message (naming
+the flag; decode options raise `RequestError`, training and CLI-only ones `InputError`), and which
+models each method needs. The CLI, `preflight`, the decoders, the engine and the trainer call these
+same functions. `DraftHeadOptions` and `ModelSources` are the CLI's model options as data.
 
 Example:
     >>> check_decode_options(method="dmtp", block_size=8, mtp_steps=4, max_new_tokens=16)
@@ -14,8 +9,6 @@ Example:
     Traceback (most recent call last):
     ...
     dmtp_jax.errors.RequestError: --block-size must be in [3, 64], got 2
-    >>> method_needs("dflash")
-    {'drafter': True, 'mtp': False, 'fusion': False, 'draft_model': False}
 """
 
 from __future__ import annotations
@@ -38,8 +31,7 @@ DEFAULT_ADAPTIVE_THRESHOLD = 0.5    # dmtp-adaptive without a calibrated thresho
 
 
 def method_needs(method: str) -> dict[str, bool]:
-    """Which models a method uses: `{"drafter", "mtp", "fusion", "draft_model"}` (decoding, preflight,
-    loading and training read this one rule).
+    """Which models a method uses: `{"drafter", "mtp", "fusion", "draft_model"}` -> bool.
 
     Example:
         >>> method_needs("dmtp")
@@ -51,15 +43,7 @@ def method_needs(method: str) -> dict[str, bool]:
 
 def check_method(method: str, methods: tuple[str, ...] = DECODE_METHODS, error: type = RequestError,
                  what: str = "method") -> None:
-    """`method` is one of `methods` (decode: `DECODE_METHODS`, training: `TRAIN_METHODS` with
-    `error=InputError`, `what="training method"`).
-
-    Example:
-        >>> check_method("mtp", TRAIN_METHODS[:2], InputError, "training method")
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.InputError: unknown training method 'mtp'; available: dflash, dmtp
-    """
+    """`method` is one of `methods`, else `error` ("unknown {what} ...; available: ...")."""
     if method not in methods:
         raise error(f"unknown {what} '{method}'; available: {', '.join(methods)}")
 
@@ -86,25 +70,13 @@ def check_mtp_steps(mtp_steps: int) -> None:
 
 
 def check_adaptive_threshold(threshold: float) -> float:
-    """dmtp-adaptive's MTP-confidence threshold in [0, 1.01] (1.01: never MTP's T1), as a float.
-
-    Example:
-        >>> check_adaptive_threshold(NEVER_MTP_THRESHOLD)
-        1.01
-    """
+    """dmtp-adaptive's MTP-confidence threshold in [0, 1.01] (1.01: never MTP's T1), as a float."""
     _in_range("--adaptive-threshold", threshold, ADAPTIVE_THRESHOLD_RANGE, note=" (1.01: never MTP's T1)")
     return float(threshold)
 
 
 def check_rounds_per_dispatch(rounds: int) -> None:
-    """Speculative rounds per jitted call: an integer >= 1 (not a bool).
-
-    Example:
-        >>> check_rounds_per_dispatch(True)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.RequestError: --rounds-per-dispatch must be an integer >= 1, got True
-    """
+    """Speculative rounds per jitted call: an integer >= 1 (not a bool), else `RequestError`."""
     _positive_int("--rounds-per-dispatch", rounds, RequestError)
 
 
@@ -130,14 +102,7 @@ def check_decode_options(*, method: str | None = None, mtp_steps: int | None = N
                          adaptive_threshold: float | None = None, prefill_chunk: int | None = None,
                          verify: str | None = None) -> None:
     """Every decode option that is given (None: the decoder's default applies), each by its check
-    above, whatever the method (a flag given is checked even where a method ignores it).
-
-    Example:
-        >>> check_decode_options(method="ar", mtp_steps=16)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 16
-    """
+    above, whatever the method (a flag given is checked even where a method ignores it)."""
     for value, check in ((method, check_method), (max_new_tokens, check_max_new_tokens), (mtp_steps, check_mtp_steps),
                          (block_size, check_block_size), (rounds_per_dispatch, check_rounds_per_dispatch),
                          (prefill_chunk, check_prefill_chunk), (adaptive_threshold, check_adaptive_threshold),
@@ -159,7 +124,7 @@ def missing_model_error(method: str, kind: str) -> RequestError:
 
 def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None, draft_model=None) -> None:
     """The loaded models `method` needs (`method_needs`) are there, and dmtp-adaptive's drafter is
-    a DFlash (version 1) drafter.
+    a DFlash (version 1) drafter; else `RequestError` naming the missing flag.
 
     Example:
         >>> check_models_given("dflash")
@@ -179,15 +144,8 @@ def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None, draf
 
 
 def check_draft_vocab(target_vocab: int, draft_vocab: int, draft_dir: str = "the draft model") -> None:
-    """A draft model (`--method draft-model`) proposes token ids the target verifies: its vocabulary
-    must be the target's.
-
-    Example:
-        >>> check_draft_vocab(128, 256, "/models/small")
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.RequestError: draft model /models/small has a vocabulary of 256 tokens, the target 128: a draft model must share the target's tokenizer
-    """
+    """A draft model's vocabulary size must be the target's (it proposes ids the target verifies),
+    else `RequestError`."""
     if int(draft_vocab) != int(target_vocab):
         raise RequestError(f"draft model {draft_dir} has a vocabulary of {draft_vocab} tokens, the target "
                            f"{target_vocab}: a draft model must share the target's tokenizer")
@@ -203,8 +161,6 @@ def verify_slots(method: str, *, mtp_steps: int, block_size: int | None, drafter
         5
         >>> verify_slots("dflash", mtp_steps=4, block_size=None, drafter_block_size=16)
         16
-        >>> verify_slots("lookup", mtp_steps=4, block_size=None, drafter_block_size=None)
-        8
     """
     if method == "mtp":
         check_mtp_steps(mtp_steps)
@@ -220,12 +176,7 @@ def verify_slots(method: str, *, mtp_steps: int, block_size: int | None, drafter
 
 def adaptive_threshold_for(method: str, threshold: float | None, calibrated: float | None) -> float | None:
     """dmtp-adaptive's threshold: the given one, else the drafter's calibrated one, else
-    `DEFAULT_ADAPTIVE_THRESHOLD`, checked; None for every other method.
-
-    Example:
-        >>> adaptive_threshold_for("dmtp-adaptive", None, 0.35), adaptive_threshold_for("dmtp", 0.3, None)
-        (0.35, None)
-    """
+    `DEFAULT_ADAPTIVE_THRESHOLD`, checked; None for every other method."""
     if method != ADAPTIVE:
         return None
     if threshold is None:
@@ -270,14 +221,7 @@ def check_non_negative(flag: str, value, error: type = InputError) -> None:
 
 
 def check_ce_chunk(value: int, flag: str = "--ce-chunk") -> None:
-    """The loss's rows per chunk: >= 0 (0: no chunking).
-
-    Example:
-        >>> check_ce_chunk(-1)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.InputError: --ce-chunk must be >= 0 (0: no chunking), got -1
-    """
+    """The loss's rows per chunk: >= 0 (0: no chunking), else `InputError`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise InputError(f"{flag} must be >= 0 (0: no chunking), got {value}")
 
@@ -304,14 +248,7 @@ class DraftHeadOptions:
 
 def check_draft_head_options(head: DraftHeadOptions) -> None:
     """The efficient head's rank, shortlist and subset are >= 1, and its flags are not given to
-    another head (files: `preflight.check_draft_head`).
-
-    Example:
-        >>> check_draft_head_options(DraftHeadOptions("int8", vocab=8))
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.InputError: --draft-head-vocab is an option of --draft-head efficient
-    """
+    another head (files: `preflight.check_draft_head`); else `InputError`."""
     if head.kind == "efficient":
         for flag, value in (("--draft-head-rank", head.rank), ("--draft-head-shortlist", head.shortlist)):
             if value is not None and value < 1:
@@ -328,12 +265,7 @@ class ModelSources:
     """Where a decoding method's models come from: the drafter directory `draft` (a DFlash / DMTP
     drafter, or a smaller target for `draft-model`), the EAGLE-3 drafter's directory `eagle3` (None:
     `draft` when it holds one), the MTP head's directory `mtp` (None: the target's), the weights'
-    `dtype` and the drafting head.
-
-    Example:
-        >>> ModelSources(draft="runs/drafter").token_counts
-        'runs/drafter'
-    """
+    `dtype` and the drafting head."""
     draft: str | None = None
     eagle3: str | None = None
     mtp: str | None = None

@@ -1,36 +1,13 @@
 """Numerics of our JAX target against transformers on the same checkpoint directory.
 
-The checkpoint is loaded twice: in transformers (fp32 torch, eval, no_grad; the reference) and in
-JAX through `load_target` at the requested dtype. A few prompts of random token ids of different
-lengths (one of ~300 tokens, to catch RoPE errors at far positions) are run through both, and each
-comparison becomes one check `{"name", "max_abs_diff", "tolerance", "ok"}`:
-
-* `logits`              max |ours - HF| over every real position of every prompt.
-* `argmax_agreement`    1 - (fraction of positions whose argmax agrees).
-* `hidden_layer_{k}`    our output of layer k vs HF `hidden_states[k+1]`; the last layer is compared
-                        after the final norm (HF's last entry is post-norm, like our `hidden_bth`).
-* `cached_decode`       JAX only: a cache prefill of the first n-4 tokens followed by 4
-                        single-token decode steps vs the full (cache-free) forward, all n positions
-                        (the prefill chunk and decode-step forward the decoders run).
-* `deltanet_state`      (hybrid targets) every Gated DeltaNet layer's conv window and recurrent state
-                        after a prefill vs transformers' cache after the same prompt.
-* `greedy_continuation` fraction of tokens where our `ARDecoder` greedy continuation differs from
-                        `model.generate(do_sample=False)` with EOS stopping disabled.
-* `mtp`                 (targets carrying `mtp.*`) our MTP head's logits vs transformers' `MtpModel`.
-* `mtp_cache`           JAX only: the MTP's cached path as decoding runs it (a prefill of the first
-                        rows, then single-row steps) vs its full-window forward on the same rows.
-* `draft_hidden`, `draft_logits`  (with a drafter) our DFlash / DFlash2 block, built as the decode
-                        round builds it (`fusion.draft_block_embeds`), vs the `dflash` package.
-
-Tolerances (`TOLERANCES`): float checks are relative to the reference's magnitude,
-`rtol * max(1, max |reference|)` (per layer for hidden states), rtol 1e-4 in float32 and 5e-2 in
-bfloat16; token checks are exact in float32. In bfloat16 near-ties may flip an argmax (10% of
-positions allowed), the greedy continuation is reported but not gated, and float checks take the
-99th percentile over positions (an MoE router near-tie changes one position by O(1)).
+`compare_target` loads the checkpoint in transformers (fp32 torch: the reference) and in JAX at the
+requested dtype, runs a few random prompts (one of ~300 tokens) through both and returns one check
+`{"name", "max_abs_diff", "tolerance", "ok"}` per comparison: logits, argmax agreement, each layer's
+hidden state, cached decode, DeltaNet state, greedy continuation, MTP head and drafter. The checks
+and their tolerances (`TOLERANCES`) are listed in docs/numerics.md. Needs torch (the `test` extra).
 
 Example:
-    >>> report = compare_target("/path/to/Qwen3-0.6B", dtype="float32")  # doctest: +SKIP
-    >>> print(format_table(report))  # doctest: +SKIP
+    >>> report = compare_target("/path/to/Qwen3-0.6B", dtype="float32")  # needs a checkpoint dir and torch  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -53,7 +30,7 @@ from dmtp_jax.sharding import make_mesh
 # ---------------------------------------------------------------- transformers (the reference)
 def hf_reference(model, prompts, num_new_tokens: int) -> list[dict]:
     """Per prompt: fp32 `logits [T, V]`, `hidden` (HF hidden_states[1:], each `[T, H]`), greedy `generated`."""
-    import torch
+    import torch     # optional: the `test` extra
 
     # generate() merges a per-call eos_token_id=None with the model's default: clear it at the source.
     model.generation_config.eos_token_id = None
@@ -74,8 +51,8 @@ def deltanet_state_check(target, hf_model, prompt: list[int], rtol: float, q: fl
     """`deltanet_state`: our conv windows and recurrent states after a prefill of `prompt` vs the
     transformers cache (whose conv state keeps K columns; ours the last K-1 inputs), max over layers,
     scaled by the largest reference state entry."""
-    import torch
-    from transformers import DynamicCache
+    import torch     # optional: the `test` extra
+    from transformers import DynamicCache     # needs torch (the `test` extra)
 
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -98,19 +75,13 @@ def deltanet_state_check(target, hf_model, prompt: list[int], rtol: float, q: fl
 def compare_target(model_dir: str, dtype: str = "float32", mesh_spec: str | None = None, seed: int = 0,
                    num_new_tokens: int = 8, reference_dir: str | None = None,
                    draft_dir: str | None = None) -> dict:
-    """Compares our JAX target with transformers on `model_dir`; see the module docstring.
+    """Compares our JAX target with transformers on `model_dir` (docs/numerics.md lists the checks).
 
     Returns `{"ok", "checks": [{"name", "max_abs_diff", "tolerance", "ok"}, ...], "argmax_agreement",
     "greedy": {"ours", "hf"}, "prompt_lengths", "dtype", "float_quantile"}`. `mesh_spec` (e.g.
-    `"tensor=4,data=2"`) places our params on that mesh (default: `make_mesh()`). `reference_dir` loads
-    the transformers side from another directory (default `model_dir`), e.g. to check a converted or
-    re-exported checkpoint against its original. `draft_dir` adds the drafter checks
-    (`drafter_checks`) of a DFlash / DFlash2 directory against the `dflash` package.
-
-    Example:
-        >>> r = compare_target("/tmp/tiny-qwen3", dtype="float32", mesh_spec="tensor=1")  # doctest: +SKIP
-        >>> r["ok"], [c["name"] for c in r["checks"]][:2]  # doctest: +SKIP
-        (True, ['logits', 'argmax_agreement'])
+    `"tensor=4,data=2"`) places our params on that mesh (default: `make_mesh()`); `reference_dir` loads
+    the transformers side from another directory (default `model_dir`); `draft_dir` adds the drafter
+    checks (`drafter_checks`). Raises `ValueError` for a dtype without tolerances.
     """
     with quiet_transformers():
         return _compare_target(model_dir, dtype, mesh_spec, seed, num_new_tokens, reference_dir, draft_dir)
@@ -120,7 +91,7 @@ def compare_target(model_dir: str, dtype: str = "float32", mesh_spec: str | None
 def quiet_transformers():
     """transformers' warnings and progress bars off (its load report lists the `mtp.*` tensors it
     does not use, Qwen3.5 models announce their PyTorch fallback kernels): expected, so not shown."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging     # lazy: transformers imports torch (seconds)
 
     level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
@@ -136,8 +107,8 @@ def quiet_transformers():
 def _compare_target(model_dir: str, dtype: str, mesh_spec: str | None, seed: int, num_new_tokens: int,
                     reference_dir: str | None, draft_dir: str | None) -> dict:
     """The body of `compare_target`."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch     # optional: the `test` extra
+    from transformers import AutoModelForCausalLM     # needs torch (the `test` extra)
 
     dtype = jnp.dtype(dtype).name
     if dtype not in TOLERANCES:
@@ -215,12 +186,12 @@ class mtp_tensors_expected:
     PATTERN = r"^mtp\."
 
     def __enter__(self):
-        from transformers import PreTrainedModel
+        from transformers import PreTrainedModel     # needs torch (the `test` extra)
         self.saved = PreTrainedModel.__dict__.get("_keys_to_ignore_on_load_unexpected")
         PreTrainedModel._keys_to_ignore_on_load_unexpected = [*(self.saved or []), self.PATTERN]
         return self
 
     def __exit__(self, *exc):
-        from transformers import PreTrainedModel
+        from transformers import PreTrainedModel     # needs torch (the `test` extra)
         PreTrainedModel._keys_to_ignore_on_load_unexpected = self.saved
         return False

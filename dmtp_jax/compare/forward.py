@@ -30,11 +30,7 @@ def _full_forward(graphdef, layers, state, tokens_bt):
 @functools.partial(jax.jit, static_argnums=(0,))
 def prefill_logits(graphdef, state, tokens_bt, lengths_b, cache):
     """Our prefill (`decode/prefill.py:target_chunk`, the chunk every decoder's prefill runs; tokens
-    at positions `>= lengths_b` are invalid) and fp32 logits at every position: `(logits, cache)`.
-
-    Example:
-        >>> logits, cache = prefill_logits(target.graphdef, target.state, tokens_bt, lengths_b, cache)  # doctest: +SKIP
-    """
+    at positions `>= lengths_b` are invalid) and fp32 logits at every position: `(logits, cache)`."""
     model = nnx.merge(graphdef, state)
     b = tokens_bt.shape[0]
     res = target_chunk(model, tokens_bt, jnp.int32(0), lengths_b, cache, jnp.zeros(b, jnp.int32),
@@ -45,12 +41,7 @@ def prefill_logits(graphdef, state, tokens_bt, lengths_b, cache):
 @functools.partial(jax.jit, static_argnums=(0,))
 def decode_step_logits(graphdef, state, tokens_b, positions_b, cache):
     """Our single-token decode step (`decode/ar.py:step_logits`, the forward of `decode_step`):
-    fp32 `(logits [B, V], cache)`.
-
-    Example:
-        >>> logits, cache = decode_step_logits(target.graphdef, target.state, tokens_b, positions_b,
-        ...                                    cache)  # doctest: +SKIP
-    """
+    fp32 `(logits [B, V], cache)`."""
     logits, cache = step_logits(nnx.merge(graphdef, state), tokens_b, positions_b, cache)
     return logits.astype(jnp.float32), cache
 

@@ -20,15 +20,10 @@ from dmtp_jax.models.fusion import draft_block_embeds
 
 def drafter_checks(target, hf_model, draft_dir: str, prompt: list[int], rtol: float, q: float) -> list[dict]:
     """`draft_hidden` / `draft_logits`: our DFlash / DFlash2 drafter vs the `dflash` package on one
-    block drafted after `prompt` (context = the prompt's target features, anchor = HF's next token).
-
-    Example:
-        >>> drafter_checks(target, hf_model, "/tmp/tiny-dflash", [1, 2, 3], 1e-4, 1.0)  # doctest: +SKIP
-    """
-    import torch
-    from dflash.model import (DFlash2DraftModel, DFlashDraftModel, _make_cache, _output_head,
-                              extract_context_feature)
-
+    block drafted after `prompt` (context = the prompt's target features, anchor = HF's next token)."""
+    import torch     # optional: the `test` extra
+    from dflash.model import (DFlash2DraftModel, DFlashDraftModel,     # optional: the `test` extra
+                              _make_cache, _output_head, extract_context_feature)
 
     drafter = load_drafter(draft_dir, target.cfg, target.state_dtype, target.mesh)
     dcfg, n, length = drafter.cfg, drafter.cfg.block_size, len(prompt)
@@ -64,13 +59,9 @@ MTP_RENAMES = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_h
 
 def reference_mtp_model(hf_model, model_dir: str):
     """transformers' generic `MtpModel` on `hf_model`, filled from `model_dir`'s `mtp.*` tensors
-    (Qwen3.5 names -> `layers.0.{eh_proj, enorm, hnorm, post_norm, mtp_block.*}`).
-
-    Example:
-        >>> ref = reference_mtp_model(AutoModelForCausalLM.from_pretrained(d), d)  # doctest: +SKIP
-    """
-    import torch
-    from transformers.modeling_layers import MtpModel
+    (Qwen3.5 names -> `layers.0.{eh_proj, enorm, hnorm, post_norm, mtp_block.*}`)."""
+    import torch     # optional: the `test` extra
+    from transformers.modeling_layers import MtpModel     # needs torch (the `test` extra)
 
     hf_model.config.num_mtp_layers, hf_model.config.mtp_layer_types = 1, ["full_attention"]
     ref = MtpModel(hf_model, 1).eval()
@@ -92,7 +83,7 @@ def reference_mtp_model(hf_model, model_dir: str):
 def _fuse_expert_tensors(state: dict, module_state: dict) -> dict:
     """Per-expert `experts.{e}.{gate,up,down}_proj.weight` -> fused `experts.gate_up_proj` /
     `experts.down_proj` where the reference module stores fused experts (Qwen3.5-MoE)."""
-    import torch
+    import torch     # optional: the `test` extra
 
     fused, out = {}, {}
     for name, value in state.items():
@@ -133,7 +124,7 @@ def mtp_cache_check(target, mtp, hidden_th, prompt: list[int], rtol: float, q: f
 def mtp_check(target, hf_model, model_dir: str, prompt: list[int], rtol: float, q: float) -> dict:
     """`mtp`: our MTP head's logits vs `MtpModel` over rows (h_t, x_{t+1}) of `prompt`; and
     `mtp_cache` (`mtp_cache_check`) on the same rows."""
-    import torch
+    import torch     # optional: the `test` extra
 
     mtp = load_mtp(model_dir, target.cfg, target.state_dtype, target.mesh)
     ref = reference_mtp_model(hf_model, model_dir)

@@ -1,26 +1,15 @@
-"""The drafting side's vocabulary projection: the full LM head, or a cheaper head for drafting only.
-
-    full        logits = h W
-    efficient   shortlist = top-K of (h A) B, A [H, r], B [r, V] (W ~= A B, the rank-r truncated
-                SVD made at load time, or a trained factor); logits = h W[:, v] on the shortlist,
-                -inf elsewhere. With a vocabulary subset (`--draft-head-vocab N`) only the N most
-                frequent ids of the drafter's training data are ever scored.
-    int8        logits = (h Q) * s, Q int8 [H, V], s [V] per vocabulary entry
-
-Every head returns dense fp32 `[..., V]` logits, so sampling, DFlash2's selector and verification
-are unchanged: greedy verification stays token-exact and sampled verification lossless (the
-proposal is exactly the distribution drafted from). The target's verify logits always use the full
-head. `DraftScores.rest_lse` carries the low-rank mass outside the shortlist, so dmtp-adaptive's
-confidence is not overstated. On a mesh the shortlist is computed per vocabulary shard
-(`layers/shortlist.py`).
+"""The drafting side's vocabulary projection: the full LM head, or a cheaper head for drafting only:
+`EfficientHead` (a rank-r factor shortlists K ids, rescored exactly with their LM-head rows, -inf
+elsewhere; optionally over a vocabulary subset) or `Int8Head` (the head in int8, one scale per
+entry). Every head returns dense fp32 `[..., V]` logits, so verification (always the full head)
+stays token-exact and lossless. Design and measurements: docs/drafting-head.md.
 
 Example:
     >>> head = EfficientHead(hidden=8, vocab=32, rank=8, shortlist=4, dtype=jnp.float32)
     >>> w = jax.random.normal(jax.random.key(0), (8, 32))
     >>> head = factor_head(head, w)
     >>> h = jax.random.normal(jax.random.key(1), (2, 8))
-    >>> scores = head.scores(h)
-    >>> bool(jnp.all(jnp.argmax(scores.logits, -1) == jnp.argmax(h @ w, -1)))  # full rank: exact argmax
+    >>> bool(jnp.all(jnp.argmax(head.scores(h).logits, -1) == jnp.argmax(h @ w, -1)))  # full rank: exact
     True
 """
 
@@ -68,27 +57,16 @@ def head_shape(hidden: int, vocab: int, rank: int | None = None, shortlist: int 
 
 
 def row_layout(hidden: int) -> tuple[int, int]:
-    """How an untied head's rows store one row of `hidden` values: `(H / 128, 128)` (a gathered
-    row is whole 128-lane tiles on TPU), or `(1, H)` when H is not a multiple of 128.
-
-    Example:
-        >>> row_layout(5120), row_layout(48)
-        ((40, 128), (1, 48))
-    """
+    """How an untied head's rows store one row of `hidden` values: `(H / 128, 128)` (whole 128-lane
+    tiles on TPU), or `(1, H)` when H is not a multiple of 128."""
     return (hidden // 128, 128) if hidden % 128 == 0 else (1, hidden)
 
 
 class EfficientHead(nnx.Module):
     """Low-rank shortlist + exact rescoring. Params: `down` A `[H, r]`, `up` B `[r, V]` (vocab axis
-    sharded like the LM head's) and, for an untied LM head, `rows`: the head transposed, `[V, *row_layout(H)]`,
-    so that the shortlist's exact rescoring reads K contiguous rows (a tied head's rows are the
-    target's `embed_tokens`, not copied). `shortlist` K and `tied` are static.
-
-    `subset` N > 0: the head scores only N vocabulary entries (the most frequent tokens of the
-    drafter's training data, `frequent_ids`): `up` is `[r, N]`, `rows` `[N, *row_layout(H)]` (its own
-    copy, tied or not) and `ids` `[N]` the entries' vocabulary ids, -1 for padding (N is padded by
-    `subset_size`). The other entries are never proposed (-inf). `mesh_rules`: the rules its params
-    are placed with (static; needed on a mesh)."""
+    sharded like the LM head's) and, for an untied LM head, `rows` `[V, *row_layout(H)]` (a tied head
+    reads `embed_tokens`). `shortlist` K, `tied` and `mesh_rules` are static. `subset` N > 0: only N
+    vocabulary entries are scored: `up` `[r, N]`, `rows` `[N, ...]` and `ids` `[N]` (-1: padding)."""
 
     def __init__(self, *, hidden: int, vocab: int, rank: int, shortlist: int, dtype, tied: bool = False,
                  subset: int = 0, mesh_rules: MeshRules | None = None):
@@ -132,15 +110,9 @@ def subset_columns(weight, ids, tied: bool) -> jax.Array:
 
 def factor_head(head: EfficientHead, weight, ids=None, tied: bool | None = None, factor=None) -> EfficientHead:
     """`head` with its factor set to the rank-r truncated SVD of the LM head `weight` (`[H, V]`, or
-    `[V, H]` when `tied`, default `head.tied`): `A = U_r`,
-    `B = U_r^T W` from the eigenvectors of `W W^T` (an `[H, H]` product, so the `[H, V]` matrix is
-    never decomposed), and an untied head's rows `W^T`. A subset head (`ids`: vocabulary ids, at
-    most `head.subset`, from `frequent_ids`) factors and copies only those columns of `W`.
-    `factor`: `(A, B)` to use instead of the SVD (a trained factor, `train/head_factor.py`). Runs
-    once, at load time.
-
-    Example: see the module docstring.
-    """
+    `[V, H]` when `tied`), computed from `W W^T` `[H, H]`, and an untied head's rows `W^T`; only the
+    columns at `ids` for a subset head. `factor`: `(A, B)` to use instead (a trained factor). Runs once,
+    at load time (example: the module docstring)."""
     w = jnp.asarray(weight)
     if ids is not None:
         ids = np.asarray(ids, np.int64)
@@ -165,8 +137,7 @@ SUBSET_ALIGN = 1024     # a subset of more ids is padded to a multiple of this (
 
 
 def subset_size(n: int) -> int:
-    """The padded size of a vocabulary subset of `n` ids: a multiple of 1024 (of 8 under 1024 ids),
-    so that it splits evenly over up to 8 vocabulary shards.
+    """The padded size of a vocabulary subset of `n` ids: a multiple of 1024 (of 8 under 1024 ids).
 
     Example:
         >>> subset_size(32768), subset_size(30000), subset_size(100)
@@ -194,8 +165,7 @@ class Int8Head(nnx.Module):
     Example:
         >>> w = jax.random.normal(jax.random.key(0), (8, 32))
         >>> head = quantize_head(Int8Head(hidden=8, vocab=32), w)
-        >>> h = jax.random.normal(jax.random.key(1), (2, 8))
-        >>> float(jnp.max(jnp.abs(head.scores(h).logits - h @ w))) < 0.1
+        >>> float(jnp.max(jnp.abs(head.scores(jnp.ones((2, 8))).logits - jnp.ones((2, 8)) @ w))) < 0.1
         True
     """
 
@@ -213,11 +183,8 @@ class Int8Head(nnx.Module):
 
 
 def quantize_head(head: Int8Head, weight, tied: bool = False) -> Int8Head:
-    """`head` holding the LM head `weight` (`[H, V]`, or `[V, H]` when `tied`) in int8 with one scale per
-    vocabulary entry (symmetric, round to nearest). Runs once, at load time.
-
-    Example: see `Int8Head`.
-    """
+    """`head` holding the LM head `weight` (`[H, V]`, or `[V, H]` when `tied`) in int8 with one scale
+    per vocabulary entry (symmetric, round to nearest). Runs once, at load time."""
     @jax.jit
     def quantize(w):            # fused: no fp32 copy of the head
         w_hv = (w.T if tied else w).astype(jnp.float32)
@@ -229,14 +196,8 @@ def quantize_head(head: Int8Head, weight, tied: bool = False) -> Int8Head:
 
 
 def draft_scores(target, head: EfficientHead | Int8Head | None, hidden: jax.Array) -> DraftScores:
-    """The drafting side's scores of post-norm hidden states: the target's full LM head when `head`
-    is None, else the efficient head's shortlist or the int8 head's scores (the one place the choice
-    is read).
-
-    Example:
-        >>> draft_scores(target, None, y).logits.shape  # doctest: +SKIP
-        (1, 248320)
-    """
+    """The drafting side's scores `DraftScores` (fp32 logits `[..., V]`) of post-norm hidden states:
+    the target's full LM head when `head` is None, else the efficient or int8 head's."""
     if head is None:
         logits = target.logits(hidden)
         return DraftScores(logits, jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32))
@@ -247,10 +208,8 @@ def head_name(head_cfg) -> str:
     """The draft head as the stats report it.
 
     Example:
-        >>> head_name(None), head_name({"rank": 64, "shortlist": 256}), head_name({"kind": "int8"})
-        ('full', 'efficient(rank=64,shortlist=256)', 'int8')
-        >>> head_name({"rank": 64, "shortlist": 256, "subset": 32768})
-        'efficient(rank=64,shortlist=256,vocab=32768)'
+        >>> head_name(None), head_name({"rank": 64, "shortlist": 256, "subset": 32768})
+        ('full', 'efficient(rank=64,shortlist=256,vocab=32768)')
     """
     if head_cfg is None:
         return "full"
