@@ -1,13 +1,5 @@
 """Cheap checks of a command line before any model is loaded (configs and tensor names read, no
-weights), with the messages the loaders and decoders would give later (`dmtp_jax.options`).
-
-Example:
-    >>> check_decode_options(mtp_steps=4, block_size=None, max_new_tokens=16)
-    >>> check_decode_options(mtp_steps=0, block_size=None, max_new_tokens=16)
-    Traceback (most recent call last):
-    ...
-    dmtp_jax.errors.RequestError: --mtp-steps must be in [1, 15], got 0
-"""
+weights), with the messages the loaders and decoders would give later (`dmtp_jax.options`)."""
 
 from __future__ import annotations
 
@@ -28,8 +20,8 @@ from dmtp_jax.plan.topology import parse_topology
 
 
 def target_config(target_dir: str):
-    """The target's validated `config.json` (no weights read): "model directory not found",
-    "no config.json" and bad configs end here.
+    """The target's validated `config.json` (no weights read); `ConfigError` for a missing directory,
+    a missing config.json or a bad config.
 
     Example:
         >>> target_config("/does-not-exist")
@@ -55,11 +47,9 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
                         demo_drafters: bool = False, eagle3: str | None = None) -> None:
     """Every model directory the methods need exists (and an MTP head is in the safetensors); a
     draft model (`--method draft-model --draft DIR`) is a target config of the target's vocabulary.
-
     `demo_drafters`: the shipped demo supplies the drafters when `--draft` is not given.
 
     Example:
-        >>> check_method_models(["ar"], "/models/x", None, None)
         >>> check_method_models(["dflash"], "/models/x", None, None)
         Traceback (most recent call last):
         ...
@@ -93,13 +83,8 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
 
 
 def draft_is_target(draft: str) -> bool:
-    """`--draft` is a (smaller) target checkpoint for `draft-model`, not a DFlash / DMTP drafter: its
-    config names a causal-LM architecture (`*ForCausalLM`, `*ForConditionalGeneration`).
-
-    Example:
-        >>> draft_is_target("/models/Qwen3-0.6B")  # doctest: +SKIP
-        True
-    """
+    """Whether `--draft` is a (smaller) target checkpoint for `draft-model`, not a DFlash / DMTP
+    drafter: its config names a `*ForCausalLM` / `*ForConditionalGeneration` architecture."""
     archs = read_config_json(draft).get("architectures") or []
     return any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in archs)
 
@@ -112,15 +97,9 @@ def _eagle3_dir(draft: str | None, eagle3: str | None) -> str | None:
 def auto_candidates(target_dir: str, draft: str | None, mtp: str | None, demo_drafters: bool = False,
                     eagle3: str | None = None) -> list[str]:
     """The methods `--method auto` chooses from, by the models given (configs and tensor names
-    read, no weights): `ar`, `lookup` (it needs no model); `mtp` when the target (or `--mtp`) carries
-    an MTP head; with `--draft`, `draft-model` when it is a target checkpoint (`draft_is_target`),
-    else the DMTP method its `dmtp_config` names (when there is an MTP head), else `dflash`; the
-    shipped demo's drafters give dflash, dmtp and dmtp-adaptive.
-
-    Example:
-        >>> auto_candidates("/models/no-mtp", None, None)  # doctest: +SKIP
-        ['ar']
-    """
+    read, no weights): `ar`, `lookup`; `mtp` with an MTP head; with `--draft`, `draft-model` for a
+    target checkpoint, else its DMTP method (with an MTP head) or `dflash`; the shipped demo's drafters
+    give dflash, dmtp and dmtp-adaptive."""
     check_method_models([], target_dir, draft, mtp, eagle3=eagle3)
     if mtp and not os.path.isdir(mtp):
         raise InputError(f"MTP directory not found: {mtp}")
@@ -140,15 +119,7 @@ def auto_candidates(target_dir: str, draft: str | None, mtp: str | None, demo_dr
 
 def check_drafter_block(methods, draft: str | None, block_size: int | None, eagle3: str | None = None) -> None:
     """The verify slots of every drafter method are ones the decoder takes (`options.verify_slots`):
-    `--block-size` when given, else the drafter's own `block_size` (its config is read, no weights).
-
-    Example:
-        >>> check_drafter_block(["ar", "mtp"], None, None)
-        >>> check_drafter_block(["dflash"], "/models/d", 2)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.RequestError: --block-size must be in [3, 64], got 2
-    """
+    `--block-size` when given, else the drafter's own `block_size` (its config is read, no weights)."""
     for method in methods:
         path = _eagle3_dir(draft, eagle3) if method == EAGLE3 else draft
         if options.method_needs(method)["drafter"] and (path or block_size is not None):
@@ -162,14 +133,7 @@ def check_drafter_block(methods, draft: str | None, block_size: int | None, eagl
 
 def check_draft_head(sources: options.ModelSources, counts: bool = True) -> None:
     """The drafting head's options (`options.check_draft_head_options`) and, when `counts` (plan
-    reads no file), its token counts or trained factor file, before the target is loaded.
-
-    Example:
-        >>> check_draft_head(options.ModelSources(draft_head=options.DraftHeadOptions("efficient", rank=0)))
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.InputError: --draft-head-rank must be >= 1, got 0
-    """
+    reads no file), its token counts or trained factor file, before the target is loaded."""
     head = sources.draft_head
     options.check_draft_head_options(head)
     if counts and (head.factor is not None or head.vocab is not None):
@@ -180,12 +144,8 @@ def check_draft_head(sources: options.ModelSources, counts: bool = True) -> None
 
 
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, cfg) -> None:
-    """Empty prompts, ids outside the vocabulary, prompt + budget past `max_position_embeddings`.
-
-    Example:
-        >>> check_prompts([[1, 500]], 4, cfg)  # doctest: +SKIP
-        RequestError: prompt 0 has token ids outside the vocabulary [0, 128): [500]
-    """
+    """`RequestError` for an empty prompt, ids outside `[0, cfg.vocab_size)`, or prompt + budget past
+    `cfg.max_position_embeddings`."""
     pad_prompts(prompts, max_new_tokens, cfg.vocab_size, cfg.max_position_embeddings)
 
 
@@ -194,15 +154,7 @@ def check_plan_options(*, target: str, draft: str | None, topology: str, batch_s
                        prefill_chunk: int | None = None, prefix_cache_gb: float = 0.0,
                        draft_head: options.DraftHeadOptions = options.DraftHeadOptions()) -> None:
     """`infer.py plan`: sizes and budgets in range, the target / drafter configs readable, and the
-    request within the target's positions, before any compile.
-
-    Example:
-        >>> check_plan_options(target="/nope.json", draft=None, batch_size=1, topology="cpu:1", prompt_len=8,
-        ...     max_new_tokens=8, mtp_steps=4, block_size=None, rounds_per_dispatch=1)
-        Traceback (most recent call last):
-        ...
-        dmtp_jax.errors.ConfigError: model directory not found: /nope.json
-    """
+    request within the target's positions, before any compile (`RequestError`, `InputError`, `ConfigError`)."""
     parse_topology(topology)
     options.check_positive_int("--batch-size", batch_size, RequestError)
     options.check_positive_int("--prompt-len", prompt_len, RequestError)

@@ -1,23 +1,9 @@
 """The exactness probe: does a verify block give the same greedy tokens as single-token decoding
-on the running backend and dtype?
-
-Speculative decoding is exact only if the target's forward over a block of `n` tokens picks the
-same argmax at every position as `n` single-token forwards. In floating point it need not (a
-matrix-matrix product against matrix-vector products: other kernels and reduction orders), most of
-all in bfloat16 on an accelerator, where a near-tie can flip.
-
-Each speculative decoder owns an `ExactnessCheck` that, before its first request, prefills
-`PROBE_INPUTS` random prompts, decodes `width` tokens one at a time (`ARDecoder`'s own prefill and
-decode step) and runs ONE verify forward over them (the round's `verify_forward`), memoized per
-(target, width). On a mismatch the decoder warns once and decodes plainly (`ar`), or raises
-`InexactBackendError` when strict; `DMTP_JAX_ALLOW_INEXACT=1` engages speculative decoding anyway.
-The verdict is in every result's `stats["exactness_probe"]`.
-
-Example:
-    >>> result = run_probe(target, width=8)  # doctest: +SKIP
-    >>> result.exact, result.mismatches  # doctest: +SKIP
-    (True, 0)
-"""
+on the running backend and dtype? (In bfloat16 on an accelerator a near-tie can flip: see
+docs/numerics.md.) Each speculative decoder owns an `ExactnessCheck`: before its first request it
+decodes `width` tokens one at a time on `PROBE_INPUTS` random prompts and runs one verify forward
+over them, memoized per (target, width); on a mismatch the decoder decodes plainly (`ar`), or
+raises `InexactBackendError` when strict. The verdict is in `stats["exactness_probe"]`."""
 
 from __future__ import annotations
 
@@ -40,6 +26,7 @@ from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK
 from dmtp_jax.decode.round import SpecState, verify_forward
 from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.errors import InexactBackendError
+from dmtp_jax.decode.ar import ARDecoder
 
 log = logging.getLogger(__name__)
 ALLOW_INEXACT_ENV = "DMTP_JAX_ALLOW_INEXACT"
@@ -80,10 +67,8 @@ def probe_prompts(vocab_size: int, inputs: int = PROBE_INPUTS, prompt_len: int =
 
 
 def compare_block_to_chain(chain_rn: np.ndarray, block_argmax_rw: np.ndarray) -> tuple[int, tuple[int, int] | None]:
-    """`(mismatches, first (row, position))`: block position j must predict chain token j + 1.
-
-    `chain_rn` holds `width + 1` greedy tokens per row; `block_argmax_rw` the block's argmax at its
-    `width` positions (the block's input was `chain[:, :width]`).
+    """`(mismatches, first (row, position))`: block position j must predict chain token j + 1
+    (`chain_rn`: `width + 1` greedy tokens per row; `block_argmax_rw`: the block's argmax).
 
     Example:
         >>> compare_block_to_chain(np.array([[5, 6, 7]]), np.array([[6, 9]]))
@@ -114,13 +99,7 @@ def _verify_argmax(graphdef, state, lengths_b, block_bt, cache):
 def chain_and_block(target, prompts: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
     """`(chain [rows, width + 1], block argmax [rows, width])`: after one prefill of `prompts`, the
     greedy tokens of single-token decoding, and the argmax of ONE verify forward over the chain's
-    first `width` tokens from the same prefilled cache.
-
-    Example:
-        >>> chain, block = chain_and_block(target, [[1, 2, 3]], width=4)  # doctest: +SKIP
-        >>> chain.shape, block.shape  # doctest: +SKIP
-        ((1, 5), (1, 4))
-    """
+    first `width` tokens from the same prefilled cache."""
     cfg, graphdef, state, mesh = target.cfg, target.graphdef, target.state, target.mesh
     batch = pad_prompts(prompts, width + 1, cfg.vocab_size, cfg.max_position_embeddings, slack=width)
     rows = batch.tokens_bt.shape[0]
@@ -142,12 +121,8 @@ def chain_and_block(target, prompts: list[list[int]], width: int) -> tuple[np.nd
 
 def run_probe(target, width: int, inputs: int = PROBE_INPUTS, prompt_len: int = PROBE_PROMPT_LEN,
               seed: int = 0) -> ProbeResult:
-    """Compares a `width`-token verify block with single-token decoding on `inputs` random prompts.
-
-    Example:
-        >>> run_probe(load_target(tiny_dir), width=8).exact  # doctest: +SKIP
-        True
-    """
+    """A `ProbeResult`: a `width`-token verify block against single-token decoding on `inputs` random
+    prompts of `target`."""
     t0 = time.perf_counter()
     prompts = probe_prompts(target.cfg.vocab_size, inputs, prompt_len, seed)
     chain, argmax = chain_and_block(target, prompts, width)
@@ -205,7 +180,6 @@ class ExactnessGate:
 
     def plain_generate(self, prompts, max_new_tokens, sampling=None, seed=0, stop_ids=None, on_tokens=None):
         """The request decoded with `ar`; its stats carry the probe and the `declined_method`."""
-        from dmtp_jax.decode.ar import ARDecoder
         if self._plain is None:
             self._plain = ARDecoder(self.target) if self.prefill_chunk is None else ARDecoder(
                 self.target, prefill_chunk=self.prefill_chunk)
@@ -237,13 +211,7 @@ def decide(probe: ProbeResult, strict: bool, allow_inexact: bool) -> tuple[bool,
 class ExactnessCheck:
     """A decoder's exactness gate, a field it makes at construction: `gate()` probes the target at
     `width` on first use (then memoized) and decides (`decide`; `strict` raises), warning once per
-    (target, width) on a mismatch; `probed` says whether it has.
-
-    Example:
-        >>> gate = spec_decoder.exactness.gate()  # doctest: +SKIP
-        >>> gate.engaged, gate.summary()["exact"]  # doctest: +SKIP
-        (True, True)
-    """
+    (target, width) on a mismatch; `probed` says whether it has."""
 
     def __init__(self, target, width: int, *, strict: bool = False, method: str = "",
                  prefill_chunk: int | None = None):

@@ -1,16 +1,6 @@
-"""Row moves on a running state, for any state pytree (no per-architecture code).
-
-The engine keeps its running requests in a compact prefix of a state whose row count is a compiled
-bucket. A leaf's batch axis is where a 1-row and a 2-row state differ (`batch_axes`); on it:
-
-    insert_row  one 1-row state into row `row` (the single-request scatter)
-    put_rows    the rows of a small state into rows `dst_g` of a big one (`dst >= rows`: dropped)
-    move_row    row `src` copied onto row `dst` (compaction after a row finishes)
-    resize_rows the first `rows` rows (shrink), or the state padded with zero rows (grow)
-    extract_row row `row` as a 1-row state (a copy; the inverse of `insert_row`)
-
-A row that moves keeps its whole state: every leaf's row moves together. `RowMoves` jits them for
-one state layout (the engine's, its warm-up's and its prefix cache's).
+"""Row moves on a running state, for any state pytree (no per-architecture code): insert, put,
+move, resize and extract rows along each leaf's batch axis (where a 1-row and a 2-row state differ,
+`batch_axes`). A row that moves keeps its whole state. `RowMoves` jits them for one state layout.
 
 Example:
     >>> axes = {"k": 1, "n": 0}
@@ -44,24 +34,12 @@ def batch_axis(small_shape: tuple, big_shape: tuple) -> int:
 
 
 def batch_axes(one_row, two_rows):
-    """Each leaf's batch axis, as a pytree of ints, from a 1-row and a 2-row state (or their shapes).
-
-    Example:
-        >>> batch_axes({"k": jnp.zeros((3, 1))}, {"k": jnp.zeros((3, 2))})
-        {'k': 1}
-    """
+    """Each leaf's batch axis, as a pytree of ints, from a 1-row and a 2-row state (or their shapes)."""
     return jax.tree.map(lambda a, b: batch_axis(a.shape, b.shape), one_row, two_rows)
 
 
 def insert_row(state, row_state, row):
-    """`state` with row `row` replaced by the 1-row `row_state` (every leaf's batch axis found by
-    `batch_axis`).
-
-    Example:
-        >>> out = insert_row({"k": jnp.zeros((2, 3, 4))}, {"k": jnp.ones((2, 1, 4))}, 2)
-        >>> out["k"].sum(axis=(0, 2)).tolist()
-        [0.0, 0.0, 8.0]
-    """
+    """`state` with row `row` replaced by the 1-row `row_state` (each leaf's axis by `batch_axis`)."""
     def put(big, small):
         axis = batch_axis(small.shape, big.shape)
         if small.shape == big.shape:
@@ -72,10 +50,7 @@ def insert_row(state, row_state, row):
 
 def put_rows(axes, big, small, dst_g):
     """`big` with its rows `dst_g[i]` replaced by `small`'s row `i`; an index past `big`'s rows
-    drops that row (a padding row of a prefill bucket).
-
-    Example: see the module docstring.
-    """
+    drops that row (a padding row of a prefill bucket)."""
     def put(axis, b, s):
         moved = jnp.moveaxis(b, axis, 0).at[dst_g].set(jnp.moveaxis(s, axis, 0).astype(b.dtype), mode="drop")
         return jnp.moveaxis(moved, 0, axis)
@@ -113,12 +88,7 @@ def resize_rows(axes, state, rows: int):
 
 
 def extract_row(axes, state, row):
-    """Row `row` of `state` as a 1-row state (a copy: `state` may be donated afterwards).
-
-    Example:
-        >>> extract_row({"n": 0}, {"n": jnp.array([1.0, 2.0, 3.0])}, 2)["n"].tolist()
-        [3.0]
-    """
+    """Row `row` of `state` as a 1-row state (a copy: `state` may be donated afterwards)."""
     return jax.tree.map(lambda axis, x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis), axes, state)
 
 

@@ -1,20 +1,7 @@
-"""`train.py head-factor`: the efficient drafting head's low-rank factor, trained toward the full head.
-
-Starting from the SVD factor (`models/draft_head.py`), trains `A, B` so that `softmax((x A) B)`
-matches the full head's `softmax(x W)` (soft cross-entropy) on the hidden states the drafting side
-scores: the frozen target's final post-norm states and, with an MTP head, the MTP's, over the
-vocabulary or a frequency subset. Metrics: `kl`, `agree` (same argmax), `recall` (the full head's
-argmax in the low-rank top-`shortlist`).
-
-    python train.py head-factor --target DIR --data FILE --out DRAFTER_DIR --rank 64 [--vocab N]
-    python infer.py generate ... --draft-head efficient --draft-head-factor DRAFTER_DIR
-
-Writes `DRAFTER_DIR/head_factor.safetensors` (`down [H, r]`, `up [r, C]`, `ids [C]` for a subset);
-the run is the one training loop's (`train/loop.py:run_loop`) in `DRAFTER_DIR/head_factor_run`.
-
-Example:
-    >>> summary = train_head_factor(FactorConfig(target="t", data="d.jsonl", out="drafter"))  # doctest: +SKIP
-"""
+"""`train.py head-factor`: the efficient drafting head's low-rank factor `A, B`, trained from the
+SVD start so that `softmax((x A) B)` matches the full head's `softmax(x W)` on the target's (and
+MTP's) post-norm hidden states; writes `DRAFTER_DIR/head_factor.safetensors` (`down [H, r]`,
+`up [r, C]`, `ids [C]` for a subset). Usage: docs/training.md."""
 
 from __future__ import annotations
 
@@ -31,7 +18,20 @@ from flax import nnx
 from dmtp_jax.train.window import WindowBatches, WindowRunConfig, WindowTrainer, window_run_options
 from dmtp_jax.errors import InputError
 from dmtp_jax.options import check_ce_chunk, check_positive_int
-from dmtp_jax.checkpoint.draft_head_ckpt import HEAD_FACTOR
+from dmtp_jax.checkpoint.draft_head_ckpt import HEAD_FACTOR, make_efficient_head, read_token_counts
+from dmtp_jax.models.qwen3 import lm_head_logits
+from dmtp_jax.models.draft_head import subset_columns
+from dmtp_jax.train.features import mtp_hidden
+from dmtp_jax.train.loss import map_row_chunks
+from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.checkpoint.mtp_ckpt import has_mtp, load_mtp
+from dmtp_jax.checkpoint.safetensors_io import write_safetensors
+from dmtp_jax.config import load_target_config
+from dmtp_jax.sharding import make_mesh
+from dmtp_jax.tokenizer import load_tokenizer
+from dmtp_jax.train.data import TokenDataset, token_stream
+from dmtp_jax.train.loop import run_loop
+from dmtp_jax.train.optim import optim_config
 
 
 @dataclasses.dataclass
@@ -52,13 +52,8 @@ class FactorConfig(WindowRunConfig):
 
 
 def check_factor_shape(batch_size: int, seq_len: int, ce_chunk: int, target_dtype: str) -> None:
-    """The head-factor step's shape flags (`train.py head-factor` and its `plan`), checked once.
-
-    Example:
-        >>> check_factor_shape(8, 1, 256, "float32")
-        Traceback (most recent call last):
-        dmtp_jax.errors.InputError: --batch-size must be >= 1 and --seq-len >= 2, got 8, 1
-    """
+    """The head-factor step's shape flags (`train.py head-factor` and its `plan`), checked once;
+    `InputError` when out of range."""
     if batch_size < 1 or seq_len < 2:
         raise InputError(f"--batch-size must be >= 1 and --seq-len >= 2, got {batch_size}, {seq_len}")
     check_ce_chunk(ce_chunk)
@@ -79,8 +74,6 @@ def factor_rows(params: dict, w_hc: jax.Array, valid_c: jax.Array, x_bch: jax.Ar
         >>> [round(float(v), 4) for v in r[0, 0]]      # the factor equals the head: CE = entropy, KL 0
         [0.1909, 0.0, 1.0, 1.0]
     """
-    from dmtp_jax.models.qwen3 import lm_head_logits
-
     teacher = jax.nn.log_softmax(jnp.where(valid_c, lm_head_logits(x_bch, w_hc, tied=False), -jnp.inf), axis=-1)
     low_rank = (x_bch.astype(jnp.float32) @ params["down"]) @ params["up"]
     student = jax.nn.log_softmax(jnp.where(valid_c, low_rank, -jnp.inf), axis=-1)
@@ -96,24 +89,11 @@ def factor_rows(params: dict, w_hc: jax.Array, valid_c: jax.Array, x_bch: jax.Ar
 
 def factor_loss(params: dict, frozen: dict, target_graphdef, mtp_graphdef, tokens_bt: jax.Array, tied: bool,
                 shortlist: int, chunk: int = 0) -> tuple[jax.Array, dict]:
-    """`(soft cross-entropy, metrics)` of the low-rank scores `(x A) B` against the full head's
-    `softmax(x W)` at every position of `tokens_bt` (`x`: the target's and the MTP's post-norm
-    hidden states; `W`: the head's columns at `frozen["ids"]`, or all of them), means over the
-    rows of `factor_rows`. Pure.
-
-    `chunk` > 0: `train.loss.map_row_chunks` (slices of `chunk` rows of every sequence, each under
-    `jax.checkpoint`), so at most one slice's `[B, chunk, V]` scores are live, forward or backward;
-    0: all rows at once. The values are the same either way up to the order of the sums.
-
-    Example:
-        >>> loss, m = factor_loss(params, frozen, tgd, mgd, tokens_bt, False, 256, chunk=256)  # doctest: +SKIP
-        >>> sorted(m)  # doctest: +SKIP
-        ['agree', 'kl', 'recall']
-    """
-    from dmtp_jax.models.draft_head import subset_columns
-    from dmtp_jax.train.features import mtp_hidden
-    from dmtp_jax.train.loss import map_row_chunks
-
+    """`(soft cross-entropy, metrics {"agree", "kl", "recall"})` of the low-rank scores `(x A) B`
+    against the full head's `softmax(x W)` at every position of `tokens_bt` (`x`: the target's and the
+    MTP's post-norm hidden states; `W`: the head's columns at `frozen["ids"]`, or all), means over the
+    rows of `factor_rows`. `chunk` > 0: `train.loss.map_row_chunks` (at most one slice's
+    `[B, chunk, V]` scores live); 0: all rows at once. Pure."""
     target = nnx.merge(target_graphdef, frozen["target"])
     positions = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     hidden = jax.lax.stop_gradient(target(tokens_bt, positions).hidden_bth)
@@ -137,13 +117,8 @@ def factor_window_loss(target_graphdef, mtp_graphdef, tied: bool, shortlist: int
 
 class FactorDistiller(WindowTrainer):
     """`factor_loss` as a `train.loop.run_loop` trainer: params `{"down", "up"}` (fp32, from the given
-    efficient head's factor), the target, MTP and subset ids frozen, all on the target's mesh.
-    `chunk`: `factor_loss`'s. Works on weightless models too (`lower_step` only: `train.py plan
-    --job head-factor`).
-
-    Example:
-        >>> d = FactorDistiller(target, mtp, head, OptimConfig(total_steps=10), chunk=256)  # doctest: +SKIP
-    """
+    efficient head's factor), the target, MTP and subset ids frozen, all on the target's mesh. Works on
+    weightless models too (`lower_step` only: `train.py plan --job head-factor`)."""
 
     BAR = {"kl": "kl", "recall": "recall"}
 
@@ -173,23 +148,9 @@ class FactorDistiller(WindowTrainer):
 
 def train_head_factor(cfg: FactorConfig) -> dict:
     """Trains the factor (`FactorDistiller` in `run_loop`), evaluates the SVD start and the trained
-    factor on other random windows of the same data (drawn with `seed + 1`), and writes
-    `<out>/head_factor.safetensors`; returns the summary (also `<run>/summary.json`). A run stopped by
-    a signal writes no factor and resumes with `resume`.
-
-    Example: see the module docstring.
-    """
-    from dmtp_jax.checkpoint.hf import load_target
-    from dmtp_jax.checkpoint.mtp_ckpt import has_mtp, load_mtp
-    from dmtp_jax.checkpoint.safetensors_io import write_safetensors
-    from dmtp_jax.config import load_target_config
-    from dmtp_jax.checkpoint.draft_head_ckpt import make_efficient_head, read_token_counts
-    from dmtp_jax.sharding import make_mesh
-    from dmtp_jax.tokenizer import load_tokenizer
-    from dmtp_jax.train.data import TokenDataset, token_stream
-    from dmtp_jax.train.loop import run_loop
-    from dmtp_jax.train.optim import optim_config
-
+    factor on other random windows of the same data, and writes `<out>/head_factor.safetensors`;
+    returns the summary (also `<run>/summary.json`). A run stopped by a signal writes no factor and
+    resumes with `resume`."""
     check_factor_shape(cfg.batch_size, cfg.seq_len, cfg.ce_chunk, cfg.target_dtype)
     check_positive_int("--steps", cfg.steps)
     mesh = make_mesh(cfg.mesh)
