@@ -1,21 +1,7 @@
 """A full-model drafter (`--method draft-model`): a smaller target of the same vocabulary with its own
-`TargetCache` (K/V and, when hybrid, DeltaNet states), kept in step with the target's.
-
-Protocol (the state's `draft_cache` holds the draft model's cache over the same committed positions
-`0..L-1` as the target's):
-
-    prefill        the prompt chunks through the draft model too (`prefill_draft_cache`)
-    draft_chain    k single-token steps from the pending token at `L..L+k-1`, each token picked from
-                   the draft model's own logits; the steps run on a copy whose DeltaNet states are
-                   dropped afterwards, only their K/V (slot == position) are kept
-    commit         the draft model over the verify block `[A, drafts]` at `L..L+k` (speculative, as the
-                   target's verify forward), then its `commit` keeps the accepted prefix + bonus row:
-                   DeltaNet states roll back exactly as the target's do (`commit_draft_cache`)
-
-Example:
-    >>> drafts_bk, q_bkv, cache = draft_chain(model, state.draft_cache, state.pending_b, state.lengths_b, 4,
-    ...                                       choose)  # doctest: +SKIP
-"""
+`TargetCache` in the state's `draft_cache`, over the same committed positions as the target's:
+prefilled with the prompt, `draft_chain` drafts k greedy / sampled tokens on a copy, and
+`commit_draft_cache` keeps the accepted prefix exactly as the target's commit does."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Loading the models a decoding method needs, from `options.ModelSources` (`generate`, `bench`,
-`serve`).
-
-Example:
-    >>> models = load_method_models(ModelSources(draft="runs/dmtp"), target, ["ar", "dmtp"])  # doctest: +SKIP
-    >>> decoders = make_decoders(["ar", "dmtp"], target, models, block_size=None)  # doctest: +SKIP
-"""
+`serve`): `load_method_models`, then `make_decoders`."""
 
 from __future__ import annotations
 

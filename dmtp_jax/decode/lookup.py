@@ -1,15 +1,8 @@
-"""Prompt lookup (n-gram) drafting: a row's drafts continue the most recent, longest earlier match of
-its last tokens in its own prompt and output. No model; on device, a fixed block of `k` drafts.
-
-The row's history is the state's token buffer (`round.SpecState.tokens_bs`: the committed tokens at
-slot == position, the pending token at the row's length `L`). For n = `ngram_max` .. 1 the suffix
-`x[L-n+1 .. L]` is looked for ending at an earlier position `p < L`; the longest match wins, then the
-latest. The drafts are `x[p+1], x[p+2], ..`, continued periodically over `x[p+1 .. L]` past `L` (a
-repeat of period `L - p`), so a block is always full. A row without any match drafts its pending
-token `k` times (verification rejects what the target would not emit).
+"""Prompt lookup (n-gram) drafting: a row's drafts continue the most recent, longest earlier match
+(n = `ngram_max` .. 1) of its last tokens in its own token buffer, repeated periodically so a block
+of `k` is always full; a row without a match drafts its pending token. No model; on device.
 
 Example:
-    >>> import jax.numpy as jnp
     >>> lookup_drafts(jnp.array([[7, 8, 9, 7, 8, 0, 0, 0]]), jnp.array([4]), 3).tolist()
     [[9, 7, 8]]
 """

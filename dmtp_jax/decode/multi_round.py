@@ -1,10 +1,6 @@
-"""Several speculative rounds per dispatch: an on-device loop around `round.spec_round`.
-
-With `rounds_per_dispatch=K > 1` one jitted call runs up to K rounds (`run_rounds`, a
-`lax.while_loop`), decides on device which rows still run (`rows_still_running`, the same verdict
-as `batch.StopTracker`) and leaves each round's tokens in `[B, K, n]` buffers; the host replays
-them in order (`feed_rounds`). Outputs, truncation and statistics equal K = 1 (round `r` uses key
-`fold_in(base_key, r)` whatever K); only the streaming granularity changes."""
+"""Several speculative rounds per dispatch: a `lax.while_loop` around `round.spec_round`
+(`run_rounds`) that stops rows on device by `batch.StopTracker`'s rule and leaves each round's
+tokens in `[B, K, n]` buffers, replayed on the host (`feed_rounds`). Results equal K = 1."""
 
 from __future__ import annotations
 

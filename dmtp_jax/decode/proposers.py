@@ -1,23 +1,8 @@
-"""Proposers: one object per drafting mode, behind one interface.
-
-    proposal = proposer.propose(models, state, sp, key, greedy, limits_b, knobs)
-
-returns a `round.Proposal`. `propose` is `draft(first(...))`: `first` is MTP's first candidate T1
-(or None), `draft` the rest of the block, so `bench/phases.py` times the two apart.
-
-| method           | proposer           | first (T1)           | draft                                            |
-| ---------------- | ------------------ | -------------------- | ------------------------------------------------ |
-| `mtp`            | `MtpChainProposer` | MTP                  | the MTP chained through its own cache            |
-| `dflash`         | `DFlashProposer`   | -                    | DFlash block `[A, MASK..]` (DFlash2: selector)   |
-| `dmtp`, `dmtp-*` | `DmtpProposer`     | MTP                  | DFlash block, MTP's T1 fused in (`fusion.py`)    |
-| `dmtp-adaptive`  | `AdaptiveProposer` | MTP, where confident | one pass: `dmtp`'s block or DFlash's, per row    |
-| `lookup`         | `LookupProposer`   | -                    | the row's longest recent n-gram match (`lookup.py`)|
-| `draft-model`    | `DraftModelProposer` | -                  | a smaller target chained (`draft_model.py`)      |
-| `eagle3`         | `Eagle3Proposer`   | -                    | the EAGLE-3 layer chained on its own outputs     |
-
-Proposers project to the vocabulary through the drafting side's head (`RoundModels.draft_logits`);
-verification always uses the full head. Run-time knobs are traced (`RoundKnobs`), so changing them
-never recompiles.
+"""Proposers: one object per drafting mode, behind one interface,
+`proposal = proposer.propose(models, state, sp, key, greedy, limits_b, knobs)` -> `round.Proposal`.
+`propose` is `draft(first(...))` (MTP's T1, then the rest of the block; the table of methods:
+docs/ARCHITECTURE.md). Drafts are scored by the drafting side's head, verification always by the
+full head; run-time knobs are traced (`RoundKnobs`), so changing them never recompiles.
 
 Example:
     >>> make_proposer("dmtp", slots=8, context_window=4096).needs

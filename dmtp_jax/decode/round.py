@@ -1,19 +1,8 @@
-"""The speculative round as named, pure phase functions over explicit state.
-
-A round from `SpecState` (caches, each row's committed length `L` and pending token `A`, the MTP
-hidden that predicts the next first candidate) with `n` verify slots:
-
-    propose         a proposer (`decode/proposers.py`) drafts `[B, n-1]` tokens (and, sampled,
-                    their probabilities): `Proposal`
-    verify_forward  the target over `[A, drafts]` at positions `L..L+n-1`
-    accept          greedy exact match or a lossless sampled verifier: `(accepted [B], bonus [B])`
-    mtp_advance     the MTP over rows `(h_{L+j}, next committed token)`, `j <= accepted`
-    write_context   the drafter's context K/V of the verify rows
-    commit          all of the above into the next `SpecState` and the round's tokens
-
+"""The speculative round as named, pure phase functions over explicit state (`SpecState`):
+propose, verify_forward, accept, mtp_advance, write_context, commit (docs/ARCHITECTURE.md).
 `spec_round` composes them; `prefill_step` is the state's prefill chunk. Models come in as a
-`RoundModels` (merged modules) and every knob as an argument, so the decoder (`decode/spec.py`),
-`bench/phases.py` and the exactness probe jit the same functions."""
+`RoundModels` and every knob as an argument, so the decoder, `bench/phases.py` and the exactness
+probe jit the same functions."""
 
 from __future__ import annotations
 

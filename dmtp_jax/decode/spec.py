@@ -1,16 +1,8 @@
-"""The speculative decode engine: one jitted round over fixed buffers, for every drafting method.
-
-State per batch row (`round.SpecState`): the target KV cache (and DeltaNet states), the drafter's
-context cache and the MTP's cache (slot == position), the committed length `L`, the pending token
-`A` (committed, not yet run by the target) and, with MTP, the hidden that predicts the next first
-candidate. A round is `decode/round.py:spec_round`; the method only chooses the proposer
-(`decode/proposers.py`), so there are no method branches here.
-
-This module checks the options (`check_spec_options`), binds the frozen setup (`RoundSetup`) to
-the jitted entry points (`prefill_step`, `round`, `multi_round`) and runs the host loop. Every
-value a jitted function reads is an argument or part of the setup (the adaptive threshold is a
-traced knob). One host transfer per round; one compile per (batch bucket, cache length, method,
-greedy/sampled)."""
+"""The speculative decode engine: one jitted round over fixed buffers, for every drafting method
+(the proposer is the only thing a method chooses: no method branches here). It checks the options
+(`check_spec_options`), binds the frozen `RoundSetup` to the jitted entry points (`prefill_step`,
+`round`, `multi_round`) and runs the host loop: one host transfer per round, one compile per
+(batch bucket, cache length, method, greedy/sampled)."""
 
 from __future__ import annotations
 

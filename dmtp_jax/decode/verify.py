@@ -1,15 +1,7 @@
-"""Block verification: how many drafts the target accepts, and the bonus token.
-
-Every verifier takes the target's distributions at the `n+1` verify slots (slot i predicts the
-token after verify token i) and `n` drafts, and returns `(accepted [B], bonus [B])`; the committed
-tokens are `drafts[:accepted] + [bonus]`.
-
-* `verify_greedy`: exact match against the target argmax.
-* `verify_target_only`: one target sample per slot, accept the matching prefix (lossless).
-* `verify_rejection`: speculative sampling with the drafter's `q`: accept draft i with probability
-  `min(1, p_i(d) / q_i(d))`; the bonus from `norm(max(p - q, 0))` (else `p`).
-* `verify_block`: block verification (Sun et al. 2024, arXiv 2403.10444): lossless, expected
-  accepted length never below `verify_rejection`'s for the same drafts."""
+"""Block verification: how many drafts the target accepts, and the bonus token. Every verifier takes
+the target's distributions at the `n+1` verify slots and `n` drafts and returns
+`(accepted [B], bonus [B])`: `verify_greedy` (exact match), and the lossless `verify_target_only`,
+`verify_rejection` and `verify_block` (docs/numerics.md)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,9 @@
-"""Grouped-query attention over explicit key positions, one mask rule for every caller.
+"""Grouped-query attention over explicit key positions, one mask rule for every caller:
+`allowed = valid & (k_pos <= q_pos if causal) & (q_pos - k_pos < window if sliding)`.
 
-The rule (`layers/attention_mask.py`):
-
-    allowed = valid & (k_pos <= q_pos if causal) & (q_pos - k_pos < window if sliding)
-
-`grouped_attention` is the one entry point. Given a materialised mask `[B, T, S]` it runs the
-dense form (fp32 scores `[B, kv, g, T, S]`). Given a `MaskRule` it picks a kernel by the static
-shapes and the platform programs are compiled for (`attention_kernel`):
-
-* `"dense"`     T <= 64 queries (decode steps, verify blocks, drafter blocks) or T x S <= 2^20:
-                the mask is built and the dense form runs (memory linear in S for a bounded T;
-                the same numbers as a materialised mask);
-* `"cudnn"`     GPU, bf16 / fp16, a causal `self_keys` rule (keys are the queries' own tokens:
-                a prompt without a cache, training features): cuDNN's fused flash attention;
-* `"pallas"`    one TPU chip, a causal `self_keys` rule without a window, T a multiple of 128: jax's
-                Pallas TPU flash kernel (`layers/fused_attention.py`; GSPMD cannot partition a
-                Pallas call, so on several chips the XLA blockwise form runs);
-* `"blockwise"` otherwise -- every platform's prefill chunks over a cache, sliding windows on TPU --
-                the XLA online-softmax form by blocks (`layers/blockwise_attention.py`), memory
-                linear in T and S.
-
-Rows with no allowed key return zeros, in every form.
+`grouped_attention` is the one entry point: a materialised mask `[B, T, S]` runs the dense form; a
+`MaskRule` lets `attention_kernel` pick "dense", "cudnn", "pallas" or "blockwise" by the static
+shapes and the compile platform (docs/models.md). Rows with no allowed key return zeros.
 
 Example:
     >>> pos = jnp.arange(5)[None]

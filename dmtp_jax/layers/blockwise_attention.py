@@ -1,16 +1,7 @@
 """Blockwise (flash-style) grouped-query attention in plain XLA: memory linear in T and S.
 
-Query blocks (`fori_loop`), each with an online softmax over key blocks carrying fp32 `m`, `l`,
-`acc`:
-
-    s   = q k^T / sqrt(D), -inf where the rule forbids     [B, kv, g, Tq, Sk]
-    m'  = max(m, rowmax(s));  p = exp(s - m');  a = exp(m - m')
-    l'  = a l + rowsum(p);    acc' = a acc + p v
-    out = acc / l                                           (0 for a row with no allowed key)
-
-Each block's mask comes from the `MaskRule`; key blocks no query may see are skipped
-(`lax.cond`). Inputs are never padded: a last block is moved back to end at the edge, its
-overlapping keys masked off. Temporaries: `B * heads * q_block * k_block` fp32 scores.
+Query blocks, each an online softmax over key blocks (fp32 `m`, `l`, `acc`; docs/models.md); key
+blocks no query may see are skipped; inputs are never padded. A row with no allowed key gives 0.
 
 Example:
     >>> q = jnp.ones((1, 100, 4, 8)); k = v = jnp.ones((1, 100, 2, 8))

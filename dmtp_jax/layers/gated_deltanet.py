@@ -1,17 +1,7 @@
-"""Gated DeltaNet (Qwen3.5 / Qwen3.6 / Qwen3-Next linear attention) as pure functions.
-
-Per value head the fp32 recurrent state `S [dk, dv]` follows the gated delta rule:
-
-    S <- exp(g_t) * S                      # decay (g_t <= 0, a log decay)
-    S <- S + k_t (beta_t (v_t - S^T k_t))^T # rank-1 delta correction
-    o_t = S^T q_t
-
-`q`, `k` arrive L2-normalised and repeated to the value heads (`prepare_qk`). Two equivalent
-forms: `gated_delta_recurrent` (token scan: decode and verify blocks) and `gated_delta_chunked`
-(UT transform over chunks: prefill and training); `gated_delta_rule` picks one by the static
-length. A token with `g = 0, beta = 0` leaves the state unchanged (padding: `mask_gates`; rejected
-drafts: `gated_delta_state_after`). The causal conv keeps the last `K-1` pre-conv inputs per row.
-Numerics notes: docs/numerics.md#gated-deltanet-kernels.
+"""Gated DeltaNet (Qwen3.5 / Qwen3.6 / Qwen3-Next linear attention) as pure functions: the gated
+delta rule over a per-head fp32 state `S [dk, dv]` (docs/models.md), as a token scan
+(`gated_delta_recurrent`: decode, verify) or chunked (`gated_delta_chunked`: prefill, training),
+picked by `gated_delta_rule`. A token with `g = 0, beta = 0` leaves the state unchanged.
 
 Example:
     >>> b, t, h, dk, dv = 1, 5, 2, 4, 4

@@ -1,23 +1,7 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash) in its absorbed form, over a latent cache.
-
-Per token, MLA keeps one latent `c = [RMS(kv_a(x))[:r] ; rope(k_rot)]` (`r = kv_lora_rank` plus the
-decoupled rotary key of `qk_rope_head_dim`, shared by every head): that is all the cache holds. The
-expanded keys and values would be `k_h = [c[:r] @ W_uk_h ; k_rot]`, `v_h = c[:r] @ W_uv_h` (`kv_b_proj`
-split per head); the absorbed form never builds them:
-
-    q_lat_h = q_nope_h @ W_uk_h^T                  [r]      (W_uk folded into the query)
-    score   = (q_lat_h . c[:r] + q_rot_h . c[r:]) * scale
-    o_h     = (softmax(score) @ c[:r]) @ W_uv_h     [v_head_dim]
-
-which is the expanded attention exactly (a reordering of the same sums). So the latent is one
-K/V "head" of dim `r + rope` read by every query head: `grouped_attention` (all its kernels) runs it
-as multi-query attention with keys = values = the latent, the query `[q_lat ; q_rot]` pre-scaled so
-that its own `1/sqrt(dim)` gives `scale`, and the output's first `r` dims kept.
-
-DeepSeek's checkpoints lay the rotary dims out in interleaved pairs; `deinterleave` reorders them
-to the half-split layout `layers/rope.py` rotates (the same rotation, transformers'
-`apply_rotary_pos_emb_interleave`).
-"""
+"""Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash) in its absorbed form over a latent
+cache `c = [RMS(kv_a(x))[:r] ; rope(k_rot)]`: the latent is one K/V head read by every query head
+through `grouped_attention`, exactly the expanded attention (derivation: docs/models.md).
+`deinterleave` reorders DeepSeek's interleaved rotary dims to `layers/rope.py`'s layout."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""DeepSeek-V3 and GLM-4.7-Flash (`glm4_moe_lite`) targets: MLA attention over a latent cache and the
-DeepSeek MoE, as layers of the same target module and cache protocol as the Qwen families.
-
-A layer is the pre-norm block of `qwen3.DecoderLayer` with
-* `MlaAttention` (`layers/mla.py`): queries through the optional low-rank `q_a_proj` / `q_a_layernorm`
-  / `q_b_proj` (or one `q_proj`), the latent `kv_a_proj_with_mqa` -> `[RMS(c) ; rope(k_rot)]`, written
-  to the cache `[layers, B, S, 1, kv_lora_rank + qk_rope_head_dim]` (its value part is zero-wide,
-  `TargetConfig.kv_cache_dims`), read in the absorbed form; softmax scale `qk_head_dim^-0.5` times
-  YaRN's `mscale^2` when the config scales RoPE;
-* `DeepSeekMoE` from `first_k_dense_replace` (GLM: `mlp_layer_types`) on, a dense SwiGLU before:
-  routed experts chosen by `layers/moe.py:grouped_sigmoid_top_k` (`e_score_correction_bias`,
-  `n_group`, `topk_group`, `routed_scaling_factor`, `norm_topk_prob`) plus the shared experts.
-
-`DeepSeekTarget` is `QwenTarget` with these layers (`models/__init__.py:build_target` picks it), so
-the forward, stacks, capture, commit and `TargetCache` are the Qwen target's; the MTP head's layer
-(the next-token layer, `models/mtp.py`) is an `MlaDecoderLayer` too.
+"""DeepSeek-V3 and GLM-4.7-Flash (`glm4_moe_lite`) targets: `QwenTarget` with MLA attention over a
+latent cache (`layers/mla.py`) and the DeepSeek MoE (`layers/moe.py`), same cache protocol; the
+MTP head's layer is an `MlaDecoderLayer` too. Layer details: docs/models.md.
 
 Example:
     >>> from dmtp_jax.config import TargetConfig

@@ -1,12 +1,7 @@
-"""DFlash / DFlash2 block drafter (z-lab `dflash` 0.1.0 semantics) as a pure NNX module.
-
-No embedding table and no LM head: block rows are target embedding rows (`[anchor, MASK, ...]`
-times `input_embedding_scale`), draft logits come from the target's LM head (then
-`output_multiplier`, softcap). The context (concatenated target layer outputs, `fc` +
-`hidden_norm`) has its K/V computed once per position (`context_kv`) and cached by the caller.
-Block rows attend to [context ; block] with the reference's per-layer rules (sliding window;
-`is_causal` unset: sliding layers causal, full layers bidirectional). DFlash2 adds a grouped
-dynamic causal conv around attention and MLP and a candidate selector.
+"""DFlash / DFlash2 block drafter (z-lab `dflash` 0.1.0 semantics) as a pure NNX module: block rows
+are target embedding rows, logits come from the target's LM head, context K/V are computed once per
+position (`context_kv`) and cached by the caller. DFlash2 adds a dynamic conv and a selector.
+Attention rules: docs/models.md.
 
 Example:
     >>> dcfg = DFlashConfig.from_hf_dict({"architectures": ["DFlashDraftModel"], "hidden_size": 32,

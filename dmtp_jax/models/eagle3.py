@@ -1,19 +1,7 @@
-"""The EAGLE-3 drafter (the published `LlamaForCausalLMEagle3` layout) as an NNX module.
-
-One Llama decoder layer over a row `(g_p, x_{p+1})` at position p, predicting x_{p+2}:
-
-    g_p  = fc([f_low ; f_mid ; f_high])        the target's tapped layer outputs at p   (step 1)
-         | the drafter's own previous output                                            (later steps)
-    a    = attn([RMS_in(embed(x_{p+1})) ; RMS_hidden(g_p)])     q / k / v read 2H wide, RoPE, no q/k norm
-    h    = g_p + a;  h = h + mlp(RMS_post(h))                   pre-norm output: the next step's g
-    logits over the draft vocabulary = lm_head(norm(h)); draft id d is target id `vocab_map[d]`
-    (the checkpoint's `d2t[d] = vocab_map[d] - d`; `t2d[t]`: t is in the draft vocabulary)
-
-The layer keeps its own K/V cache (slot == position). At decode time the cache rows pair committed
-features with the next committed token, exactly like the native MTP head's (`models/mtp.py`), so the
-cache rolls back to the accepted prefix by overwriting. `vocab_map` is an integer `DraftVocab`
-variable (never trained); the other leaves are `nnx.Param`s. Without `embed_tokens` in its
-checkpoint the drafter reads the target's embedding.
+"""The EAGLE-3 drafter (the published `LlamaForCausalLMEagle3` layout) as an NNX module: one Llama
+decoder layer over a row `(g_p, x_{p+1})` predicting x_{p+2}, `g_p` the fused tapped target
+features (step 1) or its own previous output; logits over a draft vocabulary mapped to target ids
+by `vocab_map`. Its K/V cache rolls back like the MTP head's. Equations: docs/models.md.
 
 Example:
     >>> cfg = Eagle3Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,

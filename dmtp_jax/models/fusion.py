@@ -1,21 +1,6 @@
 """DMTP's first-candidate fusion: how MTP's T1 and the MTP hidden that predicted it enter the DFlash
-block, one variant per method:
-
-| method                | block rows (positions)            | T1 slot input                                   |
-| --------------------- | --------------------------------- | ----------------------------------------------- |
-| `dmtp` (main)         | `[A, T1, MASK x6]` (L .. L+7)     | `E(T1) + W [RMS_e(E(T1)); RMS_m(h)]`, W = 0 init |
-| `dmtp-single`         | `[T1, MASK x6]` (L+1 .. L+7)      | `W [RMS_e(E(T1)); RMS_m(h)]`, W = [I; 0] init   |
-| `dmtp-candidate`      | `[T1, MASK x6]`                   | `E(T1)` (no fusion params)                      |
-| `dmtp-lowrank`        | `[T1, MASK x6]`                   | `E(T1) + U V RMS_m(h)`, U = 0 init, rank r      |
-| `dmtp-mask-residual`  | `[T1, MASK x6]`                   | `E(T1)`; every MASK row gets `+ W RMS_m(h)`, W = 0 |
-| `dmtp-ctx-fusion`     | `[T1, MASK x6]`                   | `E(T1)`; context = norm(fc(target feats) + W RMS_m(h_ctx)), W = 0 |
-| `dmtp-ctx-mtp`        | `[T1, MASK x6]`                   | `E(T1)`; context = norm(W RMS_m(h_ctx)) (MTP features only), W = I |
-| `dmtp-adaptive`       | `[A, T1+Δ or MASK, MASK x6]`      | per row: `dmtp`'s fused T1, or `MASK` (DFlash's block) |
-
-`h` is the MTP's pre-norm output that predicts T1 (detached); `h_ctx` at context position p is
-the MTP's output of row (h_p, x_{p+1}). `dmtp-adaptive` has `dmtp`'s params; rows with
-`t1_from_mtp_b` get `dmtp`'s block, the others DFlash's. The zero inits make a DFlash checkpoint
-continue training from exactly its own behaviour.
+block, one variant per DMTP method (the table of block rows and T1 inputs: docs/models.md). Zero
+inits make a DFlash checkpoint continue training from exactly its own behaviour.
 
 Example:
     >>> fusion = T1Fusion("dmtp", hidden=32, rank=0, eps=1e-6, dtype=jnp.float32, rngs=nnx.Rngs(0))

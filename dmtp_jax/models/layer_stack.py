@@ -1,16 +1,6 @@
-"""The target's decoder layers as scanned stacks: program size and compile time flat in depth.
-
-A *stack* is `repeats` copies of one *group* of `period` consecutive layers of the same kinds (layer
-type and dense / MoE MLP); its params are stacked `[repeats, ...]` (logical axis "layers") and it
-runs as one `jax.lax.scan` over the groups (`repeats == 1`: no scan, static indices). Qwen3: one
-stack of 1-layer groups; Qwen3.5 / 3.6: one stack of the `layer_types` period. Irregular patterns
-get more stacks (`plan_stacks` picks the period with the fewest layer bodies); `plan_stacks(cfg,
-scan=False)` is one unrolled stack.
-
-The scan's carry: the hidden state, the K/V cache `[attention layers, ...]` and DeltaNet states
-`[linear layers, ...]` (each layer reads and writes at its own index, passed to it), and the
-capture buffer `[n_capture + 1, B, T, H]`; its ys: a speculative call's `PendingBlock` parts.
-Param paths `stacks.{s}.{j}.*` (member `j` of stack `s`) map to HF layer ids by `stack_layer_ids`.
+"""The target's decoder layers as scanned stacks: program size and compile time flat in depth. A
+stack is `repeats` copies of a group of `period` layers, params `[repeats, ...]`, run as one
+`jax.lax.scan` (carry: hidden, caches, capture buffer; docs/models.md). `plan_stacks` picks them.
 
 Example:
     >>> from dmtp_jax.config import TargetConfig

@@ -1,21 +1,9 @@
 """The Qwen target family as NNX modules, run as pure functions: Qwen3 dense and MoE, and the hybrid
 Qwen3.5 / Qwen3.6 (`qwen3_5`, `qwen3_5_moe`) and Qwen3-Next targets.
 
-One forward serves prefill, single-token decode, multi-token verify and training: it takes new
-tokens at explicit per-row positions, and either a `TargetCache` or none (the tokens then attend
-only to each other and DeltaNet layers start from a zero state). On request it returns the hidden
-states after chosen layers (HF `hidden_states[k+1]`, the DFlash context features; like HF, the last
-layer's entry is the post-final-norm state) next to the post-final-norm hidden state (the MTP input).
-
-The cache protocol, the same for every family (the decode round never asks which one it has):
-
-    out = target(tokens, positions, cache, kv_valid_bt=valid)   # prefill / decode: state advances
-    out = target(tokens, positions, cache, speculative=True)    # verify: KV written, state pending
-    cache = target.commit(out.cache, out.pending, keep_b)        # keep the first keep_b tokens
-
-Attention K/V live at slot == position, so rejected rows are simply never read; DeltaNet layers
-advance their state over the kept prefix (`models/deltanet.py:commit_states`). A pure-attention target's
-`pending` is None and `commit` returns the cache as it is.
+One forward serves prefill, decode, verify and training: new tokens at explicit per-row positions,
+with a `TargetCache` or none; it returns the post-final-norm hidden state and, on request, chosen
+layers' outputs. The cache protocol (forward, `speculative=True`, `commit`) is docs/ARCHITECTURE.md's.
 
 Example:
     >>> from dmtp_jax.config import TargetConfig
