@@ -1,22 +1,14 @@
 """What the command-line tools (`infer.py`, `train.py`) share: argument types, an argparse parser
-whose errors are one line, and the one place that turns our error types into exit status 2.
-
-Every CLI error is one `error:` line plus at most one `hint:` line on stderr, exit status 2, and
-nothing on stdout before it. Only `dmtp_jax.errors.UserError` (and argparse's own errors) get
-this treatment; any other exception is a bug and keeps its traceback.
-
-Example:
-    >>> parser = ArgumentParser(prog="tool")
-    >>> _ = parser.add_argument("--n", type=int)
-    >>> parser.parse_args(["--n", "3"]).n
-    3
-"""
+whose errors are one line, and the one place that turns a `dmtp_jax.errors.UserError` into one
+`error:` (+ at most one `hint:`) line on stderr and exit status 2; any other exception is a bug and
+keeps its traceback."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import importlib.util
+import json
 import os
 import sys
 from typing import Callable
@@ -92,14 +84,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """`handler(args)`; a `UserError` becomes its one-line message on stderr and exit status 2,
-    Ctrl-C exit status 130. Every other exception propagates with its traceback.
-
-    Example:
-        >>> def bad(args):
-        ...     raise UserError("--steps must be >= 1")
-        >>> run_command(bad, argparse.Namespace())  # prints "error: --steps must be >= 1" to stderr
-        2
-    """
+    Ctrl-C exit status 130. Every other exception propagates with its traceback."""
     try:
         return handler(args)
     except UserError as e:
@@ -150,8 +135,8 @@ def enable_compile_cache(flag: str | None = None) -> str | None:
         >>> enable_compile_cache("off") is None
         True
     """
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as cc
+    import jax     # lazy: the CLI's --help and argument errors do not import jax (seconds)
+    from jax.experimental.compilation_cache import compilation_cache as cc     # lazy: as jax
 
     path = compile_cache_dir(flag)
     if path is not None:
@@ -212,7 +197,7 @@ def add_plan_args(sp) -> None:
 def use_host_backend() -> None:
     """Compile-only runs (`plan`) never open an accelerator: JAX's own backend is the host CPU
     (the TPU / GPU targets are compile-only devices). A no-op once a backend has started."""
-    import jax
+    import jax     # lazy: the CLI's --help and argument errors do not import jax (seconds)
     try:
         jax.config.update("jax_platforms", "cpu")
     except Exception:       # noqa: BLE001 -- a backend is already up (in-process callers, tests)
@@ -229,14 +214,14 @@ def skip_absent_gpu_plugin() -> str | None:
         >>> skip_absent_gpu_plugin() in (None, "cpu", "tpu,cpu")
         True
     """
-    import jax
+    import jax     # lazy: the CLI's --help and argument errors do not import jax (seconds)
     if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
         return None
     if not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)
                if importlib.util.find_spec("jax_plugins") is not None):
         return None
     try:
-        from jax._src import hardware_utils
+        from jax._src import hardware_utils     # private, may move: imported inside the try
         if hardware_utils.has_visible_nvidia_gpu():
             return None
         tpu = hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
@@ -257,9 +242,7 @@ def plan_progress(name: str) -> None:
 def finish_plan(plan, json_path: str | None) -> int:
     """Prints the plan, writes its JSON, and raises `DoesNotFitError` when it does not fit (after
     the table: the user sees what does not fit)."""
-    import json
-
-    from dmtp_jax.plan import DoesNotFitError, format_plan
+    from dmtp_jax.plan import DoesNotFitError, format_plan     # lazy: plan imports jax (seconds)
 
     print(format_plan(plan))
     if json_path:

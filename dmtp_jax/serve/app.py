@@ -1,16 +1,7 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over a scheduler thread that drives the `Engine`.
-
-    POST /v1/completions        prompt (text or token ids), max_tokens, temperature, top_p, top_k,
-                                seed, stop (strings), stream (server-sent events), n = 1
-    POST /v1/chat/completions   messages through the tokenizer's chat template (400 without one)
-    GET  /v1/models, /health, /metrics (Prometheus text); /docs, /redoc, /openapi.json with `enable_docs`
-
-Requests are checked by `protocol.py` before the scheduler and guarded below the routes by
-`limits.py`; tokenising runs off the event loop. Each handler turns its request's events into text
-(`text.TextStream`, stop strings cut exactly) and cancels the request on a stop string or when its
-client goes away. Errors are OpenAI-style JSON: 400 bad input, 401 API key, 404 unknown model, 413
-too large, 429 queue full, 503 shutting down. On shutdown the scheduler stops admitting and cancels
-what is left after `drain_s`."""
+"""The OpenAI-compatible HTTP server: FastAPI routes (`/v1/completions`, `/v1/chat/completions`,
+`/v1/models`, `/health`, `/metrics`) over a scheduler thread that drives the `Engine`. Requests are
+checked by `protocol.py` and guarded by `limits.py`; errors are OpenAI-style JSON. Routes, status
+codes and shutdown: docs/serving.md."""
 
 from __future__ import annotations
 

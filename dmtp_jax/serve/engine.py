@@ -1,29 +1,10 @@
 """Continuous batching over rounds that follow the load: the serving core, no HTTP.
 
-An `Engine` owns one `RoundBank` (`serve/rounds.py`: plain decoding and the speculative rounds its
-models allow, on one state) and one running state whose row count is a compiled row bucket (powers
-of two up to `max_batch_size`), the running requests in its first rows. Each `step()`:
-
-    cancel     rows of cancelled requests are freed
-    admit      waiting requests are prefilled in groups (`serve/admission.py`), within the prefill
-               budget per step; a finished group's rows go into the running state in one scatter
-    round      the policy (`serve/policy.py`) picks the round (plain, MTP or the base method), run
-               over the active rows (K rounds per dispatch when nobody waits); each request's
-               `StopTracker` cuts at its stops; finished rows are filled by the last running rows
-               and the state shrinks to the smallest bucket that holds the rest
-
-With `prefix_cache_gb` > 0 a prompt that begins with a stored text resumes from its 1-row state
-(`serve/prefix_cache.py`). A request's greedy output is `generate`'s on the same prompt whatever
-else is in the batch; sampled rows carry their own parameters as traced values (nothing
-recompiles). A failed admission retries its group's requests alone; a failed round ends the
-running requests with "error" and rebuilds the state. A speculative decoder that fails its
-exactness probe is served with plain decoding.
-
-Example:
-    >>> engine = Engine(make_decoder("dmtp", target, drafter=d, mtp=m, fusion=f), max_batch_size=8)  # doctest: +SKIP
-    >>> req = engine.add(Request([1, 2, 3], max_tokens=16))  # doctest: +SKIP
-    >>> while not req.finished: engine.step()  # doctest: +SKIP
-"""
+An `Engine` owns one `RoundBank` and one running state whose row count is a compiled bucket. Each
+`step()` frees cancelled rows, admits waiting requests in prefill groups, runs the round the
+policy picks over the active rows and compacts finished rows (docs/serving.md). A request's greedy
+output is `generate`'s on the same prompt whatever else is in the batch; a decoder that fails its
+exactness probe is served with plain decoding."""
 
 from __future__ import annotations
 
@@ -120,11 +101,7 @@ class Engine:
                              max_top_k=self.max_top_k)
 
     def add(self, req: Request) -> Request:
-        """Queues a (checked) request; it is admitted by a later `step`.
-
-        Example:
-            >>> req = engine.add(Request([1, 2, 3], max_tokens=8, temperature=0.7))  # doctest: +SKIP
-        """
+        """Queues a (checked) request; a later `step` admits it."""
         self.check(req)
         req.tracker = StopTracker(1, req.max_tokens, self.stop_ids if req.stop_ids is None else req.stop_ids)
         self.waiting.append(req)
@@ -133,12 +110,7 @@ class Engine:
         return req
 
     def cancel(self, req: Request, reason: str = "cancelled") -> None:
-        """Ends a request at the next step (its row is freed then); `reason` is its finish reason.
-
-        Example:
-            >>> engine.cancel(req); engine.step()[0].finished  # doctest: +SKIP
-            True
-        """
+        """Ends a request at the next step (its row is freed then); `reason` is its finish reason."""
         if not req.finished:
             req.cancelled, req.cancel_reason = True, reason
 
@@ -153,12 +125,7 @@ class Engine:
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[Event]:
         """Frees cancelled rows, runs at most the prefill budget's worth of admissions, runs one
-        dispatch of rounds over the running rows; returns what each request committed.
-
-        Example:
-            >>> [(ev.request.id, ev.tokens, ev.finished) for ev in engine.step()]  # doctest: +SKIP
-            [(1, [17, 4, 9], False)]
-        """
+        dispatch of rounds over the running rows; returns the `Event`s (what each request committed)."""
         events: list[Event] = []
         self._drop_cancelled(events)
         self._admit(events)

@@ -1,19 +1,6 @@
-"""Which round the engine runs next: the method of the highest estimated output tokens/s at the
-live batch.
-
-For `rows` running rows in a state of `bucket` rows, a method's estimate is
-
-    rows x tau(method) / round_s(method, bucket)
-
-`tau`: tokens a row commits per round, measured live (`ar`: 1; before any round of the method: the
-auto verdict's `tau_per_verify` for the bucket, counted as one sample, else `slots / 2`), a running
-mean over its first `1 / ALPHA` samples and an exponential average after; `round_s`: seconds per
-round of the method at that bucket, the median of its last `TIME_WINDOW` samples (a dispatch that
-compiled is not counted): a round's cost is fixed by its shapes and a busy machine only adds to it,
-so one slow sample is outvoted as soon as two normal ones arrive. A method not yet timed at a
-bucket runs once to time it. Every `refresh_every` choices the method whose estimate at the bucket
-is oldest (plain decoding included) runs once, so an estimate that no longer holds is measured again.
-`describe` says what the choice rests on (for `/metrics`).
+"""Which round the engine runs next: the method of the highest estimated output tokens/s at the live
+batch, `rows x tau(method) / round_s(method, bucket)`, both measured live (docs/serving.md);
+stale estimates are re-measured every `refresh_every` choices. `describe` says what a choice rests on.
 
 Example:
     >>> p = LoadPolicy({"ar": 1, "dmtp": 8})

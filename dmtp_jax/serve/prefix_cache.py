@@ -1,13 +1,7 @@
-"""An exact prefix cache for the serving engine: 1-row decode states keyed by the tokens they hold.
-
-A snapshot is the engine's whole 1-row state with `L` tokens consumed and token `L` pending, keyed
-by those `L + 1` tokens; it is offered after a prefill, at a finish that ends exactly at the text,
-and once before a speculative round that may reach a row's budget. A prompt reuses the longest
-match: resume (a key that is a prefix of the prompt, `L + 1 <= p`: the decoder's prefill runs from
-position `L` on a copy, re-running at least the pending token) or, greedy only, repeat (a key equal
-to the prompt plus one token: the state is used as is). DeltaNet states exist only where produced,
-so there is no partial match inside a key. Snapshots stay on the device under a byte budget, least
-recently used evicted first. Outputs equal a full prefill's (docs/serving.md#prefix-cache).
+"""An exact prefix cache for the serving engine: 1-row decode states keyed by the `L + 1` tokens they
+hold (L consumed, one pending), on the device under a byte budget, least recently used evicted
+first. A prompt resumes from the longest key that is its prefix, or (greedy) reuses a state as is;
+outputs equal a full prefill's (docs/serving.md#prefix-cache).
 
 Example:
     >>> cache = PrefixCache(1 << 20)
@@ -16,8 +10,6 @@ Example:
     >>> hit = cache.lookup([1, 2, 3, 9, 5], greedy=False)
     >>> hit.start, hit.ready
     (3, False)
-    >>> cache.lookup([1, 2, 3], greedy=True).ready
-    True
 """
 
 from __future__ import annotations

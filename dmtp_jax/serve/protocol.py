@@ -1,9 +1,6 @@
-"""The OpenAI request bodies and their checks: everything a request is validated against before it
-reaches the scheduler, and OpenAI's error object.
-
-Types are strict: a JSON `true` is not 1, numbers are finite, a seed is a 64-bit integer, token
-ids lie in `[0, vocab)`, text is valid Unicode, stop strings are capped (`ServerLimits`), and a
-text prompt too long to fit `max_model_len` whatever its tokenisation is refused untokenised.
+"""The OpenAI request bodies and their strict checks (finite numbers, 64-bit seeds, ids in
+`[0, vocab)`, valid Unicode, capped stop strings, prompts that cannot fit refused untokenised),
+applied before a request reaches the scheduler, and OpenAI's error object.
 
 Example:
     >>> body = CompletionBody(prompt=[1, 2], max_tokens=4, seed=7)

@@ -1,14 +1,11 @@
-"""Output text of a request as its tokens arrive: incremental detokenisation and stop strings.
-`TextStream.add(tokens)` returns the text safe to send now: everything before the first stop
-string, less a tail that could still begin one or is an incomplete UTF-8 character; so stop
-strings are cut exactly across blocks, streaming or not.
+"""Output text of a request as its tokens arrive: `TextStream.add(tokens)` returns the text safe to
+send now (before the first stop string, less a tail that could begin one or is an incomplete UTF-8
+character), so stop strings are cut exactly across blocks.
 
 Example:
     >>> ts = TextStream(lambda ids: "".join(map(chr, ids)), ["END"])
-    >>> ts.add([ord(c) for c in "abcE"]), ts.add([ord(c) for c in "Nx"]), ts.add([ord(c) for c in "EN"])
+    >>> ts.add([ord(c) for c in "abcE"]), ts.add([ord(c) for c in "Nx"]), ts.add([ord(c) for c in "END"])
     ('abc', 'ENx', '')
-    >>> ts.add([ord("D")]), ts.stopped
-    ('', True)
 """
 
 from __future__ import annotations
