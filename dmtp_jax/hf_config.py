@@ -1,15 +1,7 @@
 """One parser of the fields every Qwen3-style stack shares (targets' `config.TargetConfig`, DFlash
 drafters' `DFlashConfig`): sizes, head dims, RMSNorm eps, RoPE and per-layer attention types. A
-key left out takes the value transformers 5.x's config class of that family gives it:
-
-| family                            | `head_dim` unset   | `layer_types` unset                                         |
-| --------------------------------- | ------------------ | ----------------------------------------------------------- |
-| `qwen3` (targets, DFlash drafters) | 128               | "sliding_attention" from layer `max_window_layers` (28) on when the window is on |
-| `qwen3_moe`                       | hidden / heads     | every layer "sliding_attention" when the window is on (no `max_window_layers`)  |
-| `qwen3_next`, `qwen3_5`, `qwen3_5_moe` | 256           | "full_attention" every `full_attention_interval` (4) layers, else "linear_attention" |
-
-The window is on when `use_sliding_window` is true (length `sliding_window`, 4096 when absent);
-`num_key_value_heads` unset: one per attention head; hybrid partial rotary factor: 0.25.
+key left out takes the value transformers 5.x's config class of that family gives it (the
+per-family defaults: docs/models.md).
 
 Example:
     >>> f = stack_fields({"num_hidden_layers": 30, "num_attention_heads": 4, "hidden_size": 32,

@@ -1,14 +1,6 @@
-"""One mesh `("data", "fsdp", "expert", "tensor")`, logical-axis rules, placement of params and caches.
-
-Axes: `data`/`fsdp`/`expert` split the batch, hence activations and every cache (`fsdp` also the
-params' embed dim), `expert` also splits MoE expert weights (data-parallel attention + expert-parallel
-MoE: the MoE layer gathers the tokens over `expert`, see `dmtp_jax.layers.moe.moe_mlp`), `tensor`
-heads/MLP/vocab. Every
-axis defaults to size 1, so `"tensor=4,data=2"` or `"fsdp=8"` mean what they always did.
-
-Params carry logical axis names (`logical_axes` metadata); `MeshRules` maps each name to mesh axes.
-A mesh axis that does not divide a dimension is dropped for that array (it is replicated instead),
-so tiny models and odd head counts place on any mesh.
+"""One mesh `("data", "fsdp", "expert", "tensor")`, logical-axis rules (`MeshRules`), placement of
+params and caches. Every axis defaults to size 1; a mesh axis that does not divide a dimension is
+dropped for that array (replicated). What each axis splits: docs/sizing.md.
 
 Example:
     >>> mesh = make_mesh("tensor=1")

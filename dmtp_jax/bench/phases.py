@@ -1,15 +1,6 @@
-"""Where a speculative round's time goes: each phase of a greedy round timed as its own jitted
-function of the inputs the round gives it, next to the fused round (`SpecDecoder.round`).
-
-  propose-mtp      `proposer.first` (MTP's T1); for `mtp` the whole chain
-  propose-drafter  `proposer.draft` given T1: the drafter block and its draft logits
-  verify           `round.verify_forward`: the target over `[pending, drafts]` and its logits
-  accept           `round.accept` (greedy exact match)
-  commit           `round.commit`: `target.commit`, `mtp_advance` and `write_context`
-
-Each time is the median of `repeats` calls after `warmup`; donated caches are fresh copies made
-outside the timed region, so the decoder's state is untouched. Separate calls cannot fuse, so
-the phases' sum exceeds the fused round's time."""
+"""Where a speculative round's time goes: each phase of a greedy round (propose-mtp, propose-drafter,
+verify, accept, commit) timed as its own jitted function next to the fused round, the median of
+`repeats` calls after `warmup`, on fresh copies of donated caches (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
 """EAGLE-3 drafter checkpoints (the `LlamaForCausalLMEagle3` layout SpecForge writes and SGLang /
-vLLM load) <-> `Eagle3Drafter` params.
-
-Tensors: `fc.weight` `[H, n*H]`, `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
-`midlayer.self_attn.{q,k,v}_proj.weight` `[heads*D, 2H]`, `midlayer.self_attn.o_proj.weight`,
-`midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight` `[draft_vocab, H]`,
-`d2t` (int, draft id -> target id offset), `t2d` (bool, target id -> in the draft vocabulary),
-optional `embed_tokens.weight`. `config.json`: `architectures: ["LlamaForCausalLMEagle3"]`, the
-Llama fields, `draft_vocab_size`, and `eagle_config.eagle_aux_hidden_state_layer_ids` (the tapped
-layer outputs; absent: `models.eagle3.default_layer_ids` of the target). Loading checks the config
-against the target before reading any tensor.
-
-Example:
-    >>> drafter = load_eagle3("/models/Qwen3-8B-EAGLE3", target.cfg)  # doctest: +SKIP
-    >>> save_eagle3(drafter, "/tmp/eagle3")  # doctest: +SKIP
-"""
+vLLM load) <-> `Eagle3Drafter` params (tensor names and config fields: docs/models.md). Loading
+checks the config against the target before reading any tensor."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
 """HF name tables of the MLA families (DeepSeek-V3, GLM-4.7-Flash): the target's layers and the
-next-token-prediction layer(s) stored after them (`model.layers.{L}.*`, L = num_hidden_layers).
-
-Target: the Qwen table's embeddings, norms and dense MLP names plus MLA's projections
-(`q_a_proj`, `q_a_layernorm`, `q_b_proj` or `q_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`,
-`kv_b_proj`, `o_proj`) and DeepSeek's MoE (`mlp.gate.weight` with its `e_score_correction_bias`,
-per-expert or fused experts, `mlp.shared_experts.*`).
-
-Next-token layer `L`, onto our MTP head (`models/mtp.py:MtpHead`, the protocol Qwen's `mtp.*` loads
-into): `enorm` -> `pre_fc_norm_embedding`, `hnorm` -> `pre_fc_norm_hidden`, `eh_proj` -> `fc`
-(embedding first, then hidden), the decoder layer's own names -> `layers.0.*`, `shared_head.norm` ->
-`norm`. Its `embed_tokens` and `shared_head.head` copies of the target's embedding and LM head are
-not read (the head uses the target's, like transformers' `MtpModel`).
+next-token layer stored after them (`model.layers.{L}.*`), mapped onto our MTP head (docs/models.md).
 
 Example:
     >>> nextn_rules((), 47)[0]

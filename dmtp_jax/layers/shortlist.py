@@ -18,26 +18,15 @@ def shortlist_logits(x_nh: jax.Array, down_hr: jax.Array, up_rv: jax.Array, rows
                      rules: MeshRules | None = None) -> tuple[jax.Array, jax.Array]:
     """`(logits [N, V] fp32, rest_lse [N])`: `x_n . rows[v]` on the shortlist (the top of the low-rank
     scores `(x A) B`), -inf elsewhere; and the low-rank scores' logsumexp outside the shortlist.
-    `rows`: `[V, H]` or `[V, *row_layout(H)]`. With `ids` (`[C]`, -1 for padding): `up_rv`'s and
-    `rows`' C entries are those vocabulary ids of a `vocab`-entry vocabulary, the rest is never
-    scored.
-
-    On a mesh that splits the vocabulary over S shards, each shard shortlists its own top
-    `shortlist // S` ids and rescores them from the rows it holds: no row, and no `[N, V]` array,
-    crosses devices; only the `[N, r]` low-rank projection and the partial scores are summed over
-    the shards that split H, and the `[N]` logsumexp over the vocabulary shards. With `ids`, the
-    shards also gather each other's `[N, K / S]` rescored ids and keep those in their own part of
-    the vocabulary. The shortlist then depends on the mesh; any shortlist keeps decoding exact (see
-    `models/draft_head.py`). `rules`: the mesh rules the rows were placed with (needed on a mesh).
+    `rows`: `[V, H]` or `[V, *row_layout(H)]`. With `ids` (`[C]`, -1 for padding): only those ids of a
+    `vocab`-entry vocabulary are scored. On a mesh each vocabulary shard shortlists its own
+    `shortlist // S` ids from its own rows (docs/drafting-head.md); `rules`: the rows' mesh rules.
 
     Example:
         >>> rows = jnp.arange(12.0).reshape(4, 3)
         >>> logits, rest = shortlist_logits(jnp.ones((1, 3)), jnp.eye(3), rows.T, rows, 2)
         >>> logits.tolist(), round(float(rest[0]), 3)
         ([[-inf, -inf, 21.0, 30.0]], 12.0)
-        >>> logits, _ = shortlist_logits(jnp.ones((1, 3)), jnp.eye(3), rows[:2].T, rows[:2], 1, jnp.array([3, 0]), 6)
-        >>> logits.tolist()     # the subset's entries 0, 1 (scores 3, 12) are vocabulary ids 3, 0
-        [[12.0, -inf, -inf, -inf, -inf, -inf]]
     """
     def local(x, down, up, rows, ids, k, embed_axes=(), vocab_axes=(), shards=1):
         z = jnp.dot(x, down, preferred_element_type=jnp.float32)

@@ -1,15 +1,7 @@
-"""Native MTP head (Qwen3.5 / Qwen3-Next / Qwen3.6 `mtp.*` format) for a Qwen-family target.
-
-One MTP step predicts token t+2 from the target's post-final-norm hidden at t and the token at t+1
-(the row sits at position t+1, transformers' `MtpModel` convention):
-
-    u = fc([RMS_e(embed(x_{t+1})) ; RMS_h(h_t)])        # embedding first
-    h = decoder_layer(u)                               # the target's own layer type, own KV cache
-    y = norm(h);  logits = target.logits(y)            # the target's LM head, fp32 out
-
-Chained steps feed `y` back as the next hidden input. The layer is the target's full-attention
-layer type (hybrid targets: gated attention, partial RoPE, the target's MLP kind, zero-centred
-norms). Rows start at position 1, so cache slot 0 is never written or read."""
+"""Native MTP head (Qwen3.5 / Qwen3-Next / Qwen3.6 `mtp.*` format) for a Qwen-family target: one step
+predicts token t+2 from the target's post-norm hidden at t and the token at t+1,
+`logits = target.logits(norm(layer(fc([RMS(embed(x_{t+1})) ; RMS(h_t)]))))`, with its own KV cache
+(rows from position 1); chained steps feed the output back (docs/models.md)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
 """Training an EAGLE-3 drafter (`train.py train --method eagle3`) on the one loop, data, mesh and
-checkpoints: the frozen target's tapped features of each sequence, the drafter unrolled on its own
-outputs for `block_size - 1` passes (training-time test, `Eagle3Drafter.unrolled`: pass k is what
-chain step k+1 of a decode round sees), cross-entropy over the draft vocabulary against the data's
-next-next token, pass k weighted `decay ** k` (0.8: the published geometric weights).
-
-Row p of every pass reads `(features or own hidden at p, x_{p+1})` and predicts x_{p+2}; pass k's
-row p stands for a chain whose last committed position is p - k, so rows p < k carry no loss.
-Labels outside the draft vocabulary and positions whose loss mask is not positive carry none either.
-
-Example:
-    >>> target, params, trainer, batches = eagle3_setup(cfg)  # doctest: +SKIP
-    >>> state, summary = run_loop(cfg.run_options(), trainer, params, batches, {})  # doctest: +SKIP
-"""
+checkpoints: the drafter unrolled on its own outputs for `block_size - 1` passes over the frozen
+target's tapped features, cross-entropy over the draft vocabulary against the next-next token,
+pass k weighted `decay ** k` (details: docs/training.md)."""
 
 from __future__ import annotations
 
@@ -97,12 +87,7 @@ def eagle3_train_loss(target_graphdef, graphdef, compute_dtype, passes: int, par
 class Eagle3Trainer(WindowTrainer):
     """The EAGLE-3 drafter's trainer for `train.loop.run_loop`: `params = {"drafter": its nnx.Param
     state}` (fp32 masters, cast to `compute_dtype` in the step), the target and the draft vocabulary
-    frozen (`frozen`); batches are `DrafterBatches`' `{"tokens_bt", "loss_mask_bt"}`.
-
-    Example:
-        >>> trainer = Eagle3Trainer(target, drafter, OptimConfig(total_steps=10), mesh)  # doctest: +SKIP
-        >>> state = trainer.init_state(0); state, m = trainer.step(state, batch)  # doctest: +SKIP
-    """
+    frozen; batches are `DrafterBatches`' `{"tokens_bt", "loss_mask_bt"}`."""
 
     BAR = {"loss": "loss", "acc0": "acc_0"}
 
@@ -157,12 +142,7 @@ def eagle3_setup(cfg):
 
 def run_drafter_config(trainer: Eagle3Trainer, out: str) -> dict:
     """The drafter entry of an EAGLE-3 run's `run_config.json` (its `config.json` dict and whether
-    it has its own embeddings); its draft vocabulary goes to `<out>/draft_vocab.npy` (process 0).
-
-    Example:
-        >>> run_drafter_config(trainer, "/tmp/run")["architectures"]  # doctest: +SKIP
-        ['LlamaForCausalLMEagle3']
-    """
+    it has its own embeddings); its draft vocabulary goes to `<out>/draft_vocab.npy` (process 0)."""
     if jax.process_index() == 0:
         os.makedirs(out, exist_ok=True)
         np.save(os.path.join(out, DRAFT_VOCAB_FILE), np.asarray(jax.device_get(jax.tree.leaves(trainer.frozen[1])[0])))

@@ -1,18 +1,10 @@
 """The ONE jitted train step of the drafter (sharded, donated, one compile).
 
 `TrainState = (params fp32, opt_state, step)`, `params = {"drafter": ..., "fusion": ...}` (fusion:
-DMTP only). `train_step` is jitted over a frozen `DrafterStep` setup; it takes the frozen target
-(and MTP head) state as inputs (never differentiated), draws anchors from `fold_in(key(seed),
-step)`, runs `grad_accum` micro-batches in a scan, normalises by the step's summed weights, and
-applies `train.optim.apply_gradients` (a non-finite step keeps its state, `nonfinite` = 1). Compute
-runs in `compute_dtype`; master params and optimizer state stay fp32. `Trainer.lower_step` lowers
-the same step on abstract inputs (`abstract_models`) for planning.
-
-Example:
-    >>> trainer = Trainer(target, drafter_cfg, StepConfig(), OptimConfig(total_steps=100), mesh)  # doctest: +SKIP
-    >>> state = trainer.init_state({"drafter": drafter.state})  # doctest: +SKIP
-    >>> state, metrics = trainer.step(state, {"tokens_bt": tokens_bt, "loss_mask_bt": loss_mask_bt})  # doctest: +SKIP
-"""
+DMTP only). `train_step` is jitted over a frozen `DrafterStep` setup, takes the frozen target (and
+MTP) state as inputs, accumulates `grad_accum` micro-batches in a scan and applies
+`train.optim.apply_gradients` (a non-finite step keeps its state). `Trainer.lower_step` lowers the
+same step on abstract inputs for planning."""
 
 from __future__ import annotations
 
@@ -83,11 +75,7 @@ def loss_sums(params, graphdefs, target_graphdef, target_state, mtp_graphdef, mt
               loss_mask_bt, key, scfg: StepConfig, compute_dtype, compute_shardings=None) -> tuple[jax.Array, dict]:
     """`(loss_sum, sums)` of one micro-batch: features, anchors, blocks, drafter, decayed CE.
     `compute_shardings` (a tree like `params`, or None): where the compute-dtype copies of the
-    trained params live during the step (`Trainer`: gathered over `fsdp`).
-
-    Example:
-        >>> num, sums = loss_sums(params, gds, tgd, t_state, None, None, tokens, mask, key, scfg, jnp.float32)  # doctest: +SKIP
-    """
+    trained params live during the step (`Trainer`: gathered over `fsdp`)."""
     target = nnx.merge(target_graphdef, jax.lax.stop_gradient(target_state))   # frozen: no gradient
     cparams = jax.tree.map(lambda x: x.astype(compute_dtype), params)
     if compute_shardings is not None:
@@ -285,12 +273,7 @@ class Trainer:
 
     def evaluate(self, params, batches) -> dict:
         """Loss and acceptance proxy of `params` over `batches` (dicts as `step` takes), no update:
-        the weighted CE pooled over every batch and `record_fields` of the summed counts.
-
-        Example:
-            >>> trainer.evaluate(state.params, [batches.next() for _ in range(4)])["loss"]  # doctest: +SKIP
-            3.91
-        """
+        the weighted CE pooled over every batch and `record_fields` of the summed counts."""
         if self._eval is None:
             self._eval = jax.jit(functools.partial(eval_sums, self.setup))
         mtp_state = self.mtp.state if self.mtp else None
@@ -327,17 +310,9 @@ class Trainer:
 
     def lower_step(self, global_batch: int, seq_len: int) -> jax.stages.Lowered:
         """The train step for a global batch `[global_batch, seq_len]`, lowered on abstract inputs
-        (ShapeDtypeStructs with their shardings: train state, frozen target / MTP states, int32
-        tokens and loss mask) -- no weights, no data, nothing allocated. `.compile()` it, then read
-        `memory_analysis()` / `cost_analysis()`; the same function and jit arguments as `step`
-        (`_jit_kwargs`), so what compiles here is what a run compiles; `compile_count` is
-        untouched. Works on a Trainer built around `abstract_models(...)`.
-
-        Example:
-            >>> target, mtp = abstract_models(target_cfg, "bfloat16", mesh)  # doctest: +SKIP
-            >>> trainer = Trainer(target, dcfg, StepConfig(), OptimConfig(), mesh)  # doctest: +SKIP
-            >>> mem = trainer.lower_step(8, 2048).compile().memory_analysis()  # doctest: +SKIP
-        """
+        (ShapeDtypeStructs with their shardings) -- nothing allocated; `.compile()` it and read
+        `memory_analysis()` / `cost_analysis()`. The same function and jit arguments as `step`;
+        `compile_count` is untouched. Works on a Trainer built around `abstract_models(...)`."""
         shape = (int(global_batch), int(seq_len))
         batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding(shape))
         target_state, mtp_state = self.abstract_frozen()
@@ -345,16 +320,9 @@ class Trainer:
         return lowered.lower(self.abstract_state(), target_state, mtp_state, batch, batch)
 
     def backward_residual_bytes(self, batch: int, seq_len: int) -> int:
-        """Bytes the backward pass of one micro-batch `[batch, seq_len]` keeps from its forward
-        (the leaves of `jax.vjp`'s closure of `loss_sums` w.r.t. the trained params, evaluated
-        abstractly: nothing runs). Backend-independent, whole batch (not per device): the measure
-        of what `remat` and `ce_chunk` save, which XLA:CPU's `memory_analysis` does not show for
-        remat (it drops the recompute barriers).
-
-        Example:
-            >>> trainer.backward_residual_bytes(4, 512)  # doctest: +SKIP
-            64159744
-        """
+        """Bytes the backward pass of one micro-batch `[batch, seq_len]` keeps from its forward (the
+        leaves of `jax.vjp`'s closure of `loss_sums`, evaluated abstractly), whole batch: what `remat`
+        and `ce_chunk` save."""
         shape = (int(batch), int(seq_len))
         target_state, mtp_state = self.abstract_frozen()
         setup = dataclasses.replace(self.setup, compute_shardings=None)
