@@ -37,12 +37,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def is_eagle3_dir(model_dir: str) -> bool:
-    """Whether a directory's `config.json` names `LlamaForCausalLMEagle3`.
-
-    Example:
-        >>> is_eagle3_dir("/models/Qwen3-4B-DFlash-b16")  # doctest: +SKIP
-        False
-    """
+    """Whether a directory's `config.json` names `LlamaForCausalLMEagle3`."""
     try:
         return ARCHITECTURE in (read_config_json(model_dir).get("architectures") or [])
     except ConfigError:
@@ -86,12 +81,7 @@ def _abstract(cfg: Eagle3Config, dtype):
 
 
 def vocab_map_from(d2t: np.ndarray, t2d: np.ndarray | None, cfg: Eagle3Config, where: str) -> np.ndarray:
-    """The target id of every draft id from the checkpoint's `d2t` offsets, checked against `t2d`.
-
-    Example:
-        >>> vocab_map_from(np.array([0, 1, 1]), np.array([1, 0, 1, 1], bool), cfg, "x").tolist()  # doctest: +SKIP
-        [0, 2, 3]
-    """
+    """The target id of every draft id from the checkpoint's `d2t` offsets, checked against `t2d`."""
     ids = np.arange(cfg.draft_vocab_size) + np.asarray(d2t).astype(np.int64)
     if d2t.shape != (cfg.draft_vocab_size,) or ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise CheckpointError(f"{where}: 'd2t' maps draft ids outside the target vocabulary "
@@ -135,11 +125,7 @@ def load_eagle3(draft_dir: str, target_cfg, dtype="float32", mesh: Mesh | None =
 
 def init_eagle3(cfg: Eagle3Config, dtype="float32", mesh: Mesh | None = None, seed: int = 0,
                 mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedModel:
-    """Random init placed at the mesh shardings (the identity draft vocabulary).
-
-    Example:
-        >>> drafter = init_eagle3(cfg, "float32", seed=0)  # doctest: +SKIP
-    """
+    """Random init placed at the mesh shardings (the identity draft vocabulary)."""
     mesh = mesh or make_mesh()
     graphdef, abstract = _abstract(cfg, dtype)
     make = jax.jit(lambda: nnx.split(Eagle3Drafter(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed)))[1],
@@ -148,11 +134,7 @@ def init_eagle3(cfg: Eagle3Config, dtype="float32", mesh: Mesh | None = None, se
 
 
 def with_draft_vocab(loaded: LoadedModel, target_ids: np.ndarray) -> LoadedModel:
-    """`loaded` with the draft vocabulary `target_ids` (the target id of each draft id).
-
-    Example:
-        >>> drafter = with_draft_vocab(drafter, np.argsort(-counts)[:cfg.draft_vocab_size])  # doctest: +SKIP
-    """
+    """`loaded` with the draft vocabulary `target_ids` (the target id of each draft id)."""
     ids = vocab_map_from(np.asarray(target_ids) - np.arange(loaded.cfg.draft_vocab_size), None, loaded.cfg, "draft vocab")
     params, vocab = loaded.state.filter(nnx.Param), loaded.state.filter(DraftVocab)
     vocab = jax.tree.map(lambda x: jax.device_put(ids, x.sharding), vocab)

@@ -35,20 +35,12 @@ def draft_chain(model, cache: TargetCache, pending_b: jax.Array, lengths_b: jax.
 def commit_draft_cache(model, cache: TargetCache, tokens_bn: jax.Array, positions_bn: jax.Array,
                        keep_b: jax.Array) -> TargetCache:
     """The draft model's cache after the round: the verify block `tokens_bn` at `positions_bn` run
-    speculatively from `cache` (the pre-round states), the first `keep_b` tokens of each row kept.
-
-    Example:
-        >>> cache = commit_draft_cache(model, cache, fwd.tokens_bn, fwd.positions_bn, acc_b + 1)  # doctest: +SKIP
-    """
+    speculatively from `cache` (the pre-round states), the first `keep_b` tokens of each row kept."""
     out = model(tokens_bn, positions_bn, cache, speculative=True)
     return model.commit(out.cache, out.pending, keep_b)
 
 
 def prefill_draft_cache(model, cache: TargetCache, tokens_bt: jax.Array, positions_bt: jax.Array,
                         lengths_b: jax.Array) -> TargetCache:
-    """The draft model's cache after one prefill chunk (tokens real where `positions < lengths_b`).
-
-    Example:
-        >>> cache = prefill_draft_cache(model, cache, chunk_bt, positions_bt, lengths_b)  # doctest: +SKIP
-    """
+    """The draft model's cache after one prefill chunk (tokens real where `positions < lengths_b`)."""
     return model(tokens_bt, positions_bt, cache, kv_valid_bt=positions_bt < lengths_b[:, None]).cache

@@ -67,12 +67,7 @@ def load_method_models(sources: ModelSources, target, methods) -> dict[str, dict
     """`{method: {make_decoder keyword: model}}`: the models each method needs (`method_needs`),
     loaded once and shared between methods, and the drafting head of `sources.draft_head`
     (`load_draft_head`) for every speculative method. A model kind with no path given is left out,
-    so the factory raises its own one-line error for the method that needs it.
-
-    Example:
-        >>> load_method_models(ModelSources(draft="d"), target, ["ar", "dflash"])  # doctest: +SKIP
-        {'ar': {}, 'dflash': {'drafter': LoadedDrafter(...)}}
-    """
+    so the factory raises its own one-line error for the method that needs it."""
     loaded: dict = {}
     out = {}
     head = load_draft_head(sources, target, methods)
@@ -93,12 +88,7 @@ def load_method_models(sources: ModelSources, target, methods) -> dict[str, dict
 def load_draft_head(sources: ModelSources, target, methods):
     """The drafting head `sources.draft_head` asks for (a `LoadedModel`,
     `checkpoint/draft_head_ckpt.py:make_draft_head`: the efficient one with the token counts at
-    `sources.token_counts` or its trained factor), or None for the full head or when only `ar` runs.
-
-    Example:
-        >>> load_draft_head(ModelSources(draft_head=DraftHeadOptions("int8")), target, ["dmtp"]).cfg  # doctest: +SKIP
-        {'kind': 'int8'}
-    """
+    `sources.token_counts` or its trained factor), or None for the full head or when only `ar` runs."""
     head = sources.draft_head
     if head.kind == "full" or all(m == "ar" for m in methods):
         return None
@@ -114,11 +104,6 @@ def load_draft_head(sources: ModelSources, target, methods):
 def make_decoders(methods, target, models: dict[str, dict], **options) -> dict:
     """`{method: decoder}` from `dmtp_jax.decode.make_decoder`, passing each method's models (from
     `load_method_models`) and the options (`block_size`, `verify`, `mtp_steps`, `strict`,
-    `rounds_per_dispatch`, `prefill_chunk`, `adaptive_threshold`); None options are left out.
-
-    Example:
-        >>> make_decoders(["ar"], target, {})  # doctest: +SKIP
-        {'ar': <dmtp_jax.decode.ar.ARDecoder ...>}
-    """
+    `rounds_per_dispatch`, `prefill_chunk`, `adaptive_threshold`); None options are left out."""
     options = {k: v for k, v in options.items() if v is not None}
     return {m: make_decoder(m, target, **models.get(m, {}), **options) for m in methods}

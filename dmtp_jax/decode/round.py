@@ -210,11 +210,7 @@ def write_context(drafter, fusion, ctx_cache: KVCache, captured, positions_bt: j
 def chained_advance(models: RoundModels, state: SpecState, fwd: VerifyForward, acc_b, bonus_b, active_b):
     """A chained drafter's (EAGLE-3's) advance: its cache rows `(features of verify row j, next
     committed token)` at positions L+j for j <= accepted (the rest go to scratch), and the output of
-    the last accepted row, which predicts the next first candidate. Returns `(cache, hidden [B, H])`.
-
-    Example:
-        >>> ctx, h_bh = chained_advance(models, state, fwd, acc, bonus, active_b)  # doctest: +SKIP
-    """
+    the last accepted row, which predicts the next first candidate. Returns `(cache, hidden [B, H])`."""
     drafter = models.drafter
     n = fwd.tokens_bn.shape[1]
     j = jnp.arange(n)[None]

@@ -5,13 +5,7 @@
 gradient reaches the trunk unless `mtp_stop_gradient`). `MtpDistiller`: only the MTP head, against
 the frozen target's own next-token distribution on text the target wrote (soft cross-entropy).
 Both are `train.window.WindowTrainer`s (one jitted donated step of a pure loss) run by
-`train.loop.run_loop` on `train.window.WindowBatches`.
-
-Example:
-    >>> pt = Pretrainer(target_cfg, PretrainStep(), OptimConfig(total_steps=10))  # doctest: +SKIP
-    >>> state = pt.init_state(seed=0)  # doctest: +SKIP
-    >>> state, metrics = pt.step(state, {"tokens_bt": tokens_bt})  # doctest: +SKIP
-"""
+`train.loop.run_loop` on `train.window.WindowBatches`."""
 
 from __future__ import annotations
 
@@ -46,13 +40,7 @@ def token_ce(logits_btv: jax.Array, labels_bt: jax.Array) -> tuple[jax.Array, ja
 
 def joint_loss(params: dict, target_graphdef, mtp_graphdef, tokens_bt: jax.Array, mtp_lambda: float,
                mtp_stop_gradient: bool = False, compute_dtype=jnp.float32) -> tuple[jax.Array, dict]:
-    """`(loss, metrics)` on packed rows `tokens_bt [B, L+1]`.
-
-    Example:
-        >>> loss, m = joint_loss(params, tgd, mgd, tokens, 0.3)  # doctest: +SKIP
-        >>> sorted(m)  # doctest: +SKIP
-        ['main_acc', 'main_ce', 'mtp_acc', 'mtp_ce']
-    """
+    """`(loss, metrics {"main_ce", "main_acc", "mtp_ce", "mtp_acc"})` on packed rows `tokens_bt [B, L+1]`."""
     cparams = jax.tree.map(lambda x: x.astype(compute_dtype), params)
     target = nnx.merge(target_graphdef, cparams["target"])
     mtp = nnx.merge(mtp_graphdef, cparams["mtp"])
@@ -75,13 +63,7 @@ def mtp_distil_loss(mtp_params, target_params, target_graphdef, mtp_graphdef, to
     distribution at position t+1, `softmax(lm_head(h_{t+1}))`. Loss: soft cross-entropy (= KL +
     the teacher's entropy). Metrics: `kl`, `agree` (MTP top-1 == target top-1: the greedy
     first-candidate acceptance the head would get on this text), `mtp_ce` / `mtp_acc` against the
-    data token.
-
-    Example:
-        >>> loss, m = mtp_distil_loss(mtp_params, t_params, tgd, mgd, tokens)  # doctest: +SKIP
-        >>> sorted(m)  # doctest: +SKIP
-        ['agree', 'kl', 'mtp_acc', 'mtp_ce']
-    """
+    data token."""
     cast = lambda tree: jax.tree.map(lambda x: x.astype(compute_dtype), tree)  # noqa: E731
     target = nnx.merge(target_graphdef, jax.lax.stop_gradient(cast(target_params)))
     mtp = nnx.merge(mtp_graphdef, cast(mtp_params))
@@ -121,11 +103,7 @@ def distil_loss(target_graphdef, mtp_graphdef, compute_dtype, params, frozen, to
 
 
 class Pretrainer(WindowTrainer):
-    """The joint target + MTP trainer (`joint_loss`); fresh params from the seed.
-
-    Example:
-        >>> pt = Pretrainer(cfg, PretrainStep(), OptimConfig(total_steps=10))  # doctest: +SKIP
-    """
+    """The joint target + MTP trainer (`joint_loss`); fresh params from the seed."""
 
     BAR = {"loss": "loss", "ce": "main_ce", "mtp": "mtp_ce"}
 
@@ -151,12 +129,7 @@ class Pretrainer(WindowTrainer):
 
 class MtpDistiller(WindowTrainer):
     """The MTP-only phase (`mtp_distil_loss`): the target is frozen (the jit input `frozen`, never
-    an optimiser input); the state is `TrainState` with `params = {"mtp": ...}` from the given head.
-
-    Example:
-        >>> d = MtpDistiller(target_cfg, t_params, m_params, OptimConfig(total_steps=10))  # doctest: +SKIP
-        >>> state = d.init_state(0); state, m = d.step(state, {"tokens_bt": batch})  # doctest: +SKIP
-    """
+    an optimiser input); the state is `TrainState` with `params = {"mtp": ...}` from the given head."""
 
     BAR = {"kl": "kl", "agree": "agree"}
 

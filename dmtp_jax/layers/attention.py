@@ -68,11 +68,7 @@ def grouped_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
                       mask: jax.Array | MaskRule) -> jax.Array:
     """Softmax attention with GQA; `mask` is a materialised `[B, T, S]` mask or a `MaskRule`.
 
-    Returns `[B, T, heads, D]`. Rows with no allowed key return zeros instead of NaN.
-
-    Example:
-        >>> out = grouped_attention(q_bthd, keys_bskd, values_bskd, MaskRule(q_pos, k_pos))  # doctest: +SKIP
-    """
+    Returns `[B, T, heads, D]`. Rows with no allowed key return zeros instead of NaN."""
     if not isinstance(mask, MaskRule):
         return dense_attention(q_bthd, k_bskd, v_bskd, mask)
     kernel = attention_kernel(q_bthd.shape[1], k_bskd.shape[1], q_bthd.dtype, mask, q_bthd.shape[-1])

@@ -87,10 +87,6 @@ def apply_rope(x_bthd: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax
 
 def rope_tables(cfg, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """`rope_cos_sin` for a target config: its `rotary_dim`, `rope_theta` and YaRN `rope_scaling`
-    (a tuple of `(key, value)` pairs, empty for plain RoPE).
-
-    Example:
-        >>> rope_tables(cfg, jnp.arange(4)[None], jnp.float32)[0].shape  # doctest: +SKIP
-    """
+    (a tuple of `(key, value)` pairs, empty for plain RoPE)."""
     scaling = dict(getattr(cfg, "rope_scaling", ()) or ()) or None
     return rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, dtype, scaling)

@@ -163,11 +163,6 @@ class DeepSeekTarget(QwenTarget):
 
 
 def decoder_layer_class(cfg: TargetConfig) -> type[DecoderLayer]:
-    """The decoder layer of a target config's family (the MTP head builds its layer with it).
-
-    Example:
-        >>> decoder_layer_class(cfg).__name__  # doctest: +SKIP
-        'MlaDecoderLayer'
-    """
+    """The decoder layer of a target config's family (the MTP head builds its layer with it)."""
     return MlaDecoderLayer if cfg.is_mla else DecoderLayer
 

@@ -85,12 +85,7 @@ class Eagle3Config:
         return len(self.target_layer_ids) * self.hidden_size
 
     def to_hf_dict(self) -> dict:
-        """The `config.json` dict: the published fields, plus `eagle_config.dmtp_block_size`.
-
-        Example:
-            >>> cfg.to_hf_dict()["architectures"]  # doctest: +SKIP
-            ['LlamaForCausalLMEagle3']
-        """
+        """The `config.json` dict: the published fields, plus `eagle_config.dmtp_block_size`."""
         return {
             "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, "num_hidden_layers": 1,
@@ -106,12 +101,7 @@ class Eagle3Config:
 def default_eagle3_config(target_cfg, block_size: int = DEFAULT_BLOCK_SIZE, intermediate_size: int | None = None,
                           layer_ids: tuple[int, ...] | None = None) -> Eagle3Config:
     """A fresh drafter for a target: its attention shapes, its intermediate size (unless given), the
-    full vocabulary as the draft vocabulary, the published taps (unless given).
-
-    Example:
-        >>> default_eagle3_config(target.cfg).draft_vocab_size == target.cfg.vocab_size  # doctest: +SKIP
-        True
-    """
+    full vocabulary as the draft vocabulary, the published taps (unless given)."""
     t = target_cfg
     ids = tuple(layer_ids) if layer_ids else default_layer_ids(t.num_hidden_layers)
     return Eagle3Config(hidden_size=t.hidden_size, intermediate_size=intermediate_size or t.intermediate_size,
@@ -195,12 +185,7 @@ class Eagle3Drafter(nnx.Module):
         """Rows `(hidden g_p, embedding of x_{p+1})` at positions p: writes every row's K/V (positions
         `>= max_len` are scratch) and runs the rest of the layer for every row, or only for row
         `last_b` when given. Returns the pre-norm output (`[B, T, H]`, or `[B, H]` with `last_b`) and
-        the cache.
-
-        Example:
-            >>> h_bh, cache = drafter.step(embeds_bth, drafter.fuse(features_btf), positions_bt, cache,
-            ...                            accepted_b)  # doctest: +SKIP
-        """
+        the cache."""
         q, k, v = self._qkv(embeds_bth, hidden_bth, positions_bt)
         cache = KVCache(write_layer(cache.k_lbskd, 0, k, positions_bt), write_layer(cache.v_lbskd, 0, v, positions_bt))
         if last_b is not None:
@@ -227,11 +212,7 @@ class Eagle3Drafter(nnx.Module):
         `fuse(features)`; pass k reads pass k-1's outputs shifted one position right, and its row p
         attends to pass 0's keys at positions `<= p - k` and to pass j's key at position `p - k + j`
         (j = 1..k): what chain step k of a round at committed position `p - k` sees. Returns the
-        pre-norm outputs of every pass, `[steps, B, T, H]` (row p of any pass predicts x_{p+2}).
-
-        Example:
-            >>> h_kbth = drafter.unrolled(embeds_bth, features_btf, valid_bt, 7)  # doctest: +SKIP
-        """
+        pre-norm outputs of every pass, `[steps, B, T, H]` (row p of any pass predicts x_{p+2})."""
         b, t, _ = embeds_bth.shape
         pos = jnp.broadcast_to(jnp.arange(t), (b, t))
         hidden = self.fuse(features_btf)

@@ -261,12 +261,7 @@ class QwenTarget(nnx.Module):
     def layer(self, i: int) -> DecoderLayer:
         """Layer `i` as its own `DecoderLayer` (a view of its slice of the stacked params, for
         inspection and per-layer checks; the forward never builds it). An attention layer's cache
-        layer is `cfg.attention_layers.index(i)`.
-
-        Example:
-            >>> model.layer(3).self_attn.q_proj.shape  # doctest: +SKIP
-            (32, 128)
-        """
+        layer is `cfg.attention_layers.index(i)`."""
         for spec, members in zip(self.stack_specs, self.stacks):
             if spec.start <= i < spec.start + spec.period * spec.repeats:
                 g, j = divmod(i - spec.start, spec.period)

@@ -30,22 +30,14 @@ DRAFT_VOCAB_FILE = "draft_vocab.npy"     # beside run_config.json: the target id
 
 def fresh_eagle3_config(cfg, target_cfg) -> Eagle3Config:
     """The drafter a run starts from without `--init-from` (`models.eagle3.default_eagle3_config`):
-    `--draft-intermediate-size`, `--target-layer-ids` and `--block-size` when given.
-
-    Example:
-        >>> fresh_eagle3_config(TrainConfig(method="eagle3"), target.cfg).draft_vocab_size  # doctest: +SKIP
-    """
+    `--draft-intermediate-size`, `--target-layer-ids` and `--block-size` when given."""
     return default_eagle3_config(target_cfg, cfg.block_size, cfg.draft_intermediate_size, cfg.target_layer_ids)
 
 
 def eagle3_loss(drafter: Eagle3Drafter, target, tokens_bt: jax.Array, loss_mask_bt: jax.Array, passes: int,
                 decay: float = STEP_DECAY) -> tuple[jax.Array, dict]:
     """`(loss, metrics)`: the `decay ** k`-weighted sum over passes of each pass's mean CE;
-    metrics `acc_k` (top-1 agreement with the label of pass k), `ce_0`, `tokens`.
-
-    Example:
-        >>> loss, metrics = eagle3_loss(drafter, target, tokens_bt, loss_mask_bt, 7)  # doctest: +SKIP
-    """
+    metrics `acc_k` (top-1 agreement with the label of pass k), `ce_0`, `tokens`."""
     b, length = tokens_bt.shape
     valid_bt = loss_mask_bt >= 0
     out = target(tokens_bt, jnp.broadcast_to(jnp.arange(length), (b, length)), None,
@@ -155,21 +147,13 @@ def _run_drafter(run: dict):
 
 
 def abstract_eagle3_params(run: dict) -> dict:
-    """`{"drafter": its nnx.Param state, abstract}` (fp32) of a run (what its checkpoints restore to).
-
-    Example:
-        >>> abstract_eagle3_params(read_run_config(run_dir))["drafter"]  # doctest: +SKIP
-    """
+    """`{"drafter": its nnx.Param state, abstract}` (fp32) of a run (what its checkpoints restore to)."""
     return {"drafter": _run_drafter(run)[1][1].filter(nnx.Param)}
 
 
 def export_eagle3(run_dir: str, run: dict, params, out_dir: str, dtype=None) -> None:
     """Writes a run's trained EAGLE-3 drafter (`params` restored from its checkpoint) with the run's
-    draft vocabulary to `out_dir` (`save_eagle3`: the published layout).
-
-    Example:
-        >>> export_eagle3(run_dir, read_run_config(run_dir), params, "/tmp/eagle3")  # doctest: +SKIP
-    """
+    draft vocabulary to `out_dir` (`save_eagle3`: the published layout)."""
     ecfg, (graphdef, abstract) = _run_drafter(run)
     ids = np.load(os.path.join(run_dir, DRAFT_VOCAB_FILE))
     vocab = jax.tree.map(lambda _: jnp.asarray(ids, jnp.int32), abstract.filter(DraftVocab))

@@ -57,11 +57,7 @@ class StepConfig:
 
 
 def abstract_params(dcfg: DFlashConfig, scfg: StepConfig):
-    """`(graphdefs, abstract params)`, both `{"drafter": ..., "fusion": ...}` (fusion: DMTP only).
-
-    Example:
-        >>> graphdefs, abstract = abstract_params(dcfg, StepConfig(method="dmtp"))  # doctest: +SKIP
-    """
+    """`(graphdefs, abstract params)`, both `{"drafter": ..., "fusion": ...}` (fusion: DMTP only)."""
     graphdef, abstract = abstract_drafter(dcfg, "float32")
     graphdefs, params = {"drafter": graphdef}, {"drafter": abstract}
     if uses_mtp(scfg.method):
@@ -167,11 +163,7 @@ def eval_sums(setup: DrafterStep, params, target_state, mtp_state, tokens_bt, lo
 
 def abstract_models(target_cfg, dtype, mesh, mesh_rules: MeshRules = DEFAULT_RULES, *, with_mtp: bool = False):
     """`(target, mtp)`: weightless `LoadedModel`s (`checkpoint.hf.place_abstract`), for building a
-    `Trainer` that only lowers / compiles (`Trainer.lower_step`). `mtp` is None unless `with_mtp`.
-
-    Example:
-        >>> target, _ = abstract_models(target_cfg, "bfloat16", make_mesh("fsdp=8"))  # doctest: +SKIP
-    """
+    `Trainer` that only lowers / compiles (`Trainer.lower_step`). `mtp` is None unless `with_mtp`."""
     from dmtp_jax.checkpoint.hf import abstract_target, place_abstract
     from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
     from dmtp_jax.models.mtp import mtp_config_for
