@@ -100,9 +100,7 @@ def load_eagle3(draft_dir: str, target_cfg, dtype="float32", mesh: Mesh | None =
                 mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedModel:
     """Loads an EAGLE-3 directory; refuses (one `ConfigError` line) a drafter whose hidden size,
     vocabulary or taps do not fit `target_cfg` before reading any tensor, and checkpoints with
-    missing, misshapen or unexpected tensors.
-
-    Example: see the module docstring."""
+    missing, misshapen or unexpected tensors."""
     d = read_config_json(draft_dir)
     cfg = eagle3_config(d, target_cfg.num_hidden_layers)
     check_fits_target(cfg, target_cfg)
@@ -142,9 +140,7 @@ def with_draft_vocab(loaded: LoadedModel, target_ids: np.ndarray) -> LoadedModel
 
 
 def save_eagle3(loaded: LoadedModel, out_dir: str, dtype=None, max_shard_bytes: int = 2 << 30):
-    """Writes `config.json` and safetensors in the published layout (`d2t` int64, `t2d` bool).
-
-    Example: see the module docstring."""
+    """Writes `config.json` and safetensors in the published layout (`d2t` int64, `t2d` bool)."""
     cfg: Eagle3Config = loaded.cfg
     tensors = export_tensors(loaded.state.filter(nnx.Param), rules=EAGLE3_NAME_RULES, dtype=dtype)
     ids = np.asarray(jax.device_get(jax.tree.leaves(loaded.state.filter(DraftVocab))[0])).astype(np.int64)

@@ -17,10 +17,7 @@ def draft_chain(model, cache: TargetCache, pending_b: jax.Array, lengths_b: jax.
                 choose: Callable[[jax.Array, int], tuple]):
     """`(drafts [B, steps], q [B, steps, V] or None, cache)`: the draft model chained `steps` tokens
     from `pending_b` at positions `lengths_b..`; `choose(logits_bv, j)` -> `(token_b, q_bv or None)`
-    picks draft j. The returned cache holds the chain's K/V and the states it started from.
-
-    Example: see the module docstring.
-    """
+    picks draft j. The returned cache holds the chain's K/V and the states it started from."""
     kv_cache, token_b, drafts, qs = cache, pending_b, [], []
     for j in range(steps):
         out = model(token_b[:, None], (lengths_b + j)[:, None], kv_cache)

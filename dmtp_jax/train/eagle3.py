@@ -116,9 +116,7 @@ class Eagle3Trainer(WindowTrainer):
 def eagle3_setup(cfg):
     """`(target, trainer, dataset)` of an EAGLE-3 run (`train.run.setup` for `--method eagle3`,
     which adds the one batch source): the drafter from `--init-from` or fresh
-    (`fresh_eagle3_config`, seed `--seed`).
-
-    Example: see the module docstring."""
+    (`fresh_eagle3_config`, seed `--seed`)."""
     cfg.validate()
     target_cfg = load_target_config(cfg.target)
     mesh = make_mesh(cfg.mesh)
