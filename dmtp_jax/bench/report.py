@@ -205,9 +205,8 @@ def write_outputs(runs: dict[str, MethodRun], path: str, tokenizer=None) -> None
 def plot_cumulative(report: dict, path: str, title: str | None = None) -> None:
     """PNG of the cumulative acceptance `P(L >= k)` by draft position, one line per method ("method
     (variant)" dashed in its method's colour). Agg backend, no global matplotlib state."""
-    # lazy: matplotlib takes seconds to import and only --plot needs it
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg     # lazy: seconds to import, only --plot needs it
+    from matplotlib.figure import Figure     # lazy: as above
 
     fig = Figure(figsize=(8.4, 4.2), dpi=120)
     FigureCanvasAgg(fig)

@@ -22,6 +22,7 @@ import jax
 
 from dmtp_jax.decode.batch import RequestError, next_pow2
 from dmtp_jax.paths import cache_root
+from dmtp_jax.decode.sampling import SamplingParams
 
 AUTO = "auto"
 DEFAULT_PROBE_TOKENS = 64       # new tokens per candidate and probe run (about a dozen rounds of a 8-slot method)
@@ -237,7 +238,6 @@ class AutoDecoder:
         Probes use the request's stop tokens and are pooled with the bucket's next requests until
         `MIN_PROBE_ROWS` rows decoded a full probe, `MAX_PROBE_REQUESTS` requests were probed, or
         `decide=True`; until then the verdict is "provisional" (the fastest so far, not stored)."""
-        from dmtp_jax.decode.sampling import SamplingParams
         sp = sampling or SamplingParams.make()
         verdict = self.cached(len(prompts), sp.is_greedy)
         if verdict is not None:

@@ -22,6 +22,8 @@ from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
 from dmtp_jax.config import TargetConfig
 from dmtp_jax.train.optim import OptimConfig
 from dmtp_jax.train.window import WindowTrainer
+from dmtp_jax.models import build_target
+from dmtp_jax.models.mtp import MtpHead, mtp_config_for
 
 
 def token_ce(logits_btv: jax.Array, labels_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -116,9 +118,6 @@ class Pretrainer(WindowTrainer):
 
     def initial_params(self, seed: int) -> dict:
         """Fresh fp32 target (from `seed`) and MTP head (from `seed + 1`)."""
-        from dmtp_jax.models import build_target
-        from dmtp_jax.models.mtp import MtpHead, mtp_config_for
-
         def make():
             t = nnx.split(build_target(self.cfg, jnp.float32, nnx.Rngs(seed)))[1]
             m = nnx.split(MtpHead(mtp_config_for(self.cfg), dtype=jnp.float32, rngs=nnx.Rngs(seed + 1)))[1]

@@ -37,8 +37,7 @@ def cudnn_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, rul
 def pallas_tpu_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, rule: MaskRule) -> jax.Array:
     """The Pallas TPU flash kernel under a causal `self_keys` rule without a window (T a multiple of
     `PALLAS_BLOCK`); runs on CPU inside `pltpu.force_tpu_interpret_mode()`."""
-    # imported where the TPU kernel is traced: the Pallas TPU ops are not needed on other backends
-    from jax.experimental.pallas.ops.tpu.flash_attention import SegmentIds, flash_attention
+    from jax.experimental.pallas.ops.tpu.flash_attention import SegmentIds, flash_attention  # lazy: TPU-only ops
     if not (rule.self_keys and rule.causal is True and not rule.window):
         raise ValueError("pallas_tpu_attention needs a causal self_keys MaskRule without a window")
     b, t, h, d = q_bthd.shape

@@ -10,6 +10,16 @@ from __future__ import annotations
 
 from dmtp_jax.plan.compile import DoesNotFitError  # noqa: F401
 from dmtp_jax.plan.report import PlanResult, cost_notes, format_plan  # noqa: F401
+from dmtp_jax.decode import make_decoder
+from dmtp_jax.plan.compile import compile_function
+from dmtp_jax.plan.inference import inference_calls
+from dmtp_jax.plan.models import plan_models, shard_bytes
+from dmtp_jax.plan.topology import open_topology
+from dmtp_jax.platform import compiling_for
+from dmtp_jax.sharding import make_mesh
+from dmtp_jax.models.draft_head import head_name
+from dmtp_jax.checkpoint.hf import place_abstract
+from dmtp_jax.checkpoint.draft_head_ckpt import abstract_draft_head
 
 
 def _mesh_sizes(mesh) -> dict:
@@ -37,22 +47,12 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     for exact FLOPs, bytes and time. `draft_head`: "efficient" (`draft_head_vocab` N: N scored ids) or
     "int8". `prefix_cache_gb`: `serve`'s prefix-cache budget, counted whole per device.
     `progress(name)` is called before each compile."""
-    from dmtp_jax.decode import make_decoder
-    from dmtp_jax.plan.compile import compile_function
-    from dmtp_jax.plan.inference import inference_calls
-    from dmtp_jax.plan.models import plan_models, shard_bytes
-    from dmtp_jax.plan.topology import open_topology
-    from dmtp_jax.platform import compiling_for
-    from dmtp_jax.sharding import make_mesh
-
     topo = open_topology(topology)
     device_mesh = make_mesh(mesh, devices=topo.devices)
     notes = []
     with compiling_for(topo.platform, device_mesh.size):
         models = plan_models(target, method, device_mesh, dtype, draft, block_size)
         if draft_head != "full" and method != "ar":
-            from dmtp_jax.checkpoint.hf import place_abstract
-            from dmtp_jax.checkpoint.draft_head_ckpt import abstract_draft_head
             models["draft_head"] = place_abstract(*abstract_draft_head(
                 draft_head, models["target"].cfg, dtype, draft_head_rank, draft_head_shortlist, draft_head_vocab),
                 device_mesh)
@@ -77,7 +77,6 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     settings = {"method": method, "batch": batch_size, "prompt": prompt_len, "new tokens": max_new_tokens,
                 "dtype": dtype, "prefill chunk": decoder.prefill_chunk}
     if method != "ar":
-        from dmtp_jax.models.draft_head import head_name
         settings["block"] = decoder.slots
         settings["draft head"] = head_name(models["draft_head"].cfg if "draft_head" in models else None)
     if rounds_per_dispatch > 1:

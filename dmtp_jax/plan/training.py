@@ -3,7 +3,27 @@ with the frozen target's and the optimizer's shares shown apart."""
 
 from __future__ import annotations
 
+import os
+
+import jax
+import jax.numpy as jnp
+
 from dmtp_jax.plan.report import PlanResult, cost_notes
+from dmtp_jax.errors import InputError
+from dmtp_jax.models.drafter_shape import default_drafter_config
+from dmtp_jax.plan.models import shard_bytes, target_config_of
+from dmtp_jax.plan.topology import open_topology
+from dmtp_jax.platform import compiling_for
+from dmtp_jax.sharding import make_mesh, replicated
+from dmtp_jax.train.config import default_gamma
+from dmtp_jax.train.loss import uses_mtp
+from dmtp_jax.train.optim import OptimConfig
+from dmtp_jax.train.step import StepConfig, Trainer, abstract_models
+from dmtp_jax.plan.compile import compile_function
+from dmtp_jax.checkpoint.hf import LoadedModel
+from dmtp_jax.checkpoint.mtp_ckpt import has_mtp
+from dmtp_jax.checkpoint.draft_head_ckpt import abstract_efficient_head
+from dmtp_jax.train.head_factor import FactorDistiller, check_factor_shape
 
 
 def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None, batch_size: int = 8,
@@ -14,17 +34,6 @@ def plan_training(target: str, *, method: str = "dmtp", mesh: str | None = None,
     """Compiles `Trainer.lower_step(batch_size, seq_len)` for a fresh drafter of the target
     (`draft_layers`, `block_size`), the target (and, for DMTP methods, its MTP head) frozen at
     `target_dtype`."""
-    from dmtp_jax.errors import InputError
-    from dmtp_jax.models.drafter_shape import default_drafter_config
-    from dmtp_jax.plan.models import target_config_of
-    from dmtp_jax.plan.topology import open_topology
-    from dmtp_jax.platform import compiling_for
-    from dmtp_jax.sharding import make_mesh
-    from dmtp_jax.train.config import default_gamma
-    from dmtp_jax.train.loss import uses_mtp
-    from dmtp_jax.train.optim import OptimConfig
-    from dmtp_jax.train.step import StepConfig, Trainer, abstract_models
-
     for name, value in (("batch-size", batch_size), ("seq-len", seq_len), ("draft-layers", draft_layers),
                         ("num-anchors", num_anchors), ("grad-accum", grad_accum)):
         if value < 1:
@@ -58,9 +67,6 @@ def step_plan(name: str, lower, train_state, params_name: str, target_model, mtp
               exact_cost: bool, progress) -> PlanResult:
     """A training plan of one compiled step (`lower()`, inside `compiling_for`): the frozen models and
     the trained state per device, the step's compile, the verdict."""
-    from dmtp_jax.plan.compile import compile_function
-    from dmtp_jax.plan.models import shard_bytes
-
     weights = {"target (frozen)": shard_bytes(target_model.state)}
     if mtp is not None:
         weights["mtp (frozen)"] = shard_bytes(mtp.state)
@@ -83,22 +89,6 @@ def plan_head_factor(target: str, *, mesh: str | None = None, batch_size: int = 
     """Compiles the `train.py head-factor` step: the efficient head's factor (`rank`, over `vocab` ids or
     all) trained toward the full head, the target (and MTP head) frozen at `target_dtype`,
     `[batch_size, seq_len + 1]` windows, `ce_chunk` rows scored at once."""
-    import os
-
-    import jax
-    import jax.numpy as jnp
-
-    from dmtp_jax.checkpoint.hf import LoadedModel
-    from dmtp_jax.checkpoint.mtp_ckpt import has_mtp
-    from dmtp_jax.checkpoint.draft_head_ckpt import abstract_efficient_head
-    from dmtp_jax.plan.models import target_config_of
-    from dmtp_jax.plan.topology import open_topology
-    from dmtp_jax.platform import compiling_for
-    from dmtp_jax.sharding import make_mesh, replicated
-    from dmtp_jax.train.head_factor import FactorDistiller, check_factor_shape
-    from dmtp_jax.train.optim import OptimConfig
-    from dmtp_jax.train.step import abstract_models
-
     check_factor_shape(batch_size, seq_len, ce_chunk, target_dtype)
     topo = open_topology(topology)
     device_mesh = make_mesh(mesh, devices=topo.devices)

@@ -33,6 +33,10 @@ from dmtp_jax.train.features import mtp_hidden, target_features
 from dmtp_jax.train.loss import (block_inputs, ce_sums, draft_head, drafter_block_hidden, method_layout,
                                  token_ce, uses_mtp)
 from dmtp_jax.train.optim import OptimConfig, TrainState, apply_gradients, make_optimizer, new_state
+from dmtp_jax.checkpoint.hf import abstract_target, place_abstract
+from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
+from dmtp_jax.models.mtp import mtp_config_for
+from dmtp_jax.train.loss import acceptance_proxy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +168,6 @@ def eval_sums(setup: DrafterStep, params, target_state, mtp_state, tokens_bt, lo
 def abstract_models(target_cfg, dtype, mesh, mesh_rules: MeshRules = DEFAULT_RULES, *, with_mtp: bool = False):
     """`(target, mtp)`: weightless `LoadedModel`s (`checkpoint.hf.place_abstract`), for building a
     `Trainer` that only lowers / compiles (`Trainer.lower_step`). `mtp` is None unless `with_mtp`."""
-    from dmtp_jax.checkpoint.hf import abstract_target, place_abstract
-    from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
-    from dmtp_jax.models.mtp import mtp_config_for
-
     target = place_abstract(target_cfg, *abstract_target(target_cfg, dtype, mesh_rules=mesh_rules), mesh,
                             mesh_rules=mesh_rules)
     mtp = (place_abstract(mtp_config_for(target_cfg), *abstract_mtp(target_cfg, dtype, mesh_rules), mesh,
@@ -281,7 +281,6 @@ class Trainer:
         """The metrics-line fields derived from a step's host metrics: the acceptance proxy
         (`acc_k`, `acc`, `accept_len_proxy`, `loss.acceptance_proxy`) of its summed counts; DMTP
         counts MTP's T1 as given, dmtp-adaptive's proxy is its DFlash mode."""
-        from dmtp_jax.train.loss import acceptance_proxy
         known = method_layout(self.scfg.method, self.scfg.block_size or self.dcfg.block_size)[1]
         base = 2 if uses_mtp(self.scfg.method) and self.scfg.method != ADAPTIVE else 1
         acc_k, acc, accept_len = acceptance_proxy(np.asarray(metrics["correct_k"]).tolist(),
