@@ -23,7 +23,7 @@ from dmtp_jax.layers.kv_cache import KVCache, TargetCache
 from dmtp_jax.sharding import cache_kv_heads, kv_cache_sharding, recurrent_state_sharding
 
 if TYPE_CHECKING:
-    from dmtp_jax.checkpoint.hf import LoadedTarget
+    from dmtp_jax.checkpoint.hf import LoadedTarget     # annotations only
 
 
 @functools.lru_cache(maxsize=None)

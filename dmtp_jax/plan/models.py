@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dmtp_jax.checkpoint.dflash_ckpt import abstract_drafter
+from dmtp_jax.checkpoint.eagle3_ckpt import eagle3_config
 from dmtp_jax.checkpoint.hf import LoadedModel, abstract_target, place_abstract
 from dmtp_jax.checkpoint.mtp_ckpt import abstract_mtp
 from dmtp_jax.config import ConfigError, TargetConfig, read_config_json
@@ -20,7 +21,8 @@ from dmtp_jax.decode import method_needs
 from dmtp_jax.methods import EAGLE3
 from dmtp_jax.models.dflash_config import DFlashConfig, check_fits_target
 from dmtp_jax.models.drafter_shape import DEFAULT_PLAN_BLOCK, default_drafter_config
-from dmtp_jax.models.eagle3 import DEFAULT_BLOCK_SIZE as DEFAULT_EAGLE3_BLOCK
+from dmtp_jax.models.eagle3 import DEFAULT_BLOCK_SIZE as DEFAULT_EAGLE3_BLOCK, Eagle3Drafter, default_eagle3_config
+from dmtp_jax.models.eagle3 import check_fits_target as check_eagle3_fits
 from dmtp_jax.models.fusion import T1Fusion
 from dmtp_jax.models.mtp import mtp_config_for
 from dmtp_jax.sharding import replicated
@@ -79,13 +81,11 @@ def drafter_config_of(path: str | None, target_cfg: TargetConfig, block_size: in
 def abstract_eagle3(path: str | None, target_cfg: TargetConfig, block_size: int | None, dtype):
     """`(Eagle3Config, graphdef, abstract state)` of `--draft DIR|CONFIG.json` (checked against the
     target), or of `default_eagle3_config` for the target."""
-    from dmtp_jax.checkpoint.eagle3_ckpt import eagle3_config
-    from dmtp_jax.models.eagle3 import Eagle3Drafter, check_fits_target, default_eagle3_config
     if path is None:
         cfg = default_eagle3_config(target_cfg, block_size or DEFAULT_EAGLE3_BLOCK)
     else:
         cfg = eagle3_config(read_config_json(path), target_cfg.num_hidden_layers)
-        check_fits_target(cfg, target_cfg)
+        check_eagle3_fits(cfg, target_cfg)
         cfg = dataclasses.replace(cfg, block_size=block_size or cfg.block_size)
     return (cfg, *nnx.split(nnx.eval_shape(lambda: Eagle3Drafter(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))))
 
