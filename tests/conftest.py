@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -42,11 +43,25 @@ import pytest
 # inherit it). JAX's persistent compilation cache lives there too, on for every compile of the run
 # (in-process, xdist workers and CLI subprocesses alike): the many tests that build the same tiny
 # models compile each program once per run instead of once per module and process.
+_OWN_CACHE = "DMTP_JAX_CACHE" not in os.environ          # made here: removed when the run ends
 os.environ.setdefault("DMTP_JAX_CACHE", tempfile.mkdtemp(prefix="dmtp-jax-test-cache-"))
 os.environ["DMTP_JAX_COMPILE_CACHE"] = os.path.join(os.environ["DMTP_JAX_CACHE"], "jax-cache")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["DMTP_JAX_COMPILE_CACHE"]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+# The tests' programs are tiny and run for microseconds: compiling dominates, and LLVM at -O0 without
+# its expensive passes compiles ~1.6x faster on CPU. XLA's HLO passes (fusion, SPMD partitioning) all
+# still run; the run's every program, reference and speculative alike, is compiled the same way.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true").strip()
+
+
+def pytest_unconfigure(config):
+    """The run's cache directory goes with the process that made it (xdist workers only inherit it)."""
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ["DMTP_JAX_CACHE"], ignore_errors=True)
+
 
 # `--doctest-modules` (pyproject's addopts) is for `dmtp_jax/`: the helper modules here are imported
 # by the tests, never collected (sharded_forward_check.py sets XLA_FLAGS before importing jax).

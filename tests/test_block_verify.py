@@ -194,7 +194,8 @@ def _mtp_engine(method, request, **options):
     return engine_for(method, models, dirs, mtp_steps=3, **options), models[0]
 
 
-@pytest.mark.parametrize("method", ["dflash", "dflash2", "mtp", "dmtp"])
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.heavy) for m in ("dflash", "dflash2", "mtp")]
+                         + ["dmtp"])
 def test_sampled_block_verification_reproduces_target_distribution(method, request, peaked_target_dir,
                                                                   tmp_path_factory):
     """The harness of test_spec_decode / test_mtp_dmtp with `verify="block"` (DFlash2: the selector's

@@ -117,7 +117,7 @@ def hybrid_dmtp(tiny_qwen3_5_dir, tmp_path_factory):
     return target, load_mtp(tiny_qwen3_5_dir, target.cfg), d
 
 
-@pytest.mark.parametrize("method", ["dmtp", "dmtp-ctx-mtp"])
+@pytest.mark.parametrize("method", ["dmtp", pytest.param("dmtp-ctx-mtp", marks=pytest.mark.heavy)])
 def test_spec_chunked_prefill_equals_one_call(method, hybrid_dmtp, request):
     """Target, MTP (cache rows 1..length, the hidden that predicts T1) and drafter context state
     after a chunked prefill equal one call's; greedy output equals `ar`'s."""

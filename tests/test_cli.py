@@ -88,6 +88,7 @@ def test_compare_with_drafter(tiny_qwen3_dir, tmp_path, version):
     assert checks["draft_logits"]["max_abs_diff"] < 1e-4
 
 
+@pytest.mark.heavy
 def test_generate_dmtp_from_a_plain_dflash_drafter(mtp_target_dir, tmp_path):
     """A DFlash directory loads as a DMTP drafter with a zero fusion; output still equals `ar`."""
     from dflash_fixtures import build_reference_drafter

@@ -268,6 +268,7 @@ def test_greedy_methods_equal_ar_on_deepseek(method, deepseek, drafters, ar_outp
     assert engine.compile_counts() == {"prefill": 1, "round": 1}
 
 
+@pytest.mark.heavy
 def test_sampled_dmtp_is_lossless_on_deepseek(deepseek, drafters):
     engine = decoder("dmtp", deepseek, drafters)
     assert_matches_target_joint(engine, deepseek[0], PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))

@@ -7,6 +7,7 @@ import os
 import shutil
 
 import numpy as np
+import pytest
 
 from dmtp_jax.checkpoint.safetensors_io import SafetensorsFile
 from train_fixtures import sigterm_on_call
@@ -56,6 +57,7 @@ def tiny_pretrain_config(work_dir: str, **overrides):
     return PretrainConfig(**base)
 
 
+@pytest.mark.heavy
 def test_pretrain_stops_on_sigterm_survives_a_cut_metrics_line_and_resumes_bit_for_bit(tmp_path, monkeypatch):
     """Demo pretraining runs in the drafter's loop: SIGTERM checkpoints and stops (nothing
     exported); a metrics line cut off by a kill is dropped on `--resume`; the resumed run logs

@@ -118,6 +118,7 @@ def engine(method, models, dmtp_dir, head=True, **options):
                         draft_head=head, **options)
 
 
+@pytest.mark.heavy
 def test_greedy_with_the_efficient_head_equals_plain_greedy(models, dmtp_dir):
     target, _, efficient = models
     # the small head's argmax differs from the full head's on the prompts' own hidden states
@@ -158,6 +159,7 @@ def test_subset_head_greedy_equals_plain_greedy_and_sampled_is_lossless(models, 
     assert_matches_target_joint(dec, target, PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
 
 
+@pytest.mark.heavy
 def test_int8_head_greedy_equals_plain_greedy_and_sampled_is_lossless(models, dmtp_dir, int8_head):
     want = ARDecoder(models[0]).generate(PROMPTS, 12, stop_ids=[]).output_ids
     for method in ("mtp", "dflash", "dmtp"):
@@ -171,6 +173,7 @@ def test_int8_head_greedy_equals_plain_greedy_and_sampled_is_lossless(models, dm
     assert_matches_target_joint(dec, models[0], PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
 
 
+@pytest.mark.heavy
 def test_trained_factor_beats_its_svd_start_and_decodes_exactly(mtp_target_dir, tmp_path):
     """`train.py head-factor` lowers the KL to the full head on other windows of its data than its
     start (the SVD) had, writes the factor into the drafter directory, and `--draft-head-factor`

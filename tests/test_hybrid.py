@@ -31,7 +31,8 @@ def tiny_qwen3_next_dir(tmp_path_factory) -> str:
     return build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-qwen3_next")), "qwen3_next", seed=6)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3_5_dir", "tiny_qwen3_5_moe_dir", "tiny_qwen3_next_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_5_dir", pytest.param("tiny_qwen3_5_moe_dir", marks=pytest.mark.heavy),
+                                     pytest.param("tiny_qwen3_next_dir", marks=pytest.mark.heavy)])
 def test_compare_hybrid_against_transformers(fixture, request):
     """fp32 logits and per-layer hidden states within 1e-4 (relative) of transformers, cached decode
     equal to the full forward, DeltaNet states after a prefill equal to transformers' cache, greedy
@@ -128,11 +129,13 @@ def test_hybrid_committed_state_equals_a_fresh_prefill(hybrid):
             assert np.abs(np.asarray(got[:, row]) - np.asarray(want[:, 0])).max() < 1e-4
 
 
+@pytest.mark.heavy
 def test_hybrid_sampled_dmtp_is_lossless(hybrid):
     engine = hybrid_engine("dmtp", hybrid, mtp_steps=3)
     assert_matches_target_joint(engine, hybrid["target"], PROMPTS[0], SamplingParams.make(temperature=1.0, top_k=3))
 
 
+@pytest.mark.heavy
 def test_hybrid_regen_train_export_decode(tiny_qwen3_5_dir, tmp_path):
     """`train.py regen | train | export` on a hybrid target: the target writes the data, DMTP trains
     on frozen features computed in the chunked DeltaNet form (64-token sequences), the export loads

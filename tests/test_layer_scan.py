@@ -29,10 +29,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = {"qwen3": dict(num_hidden_layers=3), "qwen3_moe": dict(num_hidden_layers=3),
             "qwen3_5": dict(num_hidden_layers=8), "qwen3_5_moe": dict(num_hidden_layers=8),
             "qwen3_next": dict(num_hidden_layers=12)}
+DEFAULT_FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5")     # the others: `-m heavy`
 TOL = 1e-6
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=[f if f in DEFAULT_FAMILIES else pytest.param(f, marks=pytest.mark.heavy)
+                                              for f in FAMILIES])
 def pair(request, tmp_path_factory):
     family = request.param
     d = build_tiny_checkpoint(str(tmp_path_factory.mktemp(f"scan-{family}")), family, seed=7,

@@ -28,6 +28,7 @@ if __name__ == "__main__" and "--sharded" in sys.argv:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from dmtp_jax.layers import moe as moe_layer  # noqa: E402
 from dmtp_jax.layers.moe import block_rows_for, moe_mlp, moe_mlp_dense  # noqa: E402
@@ -215,6 +216,7 @@ def sharded_main() -> None:
     print(json.dumps(report))
 
 
+@pytest.mark.heavy
 def test_expert_sharded_8_devices_equal_one_device():
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()}

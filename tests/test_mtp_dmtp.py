@@ -199,7 +199,8 @@ def test_compare_reports_mtp(mtp_target_dir):
     assert report["ok"] and len(mtp) == 1 and mtp[0]["max_abs_diff"] < 1e-4
 
 
-@pytest.mark.parametrize("method", [m for m in DMTP_METHODS if m != "dmtp-adaptive"])
+@pytest.mark.parametrize("method", [m if m == "dmtp" else pytest.param(m, marks=pytest.mark.heavy)
+                                    for m in DMTP_METHODS if m != "dmtp-adaptive"])
 def test_training_block_equals_the_decode_round(method, models, dmtp_dirs):
     """The trainer's block for anchor A (T1 from the data) drafts what the decode round drafts when
     the data's T1 is MTP's: same block input, positions, context and context alignment."""
@@ -320,6 +321,7 @@ def test_decoding_and_calibration_share_the_mtp_confidence(models):
         assert "mtp_first_candidate(" in inspect.getsource(module)
 
 
+@pytest.mark.heavy
 def test_sampled_adaptive_is_lossless(models, dmtp_dirs):
     target, mtp = models
     drafter, fusion = load_dmtp_drafter(dmtp_dirs["dmtp-adaptive"], target.cfg)

@@ -129,6 +129,7 @@ def test_cpu_mesh_of_two_devices(tiny_qwen3_dir, tmp_path):
     assert plan["weight_bytes"]["target"] < one         # split, not replicated
 
 
+@pytest.mark.heavy
 def test_exact_cost_counts_every_scanned_group(tmp_path):
     """XLA's cost analysis counts a loop body once; `exact_cost` reads FLOPs from an unrolled copy,
     so a target of two scanned groups reports about twice the layers' FLOPs, with the same memory."""

@@ -167,7 +167,6 @@ def test_chat_completions_use_the_chat_template(server, decoder, tmp_path):
 
 
 # ---- SIGTERM on a real `infer.py serve` process (slow) ------------------------------------------
-@pytest.mark.slow
 def test_sigterm_finishes_the_running_request_and_exits_0(tiny_qwen3_dir):
     """`infer.py serve` as users run it: SIGTERM while a request runs lets that request finish
     (all its tokens, finish_reason "length"), refuses what comes after, and the process exits 0.

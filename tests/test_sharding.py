@@ -19,14 +19,17 @@ REFERENCE = "tensor=1"
 # mesh -> the axis q_proj must be split on (None: replicated); `expert` also splits the MoE experts
 # (expert parallelism) and, like data/fsdp, the batch, hence every cache (data-parallel attention)
 MESHES = {"tensor=4,data=2": "tensor", "fsdp=8": "fsdp", "expert=4,tensor=2": "tensor", "expert=4": None}
-FAMILIES = ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_qwen3_5_moe_dir"]   # the last: hybrid + MTP
 # every mesh at least once and every family on two (each mesh is a few compiles in the family's
 # process): tensor x data on the attention-only and hybrid models, fsdp on both Qwen3s, expert x
 # tensor on the MoE, and a pure expert mesh (attention unsplit, the batch and every cache over
-# `expert` alone) on the hybrid MoE
-CASES = [("tiny_qwen3_dir", "tensor=4,data=2"), ("tiny_qwen3_dir", "fsdp=8"),
-         ("tiny_qwen3_moe_dir", "expert=4,tensor=2"), ("tiny_qwen3_moe_dir", "fsdp=8"),
-         ("tiny_qwen3_5_moe_dir", "tensor=4,data=2"), ("tiny_qwen3_5_moe_dir", "expert=4")]
+# `expert` alone) on the hybrid MoE. The default run keeps the hybrid MoE (MTP, speculative greedy,
+# the efficient heads) on tensor x data and expert: one process; `-m heavy` runs the rest.
+HEAVY = pytest.mark.heavy
+CASES = [("tiny_qwen3_5_moe_dir", "tensor=4,data=2"), ("tiny_qwen3_5_moe_dir", "expert=4"),
+         pytest.param("tiny_qwen3_dir", "tensor=4,data=2", marks=HEAVY),
+         pytest.param("tiny_qwen3_dir", "fsdp=8", marks=HEAVY),
+         pytest.param("tiny_qwen3_moe_dir", "expert=4,tensor=2", marks=HEAVY),
+         pytest.param("tiny_qwen3_moe_dir", "fsdp=8", marks=HEAVY)]
 # 8 fake devices; LLVM optimisation level 0 cuts CPU compile time by ~40% (the HLO / SPMD partitioning
 # passes still all run, and the 1-device reference is compiled with the same flags).
 FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
@@ -34,15 +37,21 @@ FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_lev
 
 @pytest.fixture(scope="module")
 def sharded_runs(request) -> dict:
-    """`{fixture name: {mesh spec: helper output}}`, both checkpoints run concurrently."""
+    """`{fixture name: {mesh spec: helper output}}` for the cases this run selected, one process per
+    checkpoint, run concurrently."""
     flags = (os.environ.get("XLA_FLAGS", "") + " " + FLAGS).strip()
     path = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
-    mesh_args = lambda name: [a for m in [REFERENCE, *(m for f, m in CASES if f == name)]  # noqa: E731
-                              for a in ("--mesh", m)]
-    procs = {name: subprocess.Popen([sys.executable, HELPER, request.getfixturevalue(name), *mesh_args(name)],
+    selected: dict[str, list[str]] = {}
+    for item in request.session.items:
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if item.module is request.module and params and "mesh" in params:
+            meshes = selected.setdefault(params["family"], [REFERENCE])
+            meshes += [params["mesh"]] if params["mesh"] not in meshes else []
+    procs = {name: subprocess.Popen([sys.executable, HELPER, request.getfixturevalue(name),
+                                     *(a for m in meshes for a in ("--mesh", m))],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for name in FAMILIES}
+             for name, meshes in selected.items()}
     runs = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=900)   # two processes of 8 fake devices on a loaded 2-core machine

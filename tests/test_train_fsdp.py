@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -84,6 +85,7 @@ def _factor_run(target_dir: str) -> dict:
     return res
 
 
+@pytest.mark.heavy
 def test_fsdp_steps_equal_one_device(mtp_target_dir, tmp_path):
     """Two dmtp train steps (drafter + fusion trained, target and MTP frozen) on `fsdp=2` give the
     losses and parameters of one device (fp32), with the drafter's context projection gathered

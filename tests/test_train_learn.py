@@ -74,6 +74,7 @@ def test_trained_drafter_accepts_more(trained, tiny_qwen3_dir):
     assert acc["trained"] > acc["untrained"] + 0.15, acc
 
 
+@pytest.mark.heavy
 def test_dmtp_from_a_dflash_drafter_trains_exports_and_decodes(trained, mtp_target_dir):
     """`--method dmtp --init-from DFLASH_DIR`: the fusion starts at zero and learns; the export is a
     DFlash directory plus `fusion.*` + `dmtp_config` that the engine loads; greedy dmtp == ar."""

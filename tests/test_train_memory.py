@@ -96,7 +96,7 @@ def _tiny_models(method, tie=False):
     return target, mtp, dcfg, mesh
 
 
-@pytest.mark.parametrize("method,tie", [("dflash", True), ("dmtp", False)])
+@pytest.mark.parametrize("method,tie", [("dflash", True), pytest.param("dmtp", False, marks=pytest.mark.heavy)])
 def test_loss_sums_same_with_chunks_and_remat(method, tie):
     """The step's loss, accuracy counts and gradients are the same (1e-6, fp32) for every
     (ce_chunk, remat) pair, the reference being all logits at once without remat; the drafter's

@@ -35,7 +35,7 @@ def _losses(out):
         return [json.loads(line)["loss"] for line in fh]
 
 
-@pytest.mark.slow   # ~75 s on 2 cores: three JAX processes compile the step concurrently
+@pytest.mark.heavy   # ~75 s on 2 cores: three JAX processes compile the step concurrently
 def test_two_processes_match_one(tiny_qwen3_dir, tmp_path):
     data = write_random_data(str(tmp_path / "d.jsonl"), n=8, length=32)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO,

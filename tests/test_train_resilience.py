@@ -241,7 +241,7 @@ def lines_in(path) -> int:
     return sum(1 for _ in open(path)) if os.path.isfile(path) else 0
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_signals_stop_cleanly_and_a_sigkill_mid_save_resumes_from_a_complete_checkpoint(tiny_qwen3_dir, tmp_path):
     """One run, interrupted four times, then finished; it equals an uninterrupted run step for step.
     SIGTERM, then SIGINT: each stops cleanly (exit 143 / 130, one line, no traceback) after a final

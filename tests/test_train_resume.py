@@ -47,7 +47,7 @@ def test_checkpoint_roundtrip_resumes_bit_for_bit(method, target_fixture, reques
     assert trainer.compile_count() == 1
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_run_training_stop_and_resume(tiny_qwen3_dir, tmp_path):
     from dmtp_jax.train.run import run_training
     data = write_random_data(str(tmp_path / "d.jsonl"), n=12, length=48)

@@ -106,7 +106,8 @@ def test_cli_bad_input_is_one_error_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("method,target_fixture", [("dflash", "tiny_qwen3_dir"), ("dmtp", "mtp_target_dir"),
-                                                   ("dmtp-ctx-fusion", "mtp_target_dir")])
+                                                   pytest.param("dmtp-ctx-fusion", "mtp_target_dir",
+                                                                marks=pytest.mark.heavy)])
 def test_target_and_mtp_are_frozen(method, target_fixture, request, tmp_path):
     """Gradients w.r.t. the target (and, for DMTP, the MTP head) are exactly zero and their params
     never change; the drafter (and the zero-initialised fusion) do train."""
