@@ -1,6 +1,7 @@
 """Gemma 4: the text target against transformers on tiny random checkpoints that transformers
 writes itself (sliding and full layers of their own sizes, keys as values, proportional RoPE,
-soft-capped logits), its packed cache, and greedy `ar` == transformers' greedy past the window."""
+soft-capped logits), its packed cache, greedy `ar` == transformers' greedy past the window, and the
+`gemma4_assistant` drafter (reading the target's cache, centroid-masked head) against transformers."""
 
 import json
 import math
@@ -13,20 +14,21 @@ import pytest
 import torch
 from flax import nnx
 
+from dmtp_jax.checkpoint.assistant_ckpt import load_assistant
 from dmtp_jax.checkpoint.hf import load_target
 from dmtp_jax.config import ConfigError, TargetConfig
 from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.caches import TargetCaches
 
 WINDOW = 8
-TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
             attention_k_eq_v=True, sliding_window=WINDOW, final_logit_softcapping=5.0,
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
             hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, max_position_embeddings=256,
             eos_token_id=1, pad_token_id=0, bos_token_id=2)
-PROMPTS = [[5, 9, 31, 4, 77, 2, 18, 200, 13, 61, 7], [3, 250, 17]]
-IDS = np.random.RandomState(0).randint(3, 256, (2, 20)).astype(np.int32)       # 20 > 2 x WINDOW
+PROMPTS = [[5, 9, 31, 4, 77, 2, 18, 100, 13, 61, 7], [3, 120, 17]]
+IDS = np.random.RandomState(0).randint(3, 128, (2, 20)).astype(np.int32)       # 20 > 2 x WINDOW
 
 
 def randomize(module, seed):
@@ -42,10 +44,16 @@ def randomize(module, seed):
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
 
 
+ASSISTANT = dict(TINY, hidden_size=16, intermediate_size=32, num_hidden_layers=2, final_logit_softcapping=None,
+                 layer_types=["sliding_attention", "full_attention"])
+
+
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    """The tiny Gemma 4 target: its directory, the transformers model, ours loaded from the directory."""
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    """The tiny Gemma 4 target and its assistant (8 centroids, top 2, a random token ordering): their
+    directories, the transformers models, ours loaded from the directories."""
+    from transformers import (Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM,
+                              Gemma4TextConfig)
 
     d = str(tmp_path_factory.mktemp("gemma4"))
     hf_cfg = Gemma4TextConfig(**TINY)
@@ -54,7 +62,17 @@ def gemma(tmp_path_factory):
     model = Gemma4ForCausalLM(hf_cfg).eval()
     randomize(model, 0)
     model.save_pretrained(d)
-    return dict(dir=d, hf=model, target=load_target(d))
+    a_dir = str(tmp_path_factory.mktemp("gemma4_assistant"))
+    a_cfg = Gemma4AssistantConfig(text_config=ASSISTANT, backbone_hidden_size=TINY["hidden_size"],
+                                  use_ordered_embeddings=True, num_centroids=8, centroid_intermediate_top_k=2)
+    a_cfg.text_config._attn_implementation = a_cfg._attn_implementation = "eager"
+    assistant = Gemma4AssistantForCausalLM(a_cfg).eval()
+    randomize(assistant, 1)
+    with torch.no_grad():
+        assistant.masked_embedding.token_ordering.copy_(torch.randperm(128, generator=torch.Generator().manual_seed(0)))
+    assistant.save_pretrained(a_dir)
+    target = load_target(d)
+    return dict(dir=d, hf=model, target=target, hf_assistant=assistant, assistant=load_assistant(a_dir, target.cfg))
 
 
 def hf_logits(model, ids):
@@ -121,3 +139,40 @@ def test_greedy_ar_equals_transformers_generate(gemma):
             want = gemma["hf"].generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False,
                                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert got == want
+
+
+def test_assistant_matches_transformers(gemma):
+    """The assistant driven as transformers' candidate generator drives it: after a 13-token prompt
+    (past the window), rows `(E(x_13), h_12)` then `(E(its argmax), its h')`, both at position 13 over
+    the target's K/V of positions < 13 (ours: read from the target's cache, layers 2 and 3):
+    `h'` and the masked logits within 1e-4."""
+    hf, hf_a = gemma["hf"], gemma["hf_assistant"]
+    target, assistant = gemma["target"], gemma["assistant"]
+    assert assistant.cfg.kv_source_layers == (2, 3)
+    p, ids = 13, torch.tensor(IDS[:1, :14])
+    tok, want = ids[:, p:], []
+    with torch.no_grad():
+        out = hf.model(ids[:, :p], output_hidden_states=True, return_shared_kv_states=True)
+        h = out.hidden_states[-1][:, -1:]
+        for _ in range(2):
+            step = hf_a(inputs_embeds=torch.cat([hf.model.embed_tokens(tok), h], -1), position_ids=torch.tensor([[p]]),
+                        shared_kv_states=out.shared_kv_states, attention_mask=torch.ones(1, p + 1, dtype=torch.long))
+            want.append((step.last_hidden_state.numpy(), step.logits.numpy()))
+            tok, h = step.logits.argmax(-1), step.last_hidden_state
+
+    @jax.jit
+    def ours(t_state, a_state, ids_bt, nxt_b1, cache):
+        tm, am = nnx.merge(target.graphdef, t_state), nnx.merge(assistant.graphdef, a_state)
+        out = tm(ids_bt, jnp.arange(p)[None], cache)
+        h, pos, got = out.hidden_bth[:, -1:], jnp.array([[p]]), []
+        for _ in range(2):
+            h, logits = am(tm.embed(nxt_b1), h, pos, out.cache.kv)
+            got.append((h, logits))
+            nxt_b1 = jnp.argmax(logits, -1)
+        return got
+    got = ours(target.state, assistant.state, jnp.asarray(IDS[:1, :p]), jnp.asarray(IDS[:1, p:p + 1]),
+               TargetCaches(target).new(1, 32))
+    for (h, logits), (want_h, want_logits) in zip(got, want):
+        assert np.abs(want_logits).max() > 1.0 and (want_logits == want_logits.min()).sum() == 128 - 2 * 16
+        assert np.abs(np.asarray(h) - want_h).max() < 1e-4
+        assert np.abs(np.asarray(logits) - want_logits).max() < 1e-4

@@ -70,7 +70,8 @@ def gemma_norm(x, weight, eps):
 
 class GemmaAttention(nnx.Module):
     """Gemma 4 attention with the `qwen3.Attention` interface (`q_gate`, `kv`, `write`, `attend_cache`,
-    `__call__`). `kv_shared`: no K/V projections (the assistant's layers read a target's K/V)."""
+    `__call__`). `kv_shared`: no K/V projections (the assistant's layers read a target's K/V, a sliding
+    one the last `sliding_window + 1` positions before its query, as transformers' assistant masks them)."""
 
     def __init__(self, cfg: TargetConfig, layer: int, dtype, rngs: nnx.Rngs, *, kv_shared: bool = False):
         g = cfg.gemma
@@ -79,7 +80,7 @@ class GemmaAttention(nnx.Module):
         self.head_dim = g.global_head_dim if self.full else cfg.head_dim
         self.num_heads = nh
         self.num_kv_heads = g.global_kv_heads if self.full else cfg.num_key_value_heads
-        self.window = None if self.full else cfg.sliding_window
+        self.window = None if self.full else cfg.sliding_window + (1 if kv_shared else 0)
         self.eps = cfg.rms_norm_eps
         self.rope = ((g.global_rope_theta, g.global_rotary_factor) if self.full else (cfg.rope_theta, 1.0))
         self.cache_heads, _, self.cache_dim, _ = cfg.kv_cache_dims
