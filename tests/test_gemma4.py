@@ -16,7 +16,9 @@ from flax import nnx
 
 from dmtp_jax.checkpoint.assistant_ckpt import load_assistant
 from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
 from dmtp_jax.config import ConfigError, TargetConfig
+from dmtp_jax.decode import make_decoder
 from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.caches import TargetCaches
 
@@ -166,8 +168,9 @@ def test_assistant_matches_transformers(gemma):
         out = tm(ids_bt, jnp.arange(p)[None], cache)
         h, pos, got = out.hidden_bth[:, -1:], jnp.array([[p]]), []
         for _ in range(2):
-            h, logits = am(tm.embed(nxt_b1), h, pos, out.cache.kv)
-            got.append((h, logits))
+            h, _ = am(tm.embed(nxt_b1), h, pos, target_kv=out.cache.kv)
+            logits = am.scores(tm, None, h).logits
+            got.append((am.feature(h), logits))
             nxt_b1 = jnp.argmax(logits, -1)
         return got
     got = ours(target.state, assistant.state, jnp.asarray(IDS[:1, :p]), jnp.asarray(IDS[:1, p:p + 1]),
@@ -176,3 +179,18 @@ def test_assistant_matches_transformers(gemma):
         assert np.abs(want_logits).max() > 1.0 and (want_logits == want_logits.min()).sum() == 128 - 2 * 16
         assert np.abs(np.asarray(h) - want_h).max() < 1e-4
         assert np.abs(np.asarray(logits) - want_logits).max() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def ar_output(gemma):
+    return ARDecoder(gemma["target"]).generate(PROMPTS, 16, stop_ids=[]).output_ids
+
+
+def test_greedy_mtp_with_the_assistant_equals_ar(gemma, ar_output):
+    """`mtp` with the assistant as the MTP head (T1 after each round, T2.. chained at the pending
+    token's position over the committed K/V) emits `ar`'s tokens. (A random assistant's drafts are
+    random: acceptance is not asserted; `test_assistant_matches_transformers` checks the step.)"""
+    engine = make_decoder("mtp", gemma["target"], None, mtp=load_mtp(gemma["assistant"].model_dir, gemma["target"].cfg),
+                          mtp_steps=2)
+    res = engine.generate(PROMPTS, 16, stop_ids=[])
+    assert res.output_ids == ar_output and sum(res.stats["histogram"]) > 0

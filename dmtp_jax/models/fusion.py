@@ -105,7 +105,7 @@ def mtp_first_candidate(target, mtp, mtp_h_bh: jax.Array, head=None):
     partition adds the low-rank mass outside). The one definition of dmtp-adaptive's confidence, for
     decoding and calibration alike."""
     y = mtp.post_norm(mtp_h_bh)
-    scores = draft_scores(target, head, y)
+    scores = mtp.scores(target, head, y)
     return y, scores.logits, mtp_confidence(scores.logits, scores.rest_lse)
 
 

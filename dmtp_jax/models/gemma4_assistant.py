@@ -9,6 +9,7 @@ One step, at the position `p` of the token `x_p` whose embedding it takes (trans
         last layer of the same type (`kv_source_layers`) at positions < p (sliding: the last window + 1,
         as transformers masks them)
     f = norm(u);  h' = post_projection(f) [H_target];  logits = head(f)
+    the state carried to the next step / T1 / the DMTP fusion: [h' ; f] (`h'` is the fusion's feature)
 
 `h` is the target's last hidden state at `p - 1` for the first step and the previous step's `h'`
 after it. `head`: the tied `embed_tokens`, or with `use_ordered_embeddings` the centroid-masked
@@ -18,7 +19,7 @@ token the smallest of those minus 1. No logit soft-capping.
 
 Example:
     >>> acfg = assistant_config_from_hf(hf_dict, target_cfg)  # doctest: +SKIP
-    >>> step = GemmaAssistant(acfg, dtype=jnp.float32, rngs=nnx.Rngs(0))(embeds, h, pos, target_cache.kv)  # doctest: +SKIP
+    >>> state, _ = GemmaAssistant(acfg, dtype=jnp.float32, rngs=nnx.Rngs(0))(embeds, h, pos, target_kv=kv)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dmtp_jax.config import ConfigError, TargetConfig
 from dmtp_jax.layers import params
 from dmtp_jax.layers.kv_cache import KVCache
 from dmtp_jax.layers.norms import rms_norm
+from dmtp_jax.models.draft_head import DraftScores
 from dmtp_jax.models.gemma4 import GemmaDecoderLayer
 
 
@@ -49,8 +51,8 @@ class AssistantConfig:
 
     @property
     def hidden_size(self) -> int:
-        """The state the decode rounds carry between steps: `h'`, the target's hidden size."""
-        return self.backbone_hidden_size
+        """The width of the state the decode rounds carry between steps: `[h' ; f]` (`GemmaAssistant`)."""
+        return self.backbone_hidden_size + self.layer_cfg.hidden_size
 
 
 def assistant_config_from_hf(d: dict, target_cfg: TargetConfig) -> AssistantConfig:
@@ -138,14 +140,44 @@ class GemmaAssistant(nnx.Module):
         return f_bth @ self.post_projection[...]
 
     def logits(self, f_bth: jax.Array) -> jax.Array:
-        """fp32 logits of `f`: the tied head, or the centroid-masked one."""
+        """fp32 logits `[..., V]` of `f [..., Ha]`: the tied head, or the centroid-masked one."""
         if not self.acfg.num_centroids:
             return jnp.einsum("...h,vh->...v", f_bth, self.embed_tokens[...], preferred_element_type=jnp.float32)
-        return masked_logits(f_bth, self.centroids[...], self.token_ordering[...], self.embed_tokens[...],
-                             self.acfg.centroid_top_k)
+        flat = f_bth.reshape(-1, 1, f_bth.shape[-1])
+        out = masked_logits(flat, self.centroids[...], self.token_ordering[...], self.embed_tokens[...],
+                            self.acfg.centroid_top_k)
+        return out.reshape(f_bth.shape[:-1] + out.shape[-1:])
 
+    # ---- the MTP-head protocol (`models/mtp.py`): the carried state is `[h' ; f]` -----------------
     @jax.named_scope("assistant")
-    def __call__(self, embeds_bth, hidden_bth, positions_bt, target_kv: KVCache):
-        """One step: `(h' [B, T, H], fp32 logits [B, T, V])`."""
-        f = self.features(embeds_bth, hidden_bth, positions_bt, target_kv)
-        return self.projected(f), self.logits(f)
+    def __call__(self, embeds_bth, hidden_bth, positions_bt, cache=None, kv_valid_bt=None, *, target_kv: KVCache):
+        """One step over rows `(E(x_p), hidden)` at positions `p`: `([h' ; f] [B, T, H + Ha], cache)`.
+        `hidden` is the target's `[B, T, H]` or a previous state `[h' ; f]` (its `h'` is read); `cache`
+        (the protocol's private cache) is passed through untouched."""
+        h = self.acfg.backbone_hidden_size
+        f = self.features(embeds_bth, hidden_bth[..., :h], positions_bt, target_kv)
+        return jnp.concatenate([self.projected(f), f], axis=-1), cache
+
+    def advance(self, embeds_bth, hidden_bth, positions_bt, cache, last_b, target_kv: KVCache):
+        """The step of row `last_b` only: `(its state [B, H + Ha], cache)`."""
+        pick = lambda a: jnp.take_along_axis(a, last_b.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)  # noqa: E731
+        state, cache = self(pick(embeds_bth), pick(hidden_bth), pick(positions_bt), cache, target_kv=target_kv)
+        return state[:, 0], cache
+
+    def post_norm(self, state):
+        """The state itself (the step already normed `f`)."""
+        return state
+
+    def scores(self, target, head, state) -> DraftScores:
+        """The assistant's own head over `f` (the drafting side's `head` is not used)."""
+        logits = self.logits(state[..., self.acfg.backbone_hidden_size:])
+        return DraftScores(logits, jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32))
+
+    def feature(self, state):
+        """`h'`, the DMTP fusion's MTP feature (the target's hidden size)."""
+        return state[..., :self.acfg.backbone_hidden_size]
+
+    def chain_position(self, lengths_b, j: int):
+        """Every chained step stays at the pending token's position `L` over the committed K/V, as
+        transformers' candidate generator runs it."""
+        return lengths_b
