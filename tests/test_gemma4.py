@@ -14,13 +14,18 @@ import pytest
 import torch
 from flax import nnx
 
+from dflash_fixtures import build_reference_drafter, saved_dmtp_drafter
+from stat_checks import assert_matches_target_joint
 from dmtp_jax.checkpoint.assistant_ckpt import load_assistant
+from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
+from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
 from dmtp_jax.checkpoint.hf import load_target
 from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
 from dmtp_jax.config import ConfigError, TargetConfig
 from dmtp_jax.decode import make_decoder
 from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.caches import TargetCaches
+from dmtp_jax.decode.sampling import SamplingParams
 
 WINDOW = 8
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -186,11 +191,37 @@ def ar_output(gemma):
     return ARDecoder(gemma["target"]).generate(PROMPTS, 16, stop_ids=[]).output_ids
 
 
-def test_greedy_mtp_with_the_assistant_equals_ar(gemma, ar_output):
-    """`mtp` with the assistant as the MTP head (T1 after each round, T2.. chained at the pending
-    token's position over the committed K/V) emits `ar`'s tokens. (A random assistant's drafts are
-    random: acceptance is not asserted; `test_assistant_matches_transformers` checks the step.)"""
-    engine = make_decoder("mtp", gemma["target"], None, mtp=load_mtp(gemma["assistant"].model_dir, gemma["target"].cfg),
-                          mtp_steps=2)
-    res = engine.generate(PROMPTS, 16, stop_ids=[])
-    assert res.output_ids == ar_output and sum(res.stats["histogram"]) > 0
+@pytest.fixture(scope="module")
+def decoders(gemma, tmp_path_factory):
+    """`mtp` (the assistant loaded by `load_mtp` as the MTP head), `dflash` and `dmtp` (T1 from the
+    assistant, the rest from DFlash) on the Gemma target; the drafters built as the Qwen tests build
+    theirs (reference drafter reading target layers 0 and 1, noise fusion)."""
+    target = gemma["target"]
+    dflash_dir = str(tmp_path_factory.mktemp("dflash") / "d")
+    build_reference_drafter(dflash_dir, seed=3, layer_types=("sliding_attention", "full_attention"), sliding_window=6)
+    dmtp_dir = saved_dmtp_drafter(str(tmp_path_factory.mktemp("dmtp") / "dmtp"), target.cfg, "dmtp",
+                                  fusion_seed=1, dflash_dir=dflash_dir)
+    assistant = load_mtp(gemma["assistant"].model_dir, target.cfg)
+    drafter, fusion = load_dmtp_drafter(dmtp_dir, target.cfg)
+    return {"mtp": make_decoder("mtp", target, None, mtp=assistant, mtp_steps=2),
+            "dflash": make_decoder("dflash", target, load_drafter(dflash_dir, target.cfg)),
+            "dmtp": make_decoder("dmtp", target, drafter, mtp=assistant, fusion=fusion)}
+
+
+def test_greedy_methods_equal_ar(decoders, ar_output):
+    """Greedy `mtp` (the assistant chained at the pending token's position over the committed K/V),
+    `dflash` and `dmtp` emit `ar`'s tokens, one compile of each. (Random drafters for a random target
+    of 128 tokens are almost never right greedily: acceptance is exercised by the sampled test,
+    the assistant's step by `test_assistant_matches_transformers`.)"""
+    for method, engine in decoders.items():
+        res = engine.generate(PROMPTS, 16, stop_ids=[])
+        assert res.output_ids == ar_output, method
+        assert sum(res.stats["histogram"]) > 0, method
+        assert engine.compile_counts() == {"prefill": 1, "round": 1}
+
+
+def test_sampled_dmtp_is_lossless(gemma, decoders):
+    """Sampled `dmtp` draws the target's joint over 3 tokens (chi-square); top-8, so that the random
+    drafters' and the target's supports overlap and drafts get accepted."""
+    assert_matches_target_joint(decoders["dmtp"], gemma["target"], PROMPTS[1],
+                                SamplingParams.make(temperature=1.0, top_k=8))
