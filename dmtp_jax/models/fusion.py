@@ -32,7 +32,6 @@ from flax import nnx
 from dmtp_jax.layers import params
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.methods import ADAPTIVE, DMTP_METHODS, METHODS
-from dmtp_jax.models.draft_head import draft_scores
 
 CONTEXT_VARIANTS = ("ctx-fusion", "ctx-mtp")
 DEFAULT_LOWRANK = 64
