@@ -225,3 +225,29 @@ def test_sampled_dmtp_is_lossless(gemma, decoders):
     drafters' and the target's supports overlap and drafts get accepted."""
     assert_matches_target_joint(decoders["dmtp"], gemma["target"], PROMPTS[1],
                                 SamplingParams.make(temperature=1.0, top_k=8))
+
+
+def test_assistant_state_after_rounds_is_a_from_scratch_step(gemma, decoders):
+    """After `mtp` rounds, each row's carried assistant state is the step a from-scratch pass gives:
+    `(E(A), h_{L-1})` at the pending position L over the target's K/V of the committed text (so the
+    rounds hand the assistant the right hidden, embedding, position and cache)."""
+    target, assistant = gemma["target"], gemma["assistant"]
+    engine = decoders["mtp"]
+    res = engine.generate(PROMPTS, 16, stop_ids=[])
+    st = engine.last_state
+
+    @jax.jit
+    def from_scratch(t_state, a_state, ids_bt, cache):
+        tm, am = nnx.merge(target.graphdef, t_state), nnx.merge(assistant.graphdef, a_state)
+        n = ids_bt.shape[1] - 1
+        out = tm(ids_bt[:, :n], jnp.arange(n)[None], cache)
+        return am(tm.embed(ids_bt[:, n:]), out.hidden_bth[:, -1:], jnp.array([[n]]), target_kv=out.cache.kv)[0][:, 0]
+    checked = 0
+    for row, (prompt, out) in enumerate(zip(PROMPTS, res.output_ids)):
+        seq = prompt + out
+        if int(st.lengths_b[row]) != len(seq) - 1:      # committed past the output: pending token unknown
+            continue
+        want = from_scratch(target.state, assistant.state, jnp.asarray([seq]), TargetCaches(target).new(1, 64))
+        assert np.abs(np.asarray(st.mtp_h_bh[row]) - np.asarray(want[0])).max() < 1e-4
+        checked += 1
+    assert checked
