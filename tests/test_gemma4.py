@@ -1,7 +1,9 @@
 """Gemma 4: the text target against transformers on tiny random checkpoints that transformers
 writes itself (sliding and full layers of their own sizes, keys as values, proportional RoPE,
-soft-capped logits), its packed cache, greedy `ar` == transformers' greedy past the window, and the
-`gemma4_assistant` drafter (reading the target's cache, centroid-masked head) against transformers."""
+soft-capped logits), its packed cache, greedy `ar` == transformers' greedy past the window, the
+`gemma4_assistant` drafter (reading the target's cache, centroid-masked head) against transformers,
+and the methods on the target: greedy `mtp` (the assistant) / `dflash` / `dmtp` == `ar`, sampled
+`dmtp` lossless, the assistant's state in the rounds == a from-scratch step."""
 
 import json
 import math
@@ -138,12 +140,16 @@ def test_packed_cache_chunks_match_transformers(gemma):
     assert np.abs(np.concatenate(logits, axis=1) - hf_logits(gemma["hf"], IDS)).max() < 1e-4
 
 
-def test_greedy_ar_equals_transformers_generate(gemma):
-    """Greedy `ar` over prompt + 14 new tokens (past the window) emits transformers' greedy tokens."""
-    ours = ARDecoder(gemma["target"]).generate(PROMPTS, 14, stop_ids=[]).output_ids
-    for prompt, got in zip(PROMPTS, ours):
+@pytest.fixture(scope="module")
+def ar_output(gemma):
+    return ARDecoder(gemma["target"]).generate(PROMPTS, 16, stop_ids=[]).output_ids
+
+
+def test_greedy_ar_equals_transformers_generate(gemma, ar_output):
+    """Greedy `ar` over prompt + 16 new tokens (past the window) emits transformers' greedy tokens."""
+    for prompt, got in zip(PROMPTS, ar_output):
         with torch.no_grad():
-            want = gemma["hf"].generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False,
+            want = gemma["hf"].generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
                                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert got == want
 
@@ -184,11 +190,6 @@ def test_assistant_matches_transformers(gemma):
         assert np.abs(want_logits).max() > 1.0 and (want_logits == want_logits.min()).sum() == 128 - 2 * 16
         assert np.abs(np.asarray(h) - want_h).max() < 1e-4
         assert np.abs(np.asarray(logits) - want_logits).max() < 1e-4
-
-
-@pytest.fixture(scope="module")
-def ar_output(gemma):
-    return ARDecoder(gemma["target"]).generate(PROMPTS, 16, stop_ids=[]).output_ids
 
 
 @pytest.fixture(scope="module")
