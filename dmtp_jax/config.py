@@ -78,7 +78,8 @@ class TargetConfig:
     """A decoder-only Qwen-family target: Qwen3 dense / MoE, hybrid Qwen3.5 / Qwen3.6 (`qwen3_5`,
     `qwen3_5_moe`) and Qwen3-Next. `layer_types[i]`: "full_attention", "sliding_attention" or
     "linear_attention" (Gated DeltaNet); MoE fields are empty for dense models. Hybrid families use
-    zero-centred `(1 + w)` RMSNorms, a sigmoid attention output gate and partial rotary embeddings."""
+    zero-centred `(1 + w)` RMSNorms, a sigmoid attention output gate and partial rotary embeddings.
+    Gemma 4 (`gemma`): the stack fields are its sliding layers', `gemma` holds the full layers' own."""
 
     model_type: str
     vocab_size: int

@@ -7,6 +7,7 @@ key left out takes the value transformers 5.x's config class of that family give
 | `qwen3` (targets, DFlash drafters) | 128               | "sliding_attention" from layer `max_window_layers` (28) on when the window is on |
 | `qwen3_moe`                       | hidden / heads     | every layer "sliding_attention" when the window is on (no `max_window_layers`)  |
 | `qwen3_next`, `qwen3_5`, `qwen3_5_moe` | 256           | "full_attention" every `full_attention_interval` (4) layers, else "linear_attention" |
+| `gemma4`                          | 256                | "full_attention" every 6th layer, else "sliding_attention" (window 512); the last layer always full |
 
 The window is on when `use_sliding_window` is true (length `sliding_window`, 4096 when absent);
 `num_key_value_heads` unset: one per attention head; hybrid partial rotary factor: 0.25.
