@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
 from dmtp_jax.errors import ConfigError, InputError  # noqa: F401  (ConfigError re-exported: callers import it from here)
-from dmtp_jax.hf_config import (FAMILIES, HYBRID_FAMILIES, MLA_FAMILIES, mla_fields, require,
-                                stack_fields)
+from dmtp_jax.hf_config import (FAMILIES, GEMMA_FAMILIES, HYBRID_FAMILIES, MLA_FAMILIES, GemmaFields,
+                                gemma_fields, mla_fields, require, stack_fields)
 
 SUPPORTED_TARGET_TYPES = FAMILIES
 # Hybrid (Gated DeltaNet + gated attention) families and the text-only spellings of their saves.
 HYBRID_TARGET_TYPES = HYBRID_FAMILIES
-MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+MODEL_TYPE_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma4_text": "gemma4"}
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 # transformers' architecture and config model_type for each family (text-only saves)
 HF_NAMES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
@@ -30,7 +31,8 @@ HF_NAMES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCa
             "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
             "qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next"),
             "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
-            "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "glm4_moe_lite")}
+            "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "glm4_moe_lite"),
+            "gemma4": ("Gemma4ForCausalLM", "gemma4_text")}
 
 
 def text_config_dict(d: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +78,8 @@ class TargetConfig:
     """A decoder-only Qwen-family target: Qwen3 dense / MoE, hybrid Qwen3.5 / Qwen3.6 (`qwen3_5`,
     `qwen3_5_moe`) and Qwen3-Next. `layer_types[i]`: "full_attention", "sliding_attention" or
     "linear_attention" (Gated DeltaNet); MoE fields are empty for dense models. Hybrid families use
-    zero-centred `(1 + w)` RMSNorms, a sigmoid attention output gate and partial rotary embeddings."""
+    zero-centred `(1 + w)` RMSNorms, a sigmoid attention output gate and partial rotary embeddings.
+    Gemma 4 (`gemma`): the stack fields are its sliding layers', `gemma` holds the full layers' own."""
 
     model_type: str
     vocab_size: int
@@ -124,6 +127,8 @@ class TargetConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # Gemma 4 (`hf_config.gemma_fields`): the full layers' sizes and RoPE, the logit soft-cap
+    gemma: GemmaFields | None = None
 
     def __post_init__(self):
         where = f"config ({self.model_type})"
@@ -184,6 +189,11 @@ class TargetConfig:
         so never split over heads) with no separate value."""
         if self.is_mla:
             return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        if self.gemma is not None:      # both layer types packed in heads of the common dim (`models/gemma4.py`)
+            g = self.gemma
+            dim = math.gcd(self.head_dim, g.global_head_dim)
+            heads = max(self.num_key_value_heads * self.head_dim, g.global_kv_heads * g.global_head_dim) // dim
+            return heads, self.num_attention_heads, dim, dim
         return self.num_key_value_heads, self.num_attention_heads, self.head_dim, self.head_dim
 
     @property
@@ -255,6 +265,8 @@ class TargetConfig:
             )
         if model_type in MLA_FAMILIES:
             kwargs.update(mla_fields(d, where))
+        if model_type in GEMMA_FAMILIES:
+            kwargs.update(gemma_fields(d, where), tie_word_embeddings=bool(d.get("tie_word_embeddings", True)))
         if hybrid:
             kwargs.update(
                 zero_centred_norms=True, attn_output_gate=True,
@@ -325,6 +337,17 @@ class TargetConfig:
                 d["rope_parameters"] = dict(self.rope_scaling, rope_theta=self.rope_theta, rope_type="yarn")
             for key in ("layer_types", "sliding_window", "use_sliding_window", "num_experts"):
                 d.pop(key, None)
+        if self.gemma is not None:
+            g = self.gemma
+            d.update(hidden_activation="gelu_pytorch_tanh", global_head_dim=g.global_head_dim,
+                     num_global_key_value_heads=g.global_kv_heads, attention_k_eq_v=g.k_eq_v,
+                     final_logit_softcapping=g.final_logit_softcapping or None, hidden_size_per_layer_input=0,
+                     vocab_size_per_layer_input=0, rope_parameters={
+                         "sliding_attention": {"rope_type": "default", "rope_theta": self.rope_theta},
+                         "full_attention": {"rope_type": "proportional", "rope_theta": g.global_rope_theta,
+                                            "partial_rotary_factor": g.global_rotary_factor}})
+            for key in ("hidden_act", "use_sliding_window"):
+                d.pop(key)
         return d
 
 

@@ -12,14 +12,17 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from dmtp_jax.errors import ConfigError
 
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite")      # MLA attention + DeepSeek MoE (`mla_fields`)
-FAMILIES = ("qwen3", "qwen3_moe") + HYBRID_FAMILIES + MLA_FAMILIES
+GEMMA_FAMILIES = ("gemma4",)                          # Gemma 4 text (`gemma_fields`)
+FAMILIES = ("qwen3", "qwen3_moe") + HYBRID_FAMILIES + MLA_FAMILIES + GEMMA_FAMILIES
 DEFAULT_SLIDING_WINDOW = 4096      # Qwen3Config / Qwen3MoeConfig
+GEMMA_SLIDING_WINDOW, GEMMA_PATTERN = 512, 6     # Gemma4TextConfig: 5 sliding layers, then 1 full
 DEFAULT_MAX_WINDOW_LAYERS = 28     # Qwen3Config
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
 HYBRID_ROTARY_FACTOR = 0.25
@@ -41,6 +44,8 @@ def rope(d: dict, where: str, family: str = "qwen3") -> tuple[float, float]:
         (1000000.0, 0.25)
     """
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if family in GEMMA_FAMILIES:        # per layer type; the stack's own are the sliding layers'
+        params = params.get("sliding_attention") or {"rope_theta": 10000.0}
     rope_type = params.get("rope_type", params.get("type", "default"))
     allowed = ("default", "yarn") if family in MLA_FAMILIES else ("default",)
     if rope_type not in allowed + (None,):
@@ -74,6 +79,10 @@ def layer_types(d: dict, family: str, n_layers: int, window: int | None) -> tupl
             raise ConfigError(f"config (qwen3_moe): layer_types {list(given)} disagree with transformers' "
                               f"Qwen3-MoE, whose sliding window (use_sliding_window) covers every layer or none")
         return rule
+    if family in GEMMA_FAMILIES:        # transformers forces the last layer to full attention
+        given = list(d.get("layer_types") or ("full_attention" if (i + 1) % GEMMA_PATTERN == 0
+                                               else "sliding_attention" for i in range(n_layers)))
+        return tuple(given[:-1] + ["full_attention"])
     if d.get("layer_types"):
         return tuple(d["layer_types"])
     if family in HYBRID_FAMILIES:
@@ -90,7 +99,7 @@ def default_head_dim(family: str, hidden: int, n_heads: int) -> int:
         return hidden // n_heads
     if family in MLA_FAMILIES:
         return 192       # DeepSeek-V3's qk_nope_head_dim + qk_rope_head_dim (`mla_fields` sets the real one)
-    return 256 if family in HYBRID_FAMILIES else 128
+    return 256 if family in HYBRID_FAMILIES + GEMMA_FAMILIES else 128
 
 
 def stack_fields(d: dict[str, Any], family: str, where: str) -> dict[str, Any]:
@@ -110,6 +119,8 @@ def stack_fields(d: dict[str, Any], family: str, where: str) -> dict[str, Any]:
     n_heads = int(require(d, "num_attention_heads", where))
     hidden = int(require(d, "hidden_size", where))
     window = sliding_window(d) if family in ("qwen3", "qwen3_moe") else None
+    if family in GEMMA_FAMILIES:
+        window = int(d.get("sliding_window") or GEMMA_SLIDING_WINDOW)
     theta, factor = rope(d, where, family)
     return dict(
         hidden_size=hidden, num_hidden_layers=n_layers, num_attention_heads=n_heads,
@@ -170,3 +181,58 @@ def mla_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
         mlp_only_layers=dense,
         mtp_num_hidden_layers=int(d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmaFields:
+    """What a Gemma 4 text config adds to the stack fields (those are its sliding layers'): the full
+    layers' own head dim and K/V heads (`global_head_dim`, `num_global_key_value_heads` when
+    `attention_k_eq_v`: keys double as values there), their RoPE (`proportional`: the first
+    `global_rotary_factor` of the frequencies over the whole head dim, the rest zero) and the final
+    logit soft-cap (0: none)."""
+    global_head_dim: int
+    global_kv_heads: int
+    k_eq_v: bool
+    global_rope_theta: float
+    global_rotary_factor: float
+    final_logit_softcapping: float
+
+
+# Gemma 4 features a 31B-class dense text model does not use, refused at config read.
+GEMMA_REFUSED = (("hidden_size_per_layer_input", "per-layer input embeddings"),
+                 ("num_kv_shared_layers", "K/V-shared target layers"), ("enable_moe_block", "the MoE block"),
+                 ("use_double_wide_mlp", "the double-wide MLP"))
+
+
+def gemma_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """`{"gemma": GemmaFields}` of a Gemma 4 text config (transformers' defaults where absent; the full
+    layers' sizes from `per_layer_config` as transformers saves them, or the `global_*` keys).
+
+    Example:
+        >>> g = gemma_fields({"num_key_value_heads": 2, "global_head_dim": 16}, "x")["gemma"]
+        >>> g.global_head_dim, g.global_kv_heads, g.global_rotary_factor
+        (16, 2, 0.25)
+    """
+    for key, what in GEMMA_REFUSED:
+        if d.get(key):
+            raise ConfigError(f"{where}: {what} ('{key}': {d[key]!r}) are not supported for Gemma 4 targets")
+    if d.get("use_bidirectional_attention") == "all":     # "vision": text tokens stay causal
+        raise ConfigError(f"{where}: bidirectional attention ('use_bidirectional_attention': 'all') is not supported")
+    k_eq_v = bool(d.get("attention_k_eq_v", False))
+    kv = int(d.get("num_key_value_heads") or 4)
+    head_dim, global_kv = int(d.get("global_head_dim") or 512), d.get("num_global_key_value_heads")
+    global_kv = int(global_kv) if k_eq_v and global_kv else kv
+    overrides = {tuple(sorted(v.items())) for v in (d.get("per_layer_config") or {}).values()}
+    if len(overrides) > 1:
+        raise ConfigError(f"{where}: per_layer_config gives the full layers different sizes: {overrides}")
+    if overrides:
+        o = dict(next(iter(overrides)))
+        head_dim, global_kv = int(o.get("head_dim", head_dim)), int(o.get("num_key_value_heads", kv))
+    full = (d.get("rope_parameters") or {}).get("full_attention") or {
+        "rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
+    rope_type = full.get("rope_type", "default")
+    if rope_type not in ("default", "proportional") or full.get("factor", 1.0) != 1.0:
+        raise ConfigError(f"{where}: full-attention rope {full} is not supported (default or proportional)")
+    factor = float(full.get("partial_rotary_factor", 1.0)) if rope_type == "proportional" else 1.0
+    return {"gemma": GemmaFields(head_dim, global_kv, k_eq_v, float(full.get("rope_theta", 1e6)), factor,
+                                 float(d.get("final_logit_softcapping") or 0.0))}

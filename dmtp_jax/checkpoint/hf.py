@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from dmtp_jax.checkpoint.gemma_names import GEMMA_IGNORED_PREFIXES, gemma_target_rules
 from dmtp_jax.checkpoint.mla_names import is_nextn_tensor, mla_target_rules
 from dmtp_jax.checkpoint.safetensors_io import CheckpointError, CheckpointReader, write_sharded
 from dmtp_jax.config import TargetConfig, load_target_config
@@ -52,12 +53,15 @@ QWEN_NAME_RULES = (
 EXPERT_TEMPLATE = re.compile(r"^(.*layers\.\d+\.mlp\.)(gate|up|down)_proj\.weight$")
 TEXT_PREFIX, IMAGE_TEXT_PREFIX = "model.", "model.language_model."
 # Tensors a target directory may carry that the target itself does not use.
-IGNORED_PREFIXES = ("mtp.", "model.visual.")
+IGNORED_PREFIXES = ("mtp.", "model.visual.") + GEMMA_IGNORED_PREFIXES
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def target_rules(cfg: TargetConfig):
-    """The name table of `cfg`'s family (the MLA families add theirs, `checkpoint/mla_names.py`)."""
+    """The name table of `cfg`'s family (the MLA families and Gemma 4 add theirs, `checkpoint/mla_names.py`,
+    `checkpoint/gemma_names.py`)."""
+    if cfg.gemma is not None:
+        return gemma_target_rules(QWEN_NAME_RULES)
     return mla_target_rules(QWEN_NAME_RULES) if cfg.is_mla else QWEN_NAME_RULES
 
 

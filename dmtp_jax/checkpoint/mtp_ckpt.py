@@ -1,6 +1,7 @@
 """`mtp.*` tensors <-> the MTP head: read from a target directory (or a separate one), written next to
 the target's tensors. An MLA target's (DeepSeek-V3, GLM-4.7-Flash) head is its first next-token layer
-`model.layers.{num_hidden_layers}.*` (`checkpoint/mla_names.py`), in the same `MtpHead`."""
+`model.layers.{num_hidden_layers}.*` (`checkpoint/mla_names.py`), in the same `MtpHead`; a Gemma 4
+target's is a `gemma4_assistant` directory (`--mtp DIR`, `checkpoint/assistant_ckpt.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from dmtp_jax.checkpoint.assistant_ckpt import is_assistant_dir, load_assistant
 from dmtp_jax.checkpoint.hf import QWEN_NAME_RULES, LoadedModel, export_tensors, load_params
 from dmtp_jax.checkpoint.mla_names import NEXTN_PREFIX, NEXTN_TENSOR, nextn_rules
 from dmtp_jax.checkpoint.safetensors_io import CheckpointError, CheckpointReader
@@ -32,7 +34,9 @@ class MissingMtpError(CheckpointError):
 
 def has_mtp(model_dir: str) -> bool:
     """Whether `model_dir`'s safetensors carry an MTP head (`mtp.fc.weight`, or a next-token
-    layer's `model.layers.{i}.eh_proj.weight`)."""
+    layer's `model.layers.{i}.eh_proj.weight`), or is a `gemma4_assistant`."""
+    if is_assistant_dir(model_dir):
+        return True
     reader = CheckpointReader(model_dir)
     return f"{MTP_PREFIX}fc.weight" in reader or any(NEXTN_TENSOR.match(k) for k in reader.keys())
 
@@ -53,7 +57,10 @@ def abstract_mtp(target_cfg: TargetConfig, dtype, mesh_rules: MeshRules = DEFAUL
 
 def load_mtp(model_dir: str, target_cfg: TargetConfig, dtype="float32", mesh: Mesh | None = None,
              mesh_rules: MeshRules = DEFAULT_RULES) -> LoadedModel:
-    """The MTP head stored as `mtp.*` in `model_dir` (a target directory or an MTP-only one)."""
+    """The MTP head stored as `mtp.*` in `model_dir` (a target directory or an MTP-only one), or the
+    `gemma4_assistant` that `model_dir` holds."""
+    if is_assistant_dir(model_dir):
+        return load_assistant(model_dir, target_cfg, dtype, mesh, mesh_rules)
     reader = CheckpointReader(model_dir)
     rules, prefix = mtp_names(target_cfg)
     fc = prefix + next(t for p, t, _ in rules if p == "fc")      # the fusion projection: `mtp.fc` / `eh_proj`

@@ -77,8 +77,9 @@ def drafter_hidden(method: str, slots: int, window: int, models: RoundModels, st
     target, drafter = models.target, models.drafter
     offsets, first_row = block_layout(method, slots)
     positions = state.lengths_b[:, None] + jnp.asarray(offsets)
+    mtp_feature = state.mtp_h_bh if models.mtp is None else models.mtp.feature(state.mtp_h_bh)
     embeds = draft_block_embeds(method, slots, target.embed, drafter.cfg, models.fusion, state.pending_b, t1_b,
-                                state.mtp_h_bh, t1_from_mtp_b)
+                                mtp_feature, t1_from_mtp_b)
     ctx_k, ctx_pos = context_window(state.ctx_cache.k_lbskd, state.lengths_b, window)
     ctx_v, _ = context_window(state.ctx_cache.v_lbskd, state.lengths_b, window)
     block_valid = positions < jnp.maximum(limits_b, state.lengths_b + 1)[:, None]
@@ -144,17 +145,19 @@ class _MtpFirst(Proposer):
 
 
 class MtpChainProposer(_MtpFirst):
-    """`mtp`: T1 from the MTP, then T2.. by chaining the MTP through its own cache."""
+    """`mtp`: T1 from the MTP, then T2.. by chaining the MTP through its own cache (and the target's
+    committed K/V, for a head that reads them)."""
 
     def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
         target, mtp = models.target, models.mtp
         keys = self._keys(key)
         drafts, qs, y, mtp_cache = [first.t1_b], [first.q1_bv], first.y_bh, state.mtp_cache
         for j in range(2, self.slots):
-            pos = (state.lengths_b + j - 1)[:, None]
-            h, mtp_cache = mtp(target.embed(drafts[-1][:, None]), y[:, None], pos, mtp_cache)
+            pos = mtp.chain_position(state.lengths_b, j)[:, None]
+            h, mtp_cache = mtp(target.embed(drafts[-1][:, None]), y[:, None], pos, mtp_cache,
+                               target_kv=state.target_cache.kv)
             y = mtp.post_norm(h[:, 0])
-            token, q = pick(models.draft_logits(y), sp, keys[j - 1], greedy)
+            token, q = pick(mtp.scores(target, models.draft_head, y).logits, sp, keys[j - 1], greedy)
             drafts.append(token)
             qs.append(q)
         q_all = None if greedy else jnp.stack(qs, axis=1)

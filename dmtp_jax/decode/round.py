@@ -188,11 +188,13 @@ def mtp_advance(models: RoundModels, state: SpecState, mtp_cache: KVCache, fwd: 
     valid = (j <= acc_b[:, None]) & active_b[:, None]
     pos = jnp.where(valid, state.lengths_b[:, None] + j + 1, mtp_cache.max_len)
     hidden_bnh = fwd.out.hidden_bth
+    target_kv = fwd.out.cache.kv        # the verify rows' K/V are written: row j reads positions <= L + j
     if fusion is not None and fusion.uses_mtp_context:
-        rows, mtp_cache = mtp(nxt_bnh, hidden_bnh, pos, mtp_cache)
+        rows, mtp_cache = mtp(nxt_bnh, hidden_bnh, pos, mtp_cache, target_kv=target_kv)
         last = gather_rows(rows, acc_b)
+        rows = mtp.feature(rows)
     else:
-        (last, mtp_cache), rows = mtp.advance(nxt_bnh, hidden_bnh, pos, mtp_cache, acc_b), None
+        (last, mtp_cache), rows = mtp.advance(nxt_bnh, hidden_bnh, pos, mtp_cache, acc_b, target_kv=target_kv), None
     return mtp_cache, jnp.where(active_b[:, None], last, state.mtp_h_bh), rows
 
 
@@ -282,8 +284,9 @@ def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state
         nxt = jnp.concatenate([tokens_bt[:, 1:], next_b[:, None]], axis=1)
         nxt = jnp.where(positions == lengths_b[:, None] - 1, first[:, None], nxt)
         mtp_pos = jnp.where(positions < lengths_b[:, None], positions + 1, state.mtp_cache.max_len)
-        h, mtp_cache = mtp(target.embed(nxt), out.hidden_bth, mtp_pos, state.mtp_cache)
+        h, mtp_cache = mtp(target.embed(nxt), out.hidden_bth, mtp_pos, state.mtp_cache, target_kv=out.cache.kv)
         mtp_h = jnp.where(res.ends_b[:, None], gather_rows(h, res.last_b), state.mtp_h_bh)
+        h = mtp.feature(h)
     if drafter is not None and drafter.chained:     # row i pairs the features at i with x_{i+1}
         nxt = jnp.concatenate([tokens_bt[:, 1:], next_b[:, None]], axis=1)
         nxt = jnp.where(positions == lengths_b[:, None] - 1, first[:, None], nxt)

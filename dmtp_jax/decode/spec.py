@@ -140,7 +140,7 @@ def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: Loade
         c = target.cfg
         mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, 1), mtp.state_dtype,
                                  kv_cache_value_dim(c))
-        mtp_h = jax.device_put(np.zeros((batch, c.hidden_size), mtp.state_dtype), rep)
+        mtp_h = jax.device_put(np.zeros((batch, mtp.cfg.hidden_size), mtp.state_dtype), rep)
     if draft_model is not None:
         draft_cache = TargetCaches(draft_model).new(batch, max_len)
     return SpecState(caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros(), zeros(max_len), draft_cache)

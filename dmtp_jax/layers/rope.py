@@ -75,6 +75,24 @@ def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float, dtype,
     return cos.astype(dtype), sin.astype(dtype)
 
 
+def proportional_cos_sin(positions: jax.Array, head_dim: int, theta: float, factor: float,
+                         dtype) -> tuple[jax.Array, jax.Array]:
+    """Gemma 4's proportional RoPE tables `[..., head_dim]`: frequencies `theta^(-2i / head_dim)` for
+    the first `int(factor * head_dim / 2)` pairs, zero (identity) for the rest (`factor` 1: plain RoPE).
+
+    Example:
+        >>> cos, sin = proportional_cos_sin(jnp.arange(3)[None], 8, 1e4, 0.25, jnp.float32)
+        >>> cos.shape, float(cos[0, 2, 1]), float(sin[0, 2, 1])
+        ((1, 3, 8), 1.0, 0.0)
+    """
+    angles = int(factor * head_dim // 2)
+    inv = np.zeros(head_dim // 2, np.float32)
+    inv[:angles] = 1.0 / (theta ** (np.arange(0, 2 * angles, 2, dtype=np.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
 def apply_rope(x_bthd: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax.Array:
     """Rotates the first `R` dims of `x [B, T, heads, D]` with tables `[B, T, R]` (R <= D)."""
     r = cos_btd.shape[-1]

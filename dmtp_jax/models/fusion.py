@@ -17,7 +17,6 @@ from flax import nnx
 from dmtp_jax.layers import params
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.methods import ADAPTIVE, DMTP_METHODS, METHODS
-from dmtp_jax.models.draft_head import draft_scores
 
 CONTEXT_VARIANTS = ("ctx-fusion", "ctx-mtp")
 DEFAULT_LOWRANK = 64
@@ -90,7 +89,7 @@ def mtp_first_candidate(target, mtp, mtp_h_bh: jax.Array, head=None):
     partition adds the low-rank mass outside). The one definition of dmtp-adaptive's confidence, for
     decoding and calibration alike."""
     y = mtp.post_norm(mtp_h_bh)
-    scores = draft_scores(target, head, y)
+    scores = mtp.scores(target, head, y)
     return y, scores.logits, mtp_confidence(scores.logits, scores.rest_lse)
 
 

@@ -1,7 +1,12 @@
 """Native MTP head (Qwen3.5 / Qwen3-Next / Qwen3.6 `mtp.*` format) for a Qwen-family target: one step
 predicts token t+2 from the target's post-norm hidden at t and the token at t+1,
 `logits = target.logits(norm(layer(fc([RMS(embed(x_{t+1})) ; RMS(h_t)]))))`, with its own KV cache
-(rows from position 1); chained steps feed the output back (docs/models.md)."""
+(rows from position 1); chained steps feed the output back (docs/models.md).
+
+The MTP-head protocol the rounds call (`models/gemma4_assistant.py` is the other head): `head(embeds,
+hidden, positions, cache, target_kv=...)` and `head.advance(..., target_kv=...)` (`target_kv`: the
+target's cache view, for heads that read it; this one keeps its own), `post_norm`, `scores`,
+`feature` (the DMTP fusion's MTP feature) and `chain_position` (where chained step j sits)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from dmtp_jax.layers.kv_cache import KVCache
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import rope_tables
 from dmtp_jax.models.deepseek import decoder_layer_class
+from dmtp_jax.models.draft_head import DraftScores, draft_scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +68,10 @@ class MtpHead(nnx.Module):
 
     @jax.named_scope("mtp")
     def __call__(self, embeds_bth: jax.Array, hidden_bth: jax.Array, positions_bt: jax.Array,
-                 cache: KVCache | None = None, kv_valid_bt: jax.Array | None = None):
+                 cache: KVCache | None = None, kv_valid_bt: jax.Array | None = None, target_kv=None):
         """One MTP step over rows `(hidden at t, embedding of x_{t+1})` at positions t+1: the pre-norm
-        output `h [B, T, H]` and the cache (slot == position; positions `>= max_len` are not written)."""
+        output `h [B, T, H]` and the cache (slot == position; positions `>= max_len` are not written).
+        `target_kv` is not read (the protocol's, module docstring)."""
         x = self._fuse(embeds_bth, hidden_bth)
         cos, sin = self._rope(positions_bt, x.dtype)
         h, cache = self.layers[0](x, positions_bt, cos, sin, cache, kv_valid_bt)
@@ -79,7 +86,7 @@ class MtpHead(nnx.Module):
 
     @jax.named_scope("mtp")
     def advance(self, embeds_bth: jax.Array, hidden_bth: jax.Array, positions_bt: jax.Array, cache: KVCache,
-                last_b: jax.Array) -> tuple[jax.Array, KVCache]:
+                last_b: jax.Array, target_kv=None) -> tuple[jax.Array, KVCache]:
         """The decode round's MTP advance: writes K/V of every row (positions `>= max_len`: scratch) and runs
         the rest of the layer for row `last_b` only: `(its pre-norm output [B, H], cache)`."""
         layer = self.layers[0]
@@ -96,3 +103,17 @@ class MtpHead(nnx.Module):
     def post_norm(self, h_bth: jax.Array) -> jax.Array:
         """`mtp.norm`: the state that feeds the LM head and the next chained step."""
         return self._norm(h_bth, self.norm)
+
+    def scores(self, target, head, y: jax.Array) -> DraftScores:
+        """The draft scores of `y = post_norm(h)`: the target's LM head, or the drafting side's efficient
+        head `head` (`draft_head.draft_scores`)."""
+        return draft_scores(target, head, y)
+
+    def feature(self, h: jax.Array) -> jax.Array:
+        """The DMTP fusion's MTP feature of a state `h`: `h` itself."""
+        return h
+
+    def chain_position(self, lengths_b: jax.Array, j: int) -> jax.Array:
+        """The position of chained step `j` (2: the step after T1) for rows of committed length `lengths_b`:
+        one past the previous step's, `L + j - 1`."""
+        return lengths_b + j - 1
