@@ -109,6 +109,9 @@ def drafter_card(name: str, run_dir: str, method_text: str, calibration: str | N
         f"{cfg['seq_len']} tokens, {recipe}, lr {cfg['lr']}, {seconds / 60:.1f} min on 2 CPU "
         f"cores. Final loss {_fmt(last.get('loss'))} (mean of the last 20 steps {_fmt(mean('loss'))}).",
     ]
+    if last.get("step", cfg["steps"]) < cfg["steps"]:
+        lines += ["", f"Stopped after step {last['step']} of the {cfg['steps']} the others had (`--resume` continues "
+                  "the run): it has had fewer steps than the other drafters."]
     if cfg.get("init_from"):
         lines += ["", f"Initialised from `{cfg['init_from']}` (drafter and fusion, after its own "
                   f"{cfg['steps']} steps): these steps come on top of that drafter's."]
