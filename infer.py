@@ -13,12 +13,12 @@
 Every subcommand uses the shipped demo when no `--target` is given: `demo/target`, a miniature
 Qwen3.5-format hybrid (three Gated DeltaNet layers and one gated-attention layer, 4.5 M parameters)
 pretrained on the Python standard library with its native MTP head, and the drafters `demo/dflash`,
-`demo/dmtp`, `demo/dmtp_adaptive` (plus `demo/mtp_corpus`, the corpus-only head, and its drafters
-`demo/*_corpus`); without a `demo/` directory, the built-in tiny random checkpoint. One default
+`demo/dmtp`, `demo/dmtp_adaptive`, the EAGLE-3 drafter `demo/eagle3` (plus `demo/mtp_corpus`, the
+corpus-only head, and its drafters `demo/*_corpus`); without a `demo/` directory, the built-in tiny random checkpoint. One default
 method per model for generate, bench and serve: with `--draft DIR`, that drafter's own method (its
 `dmtp_config`, else dflash; draft-model when DIR is a smaller target checkpoint); on the demo, dmtp;
 else ar. `python infer.py` with no arguments runs `bench` on the demo: methods ar, mtp, dflash, dmtp,
-dmtp-adaptive, lookup, auto over prompts cut from stdlib
+dmtp-adaptive, eagle3, lookup, auto over prompts cut from stdlib
 modules held out of training (`demo/prompts.jsonl`), greedy, then the MTP methods again with the
 corpus-only head.
 
@@ -46,9 +46,10 @@ from dmtp_jax.options import (DraftHeadOptions, check_max_model_len, check_non_n
 DTYPES = ["float32", "bfloat16", "float16"]
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 DEMO_OUT = os.path.join(tempfile.gettempdir(), "dmtp-jax-demo")
-DEMO_METHODS = "ar,mtp,dflash,dmtp,dmtp-adaptive,lookup,auto"
+DEMO_METHODS = "ar,mtp,dflash,dmtp,dmtp-adaptive,eagle3,lookup,auto"
 DEMO_WEAK_METHODS = "mtp,dmtp,dmtp-adaptive"     # the second table: the same methods with the corpus-only head
 DEMO_CORPUS_HEAD = os.path.join(DEMO_DIR, "mtp_corpus")
+DEMO_EAGLE3 = os.path.join(DEMO_DIR, "eagle3")
 DEMO_BENCH_ARGV = ["bench", "--methods", DEMO_METHODS, "--num-prompts", "12", "--max-new-tokens", "64",
                    "--json", os.path.join(DEMO_OUT, "bench.json"), "--plot", os.path.join(DEMO_OUT, "acceptance.png"),
                    "--outputs", os.path.join(DEMO_OUT, "outputs.jsonl"), "--show-sample"]
@@ -179,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     method_args(b, verify_list=True)
     b.add_argument("--methods", default=None,
                    help="comma-separated methods, `auto` among them (default: ar,dflash with --draft; the demo: "
-                        "ar,mtp,dflash,dmtp,dmtp-adaptive,lookup,auto; else ar)")
+                        "ar,mtp,dflash,dmtp,dmtp-adaptive,eagle3,lookup,auto; else ar)")
     b.add_argument("--workload", default=None,
                    help="default: the demo's held-out prompts (demo/prompts.jsonl) on the demo, else gsm8k. "
                         "gsm8k|math500|humaneval|mt_bench|alpaca_eval|spec_bench|bfcl, or a .jsonl of "
@@ -297,7 +298,7 @@ def decoder_methods(args, target_dir: str, methods: list[str]) -> tuple[list[str
     from dmtp_jax import preflight
     from dmtp_jax.decode.auto import AUTO
     demo = uses_demo(args)
-    eagle3 = getattr(args, "eagle3", None)
+    eagle3 = eagle3_source(args)
     candidates = preflight.auto_candidates(target_dir, args.draft, args.mtp, demo, eagle3) if AUTO in methods else []
     built = list(dict.fromkeys([*(m for m in methods if m != AUTO), *candidates]))
     preflight.check_method_models(built, target_dir, args.draft, args.mtp, demo_drafters=demo, eagle3=eagle3)
@@ -628,9 +629,24 @@ def uses_demo(args) -> bool:
     return not args.target and demo_available()
 
 
+def eagle3_source(args) -> str | None:
+    """The EAGLE-3 drafter directory: `--eagle3`, else the demo's `demo/eagle3` when the demo is in
+    use without `--draft` (and ships one), else None.
+
+    Example:
+        >>> eagle3_source(argparse.Namespace(eagle3="runs/e3", draft=None, target=None))
+        'runs/e3'
+    """
+    given = getattr(args, "eagle3", None)
+    if given or args.draft or not uses_demo(args) or not os.path.isdir(DEMO_EAGLE3):
+        return given
+    return DEMO_EAGLE3
+
+
 def demo_drafter(method: str, mtp_dir: str | None = None) -> str | None:
-    """The demo drafter of a method: `demo/dflash`, `demo/dmtp`, `demo/dmtp_adaptive`; the DMTP
-    drafters trained against the corpus-only head (`demo/*_corpus`) when `mtp_dir` is that head.
+    """The demo drafter of a method: `demo/dflash`, `demo/dmtp`, `demo/dmtp_adaptive`,
+    `demo/eagle3`; the DMTP drafters trained against the corpus-only head (`demo/*_corpus`) when
+    `mtp_dir` is that head.
 
     Example:
         >>> os.path.basename(demo_drafter("dmtp")), demo_drafter("ar")
@@ -639,8 +655,11 @@ def demo_drafter(method: str, mtp_dir: str | None = None) -> str | None:
         'dmtp_adaptive_corpus'
     """
     from dmtp_jax.decode import method_needs
+    from dmtp_jax.methods import EAGLE3
     if not method_needs(method)["drafter"]:
         return None
+    if method == EAGLE3:
+        return DEMO_EAGLE3
     if not method_needs(method)["fusion"]:
         return os.path.join(DEMO_DIR, "dflash")
     name = method.replace("-", "_") if method == "dmtp-adaptive" else "dmtp"

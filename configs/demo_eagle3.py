@@ -16,3 +16,10 @@ COMMAND = "train"
 def get_config() -> dict:
     shared = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_dflash.py"))
     return dict(shared, method="eagle3", out="demo_out/runs/eagle3", target_layer_ids=(0, 1, 2))
+
+
+# Shipped run: stopped by SIGTERM after step 126 of 200 (the machine's 2 cores were shared with a test suite
+# and other runs, load 4-11; about 20-50 s/step against dflash's 1.8); `--resume` continues it to 200.
+# acc_0 / acc_6: top-1 agreement of pass 0 / pass 6 (the 1st / 7th chained draft), mean of the last 20 steps.
+RESULTS = dict(train_minutes=59.2, steps=126, first_loss=32.93, last_loss=3.442, mean_loss_last20=3.903,
+               acc_0_last20=0.795, acc_6_last20=0.724)

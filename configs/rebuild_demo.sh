@@ -42,9 +42,11 @@ wait
 train dmtp_adaptive configs/demo_dmtp_adaptive.py &
 train dmtp_adaptive_corpus configs/demo_dmtp_adaptive.py --mtp demo/mtp_corpus --init-from demo/dmtp_corpus &
 wait
+# 4b. the EAGLE-3 drafter (the baseline without native MTP): same data, steps and hyper-parameters as dflash
+train eagle3 configs/demo_eagle3.py
 # 5. dmtp-adaptive's thresholds, on the calibration text (training modules)
 $PY train.py calibrate --target demo/target --draft demo/dmtp_adaptive --data demo_out/calibration.jsonl
 $PY train.py calibrate --target demo/target --draft demo/dmtp_adaptive_corpus --mtp demo/mtp_corpus \
     --data demo_out/calibration.jsonl
 $PY -m dmtp_jax.demo.cards          # the model cards, from the runs' own records
-echo "rebuilt: demo/target demo/mtp_corpus demo/dflash demo/dmtp demo/dmtp_adaptive demo/dmtp_corpus demo/dmtp_adaptive_corpus"
+echo "rebuilt: demo/target demo/mtp_corpus demo/dflash demo/dmtp demo/dmtp_adaptive demo/dmtp_corpus demo/dmtp_adaptive_corpus demo/eagle3"

@@ -86,22 +86,32 @@ def drafter_card(name: str, run_dir: str, method_text: str, calibration: str | N
     mean = (lambda k: sum(r[k] for r in tail) / len(tail)) if tail else (lambda k: None)
     seconds = sum(r.get("step_s", 0.0) for r in recs)
     head = cfg.get("mtp") or "the target's own (distilled) MTP head"
+    eagle3 = cfg["method"] == "eagle3"
+    layout = (f"one Llama-style layer (`LlamaForCausalLMEagle3`, the published EAGLE-3 layout) over the concatenated "
+              f"outputs of target layers {cfg['target_layer_ids']}, a chain of {cfg['block_size'] - 1} drafts per "
+              "round. Weights bf16; the embedding is the target's, the LM head its own (draft vocabulary = the "
+              "target's)." if eagle3 else
+              f"{cfg['draft_layers']} layers, block {cfg['block_size']} ({cfg['block_size'] - 1} candidates), "
+              f"context from target layers {cfg['target_layer_ids']}. Weights bf16; embedding and LM head are the "
+              "target's." + (f" Trained and run with MTP head: {head}." if cfg["method"] != "dflash" else ""))
+    recipe = (f"training-time test: the drafter unrolled on its own outputs for {cfg['block_size'] - 1} passes, pass "
+              "k weighted 0.8^k" if eagle3 else f"{cfg['num_anchors']} anchors")
     lines = [
         f"# demo/{name}: {method_text}",
         "",
-        f"Drafter for `demo/target`: {cfg['draft_layers']} layers, block {cfg['block_size']} "
-        f"({cfg['block_size'] - 1} candidates), context from target layers {cfg['target_layer_ids']}. "
-        "Weights bf16; embedding and LM head are the target's."
-        + (f" Trained and run with MTP head: {head}." if cfg["method"] != "dflash" else ""),
+        f"Drafter for `demo/target`: {layout}",
         "",
         "Data: the target's greedy continuations (64 new tokens) of 1595 prompts from the training modules "
         "(`demo/regen.jsonl`, `train.py regen`); the held-out modules are never seen. Every demo drafter has "
         "the same data, steps and hyper-parameters (`configs/demo_dflash.py` `SHARED`).",
         "",
         f"Training (method `{cfg['method']}`): {last.get('step', '?')} steps x {cfg['batch_size']} sequences x "
-        f"{cfg['seq_len']} tokens, {cfg['num_anchors']} anchors, lr {cfg['lr']}, {seconds / 60:.1f} min on 2 CPU "
+        f"{cfg['seq_len']} tokens, {recipe}, lr {cfg['lr']}, {seconds / 60:.1f} min on 2 CPU "
         f"cores. Final loss {_fmt(last.get('loss'))} (mean of the last 20 steps {_fmt(mean('loss'))}).",
     ]
+    if last.get("step", cfg["steps"]) < cfg["steps"]:
+        lines += ["", f"Stopped after step {last['step']} of the {cfg['steps']} the others had (`--resume` continues "
+                  "the run): it has had fewer steps than the other drafters."]
     if cfg.get("init_from"):
         lines += ["", f"Initialised from `{cfg['init_from']}` (drafter and fusion, after its own "
                   f"{cfg['steps']} steps): these steps come on top of that drafter's."]
@@ -125,6 +135,7 @@ DRAFTERS = {
     "dmtp_adaptive": "a dmtp-adaptive drafter (one drafter, MTP's T1 or its own per row)",
     "dmtp_corpus": "a DMTP drafter trained with the corpus-only MTP head (the weak-head case)",
     "dmtp_adaptive_corpus": "a dmtp-adaptive drafter trained with the corpus-only MTP head",
+    "eagle3": "an EAGLE-3 drafter (the baseline for a target without native MTP)",
 }
 
 
@@ -140,18 +151,13 @@ def main(argv=None) -> int:
 
 
 def write_cards(work_dir: str, runs: str, demo: str) -> None:
-    """Writes the cards of the target (from `work_dir`'s runs) and of every drafter present in both
-    `runs` and `demo` into `demo/<name>/README.md`."""
-    with open(os.path.join(work_dir, "target_run", "summary.json")) as fh:
-        summary = json.load(fh)
-    distil = None
-    distil_path = os.path.join(work_dir, "mtp_run", "summary.json")
-    if os.path.isfile(distil_path):
-        with open(distil_path) as fh:
-            distil = json.load(fh)
-        with open(os.path.join(work_dir, "mtp_run", "run_config.json")) as fh:
-            distil["config"] = json.load(fh)["distil_mtp"]
-    cards = {"target": target_card(summary, distil)}
+    """Writes the cards of the target (from `work_dir`'s runs, when its summary is there) and of
+    every drafter present in both `runs` and `demo` into `demo/<name>/README.md`."""
+    cards = {}
+    target_summary = os.path.join(work_dir, "target_run", "summary.json")
+    if os.path.isfile(target_summary):
+        with open(target_summary) as fh:
+            cards["target"] = target_card(json.load(fh), _distil_record(work_dir))
     for name, text in DRAFTERS.items():
         if os.path.isdir(os.path.join(runs, name)) and os.path.isdir(os.path.join(demo, name)):
             cards[name] = drafter_card(name, os.path.join(runs, name), text,
@@ -159,6 +165,17 @@ def write_cards(work_dir: str, runs: str, demo: str) -> None:
     for name, text in cards.items():
         with open(os.path.join(demo, name, "README.md"), "w") as fh:
             fh.write(text)
+
+
+def _distil_record(work_dir: str) -> dict | None:
+    distil = None
+    distil_path = os.path.join(work_dir, "mtp_run", "summary.json")
+    if os.path.isfile(distil_path):
+        with open(distil_path) as fh:
+            distil = json.load(fh)
+        with open(os.path.join(work_dir, "mtp_run", "run_config.json")) as fh:
+            distil["config"] = json.load(fh)["distil_mtp"]
+    return distil
 
 
 if __name__ == "__main__":
