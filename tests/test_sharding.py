@@ -45,7 +45,7 @@ def sharded_runs(request) -> dict:
     selected: dict[str, list[str]] = {}
     for item in request.session.items:
         params = getattr(item, "callspec", None) and item.callspec.params
-        if item.module is request.module and params and "mesh" in params:
+        if getattr(item, "module", None) is request.module and params and "mesh" in params:
             meshes = selected.setdefault(params["family"], [REFERENCE])
             meshes += [params["mesh"]] if params["mesh"] not in meshes else []
     procs = {name: subprocess.Popen([sys.executable, HELPER, request.getfixturevalue(name),
