@@ -208,6 +208,7 @@ def test_sampled_block_verification_reproduces_target_distribution(method, reque
     assert_matches_target_joint(engine, target, [5, 9, 31, 4, 77, 2, 18], SP)
 
 
+@pytest.mark.heavy
 def test_harness_rejects_the_wrong_block_variant(request, monkeypatch):
     """The same harness fails for block verification whose last weight h_n is the token-level
     min(1, p/q) instead of w_n (fixed seeds: deterministic). The variant accepts whole blocks

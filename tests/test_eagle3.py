@@ -237,6 +237,7 @@ def test_served_eagle3_equals_generate(decoder, ar_outputs):
     assert max(a for r in reqs for a in r.acceptance) > 1
 
 
+@pytest.mark.heavy
 def test_greedy_eagle3_equals_ar_on_the_hybrid_target(tiny_qwen3_5_dir):
     hybrid = load_target(tiny_qwen3_5_dir)
     cfg = fresh_eagle3_config(tiny_train_config(tiny_qwen3_5_dir, "", "", method="eagle3", block_size=3,

@@ -221,6 +221,7 @@ def test_greedy_methods_equal_ar(decoders, ar_output):
         assert engine.compile_counts() == {"prefill": 1, "round": 1}
 
 
+@pytest.mark.heavy
 def test_sampled_dmtp_is_lossless(gemma, decoders):
     """Sampled `dmtp` draws the target's joint over 3 tokens (chi-square); top-8, so that the random
     drafters' and the target's supports overlap and drafts get accepted."""

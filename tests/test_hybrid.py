@@ -98,7 +98,9 @@ def hybrid_ar(hybrid):
     return ARDecoder(hybrid["target"]).generate(PROMPTS, 20, stop_ids=[]).output_ids
 
 
-@pytest.mark.parametrize("method", ["mtp", "dflash", "dflash2"] + list(DMTP_METHODS))
+@pytest.mark.parametrize("method", [m if m in ("mtp", "dflash", "dmtp", "dmtp-adaptive")     # the rest: heavy
+                                    else pytest.param(m, marks=pytest.mark.heavy)
+                                    for m in ["mtp", "dflash", "dflash2", *DMTP_METHODS]])
 def test_hybrid_greedy_equals_ar_for_every_method(method, hybrid, hybrid_ar):
     """Rejected drafts never reach a DeltaNet state: every method's greedy output equals `ar` on a
     batch of 4 rows of different lengths, with partial acceptance, and the round compiles once."""

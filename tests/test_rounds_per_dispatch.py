@@ -80,6 +80,7 @@ def test_k_rounds_equal_one_round_and_ar(engines):
         assert engines[k].compile_counts() == counts, f"K={k}"
 
 
+@pytest.mark.heavy
 def test_sampled_k_rounds_equal_one_round_for_a_seed(engines):
     sp = SamplingParams.make(temperature=1.0, top_k=3)
     one = engines[1].generate(PROMPTS, NEW, sp, seed=7, stop_ids=[])

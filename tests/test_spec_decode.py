@@ -36,7 +36,8 @@ def make_pair(name, target_dir, tmp_path_factory):
     return _PAIRS[name]
 
 
-@pytest.fixture(scope="module", params=list(DRAFTERS))
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.heavy) if n == "dflash-causal" else n
+                                        for n in DRAFTERS])
 def pair(request, peaked_target_dir, tmp_path_factory):
     return make_pair(request.param, peaked_target_dir, tmp_path_factory)
 
@@ -89,7 +90,8 @@ def test_finished_rows_do_no_harm(decoders):
 
 @pytest.mark.parametrize("name,verify", [("dflash-sliding+full", "rejection"),
                                          ("dflash-sliding+full", "target-only"),
-                                         ("dflash2-noncausal-sliding", "rejection")])
+                                         pytest.param("dflash2-noncausal-sliding", "rejection",
+                                                      marks=pytest.mark.heavy)])
 def test_sampled_decoding_reproduces_target_distribution(name, verify, peaked_target_dir, tmp_path_factory):
     """Chi-square of 4096 sampled 3-token continuations against the exact target joint."""
     target, drafter, _, _ = make_pair(name, peaked_target_dir, tmp_path_factory)
