@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-creates every shipped demo model from scratch on 2 CPU cores (about 90 min). Each step is
+# Re-creates every shipped demo model from scratch on 2 CPU cores (about 2 hours). Each step is
 # resumable: re-run the script after an interruption (finished steps are skipped, `--resume`
 # continues a cut training run). Held-out modules (demo/prompts.jsonl) are used by no step.
 set -euo pipefail
