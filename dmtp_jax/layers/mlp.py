@@ -1,8 +1,8 @@
-"""The dense SwiGLU MLP (the sparse MoE block is `layers/moe.py`).
+"""The dense gated MLP: SwiGLU, or another gate activation (the sparse MoE block is `layers/moe.py`).
 
 Example:
     >>> import jax.numpy as jnp
-    >>> swiglu(jnp.ones((2, 4)), jnp.ones((4, 8)), jnp.ones((4, 8)), jnp.ones((8, 4))).shape
+    >>> gated_mlp(jnp.ones((2, 4)), jnp.ones((4, 8)), jnp.ones((4, 8)), jnp.ones((8, 4))).shape
     (2, 4)
 """
 
@@ -11,6 +11,6 @@ from __future__ import annotations
 import jax
 
 
-def swiglu(x: jax.Array, gate_hi: jax.Array, up_hi: jax.Array, down_ih: jax.Array) -> jax.Array:
-    """`down(silu(gate(x)) * up(x))` with kernels stored `[in, out]`."""
-    return (jax.nn.silu(x @ gate_hi) * (x @ up_hi)) @ down_ih
+def gated_mlp(x: jax.Array, gate_hi: jax.Array, up_hi: jax.Array, down_ih: jax.Array, act=jax.nn.silu) -> jax.Array:
+    """`down(act(gate(x)) * up(x))` with kernels stored `[in, out]` (SwiGLU: `act` silu)."""
+    return (act(x @ gate_hi) * (x @ up_hi)) @ down_ih

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dmtp_jax.layers.mlp import swiglu
+from dmtp_jax.layers.mlp import gated_mlp
 from dmtp_jax.platform import compile_platform
 from dmtp_jax.sharding import MeshRules, mesh_axes, spec_for, weights_mesh
 
@@ -237,7 +237,7 @@ def _scan_expert_mlp(x_nh, token_m, weight_m, group_sizes_g, gate_ghi, up_ghi, d
                                         unique_indices=True)
             gate_hi, up_hi, down_ih = (jax.lax.dynamic_index_in_dim(w, group, keepdims=False)
                                        for w in (gate_ghi, up_ghi, down_gih))
-            return (swiglu(x_rh, gate_hi, up_hi, down_ih) * weight_r[:, None]).astype(jnp.float32)
+            return (gated_mlp(x_rh, gate_hi, up_hi, down_ih) * weight_r[:, None]).astype(jnp.float32)
 
         def skip(token_r, weight_r):
             return jnp.zeros_like(weight_r, shape=(block, h), dtype=jnp.float32)

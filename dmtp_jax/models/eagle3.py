@@ -24,7 +24,7 @@ from dmtp_jax.errors import ConfigError
 from dmtp_jax.layers import params
 from dmtp_jax.layers.attention import MaskRule, grouped_attention
 from dmtp_jax.layers.kv_cache import KVCache, write_layer
-from dmtp_jax.layers.mlp import swiglu
+from dmtp_jax.layers.mlp import gated_mlp
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import apply_rope, rope_cos_sin
 from dmtp_jax.models.dflash_config import check_hidden_and_taps
@@ -176,7 +176,7 @@ class Eagle3Drafter(nnx.Module):
         b, t = attn_bthd.shape[:2]
         h = hidden_bth + attn_bthd.reshape(b, t, -1).astype(hidden_bth.dtype) @ m["self_attn"]["o_proj"][...]
         mlp = m["mlp"]
-        return h + swiglu(self._rms(h, m["post_attention_layernorm"]), mlp["gate_proj"][...], mlp["up_proj"][...],
+        return h + gated_mlp(self._rms(h, m["post_attention_layernorm"]), mlp["gate_proj"][...], mlp["up_proj"][...],
                           mlp["down_proj"][...])
 
     # ---- decoding ---------------------------------------------------------------------------------

@@ -41,8 +41,12 @@ from dmtp_jax.layers.attention import MaskRule, grouped_attention
 from dmtp_jax.layers.kv_cache import KVCache, write_layer
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import apply_rope, proportional_cos_sin
-from dmtp_jax.models.qwen3 import DecoderLayer, QwenTarget
+from dmtp_jax.models.qwen3 import DecoderLayer, DenseMLP, QwenTarget
 from dmtp_jax.sharding import MeshRules
+
+
+def gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
 
 
 def pack_heads(x_btkd: jax.Array, heads: int, dim: int) -> jax.Array:
@@ -153,18 +157,6 @@ class GemmaAttention(nnx.Module):
         return self.attend_cache(q, None, positions_bt, cache, kv_index), cache
 
 
-class GeluMLP(nnx.Module):
-    """`down(gelu_tanh(gate(x)) * up(x))`."""
-
-    def __init__(self, h: int, inter: int, dtype, rngs: nnx.Rngs):
-        self.gate_proj = params.weight(rngs, (h, inter), ("embed", "mlp"), dtype)
-        self.up_proj = params.weight(rngs, (h, inter), ("embed", "mlp"), dtype)
-        self.down_proj = params.weight(rngs, (inter, h), ("mlp", "embed"), dtype)
-
-    def __call__(self, x):
-        return (jax.nn.gelu(x @ self.gate_proj[...], approximate=True) * (x @ self.up_proj[...])) @ self.down_proj[...]
-
-
 class GemmaDecoderLayer(DecoderLayer):
     """The sandwich-norm Gemma 4 block (module docstring); `kv_shared`: see `GemmaAttention`."""
 
@@ -177,7 +169,7 @@ class GemmaDecoderLayer(DecoderLayer):
             setattr(self, name, params.ones((h,), (None,), dtype))
         self.layer_scalar = params.ones((1,), (None,), dtype)
         self.self_attn = GemmaAttention(cfg, layer, dtype, rngs, kv_shared=kv_shared)
-        self.mlp = GeluMLP(h, cfg.intermediate_size, dtype, rngs)
+        self.mlp = DenseMLP(h, cfg.intermediate_size, dtype, rngs, act=gelu_tanh)
 
     def finish(self, x, mixed):
         """The rest of the block after the attention output `mixed` (before its post-norm)."""

@@ -28,7 +28,7 @@ from dmtp_jax.config import TargetConfig
 from dmtp_jax.layers import params
 from dmtp_jax.layers.attention import DENSE_MAX_QUERIES, MaskRule, grouped_attention
 from dmtp_jax.layers.kv_cache import KVCache, PendingBlock, TargetCache, write_layer
-from dmtp_jax.layers.mlp import swiglu
+from dmtp_jax.layers.mlp import gated_mlp
 from dmtp_jax.layers.moe import moe_mlp
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import apply_rope, rope_tables
@@ -142,13 +142,16 @@ class Attention(nnx.Module):
 
 
 class DenseMLP(nnx.Module):
-    def __init__(self, h: int, inter: int, dtype, rngs: nnx.Rngs):
+    """`layers/mlp.py:gated_mlp` over this layer's kernels; `act`: the gate's activation (SwiGLU: silu)."""
+
+    def __init__(self, h: int, inter: int, dtype, rngs: nnx.Rngs, act=jax.nn.silu):
+        self.act = act
         self.gate_proj = params.weight(rngs, (h, inter), ("embed", "mlp"), dtype)
         self.up_proj = params.weight(rngs, (h, inter), ("embed", "mlp"), dtype)
         self.down_proj = params.weight(rngs, (inter, h), ("mlp", "embed"), dtype)
 
     def __call__(self, x):
-        return swiglu(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        return gated_mlp(x, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.act)
 
 
 class SparseMoE(nnx.Module):
