@@ -30,9 +30,9 @@ CASES = [("tiny_qwen3_5_moe_dir", "tensor=4,data=2"), ("tiny_qwen3_5_moe_dir", "
          pytest.param("tiny_qwen3_dir", "fsdp=8", marks=HEAVY),
          pytest.param("tiny_qwen3_moe_dir", "expert=4,tensor=2", marks=HEAVY),
          pytest.param("tiny_qwen3_moe_dir", "fsdp=8", marks=HEAVY)]
-# 8 fake devices; LLVM optimisation level 0 cuts CPU compile time by ~40% (the HLO / SPMD partitioning
-# passes still all run, and the 1-device reference is compiled with the same flags).
-FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+# 8 fake devices, added to the run's XLA_FLAGS (conftest's LLVM -O0: the 1-device reference is
+# compiled with the same flags).
+FLAGS = "--xla_force_host_platform_device_count=8"
 
 
 @pytest.fixture(scope="module")
