@@ -6,8 +6,9 @@ server, per method, with every output checked against `generate`.
         [--rounds-per-dispatch K] [--repeats 3] [--plot serve.png] [--target DIR ...]
 
 It builds every method's engine (on the demo by default, each with its demo drafter; compiled
-before any clock starts) and serves each on a free local port in this process (uvicorn thread, the
-same app as `infer.py serve`). Per concurrency level `c` it sends `max(c, --min-requests)` greedy
+before any clock starts; row buckets 1, 8, 32 unless `--buckets`) and serves each on a free local
+port in this process (uvicorn thread, the same app as `infer.py serve`); the clients run in a
+process of their own. Per concurrency level `c` it sends `max(c, --min-requests)` greedy
 streaming completions of the workload's prompts (the demo's `demo/prompts.jsonl`, or `--prompts`,
 cycled), at most `c` in flight, arriving all at once (`--arrival all`) or as a Poisson process of
 `--rate` requests/s, to every method in turn, `--repeats` times with the order rotated (a shared
@@ -62,6 +63,37 @@ async def one_request(client, base: str, prompt_ids, max_tokens: int) -> dict:
     n = usage["completion_tokens"] if usage else 0
     return {"ok": usage is not None, "ttft": (stamps[0] if stamps else end) - t0, "latency": end - t0, "tokens": n,
             "itl": list(np.diff(stamps)), "text": "".join(text)}
+
+
+def client_load(base: str, prompts, clients: int, max_tokens: int, rate: float) -> tuple[list, float]:
+    """`load` in the calling process: what the client process (`ClientProcess`) runs."""
+    return asyncio.run(load(base, prompts, clients, max_tokens, rate))
+
+
+class ClientProcess:
+    """The load generator in its own process, so the clients' HTTP parsing never holds the servers'
+    interpreter lock (real clients run elsewhere; on a CPU machine they still share the cores)."""
+
+    def __init__(self):
+        import concurrent.futures
+        import multiprocessing
+        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+    def load(self, *args) -> tuple[list, float]:
+        return self.pool.submit(client_load, *args).result()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def memory_maps() -> str:
+    """This process's memory maps against the kernel's limit (Linux; '' elsewhere): every compiled
+    program holds some, and a process past `vm.max_map_count` fails to compile ("Cannot allocate memory")."""
+    try:
+        with open("/proc/self/maps") as fh, open("/proc/sys/vm/max_map_count") as lim:
+            return f"{sum(1 for _ in fh)} memory maps of {int(lim.read())} allowed"
+    except OSError:
+        return ""
 
 
 async def load(base: str, prompts, clients: int, max_tokens: int, rate: float, seed: int = 0) -> tuple[list, float]:
@@ -121,7 +153,7 @@ def plot(rows: list[dict], path: str) -> None:
     print(f"wrote {path}")
 
 
-def build_engines(args, methods, target_dir, tokenizer, prompts, stack) -> tuple[dict, list]:
+def build_engines(args, methods, target_dir, tokenizer, prompts, stack, client) -> tuple[dict, list]:
     """`({method: (decoder, stops, engine, base url)}, reference texts)`: every method's engine warmed
     up and served (in `stack`) before any clock starts; the reference is `generate` of each prompt
     alone (greedy: every method's output is ar's)."""
@@ -149,12 +181,12 @@ def build_engines(args, methods, target_dir, tokenizer, prompts, stack) -> tuple
         warm_up(engine)
         print(f"{method}: engine compiled in {time.perf_counter() - t0:.1f}s", flush=True)
         base = stack.enter_context(serving_in_thread(build_app(Scheduler(engine), tokenizer, "bench")))
-        asyncio.run(load(base, prompts[:1], 1, 4, float("inf")))        # the HTTP path warmed up
+        client.load(base, prompts[:1], 1, 4, float("inf"))        # the HTTP path warmed up
         served[method] = (decoder, stops, engine, base)
     return served, reference
 
 
-def measure_level(args, served: dict, reqs, c: int, rate: float, reference) -> list[dict]:
+def measure_level(args, served: dict, reqs, c: int, rate: float, reference, client) -> list[dict]:
     """One concurrency level: `--repeats` passes over the methods, their order rotated each pass so
     that a slow spell of a shared machine falls on every method alike; a method's tok/s (and its
     static batch's) is the median of its passes, latencies pool every pass."""
@@ -164,7 +196,7 @@ def measure_level(args, served: dict, reqs, c: int, rate: float, reference) -> l
         for method in methods[rep % len(methods):] + methods[:rep % len(methods)]:
             decoder, stops, engine, base = served[method]
             engine.counters.clear()
-            results, wall = asyncio.run(load(base, reqs, c, args.max_tokens, rate))
+            results, wall = client.load(base, reqs, c, args.max_tokens, rate)
             static = (float("nan") if method == "auto" or args.no_static
                       else static_rate(decoder, reqs, c, args.max_tokens, stops))
             runs[method].append((results, wall, static, dict(engine.counters)))
@@ -209,7 +241,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--rounds-per-dispatch", type=int, default=None)
-    p.add_argument("--buckets", default=None, help="the engine's row buckets, e.g. 1,8,32 (default: powers of two)")
+    p.add_argument("--buckets", default="1,8,32",
+                   help="the engines' row buckets (serve's default: every power of two; here fewer, as every "
+                        "method's engine lives in this one process and their programs' memory maps add up: see "
+                        "the count printed after the compile)")
     p.add_argument("--no-static", action="store_true", help="skip the static-batch reference")
     p.add_argument("--prompts", default=None, help="JSONL with a 'prompt' field per line (default: the demo's)")
     p.add_argument("--plot", default=None, help="PNG of tok/s and TTFT against concurrency")
@@ -228,12 +263,15 @@ def main(argv=None) -> int:
           f"max model len {args.max_model_len}, {args.repeats} interleaved passes per level")
     rows = []
     with contextlib.ExitStack() as stack:
-        served, reference = build_engines(args, methods, target_dir, tokenizer, prompts, stack)
+        client = ClientProcess()
+        stack.callback(client.close)
+        served, reference = build_engines(args, methods, target_dir, tokenizer, prompts, stack, client)
+        print(memory_maps())
         print(f"{'method':7} {'c':>3} {'reqs':>4} {'tok/s':>7} {'static':>7} {'ratio':>6} {'ttft50':>7} "
               f"{'ttft99':>7} {'itl50':>7} {'itl99':>7} {'exact':>7} {'fail':>4}")
         for c in levels:
             reqs = prompts[:max(c, args.min_requests)]
-            for row in measure_level(args, served, reqs, c, rate, reference):
+            for row in measure_level(args, served, reqs, c, rate, reference, client):
                 rows.append(row)
                 print(f"{row['method']:7} {c:3d} {len(reqs):4d} {row['tok_s']:7.1f} {row['static_tok_s']:7.1f} "
                       f"{row['ratio_static']:6.2f} {row['ttft_p50']:7.3f} {row['ttft_p99']:7.3f} "

@@ -102,15 +102,15 @@ def test_disconnect_frees_the_row_and_metrics(server, monkeypatch):
 
     import httpx
     base, scheduler = server
-    real_step = scheduler.engine.step
+    real_decode = scheduler.engine.decode
 
-    def slow_step():
+    def slow_decode():
         """10 ms more per round: the 100-token request outlives the disconnect by far (unslowed,
         its rounds after the first chunk take ~60 ms here; a faster machine could finish them
         before the server sees the client go, as stop 32's CI did to the SIGTERM test)."""
         time.sleep(0.01)
-        return real_step()
-    monkeypatch.setattr(scheduler.engine, "step", slow_step)
+        return real_decode()
+    monkeypatch.setattr(scheduler.engine, "decode", slow_decode)
     body = {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 100, "temperature": 0, "stream": True}
     with httpx.stream("POST", base + "/v1/completions", json=body) as r:
         next(r.iter_lines())

@@ -173,6 +173,25 @@ def test_burst_is_one_prefill_and_k_rounds_per_dispatch(decoder, reference):
     assert counts["multi_round/dmtp"] <= 1 and counts["round/dmtp"] <= 2 * len(BUCKETS) + 1, counts
 
 
+def test_idle_burst_is_one_prefill_then_the_budget_holds(decoder, reference):
+    """A prefill budget of one row: a burst into an idle engine is still one prefill (nobody decodes, so
+    nobody stalls); arrivals while rows decode are admitted one group per step; outputs unchanged."""
+    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS,
+                    prefill_budget=64)
+    calls = []
+    real = engine.bank.prefill_step
+    engine.bank.prefill_step = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    reqs = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[:2], MAX_TOKENS[:2])]
+    engine.step()
+    assert len(calls) == 1 and all(r.output_ids for r in reqs)
+    late = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[2:4], MAX_TOKENS[2:4])]
+    engine.step()
+    assert len(calls) == 2 and late[0].output_ids and not late[1].output_ids
+    engine.bank.prefill_step = real
+    run(engine)
+    assert [r.output_ids for r in reqs + late] == reference[:4]
+
+
 def test_faults_end_their_requests_only(decoder, reference):
     """A request whose prefill fails ends with "error" alone (its group's others are prefilled alone
     and run on); a failed round ends the running requests, the waiting ones run on."""

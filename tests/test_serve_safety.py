@@ -54,14 +54,14 @@ def server(decoder, tokenizer):
 
 @pytest.fixture
 def slow_engine(server, monkeypatch):
-    """Each engine step 20 ms longer: a 60-token stream outlives the probes sent meanwhile."""
+    """Each engine dispatch 20 ms longer: a 60-token stream outlives the probes sent meanwhile."""
     engine = server[1].engine
-    real_step = engine.step
+    real_decode = engine.decode
 
-    def slow_step():
+    def slow_decode():
         time.sleep(0.02)
-        return real_step()
-    monkeypatch.setattr(engine, "step", slow_step)
+        return real_decode()
+    monkeypatch.setattr(engine, "decode", slow_decode)
 
 
 def post(base, body, timeout=30):

@@ -17,7 +17,7 @@ import numpy as np
 
 from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.auto import AUTO, AutoDecoder
-from dmtp_jax.decode.batch import RequestError, StopTracker, round_up
+from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, RequestError, StopTracker, round_up
 from dmtp_jax.options import check_max_model_len, check_positive_int
 from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
 from dmtp_jax.serve.policy import LoadPolicy
@@ -31,6 +31,7 @@ __all__ = ["Engine", "Event", "Request", "insert_row"]
 
 log = logging.getLogger(__name__)
 PREFILL_BUDGET_CHUNKS = 4       # default prefill tokens per step: this many prefill chunks' worth
+BURST_PROMPT_TOKENS = 2 * PROMPT_BUCKET_FLOOR    # an idle engine prefills this many tokens per free row at once
 
 
 class Engine:
@@ -39,8 +40,9 @@ class Engine:
     `max_model_len`: the most tokens (prompt + max_tokens) a request may use (default: the model's
     `max_position_embeddings`). `stop_ids`: the default stop tokens (default: the model's EOS ids).
     `buckets`: the running state's row counts (default `row_buckets(max_batch_size)`).
-    `prefill_budget`: prefill tokens per step (default: `PREFILL_BUDGET_CHUNKS` x the decoder's
-    `prefill_chunk`).
+    `prefill_budget`: prefill tokens per step while rows decode (default: `PREFILL_BUDGET_CHUNKS` x the
+    decoder's `prefill_chunk`); an idle engine's first group may take `burst_budget` (default: the larger
+    of that and `max_batch_size` x `BURST_PROMPT_TOKENS`), so a burst of short prompts is one prefill.
     `rounds_per_dispatch`: K rounds per dispatch when nobody waits (default: the decoder's).
     `prefix_cache_gb`: the prefix cache's budget in GiB (0: no cache; `serve/prefix_cache.py`).
     Not thread-safe: one thread calls `add`, `cancel` and `step` (the server's scheduler).
@@ -48,7 +50,8 @@ class Engine:
 
     def __init__(self, decoder, *, max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
                  seed: int = 0, buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
-                 rounds_per_dispatch: int | None = None, max_top_k: int = 256, prefix_cache_gb: float = 0.0):
+                 rounds_per_dispatch: int | None = None, max_top_k: int = 256, prefix_cache_gb: float = 0.0,
+                 burst_budget: int | None = None):
         cfg = decoder.target.cfg
         self.max_top_k = int(max_top_k)              # top-k's search width in sampled rounds (static)
         check_positive_int("--max-batch-size", max_batch_size, RequestError)
@@ -75,6 +78,7 @@ class Engine:
         self.policy = LoadPolicy(self.bank.slots, {m: t for m, t in prior.items() if t})
         self.max_len = round_up(self.max_model_len + self.bank.max_slots, 128)
         self.prefill_budget = int(prefill_budget or PREFILL_BUDGET_CHUNKS * self.bank.prefill_chunk)
+        self.burst_budget = int(burst_budget or max(self.prefill_budget, self.max_batch_size * BURST_PROMPT_TOKENS))
         self.base_key = jax.random.key(seed)
         one = self.bank.new_state(1, self.max_len)
         self.moves = RowMoves(one, self.bank.new_state(2, self.max_len))    # the running state's row moves
@@ -124,11 +128,20 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        """Frees cancelled rows, runs at most the prefill budget's worth of admissions, runs one
-        dispatch of rounds over the running rows; returns the `Event`s (what each request committed)."""
+        """`admit()` then `decode()`: the events of both."""
+        return self.admit() + self.decode()
+
+    def admit(self) -> list[Event]:
+        """Frees cancelled rows and runs at most the prefill budget's worth of admissions; returns the
+        events (admitted requests' first tokens), which a server can send before the next round."""
         events: list[Event] = []
         self._drop_cancelled(events)
         self._admit(events)
+        return events
+
+    def decode(self) -> list[Event]:
+        """One dispatch of rounds over the running rows; returns the events (what each request committed)."""
+        events: list[Event] = []
         if self.running:
             try:
                 self._round(events)
@@ -175,8 +188,9 @@ class Engine:
     def _next_group(self, events) -> PrefillGroup | None:
         """Starts the prefill of the next group (`admission.form_group`), None when none can start."""
         while True:
+            budget = self.prefill_budget if self.running else self.burst_budget    # nobody decodes: no stall
             reqs = form_group(self.waiting, self.max_batch_size - len(self.running), self.buckets,
-                              self.prefill_budget, self.bank.prefill_chunk, self._solo, self.prefix_cache)
+                              budget, self.bank.prefill_chunk, self._solo, self.prefix_cache)
             if not reqs:
                 return None
             for req in reqs:

@@ -1,5 +1,6 @@
 """The scheduler thread: the only caller of the `Engine`. It admits submitted requests, runs
-`Engine.step()` while anything runs and hands each request's events to its sink.
+`Engine.admit()` and `Engine.decode()` while anything runs and hands each request's events to its
+sink after each (a first token is sent before the next round runs).
 
 Every submitted request gets exactly one final event: a failed admission ends that request
 ("error"), a failing step ends the requests the engine gives up on, requests queued at shutdown
@@ -98,13 +99,14 @@ class Scheduler:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                try:
-                    events = engine.step()
-                except Exception:       # a bug, not bad input: logged, its requests end, the server lives on
-                    log.exception("engine step failed; ending the requests it ran")
-                    events = engine.abort_all("error")
-                for event in events:
-                    self._deliver(event)
+                for phase in (engine.admit, engine.decode):     # first tokens go out before the round
+                    try:
+                        events = phase()
+                    except Exception:   # a bug, not bad input: logged, its requests end, the server lives on
+                        log.exception("engine step failed; ending the requests it ran")
+                        events = engine.abort_all("error")
+                    for event in events:
+                        self._deliver(event)
             except Exception:           # noqa: BLE001 -- the thread outlives any one failure
                 log.exception("scheduler loop failed; continuing")
                 time.sleep(0.01)

@@ -16,7 +16,7 @@ from dmtp_jax.serve.request import Request, row_sampling
 def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> None:
     """Compiles every round of the bank at every row bucket (greedy, and with every sampling filter on
     when `sampled`; K-round dispatches when K > 1), the row moves between buckets, and the prefill of
-    every prompt bucket (`every_bucket`; else the shortest) at every row bucket the prefill budget
+    every prompt bucket (`every_bucket`; else the shortest) at every row bucket the burst budget
     admits."""
     top = next_pow2(engine.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
     dispatches = sorted({1, engine.rounds_per_dispatch})
@@ -33,7 +33,7 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
             state = engine.moves.move(state, np.int32(0), np.int32(0))
     for bucket in itertools.takewhile(lambda b: b <= top, (PROMPT_BUCKET_FLOOR << i for i in itertools.count())):
         width = chunk_length(bucket, engine.bank.prefill_chunk)
-        for rows, t in itertools.product([r for r in engine.buckets if r == 1 or r * width <= engine.prefill_budget],
+        for rows, t in itertools.product([r for r in engine.buckets if r == 1 or r * width <= engine.burst_budget],
                                          temperatures):
             reqs = [Request([0] * min(bucket, engine.max_model_len - 2), 1, temperature=t) for _ in range(rows)]
             group = PrefillGroup.start(engine.bank, reqs, rows, engine.max_len, engine.cfg.vocab_size,
