@@ -251,33 +251,37 @@ def test_assistant_state_after_rounds_is_a_from_scratch_step(gemma, decoders):
 
 @pytest.fixture(scope="module")
 def trained_on_gemma(gemma, tmp_path_factory):
-    """`train.py` on the tiny Gemma 4 target, 6 steps each on random data: a DFlash drafter, and a DMTP
-    one whose frozen T1 head is the assistant (its step reads the target's K/V of the training rows,
-    `train/features.py:target_features(keep_kv=True)`); both exported."""
+    """`get(method)`: `train.py` on the tiny Gemma 4 target, 6 steps on random data, exported: a DFlash
+    drafter, or a DMTP one whose frozen T1 head is the assistant (its step reads the target's K/V of
+    the training rows, `train/features.py:target_features(keep_kv=True)`). `(summary, export dir)`."""
     from train_fixtures import tiny_train_config, write_random_data
     from dmtp_jax.train.export import export_run
     from dmtp_jax.train.run import run_training
 
     tmp = tmp_path_factory.mktemp("gemma-train")
     data = write_random_data(str(tmp / "random.jsonl"), n=16, length=32)
-    out = {}
-    for method, extra in (("dflash", {}), ("dmtp", {"mtp": gemma["assistant_dir"]})):
-        cfg = tiny_train_config(gemma["dir"], data, str(tmp / method), method=method, steps=6, seq_len=32,
-                                warmup_steps=1, lr=1e-2, checkpoint_every=6, **extra)
-        summary = run_training(cfg)
-        export_run(cfg.out, str(tmp / f"{method}-exported"))
-        out[method] = (summary, str(tmp / f"{method}-exported"))
-    return out
+    made = {}
+
+    def get(method):
+        if method not in made:
+            extra = {"mtp": gemma["assistant_dir"]} if method == "dmtp" else {}
+            cfg = tiny_train_config(gemma["dir"], data, str(tmp / method), method=method, steps=6, seq_len=32,
+                                    warmup_steps=1, lr=1e-2, checkpoint_every=6, **extra)
+            summary = run_training(cfg)
+            export_run(cfg.out, str(tmp / f"{method}-exported"))
+            made[method] = summary, str(tmp / f"{method}-exported")
+        return made[method]
+    return get
 
 
-@pytest.mark.parametrize("method", ["dflash", "dmtp"])
+@pytest.mark.parametrize("method", [pytest.param("dflash", marks=pytest.mark.heavy), "dmtp"])
 def test_train_on_gemma_loss_falls_and_export_decodes(method, gemma, trained_on_gemma, ar_output):
     """6 steps: the loss is finite and falls, one compile; the export loads and decodes greedy == `ar`
-    (dmtp with the assistant as its T1 head)."""
-    summary, out = trained_on_gemma[method]
+    (dmtp with the assistant as its T1 head; dflash, the same training without it: heavy)."""
+    summary, out = trained_on_gemma(method)
     losses = summary["losses"]
     assert summary["steps_run"] == 6 and summary["compile_count"] == 1
-    assert np.isfinite(losses).all() and np.mean(losses[-2:]) < np.mean(losses[:2]), losses
+    assert np.isfinite(losses).all() and np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.1, losses
     target = gemma["target"]
     if method == "dflash":
         engine = make_decoder("dflash", target, load_drafter(out, target.cfg))

@@ -109,6 +109,7 @@ def masked_logits(f_bth: jax.Array, centroids_hc: jax.Array, ordering_v: jax.Arr
 class GemmaAssistant(nnx.Module):
     """Params: `embed_tokens [V, Ha]`, `pre_projection [2H, Ha]`, `post_projection [Ha, H]`, `layers`,
     `norm`, and with the masked head `centroids [Ha, C]` and `token_ordering [V]` (int32)."""
+    reads_target_kv = True
 
     def __init__(self, acfg: AssistantConfig, *, dtype, rngs: nnx.Rngs, mesh_rules=None):
         self.acfg = acfg
