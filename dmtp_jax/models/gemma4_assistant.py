@@ -54,6 +54,11 @@ class AssistantConfig:
         """The width of the state the decode rounds carry between steps: `[h' ; f]` (`GemmaAssistant`)."""
         return self.backbone_hidden_size + self.layer_cfg.hidden_size
 
+    @property
+    def cache_layers(self) -> int:
+        """No private K/V (the layers read the target's cache): the decoders' MTP cache is empty."""
+        return 0
+
 
 def assistant_config_from_hf(d: dict, target_cfg: TargetConfig) -> AssistantConfig:
     """The assistant config of a `gemma4_assistant` `config.json` dict for `target_cfg`; one error when

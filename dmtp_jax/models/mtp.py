@@ -39,6 +39,11 @@ class MtpConfig:
     def hidden_size(self) -> int:
         return self.layer_cfg.hidden_size
 
+    @property
+    def cache_layers(self) -> int:
+        """Layers of the head's private K/V cache (the decoders make it `[cache_layers, B, S, kv, D]`)."""
+        return 1
+
 
 def mtp_config_for(target_cfg: TargetConfig) -> MtpConfig:
     """The MTP config of a target (a sparse MLP when the target's last layer is sparse; full attention)."""
