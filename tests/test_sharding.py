@@ -41,7 +41,8 @@ CASES = [("tiny_qwen3_5_moe_dir", "tensor=4,data=2"), ("tiny_qwen3_5_moe_dir", "
 # the families carrying an MTP head (speculative greedy is checked on them), and their attention's
 # query projection
 WITH_MTP = ("tiny_qwen3_5_moe_dir", "tiny_gemma4_dirs", "tiny_deepseek_v3_dir")
-Q_PROJ = {"tiny_qwen3_5_moe_dir": "stacks.1.0.self_attn.q_proj", "tiny_deepseek_v3_dir": "stacks.0.0.self_attn.q_b_proj"}
+Q_PROJ = {"tiny_qwen3_5_moe_dir": "stacks.1.0.self_attn.q_proj",
+          "tiny_deepseek_v3_dir": "stacks.0.0.self_attn.q_b_proj"}
 # 8 fake devices, added to the run's XLA_FLAGS (conftest's LLVM -O0: the 1-device reference is
 # compiled with the same flags).
 FLAGS = "--xla_force_host_platform_device_count=8"

@@ -4,8 +4,8 @@
 requested dtype, runs a few random prompts (one of ~300 tokens) through both and returns one check
 `{"name", "max_abs_diff", "tolerance", "ok"}` per comparison: logits, argmax agreement, each layer's
 hidden state, cached decode, DeltaNet state, greedy continuation, MTP head (or Gemma 4 assistant) and
-drafter. The checks
-and their tolerances (`TOLERANCES`) are listed in docs/numerics.md. Needs torch (the `test` extra).
+drafter. The checks and their tolerances (`TOLERANCES`) are listed in docs/numerics.md. Needs torch
+(the `test` extra).
 
 Example:
     >>> report = compare_target("/path/to/Qwen3-0.6B", dtype="float32")  # needs a checkpoint dir and torch  # doctest: +SKIP
@@ -84,7 +84,8 @@ def compare_target(model_dir: str, dtype: str = "float32", mesh_spec: str | None
     `"tensor=4,data=2"`) places our params on that mesh (default: `make_mesh()`); `reference_dir` loads
     the transformers side from another directory (default `model_dir`); `draft_dir` adds the drafter
     checks (`drafter_checks`); `mtp_dir` a separate MTP head's (a `gemma4_assistant`: `assistant_check`;
-    default: the native head `model_dir` carries, if any). Raises `ValueError` for a dtype without tolerances.
+    default: the native head `model_dir` carries, if any). Raises `ValueError` for a dtype without
+    tolerances.
     """
     with quiet_transformers():
         return _compare_target(model_dir, dtype, mesh_spec, seed, num_new_tokens, reference_dir, draft_dir, mtp_dir)

@@ -38,7 +38,7 @@ from flax import nnx
 from dmtp_jax.config import TargetConfig
 from dmtp_jax.layers import params
 from dmtp_jax.layers.attention import MaskRule, grouped_attention
-from dmtp_jax.layers.kv_cache import KVCache, write_layer
+from dmtp_jax.layers.kv_cache import KVCache, repeat_kv_heads, write_layer
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import apply_rope, proportional_cos_sin
 from dmtp_jax.models.qwen3 import DecoderLayer, DenseMLP, QwenTarget
@@ -62,8 +62,7 @@ def pack_heads(x_btkd: jax.Array, heads: int, dim: int) -> jax.Array:
     b, t, kv, d = x_btkd.shape
     r = d // dim
     if heads % (kv * r) == 0:
-        x = x_btkd.reshape(b, t, kv, 1, r, dim)
-        return jnp.broadcast_to(x, (b, t, kv, heads // (kv * r), r, dim)).reshape(b, t, heads, dim)
+        return repeat_kv_heads(x_btkd, heads // r).reshape(b, t, heads, dim)
     x = x_btkd.reshape(b, t, kv * r, dim)
     return jnp.pad(x, ((0, 0), (0, 0), (0, heads - kv * r), (0, 0)))
 
