@@ -6,7 +6,8 @@
     python infer.py generate --target DIR --prompt-ids 1,2,3 --json out.json
     python infer.py generate --target DIR --draft DFLASH_DIR --prompt "..."   # speculative
     python infer.py serve --port 8000 --api-key KEY                  # OpenAI-compatible server (demo: dmtp)
-    python infer.py compare --target DIR [--draft DFLASH_DIR] [--dtype float32] [--json report.json]
+    python infer.py compare --target DIR [--draft DFLASH_DIR] [--mtp ASSISTANT_DIR] [--dtype float32]
+        [--json report.json]
     python infer.py bench --target DIR --draft DIR --methods ar,dflash --workload gsm8k --plot acc.png
     python infer.py plan --target configs/models/qwen3.6-27b.json --topology h100x8 --mesh tensor=8   # dry run
 
@@ -174,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(c)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--draft", help="also compare this DFlash / DFlash2 drafter with the dflash package")
+    c.add_argument("--mtp", help="also compare this MTP head directory (a gemma4_assistant) with transformers "
+                                 "(default: the target's own native MTP head, if it carries one)")
 
     b = sub.add_parser("bench", help="the paper's benchmark: acceptance and speed of methods over a workload")
     common(b)
@@ -210,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--method", default="dmtp", choices=METHODS)
     pl.add_argument("--block-size", type=int, default=None, help="verify slots per round (default: the drafter's; 8)")
     pl.add_argument("--mtp-steps", type=int, default=4, help="chain length of mtp")
+    pl.add_argument("--mtp", default=None, help="a separate MTP head's directory or config.json (mtp, dmtp*: a "
+                                                "gemma4_assistant for a Gemma 4 target; default: the target's "
+                                                "native head)")
     pl.add_argument("--verify", default="rejection", choices=VERIFY_MODES)
     pl.add_argument("--batch-size", type=int, default=1)
     pl.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per row")
@@ -360,10 +366,11 @@ def cmd_compare(args) -> int:
 
     target_dir = resolve_target(args.target)
     preflight.target_config(target_dir)
-    preflight.check_method_models(["dflash"] if args.draft else [], target_dir, args.draft, None)
+    preflight.check_method_models(["dflash"] * bool(args.draft) + ["mtp"] * bool(args.mtp), target_dir, args.draft,
+                                  args.mtp)
     with mtp_tensors_expected():
         report = compare_target(target_dir, dtype=args.dtype, mesh_spec=args.mesh, seed=args.seed,
-                                draft_dir=args.draft)
+                                draft_dir=args.draft, mtp_dir=args.mtp)
     print(format_table(report))
     if args.json_path:
         with open(args.json_path, "w") as fh:
@@ -392,7 +399,7 @@ def cmd_plan(args) -> int:
                           exact_cost=args.exact_cost, draft_head=args.draft_head,
                           draft_head_rank=args.draft_head_rank, draft_head_shortlist=args.draft_head_shortlist,
                           draft_head_vocab=args.draft_head_vocab, prefix_cache_gb=args.prefix_cache_gb,
-                          progress=plan_progress)
+                          mtp=args.mtp, progress=plan_progress)
     return finish_plan(plan, args.json_path)
 
 

@@ -3,16 +3,18 @@
 Run in a fresh process so that fake CPU devices can be requested before jax is imported:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python tests/sharded_forward_check.py CKPT_DIR [CKPT_DIR ...] --mesh tensor=1 --mesh fsdp=8
+        python tests/sharded_forward_check.py CKPT_DIR [CKPT_DIR ...] --mesh tensor=1 --mesh fsdp=8 [--mtp DIR]
 
 Output: `{ckpt_dir: {mesh_spec: {"logits": [B][T][V] floats (fp32), "greedy": [[int]],
 "spec_greedy": [[int]] (greedy `mtp` speculative decoding, for checkpoints with `mtp.*`, drafting with a
 small efficient head over a 40-id vocabulary subset: each vocabulary shard shortlists and rescores its
-own rows; else None), "shortlist": {"all" / "subset": a small efficient head over the whole vocabulary /
+own rows; with `--mtp DIR` (a separate head, e.g. a `gemma4_assistant`): greedy `mtp` with that head alone;
+else None), "shortlist": {"all" / "subset": a small efficient head over the whole vocabulary /
 that subset: ids kept per position, its max |logit diff| on them, ids kept outside the subset, its rows'
 spec} (or None),
 "specs": {param path: PartitionSpec str}, "devices": {param path: number of devices holding it},
-"cache_specs": {target cache leaf path: PartitionSpec str}, "num_devices": int}}}`. Tokens are sharded
+"cache_specs": {target cache leaf path: PartitionSpec str}, "mtp_specs": {`--mtp` head param path:
+PartitionSpec str} (or None), "num_devices": int}}}`. Tokens are sharded
 over the batch mesh axes like a real batch.
 """
 
@@ -46,7 +48,7 @@ def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(0, vocab, size=int(n)).tolist() for n in np.linspace(5, MAX_LEN, BATCH)]
 
 
-def run(ckpt: str, spec: str) -> dict:
+def run(ckpt: str, spec: str, mtp_dir: str | None = None) -> dict:
     mesh = make_mesh(spec)
     target = load_target(ckpt, "float32", mesh)
     batch = prompts(target.cfg.vocab_size)
@@ -66,8 +68,14 @@ def run(ckpt: str, spec: str) -> dict:
     greedy = decoder.generate(batch, NEW_TOKENS, stop_ids=[]).output_ids
     cache_specs = {".".join(str(getattr(k, "name", getattr(k, "idx", k))) for k in path): str(leaf.sharding.spec)
                    for path, leaf in jax.tree_util.tree_leaves_with_path(decoder.caches.new(BATCH, MAX_LEN))}
-    spec_greedy = shortlist = None
-    if has_mtp(ckpt):
+    spec_greedy = shortlist = mtp_specs = None
+    if mtp_dir:
+        mtp = load_mtp(mtp_dir, target.cfg, "float32", mesh)
+        engine = make_decoder("mtp", target, mtp=mtp, mtp_steps=2)
+        spec_greedy = engine.generate(batch, NEW_TOKENS, stop_ids=[]).output_ids
+        mtp_specs = {".".join(str(p) for p in path): str(var.get_value().sharding.spec)
+                     for path, var in nnx.to_flat_state(mtp.state)}
+    elif has_mtp(ckpt):
         # the whole vocabulary, and a subset of 40 ids (spread over every vocabulary shard)
         counts = (np.arange(target.cfg.vocab_size) * 37) % 101
         heads = {"all": make_efficient_head(target, rank=2, shortlist=8),
@@ -106,15 +114,16 @@ def run(ckpt: str, spec: str) -> dict:
         devices[name] = len(var.get_value().sharding.device_set)
     return {"logits": logits.tolist(), "greedy": greedy, "spec_greedy": spec_greedy, "shortlist": shortlist,
             "specs": specs, "devices": devices,
-            "cache_specs": cache_specs, "num_devices": int(mesh.devices.size)}
+            "cache_specs": cache_specs, "mtp_specs": mtp_specs, "num_devices": int(mesh.devices.size)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("ckpts", nargs="+")
     parser.add_argument("--mesh", action="append", required=True)
+    parser.add_argument("--mtp", default=None, help="a separate MTP head directory (e.g. a gemma4_assistant)")
     args = parser.parse_args()
-    print(json.dumps({c: {m: run(c, m) for m in args.mesh} for c in args.ckpts}))
+    print(json.dumps({c: {m: run(c, m, args.mtp) for m in args.mesh} for c in args.ckpts}))
 
 
 if __name__ == "__main__":

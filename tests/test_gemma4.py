@@ -6,7 +6,6 @@ and the methods on the target: greedy `mtp` (the assistant) / `dflash` / `dmtp` 
 `dmtp` lossless, the assistant's state in the rounds == a from-scratch step."""
 
 import json
-import math
 import os
 
 import jax
@@ -17,71 +16,34 @@ import torch
 from flax import nnx
 
 from dflash_fixtures import build_reference_drafter, saved_dmtp_drafter
+from gemma_fixtures import WINDOW, build_tiny_gemma4
 from stat_checks import assert_matches_target_joint
 from dmtp_jax.checkpoint.assistant_ckpt import load_assistant
 from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
 from dmtp_jax.checkpoint.dmtp_ckpt import load_dmtp_drafter
 from dmtp_jax.checkpoint.hf import load_target
 from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
+from dmtp_jax.compare import compare_target, format_table
 from dmtp_jax.config import ConfigError, TargetConfig
 from dmtp_jax.decode import make_decoder
 from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.caches import TargetCaches
 from dmtp_jax.decode.sampling import SamplingParams
+from dmtp_jax.models.gemma4 import pack_heads, unpack_heads
 
-WINDOW = 8
-TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
-            attention_k_eq_v=True, sliding_window=WINDOW, final_logit_softcapping=5.0,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, max_position_embeddings=256,
-            eos_token_id=1, pad_token_id=0, bos_token_id=2)
 PROMPTS = [[5, 9, 31, 4, 77, 2, 18, 100, 13, 61, 7], [3, 120, 17]]
 IDS = np.random.RandomState(0).randint(3, 128, (2, 20)).astype(np.int32)       # 20 > 2 x WINDOW
-
-
-def randomize(module, seed):
-    """Every weight random (norms and layer scalars around 1), so no part is an identity."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in list(module.named_parameters()) + list(module.named_buffers()):
-            if "inv_freq" in name or "embed_scale" in name or "token_ordering" in name:
-                continue
-            if name.endswith("norm.weight") or name.endswith("layer_scalar"):
-                p.uniform_(0.5, 1.5)
-            elif p.ndim >= 2:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
-
-
-ASSISTANT = dict(TINY, hidden_size=16, intermediate_size=32, num_hidden_layers=2, final_logit_softcapping=None,
-                 layer_types=["sliding_attention", "full_attention"])
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     """The tiny Gemma 4 target and its assistant (8 centroids, top 2, a random token ordering): their
     directories, the transformers models, ours loaded from the directories."""
-    from transformers import (Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM,
-                              Gemma4TextConfig)
-
-    d = str(tmp_path_factory.mktemp("gemma4"))
-    hf_cfg = Gemma4TextConfig(**TINY)
-    hf_cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = Gemma4ForCausalLM(hf_cfg).eval()
-    randomize(model, 0)
-    model.save_pretrained(d)
-    a_dir = str(tmp_path_factory.mktemp("gemma4_assistant"))
-    a_cfg = Gemma4AssistantConfig(text_config=ASSISTANT, backbone_hidden_size=TINY["hidden_size"],
-                                  use_ordered_embeddings=True, num_centroids=8, centroid_intermediate_top_k=2)
-    a_cfg.text_config._attn_implementation = a_cfg._attn_implementation = "eager"
-    assistant = Gemma4AssistantForCausalLM(a_cfg).eval()
-    randomize(assistant, 1)
-    with torch.no_grad():
-        assistant.masked_embedding.token_ordering.copy_(torch.randperm(128, generator=torch.Generator().manual_seed(0)))
-    assistant.save_pretrained(a_dir)
+    d, a_dir = str(tmp_path_factory.mktemp("gemma4")), str(tmp_path_factory.mktemp("gemma4_assistant"))
+    model, assistant = build_tiny_gemma4(d, a_dir)
     target = load_target(d)
-    return dict(dir=d, hf=model, target=target, hf_assistant=assistant, assistant=load_assistant(a_dir, target.cfg))
+    return dict(dir=d, assistant_dir=a_dir, hf=model, target=target, hf_assistant=assistant,
+                assistant=load_assistant(a_dir, target.cfg))
 
 
 def hf_logits(model, ids):
@@ -99,6 +61,27 @@ def test_config_reads_the_gemma_fields_and_refuses_the_rest(gemma):
     hf = json.load(open(os.path.join(gemma["dir"], "config.json")))
     with pytest.raises(ConfigError, match="per-layer input embeddings"):
         TargetConfig.from_hf_dict(dict(hf, hidden_size_per_layer_input=256))
+
+
+@pytest.mark.parametrize("tensor", [2, 4, 8])
+def test_packed_cache_shards_hold_the_heads_their_queries_read(tensor):
+    """The 31B config's packed cache (16 heads of 256; a full layer's 4 x 512 repeated into them, not
+    zero-padded) split over `tensor`: each layer type unpacks to the KV head every query head reads,
+    and the slots of the KV head read by a shard's query heads lie in that shard's own slots (no
+    gather of the cache at a read)."""
+    cfg = TargetConfig.from_hf_dict(json.load(open(os.path.join(os.path.dirname(__file__), "..", "configs",
+                                                                "models", "gemma-4-31b.json"))))
+    heads, nh, dim, _ = cfg.kv_cache_dims
+    assert (heads, nh, dim) == (16, 32, 256)
+    for kv, d in ((cfg.num_key_value_heads, cfg.head_dim), (cfg.gemma.global_kv_heads, cfg.gemma.global_head_dim)):
+        x = jnp.arange(kv * d, dtype=jnp.float32).reshape(1, 1, kv, d)
+        got = np.asarray(unpack_heads(pack_heads(x, heads, dim), kv, d, nh))[0, 0]
+        virtual = got.shape[0]
+        for q in range(nh):
+            v = q // (nh // virtual)                         # the (virtual) KV head query head q reads
+            assert (got[v] == np.asarray(x[0, 0, q // (nh // kv)])).all()
+            shard, per = q // (nh // tensor), heads // tensor
+            assert shard * per <= v * d // dim and (v + 1) * d // dim <= (shard + 1) * per, (kv, d, q)
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +121,17 @@ def test_packed_cache_chunks_match_transformers(gemma):
         out, cache = step(target.state, jnp.asarray(IDS[:, start:start + 5]), pos, cache)
         logits.append(np.asarray(out))
     assert np.abs(np.concatenate(logits, axis=1) - hf_logits(gemma["hf"], IDS)).max() < 1e-4
+
+
+def test_compare_reports_target_and_assistant(gemma):
+    """`infer.py compare --mtp ASSISTANT` on the tiny Gemma 4: every target check (logits, per-layer
+    hidden states, the packed cache's decode, greedy past the window) and the assistant's two chained
+    steps (`h'`, masked logits) within fp32 tolerance of transformers."""
+    report = compare_target(gemma["dir"], dtype="float32", num_new_tokens=4, mtp_dir=gemma["assistant_dir"])
+    names = [c["name"] for c in report["checks"]]
+    assert names[-2:] == ["assistant_hidden", "assistant_logits"] and "cached_decode" in names, names
+    assert report["ok"], format_table(report)
+    assert max(report["prompt_lengths"]) > 4 * WINDOW and report["greedy"]["ours"] == report["greedy"]["hf"]
 
 
 @pytest.fixture(scope="module")
@@ -253,3 +247,45 @@ def test_assistant_state_after_rounds_is_a_from_scratch_step(gemma, decoders):
         assert np.abs(np.asarray(st.mtp_h_bh[row]) - np.asarray(want[0])).max() < 1e-4
         checked += 1
     assert checked
+
+
+@pytest.fixture(scope="module")
+def trained_on_gemma(gemma, tmp_path_factory):
+    """`get(method)`: `train.py` on the tiny Gemma 4 target, 6 steps on random data, exported: a DFlash
+    drafter, or a DMTP one whose frozen T1 head is the assistant (its step reads the target's K/V of
+    the training rows, `train/features.py:target_features(keep_kv=True)`). `(summary, export dir)`."""
+    from train_fixtures import tiny_train_config, write_random_data
+    from dmtp_jax.train.export import export_run
+    from dmtp_jax.train.run import run_training
+
+    tmp = tmp_path_factory.mktemp("gemma-train")
+    data = write_random_data(str(tmp / "random.jsonl"), n=16, length=32)
+    made = {}
+
+    def get(method):
+        if method not in made:
+            extra = {"mtp": gemma["assistant_dir"]} if method == "dmtp" else {}
+            cfg = tiny_train_config(gemma["dir"], data, str(tmp / method), method=method, steps=6, seq_len=32,
+                                    warmup_steps=1, lr=1e-2, checkpoint_every=6, **extra)
+            summary = run_training(cfg)
+            export_run(cfg.out, str(tmp / f"{method}-exported"))
+            made[method] = summary, str(tmp / f"{method}-exported")
+        return made[method]
+    return get
+
+
+@pytest.mark.parametrize("method", [pytest.param("dflash", marks=pytest.mark.heavy), "dmtp"])
+def test_train_on_gemma_loss_falls_and_export_decodes(method, gemma, trained_on_gemma, ar_output):
+    """6 steps: the loss is finite and falls, one compile; the export loads and decodes greedy == `ar`
+    (dmtp with the assistant as its T1 head; dflash, the same training without it: heavy)."""
+    summary, out = trained_on_gemma(method)
+    losses = summary["losses"]
+    assert summary["steps_run"] == 6 and summary["compile_count"] == 1
+    assert np.isfinite(losses).all() and np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.1, losses
+    target = gemma["target"]
+    if method == "dflash":
+        engine = make_decoder("dflash", target, load_drafter(out, target.cfg))
+    else:
+        drafter, fusion = load_dmtp_drafter(out, target.cfg)
+        engine = make_decoder("dmtp", target, drafter, mtp=load_mtp(gemma["assistant_dir"], target.cfg), fusion=fusion)
+    assert engine.generate(PROMPTS, 16, stop_ids=[]).output_ids == ar_output

@@ -215,7 +215,7 @@ def test_training_block_equals_the_decode_round(method, models, dmtp_dirs):
     tokens = jnp.asarray([prompt + [int(st.pending_b[0]), int(drafts[0, 0])] + [0] * 8])
     valid = jnp.ones(tokens.shape, bool)
     model, head, dr, fu = (nnx.merge(m.graphdef, m.state) for m in (target, mtp, drafter, fusion))
-    feats, hidden = target_features(model, tokens, valid, drafter.cfg)
+    feats, hidden, _ = target_features(model, tokens, valid, drafter.cfg)
     blocks = block_inputs(method, tokens, jnp.ones(tokens.shape, jnp.int32), jnp.asarray([[a]]),
                           jnp.asarray([[True]]), 8, mask_token_id=drafter.cfg.mask_token_id, gamma=None)
     logits = drafter_block_logits(dr, model, feats, valid, blocks, jnp.asarray([[a]]), method=method,
@@ -233,7 +233,7 @@ def adaptive_training_drafts(models, drafter, fusion, prompt, pending, t1, t1_ma
     tokens = jnp.asarray([prompt + [pending, t1] + [0] * 8])
     valid = jnp.ones(tokens.shape, bool)
     model, head, dr, fu = (nnx.merge(m.graphdef, m.state) for m in (target, mtp, drafter, fusion))
-    feats, hidden = target_features(model, tokens, valid, drafter.cfg)
+    feats, hidden, _ = target_features(model, tokens, valid, drafter.cfg)
     masked = jnp.asarray([[t1_masked]])
     blocks = block_inputs("dmtp-adaptive", tokens, jnp.ones(tokens.shape, jnp.int32), jnp.asarray([[a]]),
                           jnp.asarray([[True]]), 8, mask_token_id=drafter.cfg.mask_token_id, gamma=None,

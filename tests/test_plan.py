@@ -179,3 +179,32 @@ def test_plan_with_a_subset_draft_head_needs_no_counts(tiny_qwen3_5_dir):
     n, h = 16, cfg.hidden_size          # subset_size(13): 16
     assert plan.weight_bytes["draft_head"] == 4 * (h * 4 + 4 * n + n * h + n)
     assert plan.settings["draft head"] == "efficient(rank=4,shortlist=1,vocab=13)"
+
+
+def test_plan_sizes_the_family_s_own_mtp_head(tmp_path):
+    """`plan` (abstract models, nothing compiled) sizes each family's head: a Gemma 4 target's
+    `gemma4_assistant` from `--mtp CONFIG.json` (no private cache), none without it (one error line);
+    GLM-4.7-Flash's next-token layer is an MLA + MoE layer of the target's."""
+    from gemma_fixtures import ASSISTANT, TINY
+    from dmtp_jax.config import ConfigError
+    from dmtp_jax.models.gemma4_assistant import AssistantConfig
+    from dmtp_jax.plan.models import plan_models, shard_bytes
+    from dmtp_jax.sharding import make_mesh
+
+    target, assistant = tmp_path / "gemma.json", tmp_path / "assistant.json"
+    target.write_text(json.dumps(dict(TINY, model_type="gemma4_text")))
+    assistant.write_text(json.dumps({"model_type": "gemma4_assistant", "backbone_hidden_size": TINY["hidden_size"],
+                                     "use_ordered_embeddings": True, "num_centroids": 8, "text_config": ASSISTANT}))
+    mesh = make_mesh()
+    models = plan_models(str(target), "dmtp", mesh, "float32", mtp_path=str(assistant))
+    head = models["mtp"]
+    assert isinstance(head.cfg, AssistantConfig) and head.cfg.cache_layers == 0 and head.model_dir == str(assistant)
+    ha, h, v = ASSISTANT["hidden_size"], TINY["hidden_size"], TINY["vocab_size"]
+    assert shard_bytes(head.state) > 4 * (v * ha + 2 * h * ha + ha * h + ha * 8) + 4 * v   # + its 2 layers
+    with pytest.raises(ConfigError, match="gemma4_assistant"):
+        plan_models(str(target), "mtp", mesh, "float32")
+    glm = plan_models(os.path.join(ROOT, "configs", "models", "glm-4.7-flash.json"), "mtp", mesh, "bfloat16")["mtp"]
+    shapes = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(glm.state)}
+    assert glm.cfg.cache_layers == 1
+    assert shapes["['layers'][0]['self_attn']['kv_a_proj_with_mqa'].value"] == (2048, 512 + 64)   # the latent
+    assert shapes["['layers'][0]['mlp']['gate_proj'].value"] == (64, 2048, 1536)                   # 64 experts

@@ -3,8 +3,9 @@
 `compare_target` loads the checkpoint in transformers (fp32 torch: the reference) and in JAX at the
 requested dtype, runs a few random prompts (one of ~300 tokens) through both and returns one check
 `{"name", "max_abs_diff", "tolerance", "ok"}` per comparison: logits, argmax agreement, each layer's
-hidden state, cached decode, DeltaNet state, greedy continuation, MTP head and drafter. The checks
-and their tolerances (`TOLERANCES`) are listed in docs/numerics.md. Needs torch (the `test` extra).
+hidden state, cached decode, DeltaNet state, greedy continuation, MTP head (or Gemma 4 assistant) and
+drafter. The checks and their tolerances (`TOLERANCES`) are listed in docs/numerics.md. Needs torch
+(the `test` extra).
 
 Example:
     >>> report = compare_target("/path/to/Qwen3-0.6B", dtype="float32")  # needs a checkpoint dir and torch  # doctest: +SKIP
@@ -18,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.checkpoint.assistant_ckpt import is_assistant_dir
 from dmtp_jax.checkpoint.mtp_ckpt import has_mtp
 from dmtp_jax.compare.checks import (TOLERANCES, check, make_prompts, max_abs_diff, right_pad,
                                      scaled_tolerance)
 from dmtp_jax.compare.forward import jax_cached_logits, jax_forward, prefill_logits
-from dmtp_jax.compare.heads import drafter_checks, mtp_check
+from dmtp_jax.compare.heads import assistant_check, drafter_checks, mtp_check
 from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.caches import TargetCaches
 from dmtp_jax.sharding import make_mesh
@@ -74,17 +76,19 @@ def deltanet_state_check(target, hf_model, prompt: list[int], rtol: float, q: fl
 
 def compare_target(model_dir: str, dtype: str = "float32", mesh_spec: str | None = None, seed: int = 0,
                    num_new_tokens: int = 8, reference_dir: str | None = None,
-                   draft_dir: str | None = None) -> dict:
+                   draft_dir: str | None = None, mtp_dir: str | None = None) -> dict:
     """Compares our JAX target with transformers on `model_dir` (docs/numerics.md lists the checks).
 
     Returns `{"ok", "checks": [{"name", "max_abs_diff", "tolerance", "ok"}, ...], "argmax_agreement",
     "greedy": {"ours", "hf"}, "prompt_lengths", "dtype", "float_quantile"}`. `mesh_spec` (e.g.
     `"tensor=4,data=2"`) places our params on that mesh (default: `make_mesh()`); `reference_dir` loads
     the transformers side from another directory (default `model_dir`); `draft_dir` adds the drafter
-    checks (`drafter_checks`). Raises `ValueError` for a dtype without tolerances.
+    checks (`drafter_checks`); `mtp_dir` a separate MTP head's (a `gemma4_assistant`: `assistant_check`;
+    default: the native head `model_dir` carries, if any). Raises `ValueError` for a dtype without
+    tolerances.
     """
     with quiet_transformers():
-        return _compare_target(model_dir, dtype, mesh_spec, seed, num_new_tokens, reference_dir, draft_dir)
+        return _compare_target(model_dir, dtype, mesh_spec, seed, num_new_tokens, reference_dir, draft_dir, mtp_dir)
 
 
 @contextlib.contextmanager
@@ -105,7 +109,7 @@ def quiet_transformers():
 
 
 def _compare_target(model_dir: str, dtype: str, mesh_spec: str | None, seed: int, num_new_tokens: int,
-                    reference_dir: str | None, draft_dir: str | None) -> dict:
+                    reference_dir: str | None, draft_dir: str | None, mtp_dir: str | None) -> dict:
     """The body of `compare_target`."""
     import torch     # optional: the `test` extra
     from transformers import AutoModelForCausalLM     # needs torch (the `test` extra)
@@ -146,8 +150,11 @@ def _compare_target(model_dir: str, dtype: str, mesh_spec: str | None, seed: int
     mismatched = sum(sum(a != b for a, b in zip(o, h)) + abs(len(o) - len(h))
                      for o, h in zip(result.output_ids, hf_gen))
     checks.append(check("greedy_continuation", mismatched / (num_new_tokens * len(prompts)), greedy_tol))
-    if has_mtp(model_dir) and not cfg.is_mla:    # the MLA next-token layer: tests/test_deepseek.py's formula
-        checks += mtp_check(target, hf_model, model_dir, prompts[1], rtol, q)
+    mtp_dir = mtp_dir or (model_dir if has_mtp(model_dir) else None)
+    if mtp_dir and is_assistant_dir(mtp_dir):
+        checks += assistant_check(target, hf_model, mtp_dir, prompts[1], rtol, q)
+    elif mtp_dir and not cfg.is_mla:    # the MLA next-token layer: tests/test_deepseek.py's formula
+        checks += mtp_check(target, hf_model, mtp_dir, prompts[1], rtol, q)
     if draft_dir:
         checks += drafter_checks(target, hf_model, draft_dir, prompts[1], rtol, q)
     return {"ok": all(c["ok"] for c in checks), "checks": checks, "argmax_agreement": agree,

@@ -1,11 +1,14 @@
 """The drafting side of the comparison (`dmtp_jax.compare`): the native MTP head against
-transformers' `MtpModel` (and its cached path against its full forward), a DFlash / DFlash2 drafter
-against the `dflash` package."""
+transformers' `MtpModel` (and its cached path against its full forward), a `gemma4_assistant`
+against transformers' `Gemma4AssistantForCausalLM` (steps chained as its candidate generator chains
+them), a DFlash / DFlash2 drafter against the `dflash` package."""
 
 from __future__ import annotations
 
+import functools
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -14,7 +17,7 @@ from dmtp_jax.checkpoint.dflash_ckpt import load_drafter
 from dmtp_jax.checkpoint.mtp_ckpt import load_mtp
 from dmtp_jax.checkpoint.safetensors_io import CheckpointReader
 from dmtp_jax.compare.checks import DECODE_STEPS, check, max_abs_diff, scaled_tolerance
-from dmtp_jax.decode.caches import kv_cache_shape, kv_cache_value_dim, new_kv_cache
+from dmtp_jax.decode.caches import TargetCaches, kv_cache_shape, kv_cache_value_dim, new_kv_cache
 from dmtp_jax.models.fusion import draft_block_embeds
 
 
@@ -140,3 +143,51 @@ def mtp_check(target, hf_model, model_dir: str, prompt: list[int], rtol: float, 
     got = np.asarray(model.logits(head.post_norm(h)), np.float32)
     return [check("mtp", max_abs_diff(got[0], want[0], q), scaled_tolerance(rtol, want)),
             mtp_cache_check(target, mtp, hidden[0].numpy(), prompt, rtol, q)]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _assistant_steps(target_graphdef, assistant_graphdef, target_state, assistant_state, ids_bt, step_tokens_bs, cache):
+    """The target over `ids_bt` (positions 0..p-1) through `cache`, then one assistant step per column
+    of `step_tokens_bs`, all at position p over that cache: per step `(h', fp32 logits)`."""
+    tm, am = nnx.merge(target_graphdef, target_state), nnx.merge(assistant_graphdef, assistant_state)
+    p = ids_bt.shape[1]
+    out = tm(ids_bt, jnp.broadcast_to(jnp.arange(p), ids_bt.shape), cache)
+    state, positions, got = out.hidden_bth[:, -1:], jnp.full(ids_bt.shape[:1] + (1,), p), []
+    for j in range(step_tokens_bs.shape[1]):
+        state, _ = am(tm.embed(step_tokens_bs[:, j:j + 1]), state, positions, target_kv=out.cache.kv)
+        got.append((am.feature(state), am.scores(tm, None, state).logits))
+    return got
+
+
+def assistant_check(target, hf_model, assistant_dir: str, prompt: list[int], rtol: float, q: float,
+                    steps: int = 2) -> list[dict]:
+    """`assistant_hidden` / `assistant_logits`: our `gemma4_assistant` vs transformers' on `steps` chained
+    steps after `prompt[:-1]` (the first reads `(E(prompt[-1]), h_{p-1})`, each next one the reference's
+    argmax and `h'`, all at position p over the target's K/V of positions < p), max over the steps."""
+    import torch     # optional: the `test` extra
+    from transformers import AutoModelForCausalLM     # needs torch (the `test` extra)
+
+    assistant = load_mtp(assistant_dir, target.cfg, target.state_dtype, target.mesh)
+    ref = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=torch.float32).eval()
+    p = len(prompt) - 1
+    ids = torch.tensor([prompt])
+    tokens, want_h, want_logits = [prompt[p]], [], []
+    with torch.no_grad():
+        out = hf_model.model(ids[:, :p], output_hidden_states=True, return_shared_kv_states=True)
+        h, tok = out.hidden_states[-1][:, -1:], ids[:, p:]
+        for _ in range(steps):
+            step = ref(inputs_embeds=torch.cat([hf_model.model.embed_tokens(tok), h], -1),
+                       position_ids=torch.tensor([[p]]), shared_kv_states=out.shared_kv_states,
+                       attention_mask=torch.ones(1, p + 1, dtype=torch.long))
+            want_h.append(step.last_hidden_state[0].numpy())
+            want_logits.append(step.logits[0].float().numpy())
+            tok, h = step.logits.argmax(-1), step.last_hidden_state
+            tokens.append(int(tok))
+    cache = TargetCaches(target).new(1, -(-(p + 1) // 128) * 128)
+    got = _assistant_steps(target.graphdef, assistant.graphdef, target.state, assistant.state,
+                           jnp.asarray([prompt[:p]], jnp.int32), jnp.asarray([tokens[:steps]], jnp.int32), cache)
+    got_h = np.concatenate([np.asarray(h[0], np.float32) for h, _ in got])
+    got_logits = np.concatenate([np.asarray(lg[0], np.float32) for _, lg in got])
+    want_h, want_logits = np.concatenate(want_h), np.concatenate(want_logits)
+    return [check("assistant_hidden", max_abs_diff(got_h, want_h, q), scaled_tolerance(rtol, want_h)),
+            check("assistant_logits", max_abs_diff(got_logits, want_logits, q), scaled_tolerance(rtol, want_logits))]

@@ -26,7 +26,7 @@ from dmtp_jax.sharding import kv_cache_sharding, replicated
 class SpecState:
     target_cache: TargetCache   # K/V and, for hybrid targets, DeltaNet states (one protocol)
     ctx_cache: KVCache | None   # drafter context K/V, [draft_layers, B, S, kv, D] (EAGLE-3: its own K/V)
-    mtp_cache: KVCache | None   # MTP private K/V, [1, B, S, kv, D]
+    mtp_cache: KVCache | None   # MTP private K/V, [cache_layers (1, or 0: none), B, S, kv, D]
     mtp_h_bh: jax.Array | None  # MTP (or EAGLE-3) pre-norm hidden that predicts the next T1
     lengths_b: jax.Array        # committed tokens in the target KV == position of the pending token
     pending_b: jax.Array        # last committed token (A), not yet run by the target

@@ -138,7 +138,7 @@ def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: Loade
             mtp_h = jax.device_put(np.zeros((batch, d.hidden_size), drafter.state_dtype), rep)
     if mtp is not None:
         c = target.cfg
-        mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, 1), mtp.state_dtype,
+        mtp_cache = new_kv_cache(mesh, kv_cache_shape(c, batch, max_len, mesh, mtp.cfg.cache_layers), mtp.state_dtype,
                                  kv_cache_value_dim(c))
         mtp_h = jax.device_put(np.zeros((batch, mtp.cfg.hidden_size), mtp.state_dtype), rep)
     if draft_model is not None:

@@ -14,8 +14,8 @@ and proportional RoPE (`rope.proportional_cos_sin`). Embeddings are scaled by `s
 soft-capped `cap * tanh(l / cap)`.
 
 Both layer types share one cache array (`TargetConfig.kv_cache_dims`): a layer's K/V `[kv, D]`
-are stored as `kv * D / dim` heads of the common `dim` (gcd of the two head dims), zero-padded to
-the cache's head count (`pack_heads` / `unpack_heads`). Cache layer == layer index (every layer
+are stored as `kv * D / dim` heads of the common `dim` (gcd of the two head dims), repeated (or
+zero-padded) to the cache's head count (`pack_heads` / `unpack_heads`). Cache layer == layer index (every layer
 attends).
 
 Example:
@@ -38,7 +38,7 @@ from flax import nnx
 from dmtp_jax.config import TargetConfig
 from dmtp_jax.layers import params
 from dmtp_jax.layers.attention import MaskRule, grouped_attention
-from dmtp_jax.layers.kv_cache import KVCache, write_layer
+from dmtp_jax.layers.kv_cache import KVCache, repeat_kv_heads, write_layer
 from dmtp_jax.layers.norms import rms_norm
 from dmtp_jax.layers.rope import apply_rope, proportional_cos_sin
 from dmtp_jax.models.qwen3 import DecoderLayer, DenseMLP, QwenTarget
@@ -50,18 +50,36 @@ def gelu_tanh(x):
 
 
 def pack_heads(x_btkd: jax.Array, heads: int, dim: int) -> jax.Array:
-    """`[B, T, kv, D]` as `[B, T, heads, dim]`: `kv * D / dim` heads of `dim`, zero-padded to `heads`."""
+    """`[B, T, kv, D]` as `[B, T, heads, dim]`: each KV head is `r = D / dim` heads of `dim`; when
+    `kv * r` divides `heads`, each KV head's `r` pieces are repeated to fill `heads / kv` consecutive
+    slots (so a `tensor` shard of the cache holds whole KV heads, the ones its query heads read),
+    else they are zero-padded to `heads`.
+
+    Example:
+        >>> pack_heads(jnp.arange(4.0).reshape(1, 1, 1, 4), 4, 2)[0, 0].tolist()
+        [[0.0, 1.0], [2.0, 3.0], [0.0, 1.0], [2.0, 3.0]]
+    """
     b, t, kv, d = x_btkd.shape
-    x = x_btkd.reshape(b, t, kv * d // dim, dim)
-    pad = heads - x.shape[2]
-    return jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else x
+    r = d // dim
+    if heads % (kv * r) == 0:
+        return repeat_kv_heads(x_btkd, heads // r).reshape(b, t, heads, dim)
+    x = x_btkd.reshape(b, t, kv * r, dim)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, heads - kv * r), (0, 0)))
 
 
-def unpack_heads(x_bshd: jax.Array, heads: int, kv: int, d: int) -> jax.Array:
-    """`pack_heads` undone on a cache layer `[B, S, H', dim]` whose `heads` were repeated to `H'`."""
+def unpack_heads(x_bshd: jax.Array, kv: int, d: int, num_heads: int) -> jax.Array:
+    """A cache layer `[B, S, H, dim]` that `pack_heads` wrote as the `[B, S, kv', d]` K/V attention
+    reads: with the repeated layout and `kv * copies` dividing the `num_heads` query heads, every copy
+    is a KV head of its own (`kv' = kv * copies`, the layout `kv_cache.repeat_kv_heads` gives: each
+    query head reads a copy of its KV head held on its own shard), else the first copy (`kv' = kv`)."""
     b, s, h, dim = x_bshd.shape
-    x = x_bshd[:, :, ::h // heads] if h > heads else x_bshd
-    return x[:, :, :kv * d // dim].reshape(b, s, kv, d)
+    r = d // dim
+    if h % (kv * r):
+        return x_bshd[:, :, :kv * r].reshape(b, s, kv, d)
+    copies = h // (kv * r)
+    if num_heads % (kv * copies) == 0:
+        return x_bshd.reshape(b, s, kv * copies, d)
+    return x_bshd.reshape(b, s, kv, copies, d)[:, :, :, 0]
 
 
 def gemma_norm(x, weight, eps):
@@ -87,7 +105,7 @@ class GemmaAttention(nnx.Module):
         self.window = None if self.full else cfg.sliding_window + (1 if kv_shared else 0)
         self.eps = cfg.rms_norm_eps
         self.rope = ((g.global_rope_theta, g.global_rotary_factor) if self.full else (cfg.rope_theta, 1.0))
-        self.cache_heads, _, self.cache_dim, _ = cfg.kv_cache_dims
+        self.cache_dim = cfg.kv_cache_dims[2]
         d, kv = self.head_dim, self.num_kv_heads
         self.q_proj = params.weight(rngs, (h, nh * d), ("embed", "heads"), dtype)
         self.q_norm = params.ones((d,), (None,), dtype)
@@ -125,14 +143,15 @@ class GemmaAttention(nnx.Module):
         return attn_bthd.reshape(b, t, -1) @ self.o_proj[...]
 
     def write(self, cache: KVCache, kv_index, k_btkd, v_btkd, positions_bt) -> KVCache:
-        """The cache with this layer's K/V packed into cache layer `kv_index` at slot == position."""
-        pack = lambda x: pack_heads(x, self.cache_heads, self.cache_dim)  # noqa: E731
+        """The cache with this layer's K/V packed into cache layer `kv_index` (heads of the cache's
+        own count: the model's, or more on a wide `tensor` axis) at slot == position."""
+        pack = lambda x: pack_heads(x, cache.k_lbskd.shape[3], self.cache_dim)  # noqa: E731
         return KVCache(write_layer(cache.k_lbskd, kv_index, pack(k_btkd), positions_bt),
                        write_layer(cache.v_lbskd, kv_index, pack(v_btkd), positions_bt))
 
     def layer_kv(self, cache: KVCache, kv_index):
-        """Cache layer `kv_index`'s keys and values as this layer's `[B, S, kv, D]`."""
-        unpack = lambda x: unpack_heads(x[kv_index], self.cache_heads, self.num_kv_heads, self.head_dim)  # noqa: E731
+        """Cache layer `kv_index`'s keys and values as this layer's `[B, S, kv', D]` (`unpack_heads`)."""
+        unpack = lambda x: unpack_heads(x[kv_index], self.num_kv_heads, self.head_dim, self.num_heads)  # noqa: E731
         return unpack(cache.k_lbskd), unpack(cache.v_lbskd)
 
     def attend_cache(self, q_bthd, gate_btf, positions_bt, cache: KVCache, kv_index, key_limit_bt=None):

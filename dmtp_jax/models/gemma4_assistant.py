@@ -54,6 +54,11 @@ class AssistantConfig:
         """The width of the state the decode rounds carry between steps: `[h' ; f]` (`GemmaAssistant`)."""
         return self.backbone_hidden_size + self.layer_cfg.hidden_size
 
+    @property
+    def cache_layers(self) -> int:
+        """No private K/V (the layers read the target's cache): the decoders' MTP cache is empty."""
+        return 0
+
 
 def assistant_config_from_hf(d: dict, target_cfg: TargetConfig) -> AssistantConfig:
     """The assistant config of a `gemma4_assistant` `config.json` dict for `target_cfg`; one error when
@@ -109,6 +114,7 @@ def masked_logits(f_bth: jax.Array, centroids_hc: jax.Array, ordering_v: jax.Arr
 class GemmaAssistant(nnx.Module):
     """Params: `embed_tokens [V, Ha]`, `pre_projection [2H, Ha]`, `post_projection [Ha, H]`, `layers`,
     `norm`, and with the masked head `centroids [Ha, C]` and `token_ordering [V]` (int32)."""
+    reads_target_kv = True
 
     def __init__(self, acfg: AssistantConfig, *, dtype, rngs: nnx.Rngs, mesh_rules=None):
         self.acfg = acfg

@@ -6,7 +6,8 @@ predicts token t+2 from the target's post-norm hidden at t and the token at t+1,
 The MTP-head protocol the rounds call (`models/gemma4_assistant.py` is the other head): `head(embeds,
 hidden, positions, cache, target_kv=...)` and `head.advance(..., target_kv=...)` (`target_kv`: the
 target's cache view, for heads that read it; this one keeps its own), `post_norm`, `scores`,
-`feature` (the DMTP fusion's MTP feature) and `chain_position` (where chained step j sits)."""
+`feature` (the DMTP fusion's MTP feature), `chain_position` (where chained step j sits) and
+`reads_target_kv` (whether a step reads `target_kv`: training then keeps the target's K/V)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ class MtpConfig:
     def hidden_size(self) -> int:
         return self.layer_cfg.hidden_size
 
+    @property
+    def cache_layers(self) -> int:
+        """Layers of the head's private K/V cache (the decoders make it `[cache_layers, B, S, kv, D]`)."""
+        return 1
+
 
 def mtp_config_for(target_cfg: TargetConfig) -> MtpConfig:
     """The MTP config of a target (a sparse MLP when the target's last layer is sparse; full attention)."""
@@ -50,6 +56,7 @@ def mtp_config_for(target_cfg: TargetConfig) -> MtpConfig:
 
 class MtpHead(nnx.Module):
     """Params: `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc` `[2H, H]`, `layers[0]`, `norm`."""
+    reads_target_kv = False
 
     def __init__(self, mcfg: MtpConfig, *, dtype, rngs: nnx.Rngs, mesh_rules=None):
         self.mcfg = mcfg

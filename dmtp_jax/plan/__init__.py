@@ -37,7 +37,7 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
                    verify: str = "rejection", accept_len: float | None = None, prefill_chunk: int | None = None,
                    exact_cost: bool = False, draft_head: str = "full", draft_head_rank: int | None = None,
                    draft_head_shortlist: int | None = None, draft_head_vocab: int | None = None,
-                   prefix_cache_gb: float = 0.0, progress=None) -> PlanResult:
+                   prefix_cache_gb: float = 0.0, mtp: str | None = None, progress=None) -> PlanResult:
     """Compiles the prefill and the decode step / round / K-round dispatch of `method` for one request of
     `batch_size` prompts of `prompt_len` tokens and `max_new_tokens` new ones.
 
@@ -45,13 +45,14 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
     the default drafter shape). `accept_len`: tokens per round, turns the time estimate into
     tokens/s. `prefill_chunk`: tokens per prefill call. `exact_cost`: also compile an unrolled copy
     for exact FLOPs, bytes and time. `draft_head`: "efficient" (`draft_head_vocab` N: N scored ids) or
-    "int8". `prefix_cache_gb`: `serve`'s prefix-cache budget, counted whole per device.
+    "int8". `prefix_cache_gb`: `serve`'s prefix-cache budget, counted whole per device. `mtp`: a
+    separate MTP head's directory or `config.json` (a `gemma4_assistant`; default: the target's native head).
     `progress(name)` is called before each compile."""
     topo = open_topology(topology)
     device_mesh = make_mesh(mesh, devices=topo.devices)
     notes = []
     with compiling_for(topo.platform, device_mesh.size):
-        models = plan_models(target, method, device_mesh, dtype, draft, block_size)
+        models = plan_models(target, method, device_mesh, dtype, draft, block_size, mtp)
         if draft_head != "full" and method != "ar":
             models["draft_head"] = place_abstract(*abstract_draft_head(
                 draft_head, models["target"].cfg, dtype, draft_head_rank, draft_head_shortlist, draft_head_vocab),

@@ -24,6 +24,7 @@ from dmtp_jax.models.drafter_shape import DEFAULT_PLAN_BLOCK, default_drafter_co
 from dmtp_jax.models.eagle3 import DEFAULT_BLOCK_SIZE as DEFAULT_EAGLE3_BLOCK, Eagle3Drafter, default_eagle3_config
 from dmtp_jax.models.eagle3 import check_fits_target as check_eagle3_fits
 from dmtp_jax.models.fusion import T1Fusion
+from dmtp_jax.models.gemma4_assistant import GemmaAssistant, assistant_config_from_hf
 from dmtp_jax.models.mtp import mtp_config_for
 from dmtp_jax.sharding import replicated
 
@@ -90,12 +91,28 @@ def abstract_eagle3(path: str | None, target_cfg: TargetConfig, block_size: int 
     return (cfg, *nnx.split(nnx.eval_shape(lambda: Eagle3Drafter(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))))
 
 
+def abstract_mtp_head(target_path: str, target_cfg: TargetConfig, mtp_path: str | None, mesh: Mesh,
+                      dtype) -> LoadedModel:
+    """The family's own MTP head, abstract: a `gemma4_assistant` of `mtp_path` (a directory or its
+    `config.json`; a Gemma 4 target has no other), else the native head of the target's layer shape
+    (Qwen's `mtp.*`, DeepSeek's / GLM's next-token layer). A native head the target's config does not
+    declare is still planned (Qwen3-Next ships `mtp.*` undeclared): its `model_dir` is None then."""
+    raw = read_config_json(mtp_path) if mtp_path else {}
+    if raw.get("model_type") == "gemma4_assistant":
+        acfg = assistant_config_from_hf(raw, target_cfg)
+        model = nnx.eval_shape(lambda: GemmaAssistant(acfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+        return place_abstract(acfg, *nnx.split(model), mesh, mtp_path)
+    if target_cfg.gemma is not None:
+        raise ConfigError("a Gemma 4 target drafts T1 with its gemma4_assistant: --mtp DIR|CONFIG.json of one")
+    declared = target_path if target_cfg.mtp_num_hidden_layers else None
+    return place_abstract(mtp_config_for(target_cfg), *abstract_mtp(target_cfg, dtype), mesh, mtp_path or declared)
+
+
 def plan_models(target_path: str, method: str, mesh: Mesh, dtype, draft_path: str | None = None,
-                block_size: int | None = None) -> dict[str, LoadedModel]:
+                block_size: int | None = None, mtp_path: str | None = None) -> dict[str, LoadedModel]:
     """`{"target", and as `method` needs them "drafter", "mtp", "fusion", "draft_model"}`, all
-    abstract (the draft model: the target checkpoint at `draft_path`). A target whose
-    config declares no MTP layer still gets one (Qwen3-Next ships `mtp.*` undeclared);
-    `models["mtp"].model_dir is None` then says so."""
+    abstract (the draft model: the target checkpoint at `draft_path`; the MTP head:
+    `abstract_mtp_head`, `mtp_path` a separate head's directory or config)."""
     target = abstract_target_model(target_path, mesh, dtype)
     models = {"target": target}
     needs = method_needs(method)
@@ -121,6 +138,5 @@ def plan_models(target_path: str, method: str, mesh: Mesh, dtype, draft_path: st
             raise ConfigError(f"method '{method}' needs a smaller target of the same vocabulary (--draft DIR)")
         models["draft_model"] = abstract_target_model(draft_path, mesh, dtype)
     if needs["mtp"]:
-        models["mtp"] = place_abstract(mtp_config_for(target.cfg), *abstract_mtp(target.cfg, dtype), mesh,
-                                       target_path if target.cfg.mtp_num_hidden_layers else None)
+        models["mtp"] = abstract_mtp_head(target_path, target.cfg, mtp_path, mesh, dtype)
     return models

@@ -30,7 +30,7 @@ from dmtp_jax.models.fusion import mtp_first_candidate
 from dmtp_jax.options import NEVER_MTP_THRESHOLD
 from dmtp_jax.train.anchors import sample_anchors
 from dmtp_jax.train.data import TokenDataset
-from dmtp_jax.train.features import mtp_hidden, target_features
+from dmtp_jax.train.features import mtp_hidden, reads_target_kv, target_features
 from dmtp_jax.train.loss import block_inputs, drafter_block_logits
 
 GRID = tuple(round(0.05 * i, 2) for i in range(21)) + (NEVER_MTP_THRESHOLD,)     # never MTP's T1
@@ -55,9 +55,10 @@ def anchor_outcomes(target, mtp, drafter, fusion, tokens_bt, loss_mask_bt, ancho
 
     dcfg = drafter.cfg
     valid_bt = loss_mask_bt >= 0
-    feats, hidden = target_features(target, tokens_bt, valid_bt, dcfg)
-    mtp_h = mtp_hidden(mtp, target, tokens_bt, hidden)
-    h_a = jnp.take_along_axis(mtp_h, anchors_bn[..., None], axis=1)
+    feats, hidden, target_kv = target_features(target, tokens_bt, valid_bt, dcfg, keep_kv=reads_target_kv(mtp))
+    mtp_state = mtp_hidden(mtp, target, tokens_bt, hidden, target_kv)
+    mtp_h = mtp.feature(mtp_state)                                     # the fusion's MTP feature
+    h_a = jnp.take_along_axis(mtp_state, anchors_bn[..., None], axis=1)
     _, mtp_logits, top_p = mtp_first_candidate(target, mtp, h_a)     # the decode round's confidence
     x_next = jnp.take_along_axis(tokens_bt, anchors_bn + 1, axis=1)
     mtp_right = jnp.argmax(mtp_logits, -1) == x_next

@@ -29,7 +29,7 @@ from dmtp_jax.options import check_ce_chunk, check_positive_int
 from dmtp_jax.sharding import (DEFAULT_RULES, MeshRules, at_shardings, batch_sharding, gathered_over, replicated,
                                state_shardings)
 from dmtp_jax.train.anchors import sample_anchors
-from dmtp_jax.train.features import mtp_hidden, target_features
+from dmtp_jax.train.features import mtp_hidden, reads_target_kv, target_features
 from dmtp_jax.train.loss import (block_inputs, ce_sums, draft_head, drafter_block_hidden, method_layout,
                                  token_ce, uses_mtp)
 from dmtp_jax.train.optim import OptimConfig, TrainState, apply_gradients, make_optimizer, new_state
@@ -86,11 +86,12 @@ def loss_sums(params, graphdefs, target_graphdef, target_state, mtp_graphdef, mt
     block_size = scfg.block_size or dcfg.block_size
     offsets, known = method_layout(scfg.method, block_size)
     valid_bt = loss_mask_bt >= 0   # every row position is a real key; padding only trails (causal)
-    feats_btf, hidden_bth = target_features(target, tokens_bt, valid_bt, dcfg)
+    mtp = nnx.merge(mtp_graphdef, jax.lax.stop_gradient(mtp_state)) if uses_mtp(scfg.method) else None
+    feats_btf, hidden_bth, target_kv = target_features(target, tokens_bt, valid_bt, dcfg,
+                                                       keep_kv=reads_target_kv(mtp))
     mtp_h = None
-    if uses_mtp(scfg.method):
-        mtp = nnx.merge(mtp_graphdef, jax.lax.stop_gradient(mtp_state))
-        mtp_h = mtp_hidden(mtp, target, tokens_bt, hidden_bth)
+    if mtp is not None:    # the fusion's MTP feature (`feature`: the state itself, or the assistant's h')
+        mtp_h = mtp.feature(mtp_hidden(mtp, target, tokens_bt, hidden_bth, target_kv))
     anchors_bn, keep_bn = sample_anchors(key, loss_mask_bt, scfg.num_anchors, offsets[-1] + 1,
                                          first_label=offsets[known], min_anchor=int(uses_mtp(scfg.method)))
     t1_masked = None
