@@ -66,7 +66,7 @@ def pytest_unconfigure(config):
 # `--doctest-modules` (pyproject's addopts) is for `dmtp_jax/`: the helper modules here are imported
 # by the tests, never collected (sharded_forward_check.py sets XLA_FLAGS before importing jax).
 collect_ignore = ["sharded_forward_check.py", "dflash_fixtures.py", "stat_checks.py", "train_fixtures.py",
-                  "workload_fixtures.py"]
+                  "workload_fixtures.py", "gemma_fixtures.py", "mla_fixtures.py", "serve_fixtures.py"]
 
 TINY_COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
