@@ -45,7 +45,8 @@ class Engine:
     of that and `max_batch_size` x `BURST_PROMPT_TOKENS`), so a burst of short prompts is one prefill.
     `rounds_per_dispatch`: K rounds per dispatch when nobody waits (default: the decoder's).
     `prefix_cache_gb`: the prefix cache's budget in GiB (0: no cache; `serve/prefix_cache.py`).
-    Not thread-safe: one thread calls `add`, `cancel` and `step` (the server's scheduler).
+    Not thread-safe: one thread calls `add`, `cancel` and `step` (or `admit` and `decode`: the server's
+    scheduler).
     """
 
     def __init__(self, decoder, *, max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
