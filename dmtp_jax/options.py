@@ -122,9 +122,23 @@ def missing_model_error(method: str, kind: str) -> RequestError:
     return RequestError(f"method '{method}' needs {what}")
 
 
-def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None, draft_model=None) -> None:
-    """The loaded models `method` needs (`method_needs`) are there, and dmtp-adaptive's drafter is
-    a DFlash (version 1) drafter; else `RequestError` naming the missing flag.
+def check_draft_head_applies(what: str, mtp_cfg, error: type = RequestError) -> None:
+    """`what` (a drafting head, or a tool that fits or measures one from MTP states) with an MTP head
+    of config `mtp_cfg` (None: no MTP head): `error` when that head scores with its own head
+    (`own_head`: Gemma 4's assistant), which no drafting head replaces.
+
+    Example:
+        >>> check_draft_head_applies("--draft-head int8", None)
+    """
+    if getattr(mtp_cfg, "own_head", False):
+        raise error(f"{what}: the Gemma 4 assistant scores with its own head, so a draft head does not apply")
+
+
+def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None, draft_model=None,
+                       draft_head=None) -> None:
+    """The loaded models `method` needs (`method_needs`) are there, dmtp-adaptive's drafter is a
+    DFlash (version 1) drafter, and a drafting head `draft_head` applies to its MTP head
+    (`check_draft_head_applies`); else `RequestError` naming the missing flag.
 
     Example:
         >>> check_models_given("dflash")
@@ -141,6 +155,8 @@ def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None, draf
                                                          f"a DFlash drafter, not the EAGLE-3 one at {drafter.model_dir}"))
     if method == ADAPTIVE and drafter.cfg.version != 1:
         raise RequestError("dmtp-adaptive needs a DFlash (version 1) drafter")
+    if draft_head is not None and needs["mtp"]:
+        check_draft_head_applies(f"--draft-head {draft_head.cfg.get('kind', 'efficient')}", mtp.cfg)
 
 
 def check_draft_vocab(target_vocab: int, draft_vocab: int, draft_dir: str = "the draft model") -> None:

@@ -3,10 +3,12 @@ writes itself (sliding and full layers of their own sizes, keys as values, propo
 soft-capped logits), its packed cache, greedy `ar` == transformers' greedy past the window, the
 `gemma4_assistant` drafter (reading the target's cache, centroid-masked head) against transformers,
 and the methods on the target: greedy `mtp` (the assistant) / `dflash` / `dmtp` == `ar`, sampled
-`dmtp` lossless, the assistant's state in the rounds == a from-scratch step."""
+`dmtp` lossless, the assistant's state in the rounds == a from-scratch step; the draft-head tools
+refuse the assistant (it scores with its own head)."""
 
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -289,3 +291,44 @@ def test_train_on_gemma_loss_falls_and_export_decodes(method, gemma, trained_on_
         drafter, fusion = load_dmtp_drafter(out, target.cfg)
         engine = make_decoder("dmtp", target, drafter, mtp=load_mtp(gemma["assistant_dir"], target.cfg), fusion=fusion)
     assert engine.generate(PROMPTS, 16, stop_ids=[]).output_ids == ar_output
+
+
+DRAFT_HEAD_REFUSAL = "the Gemma 4 assistant scores with its own head, so a draft head does not apply"
+
+
+def one_error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1, captured.err
+    return lines[0]
+
+
+def test_draft_head_tools_refuse_the_assistant(gemma, tmp_path, capsys, monkeypatch):
+    """The assistant scores with its own head: `--draft-head` (any decoder; `infer.py generate`), the draft-head
+    T1 agreement and `train.py head-factor` (before the target loads) each refuse in one line, before any
+    round compiles."""
+    import infer
+    import train
+    from dmtp_jax.bench.head_agreement import t1_agreement
+    from dmtp_jax.checkpoint.draft_head_ckpt import make_draft_head
+    from dmtp_jax.errors import RequestError
+    from dmtp_jax.train import head_factor  # noqa: F401  (imported before the no-load guard below)
+    target, assistant, head = gemma["target"], gemma["assistant"], make_draft_head(gemma["target"], "int8")
+    with pytest.raises(RequestError, match=f"^--draft-head int8: {DRAFT_HEAD_REFUSAL}$"):
+        make_decoder("mtp", target, mtp=assistant, draft_head=head)
+    decoder = types.SimpleNamespace(draft_head=head, proposer=types.SimpleNamespace(needs={"mtp": True}),
+                                    target=target, mtp=assistant)
+    with pytest.raises(RequestError, match=f"^draft-head T1 agreement: {DRAFT_HEAD_REFUSAL}$"):
+        t1_agreement(decoder, [[5, 9, 31]])
+    assert infer.main(["generate", "--target", gemma["dir"], "--mtp", gemma["assistant_dir"], "--method", "mtp",
+                       "--draft-head", "efficient", "--prompt-ids", "5,9", "--max-new-tokens", "2"]) == 2
+    assert one_error_line(capsys) == f"error: --draft-head efficient: {DRAFT_HEAD_REFUSAL}"
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded before the MTP head was checked")
+    monkeypatch.setattr("dmtp_jax.checkpoint.hf.load_target", no_load)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": list(range(3, 40))}) + "\n" for _ in range(4)))
+    assert train.main(["head-factor", "--target", gemma["dir"], "--mtp", gemma["assistant_dir"], "--data", str(data),
+                       "--out", str(tmp_path / "out"), "--seq-len", "16", "--steps", "1", "--no-progress"]) == 2
+    assert one_error_line(capsys) == f"error: head-factor --mtp {gemma['assistant_dir']}: {DRAFT_HEAD_REFUSAL}"

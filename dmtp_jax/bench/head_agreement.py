@@ -11,6 +11,7 @@ from flax import nnx
 
 from dmtp_jax.decode.batch import next_pow2
 from dmtp_jax.models.fusion import mtp_first_candidate
+from dmtp_jax.options import check_draft_head_applies
 from dmtp_jax.train.features import mtp_hidden
 
 
@@ -30,11 +31,13 @@ def agreement_counts(target, mtp, head, tokens_bt: jax.Array, valid_bt: jax.Arra
 
 def t1_agreement(decoder, sequences: list[list[int]], prompt_lens: list[int] | None = None) -> float | None:
     """The fraction of positions of `sequences` where the drafting head's T1 equals the full head's;
-    None when the decoder drafts with the full head or has no MTP. `prompt_lens`: count from each
+    None when the decoder drafts with the full head or has no MTP; `RequestError` for an MTP head that
+    scores with its own head (`options.check_draft_head_applies`). `prompt_lens`: count from each
     sequence's last prompt token on."""
     head = getattr(decoder, "draft_head", None)
     if head is None or not decoder.proposer.needs["mtp"] or not sequences:
         return None
+    check_draft_head_applies("draft-head T1 agreement", decoder.mtp.cfg)
     length = next_pow2(max(2, max(len(s) for s in sequences)))
     tokens = np.zeros((len(sequences), length), np.int32)
     valid = np.zeros(tokens.shape, bool)

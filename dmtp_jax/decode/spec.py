@@ -40,7 +40,7 @@ DEFAULT_CONTEXT_WINDOW = 4096
 def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, block_size: int | None = None,
                        mtp_steps: int = 4, verify: str = "rejection", adaptive_threshold: float | None = None,
                        rounds_per_dispatch: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                       draft_model=None) -> tuple[int, float | None]:
+                       draft_model=None, draft_head=None) -> tuple[int, float | None]:
     """Every option of a `SpecDecoder`, checked in one place (rules: `dmtp_jax.options`): returns
     `(verify slots, adaptive threshold or None)`; raises `RequestError` naming the bad option.
 
@@ -56,7 +56,7 @@ def check_spec_options(method: str, drafter=None, mtp=None, fusion=None, *, bloc
     check_method(method, SPEC_METHODS, what="speculative method")
     check_rounds_per_dispatch(rounds_per_dispatch)
     check_prefill_chunk(prefill_chunk)
-    check_models_given(method, drafter=drafter, mtp=mtp, fusion=fusion, draft_model=draft_model)
+    check_models_given(method, drafter=drafter, mtp=mtp, fusion=fusion, draft_model=draft_model, draft_head=draft_head)
     slots = verify_slots(method, mtp_steps=mtp_steps, block_size=block_size,
                          drafter_block_size=None if drafter is None else drafter.cfg.block_size)
     threshold = adaptive_threshold_for(method, adaptive_threshold,
@@ -175,7 +175,7 @@ class SpecDecoder:
                                               mtp_steps=mtp_steps, verify=verify,
                                               adaptive_threshold=adaptive_threshold,
                                               rounds_per_dispatch=rounds_per_dispatch, prefill_chunk=prefill_chunk,
-                                              draft_model=draft_model)
+                                              draft_model=draft_model, draft_head=draft_head)
         if draft_model is not None:
             check_draft_vocab(target.cfg.vocab_size, draft_model.cfg.vocab_size, draft_model.model_dir or "")
         self.adaptive_threshold = threshold

@@ -59,6 +59,11 @@ class AssistantConfig:
         """No private K/V (the layers read the target's cache): the decoders' MTP cache is empty."""
         return 0
 
+    @property
+    def own_head(self) -> bool:
+        """Scores with its own head (`GemmaAssistant.scores`): a drafting head (`--draft-head`) does not apply."""
+        return True
+
 
 def assistant_config_from_hf(d: dict, target_cfg: TargetConfig) -> AssistantConfig:
     """The assistant config of a `gemma4_assistant` `config.json` dict for `target_cfg`; one error when

@@ -44,6 +44,11 @@ class MtpConfig:
         """Layers of the head's private K/V cache (the decoders make it `[cache_layers, B, S, kv, D]`)."""
         return 1
 
+    @property
+    def own_head(self) -> bool:
+        """Scores with the target's LM head, or a drafting head in its place (`options.check_draft_head_applies`)."""
+        return False
+
 
 def mtp_config_for(target_cfg: TargetConfig) -> MtpConfig:
     """The MTP config of a target (a sparse MLP when the target's last layer is sparse; full attention)."""

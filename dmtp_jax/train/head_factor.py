@@ -17,7 +17,7 @@ from flax import nnx
 
 from dmtp_jax.train.window import WindowBatches, WindowRunConfig, WindowTrainer, window_run_options
 from dmtp_jax.errors import InputError
-from dmtp_jax.options import check_ce_chunk, check_positive_int
+from dmtp_jax.options import check_ce_chunk, check_draft_head_applies, check_positive_int
 from dmtp_jax.checkpoint.draft_head_ckpt import HEAD_FACTOR, make_efficient_head, read_token_counts
 from dmtp_jax.models.qwen3 import lm_head_logits
 from dmtp_jax.models.draft_head import subset_columns
@@ -154,15 +154,16 @@ def train_head_factor(cfg: FactorConfig) -> dict:
     check_factor_shape(cfg.batch_size, cfg.seq_len, cfg.ce_chunk, cfg.target_dtype)
     check_positive_int("--steps", cfg.steps)
     mesh = make_mesh(cfg.mesh)
-    vocab = load_target_config(cfg.target).vocab_size       # the data is checked before any weights load
-    dataset = TokenDataset.from_file(cfg.data, cfg.seq_len, load_tokenizer(cfg.target), vocab)
-    target = hf_checkpoint.load_target(cfg.target, cfg.target_dtype, mesh=mesh)
+    tcfg = load_target_config(cfg.target)                   # the data is checked before any weights load
+    dataset = TokenDataset.from_file(cfg.data, cfg.seq_len, load_tokenizer(cfg.target), tcfg.vocab_size)
     mtp_dir = cfg.mtp or cfg.target
-    mtp = load_mtp(mtp_dir, target.cfg, cfg.target_dtype, mesh) if has_mtp(mtp_dir) else None
+    mtp = load_mtp(mtp_dir, tcfg, cfg.target_dtype, mesh) if has_mtp(mtp_dir) else None
+    check_draft_head_applies(f"head-factor --mtp {mtp_dir}", None if mtp is None else mtp.cfg, InputError)
+    target = hf_checkpoint.load_target(cfg.target, cfg.target_dtype, mesh=mesh)
     counts = read_token_counts(cfg.counts or cfg.out, target.cfg.vocab_size) if cfg.vocab else None
     head = make_efficient_head(target, cfg.rank, cfg.shortlist, counts, cfg.vocab)
     stream = token_stream(dataset.records, target.cfg.eos_token_ids[0] if target.cfg.eos_token_ids else 0,
-                          dataset.tokenizer, vocab, cfg.seq_len)
+                          dataset.tokenizer, tcfg.vocab_size, cfg.seq_len)
     if len(stream) < cfg.seq_len + 1:
         raise InputError(f"{cfg.data}: {len(stream)} tokens, fewer than one window of --seq-len {cfg.seq_len} + 1")
     ocfg = optim_config(cfg)
