@@ -137,8 +137,8 @@ def check_draft_head_applies(what: str, mtp_cfg, error: type = RequestError) -> 
 def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None, draft_model=None,
                        draft_head=None) -> None:
     """The loaded models `method` needs (`method_needs`) are there, dmtp-adaptive's drafter is a
-    DFlash (version 1) drafter, and a drafting head `draft_head` applies to its MTP head
-    (`check_draft_head_applies`); else `RequestError` naming the missing flag.
+    DFlash (version 1) drafter, and a drafting head `draft_head` applies to a method whose only drafter
+    is its MTP head (`check_draft_head_applies`); else `RequestError` naming the missing flag.
 
     Example:
         >>> check_models_given("dflash")
@@ -155,7 +155,7 @@ def check_models_given(method: str, *, drafter=None, mtp=None, fusion=None, draf
                                                          f"a DFlash drafter, not the EAGLE-3 one at {drafter.model_dir}"))
     if method == ADAPTIVE and drafter.cfg.version != 1:
         raise RequestError("dmtp-adaptive needs a DFlash (version 1) drafter")
-    if draft_head is not None and needs["mtp"]:
+    if draft_head is not None and needs["mtp"] and not needs["drafter"]:     # dmtp: the head serves the drafter
         check_draft_head_applies(f"--draft-head {draft_head.cfg.get('kind', 'efficient')}", mtp.cfg)
 
 

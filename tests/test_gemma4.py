@@ -303,10 +303,10 @@ def one_error_line(capsys) -> str:
     return lines[0]
 
 
-def test_draft_head_tools_refuse_the_assistant(gemma, tmp_path, capsys, monkeypatch):
-    """The assistant scores with its own head: `--draft-head` (any decoder; `infer.py generate`), the draft-head
-    T1 agreement and `train.py head-factor` (before the target loads) each refuse in one line, before any
-    round compiles."""
+def test_draft_head_tools_refuse_the_assistant(gemma, decoders, tmp_path, capsys, monkeypatch):
+    """The assistant scores with its own head: `--draft-head` with `mtp` (`infer.py generate` too), the
+    draft-head T1 agreement and `train.py head-factor` (before the target loads) each refuse in one line,
+    before any round compiles; dmtp keeps the head for its DFlash positions."""
     import infer
     import train
     from dmtp_jax.bench.head_agreement import t1_agreement
@@ -316,6 +316,8 @@ def test_draft_head_tools_refuse_the_assistant(gemma, tmp_path, capsys, monkeypa
     target, assistant, head = gemma["target"], gemma["assistant"], make_draft_head(gemma["target"], "int8")
     with pytest.raises(RequestError, match=f"^--draft-head int8: {DRAFT_HEAD_REFUSAL}$"):
         make_decoder("mtp", target, mtp=assistant, draft_head=head)
+    dmtp = decoders["dmtp"]
+    assert make_decoder("dmtp", target, dmtp.drafter, mtp=dmtp.mtp, fusion=dmtp.fusion, draft_head=head).draft_head
     decoder = types.SimpleNamespace(draft_head=head, proposer=types.SimpleNamespace(needs={"mtp": True}),
                                     target=target, mtp=assistant)
     with pytest.raises(RequestError, match=f"^draft-head T1 agreement: {DRAFT_HEAD_REFUSAL}$"):
