@@ -5,9 +5,10 @@ server, per method, with every output checked against `generate`.
         [--arrival all|poisson] [--rate 4] [--max-tokens 64] [--max-batch-size 32] [--max-model-len 512]
         [--rounds-per-dispatch K] [--repeats 3] [--plot serve.png] [--target DIR ...]
 
-It builds every method's engine (on the demo by default, each with its demo drafter; compiled
-before any clock starts; row buckets 1, 8, 32 unless `--buckets`) and serves each on a free local
-port in this process (uvicorn thread, the same app as `infer.py serve`); the clients run in a
+It builds every method's engine (on the demo by default, each with its demo drafter; greedy programs
+compiled before any clock starts; row buckets 1, 8, 32 unless `--buckets`; at most
+`--rounds-per-dispatch` rounds per dispatch while nobody waits, default `serve`'s, and as many in the
+static batches) and serves each on a free local port in this process (uvicorn thread, the same app as `infer.py serve`); the clients run in a
 process of their own. Per concurrency level `c` it sends `max(c, --min-requests)` greedy
 streaming completions of the workload's prompts (the demo's `demo/prompts.jsonl`, or `--prompts`,
 cycled), at most `c` in flight, arriving all at once (`--arrival all`) or as a Poisson process of
@@ -133,6 +134,19 @@ def static_rate(decoder, prompts, size: int, max_tokens: int, stops) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+def choice_line(engine, c: int) -> str:
+    """What an auto engine's policy estimates for `c` running rows after a level: each method's tok/s,
+    tau and round ms at their bucket, and the host's ms per round there."""
+    from dmtp_jax.serve.admission import row_bucket
+    policy, rows = engine.policy, min(c, engine.max_batch_size)
+    bucket = row_bucket(rows, engine.buckets)
+    parts = [f"{m} {est:.0f} tok/s (tau {policy.tau[m]:.2f}, {1e3 * policy.round_s[(m, bucket)]:.1f} ms)"
+             for m, est in sorted(policy.estimates(rows, bucket).items())]
+    host = policy.host_s.get(bucket)
+    return (f"estimates at {rows} of {bucket} rows: " + ", ".join(parts)
+            + ("" if host is None else f"; host {1e3 * host:.1f} ms per round"))
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -158,13 +172,14 @@ def build_engines(args, methods, target_dir, tokenizer, prompts, stack, client) 
     up and served (in `stack`) before any clock starts; the reference is `generate` of each prompt
     alone (greedy: every method's output is ar's)."""
     import infer
-    from dmtp_jax.serve.app import Scheduler, build_app, serving_in_thread, warm_up
-    from dmtp_jax.serve.engine import Engine
+    from dmtp_jax.serve.app import Scheduler, build_app, serving_in_thread
+    from dmtp_jax.serve.engine import SERVE_ROUNDS_PER_DISPATCH, Engine
     from dmtp_jax.sharding import make_mesh
 
+    rounds = args.rounds_per_dispatch or SERVE_ROUNDS_PER_DISPATCH     # the servers' and the static batches'
     opts = argparse.Namespace(target=args.target, draft=args.draft, mtp=args.mtp, dtype=args.dtype, block_size=None,
                               verify="rejection", mtp_steps=None, strict=False,
-                              rounds_per_dispatch=args.rounds_per_dispatch, prefill_chunk=None,
+                              rounds_per_dispatch=rounds, prefill_chunk=None,
                               adaptive_threshold=None, stop_token_ids=None)
     mesh, served, reference = make_mesh(None), {}, None
     buckets = {"buckets": tuple(int(b) for b in args.buckets.split(","))} if args.buckets else {}
@@ -178,7 +193,8 @@ def build_engines(args, methods, target_dir, tokenizer, prompts, stack, client) 
         engine = Engine(decoder, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
                         stop_ids=stops, **buckets)
         t0 = time.perf_counter()
-        warm_up(engine)
+        engine.warm_up(sampled=False)       # greedy requests only: half the programs (and memory maps)
+        engine.counters.clear()
         print(f"{method}: engine compiled in {time.perf_counter() - t0:.1f}s", flush=True)
         base = stack.enter_context(serving_in_thread(build_app(Scheduler(engine), tokenizer, "bench")))
         client.load(base, prompts[:1], 1, 4, float("inf"))        # the HTTP path warmed up
@@ -281,6 +297,7 @@ def main(argv=None) -> int:
                     print("        rounds (last pass): " + ", ".join(
                         f"{k[7:]} {v}" for k, v in sorted(row["rounds"].items()) if k.startswith("rounds/")),
                         flush=True)
+                    print(f"        {choice_line(served['auto'][2], c)}", flush=True)
     failures = sum(r["sent"] - r["exact"] + r["failed"] for r in rows)
     by = {(r["method"], r["c"]): r["tok_s"] for r in rows}
     if "auto" in methods:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dmtp_jax.serve.engine import Engine, Request, insert_row
+from dmtp_jax.serve.warmup import time_rounds
 from tests.serve_fixtures import MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, serve_decoder, serve_reference
 
 BUCKETS = (2, 4)        # two row buckets: rows move and the state grows and shrinks, few compiles
@@ -149,6 +150,14 @@ def test_rounds_switched_every_step_equal_generate(auto, reference):
     assert req.output_ids == reference[0][:6]
     choice = engine.choice
     assert choice["method"] in engine.bank.methods and choice["rows"] == 1 and choice["bucket"] == 2
+    assert set(engine.policy.host_s) <= set(BUCKETS) and engine.policy.host_s    # the host's time per round
+    # warm-up's timing of the compiled rounds: every (method, bucket) has its first sample, no compile
+    fresh = Engine(auto, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
+    before = fresh.compile_counts()
+    time_rounds(fresh)
+    assert set(fresh.policy.round_s) == set(itertools.product(fresh.bank.methods, BUCKETS))
+    assert not any(new_compiles(fresh, before).values())
+    assert fresh.policy.choose(1, 2) in fresh.bank.methods and fresh.choice["why"] == "highest estimated tok/s"
     text = ServerMetrics().render(engine)
     assert f'dmtp_engine_choice{{method="{choice["method"]}"' in text and "dmtp_engine_tau{" in text
 
@@ -166,7 +175,11 @@ def test_burst_is_one_prefill_and_k_rounds_per_dispatch(decoder, reference):
     engine.step()
     engine.bank.prefill_step = real
     assert len(calls) == 1 and all(r.output_ids for r in reqs)
-    steps = run(engine)
+    steps = 0
+    while engine.busy:
+        ids = [ev.request.id for ev in engine.step()]
+        steps += 1
+        assert len(ids) == len(set(ids)), ids           # a dispatch's tokens: one event per request
     assert [r.output_ids for r in reqs] == reference[:4]
     assert engine.counters["rounds"] > steps + 1        # several rounds per dispatch
     counts = new_compiles(engine, before)

@@ -51,3 +51,40 @@ def test_each_bucket_is_timed_on_its_own():
     # at 8 rows dmtp's round costs 4x ar's: 3 tokens do not pay for it
     run(policy, lambda m, i: 0.01 if m == "ar" else 0.04, tau, rows=8, bucket=8, choices=30)
     assert policy.choose(8, 8) == "ar" and policy.choose(1, 1) == "dmtp"
+
+
+def test_the_hosts_time_per_round_favours_fewer_rounds():
+    """ar 10 ms a round, dmtp 30 ms for 2.5 tokens: ar is faster on the device alone, but with 20 ms
+    of host work around every round (committing, streaming) dmtp's fewer rounds win."""
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 2.5})
+    policy.observe("ar", 4, rounds=1, seconds=0.010, row_rounds=0, committed=0)      # warm-up's timings
+    policy.observe("dmtp", 4, rounds=2, seconds=0.060, row_rounds=0, committed=0)
+    assert policy.choose(4, 4) == "ar" and policy.tau["dmtp"] == 2.5
+    policy.observe_host(4, 0.020)
+    assert policy.choose(4, 4) == "dmtp" and policy.describe()["why"] == "highest estimated tok/s"
+    assert policy.choose(4, 8) == "ar" and policy.describe()["why"] == "timing ar at 8 rows"
+
+
+def test_rounds_per_dispatch_stay_within_the_dispatch_bound():
+    policy = LoadPolicy({"ar": 1, "dmtp": 8})
+    assert policy.rounds("ar", 1, 4) == 1                   # not timed yet
+    policy.observe("ar", 1, rounds=1, seconds=0.02, row_rounds=1, committed=1)
+    policy.observe("dmtp", 1, rounds=1, seconds=0.07, row_rounds=1, committed=3)
+    assert policy.rounds("ar", 1, 4) == 4 and policy.rounds("ar", 1, 1) == 1
+    assert policy.rounds("dmtp", 1, 4) == 1                 # 4 x 70 ms: past DISPATCH_S
+    assert policy.rounds("ar", 8, 4) == 1
+
+
+def test_acceptance_weighs_row_rounds_so_one_unlucky_round_does_not_flip_the_choice():
+    """tau is a mean over row rounds: one refresh round of one row that accepted nothing barely moves
+    dmtp's, 32 row rounds of it do."""
+    policy = LoadPolicy(SLOTS)
+    for m, t in (("ar", 0.02), ("mtp", 0.04), ("dmtp", 0.04)):
+        policy.observe(m, 1, rounds=1, seconds=t, row_rounds=0, committed=0)
+    policy.observe("mtp", 1, rounds=1, seconds=0.04, row_rounds=40, committed=188)     # tau 4.7
+    policy.observe("dmtp", 1, rounds=1, seconds=0.04, row_rounds=40, committed=220)    # tau 5.5
+    assert policy.choose(1, 1) == "dmtp"
+    policy.observe("dmtp", 1, rounds=1, seconds=0.04, row_rounds=1, committed=1)
+    assert policy.choose(1, 1) == "dmtp" and policy.tau["dmtp"] > 5.2
+    policy.observe("dmtp", 1, rounds=1, seconds=0.04, row_rounds=32, committed=32)
+    assert policy.choose(1, 1) == "mtp"

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dmtp_jax.errors import RequestError
-from dmtp_jax.serve.engine import Engine
+from dmtp_jax.serve.engine import SERVE_ROUNDS_PER_DISPATCH, Engine
 from dmtp_jax.serve.limits import ApiKeyAuth, BodyLimit, bind_socket, header_timeout_protocol
 from dmtp_jax.serve.protocol import (ApiError, ChatBody, CompletionBody, ServerLimits, check_prompt_chars, check_text,
                                      error_body, one_prompt, request_of, stops_of)
@@ -238,15 +238,17 @@ def warm_up(engine: Engine, every_bucket: bool = True) -> None:
 def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
           max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
           limits: ServerLimits = ServerLimits(), api_key: str | None = None, enable_docs: bool = False,
-          sock=None, max_top_k: int = 256, prefix_cache_gb: float = 0.0) -> int:
+          sock=None, max_top_k: int = 256, prefix_cache_gb: float = 0.0, rounds_per_dispatch: int | None = None) -> int:
     """Binds `host:port` (or uses the bound `sock`; a port in use is an `InputError`), builds and compiles
-    the engine, prints "serving ..." and serves until SIGTERM / Ctrl-C (exit 0: running requests
-    finished, or cancelled after 30 s). `infer.py serve` calls it."""
+    the engine (at most `rounds_per_dispatch` rounds per dispatch, default `SERVE_ROUNDS_PER_DISPATCH`),
+    prints "serving ..." and serves until SIGTERM / Ctrl-C (exit 0: running requests finished, or
+    cancelled after 30 s). `infer.py serve` calls it."""
 
     sock = sock or bind_socket(host, port)
     port = sock.getsockname()[1]
     engine = Engine(decoder, max_batch_size=max_batch_size, max_model_len=max_model_len, stop_ids=stop_ids,
-                    max_top_k=max_top_k, prefix_cache_gb=prefix_cache_gb)
+                    max_top_k=max_top_k, prefix_cache_gb=prefix_cache_gb,
+                    rounds_per_dispatch=rounds_per_dispatch or SERVE_ROUNDS_PER_DISPATCH)
     warm_up(engine)
     scheduler = Scheduler(engine, max_waiting=limits.max_waiting)
     app = build_app(scheduler, tokenizer, model_name, limits=limits, api_key=api_key, enable_docs=enable_docs)

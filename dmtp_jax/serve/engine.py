@@ -22,7 +22,7 @@ from dmtp_jax.options import check_max_model_len, check_positive_int
 from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
 from dmtp_jax.serve.policy import LoadPolicy
 from dmtp_jax.serve.prefix_cache import PrefixCache, copy_state, prefix_cache_bytes, state_nbytes
-from dmtp_jax.serve.request import Event, Request, check_request, row_sampling
+from dmtp_jax.serve.request import Event, Request, check_request, merge_events, row_sampling
 from dmtp_jax.serve.rounds import engine_bank
 from dmtp_jax.serve.rows import RowMoves, insert_row
 from dmtp_jax.serve.warmup import warm_up_engine
@@ -32,6 +32,7 @@ __all__ = ["Engine", "Event", "Request", "insert_row"]
 log = logging.getLogger(__name__)
 PREFILL_BUDGET_CHUNKS = 4       # default prefill tokens per step: this many prefill chunks' worth
 BURST_PROMPT_TOKENS = 2 * PROMPT_BUCKET_FLOOR    # an idle engine prefills this many tokens per free row at once
+SERVE_ROUNDS_PER_DISPATCH = 4   # `serve`'s most rounds per dispatch while nobody waits (`LoadPolicy.rounds`)
 
 
 class Engine:
@@ -43,7 +44,8 @@ class Engine:
     `prefill_budget`: prefill tokens per step while rows decode (default: `PREFILL_BUDGET_CHUNKS` x the
     decoder's `prefill_chunk`); an idle engine's first group may take `burst_budget` (default: the larger
     of that and `max_batch_size` x `BURST_PROMPT_TOKENS`), so a burst of short prompts is one prefill.
-    `rounds_per_dispatch`: K rounds per dispatch when nobody waits (default: the decoder's).
+    `rounds_per_dispatch`: the most rounds per dispatch, run while nobody waits and the policy's round time
+    says K rounds take at most `policy.DISPATCH_S` (default: the decoder's).
     `prefix_cache_gb`: the prefix cache's budget in GiB (0: no cache; `serve/prefix_cache.py`).
     Not thread-safe: one thread calls `add`, `cancel` and `step` (or `admit` and `decode`: the server's
     scheduler).
@@ -69,6 +71,7 @@ class Engine:
         self._group: PrefillGroup | None = None      # the prefill in progress
         self._solo: set[int] = set()                 # requests to prefill alone (their group failed)
         self._index = 0                              # rounds run (the round key's index)
+        self._last_dispatch = None                   # (bucket, rounds, results back s) of a dispatch just run
         self.counters = collections.Counter()        # requests, prompt / generated tokens, rounds, accepted
         self.auto = decoder if isinstance(decoder, AutoDecoder) else None
         self.verdict = None if self.auto is None else self.auto.cached(self.max_batch_size, greedy=True)
@@ -137,7 +140,8 @@ class Engine:
         events (admitted requests' first tokens), which a server can send before the next round."""
         events: list[Event] = []
         self._drop_cancelled(events)
-        self._admit(events)
+        if self._admit(events) or events:
+            self._last_dispatch = None      # the time to the next dispatch is not the host's round work
         return events
 
     def decode(self) -> list[Event]:
@@ -171,6 +175,7 @@ class Engine:
         for req in self.running:
             self._finish(req, reason, events)
         self.running = []
+        self._last_dispatch = None
         self.state = self.bank.new_state(self.buckets[0], self.max_len)
 
     def abort_all(self, reason: str = "error") -> list[Event]:
@@ -211,17 +216,18 @@ class Engine:
         self._solo.update(r.id for r in reqs)
         self.waiting.extendleft(reversed(reqs))
 
-    def _admit(self, events):
+    def _admit(self, events) -> int:
+        """Runs prefill groups within the budget; returns the prefill tokens run."""
         spent = 0                       # prefill tokens run this step: at most the budget (or one call)
         while True:
             if self._group is None:
                 self._group = self._next_group(events)
                 if self._group is None:
-                    return
+                    return spent
             group = self._group
             cost = group.rows * group.width
             if spent and spent + cost > self.prefill_budget:
-                return                  # the running rows wait no longer than the budget's prefill
+                return spent            # the running rows wait no longer than the budget's prefill
             spent += cost
             try:
                 if not group.step(self.bank):
@@ -300,14 +306,21 @@ class Engine:
         limits[:n] = [len(r.prompt_ids) + r.max_tokens for r in self.running]
         sp, greedy = row_sampling(self.running, rows, self.max_top_k)
         method = self.policy.choose(n, rows)
-        k = self.rounds_per_dispatch if not self.waiting and self._group is None else 1
+        idle = not self.waiting and self._group is None
+        k = self.policy.rounds(method, rows, self.rounds_per_dispatch) if idle else 1
         stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if k > 1 else ()
         entry = self.bank.multi_round(method, k) if k > 1 else self.bank.round[method]
         compiles = entry.compiles
         if self.prefix_cache is not None and self.bank.slots[method] > 1:   # rows the dispatch may end: once
             self.prefix_cache.before_round(self.state, self.running, self.bank.slots[method] * k)
+        start = time.perf_counter()
+        if self._last_dispatch is not None:     # (bucket, rounds, when its results were back)
+            bucket, rounds, back = self._last_dispatch
+            self.policy.observe_host(bucket, (start - back) / rounds)
         self.state, tokens_bkn, acc_bk, ran_bk, k, seconds = self.bank.run(
             method, self.state, active, limits, sp, self.base_key, self._index + 1, greedy, k, stop_ids)
+        self._last_dispatch = (rows, k, start + seconds)
+        events_before = len(events)
         self._index += k
         self.counters["rounds"] += k
         self.counters[f"rounds/{method}"] += k
@@ -321,6 +334,8 @@ class Engine:
                 row_rounds, committed = row_rounds + 1, committed + got
                 self.counters["first_accepted"] += got > 1
                 self._commit(req, tokens_bkn[i, j, :got].tolist(), events, exact=not ran_bk[i, j + 1:].any())
+        if k > 1:                       # one event per request per dispatch: one message to its client
+            events[events_before:] = merge_events(events[events_before:])
         self.counters["row_rounds"] += row_rounds
         self.counters["committed"] += committed
         self.policy.observe(method, rows, rounds=k, seconds=seconds, row_rounds=row_rounds, committed=committed,

@@ -1,6 +1,8 @@
 """Which round the engine runs next: the method of the highest estimated output tokens/s at the live
-batch, `rows x tau(method) / round_s(method, bucket)`, both measured live (docs/serving.md);
-stale estimates are re-measured every `refresh_every` choices. `describe` says what a choice rests on.
+batch, `rows x tau(method) / (round_s(method, bucket) + host_s(bucket))`, all measured live
+(docs/serving.md; warm-up gives each round time its first sample); stale estimates are re-measured
+every `refresh_every` choices. `rounds` says how many rounds a dispatch may run while nobody waits;
+`describe` says what a choice rests on.
 
 Example:
     >>> p = LoadPolicy({"ar": 1, "dmtp": 8})
@@ -15,25 +17,29 @@ from __future__ import annotations
 import collections
 import statistics
 
-ALPHA = 0.25            # the weight of a new sample once a running average holds 1 / ALPHA samples
+ALPHA = 0.05            # the weight of one row round's acceptance once tau holds 1 / ALPHA row rounds
 REFRESH_EVERY = 32      # choices between two refresh runs of the stalest other method
 TIME_WINDOW = 5         # round times a (method, bucket) estimate is the median of
+DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
 
 
 class RunningMean:
-    """A mean over the first `1 / ALPHA` samples, an exponential average (weight ALPHA) after.
+    """A mean over the first `1 / ALPHA` samples, an exponential average (weight ALPHA per sample)
+    after; `add(mean, count)` adds the mean of `count` samples, weighing as many.
 
     Example:
         >>> m = RunningMean(); m.add(4.0); m.add(1.0); m.value
         2.5
+        >>> m.add(1.0, count=2); m.value
+        1.75
     """
 
     def __init__(self, value: float | None = None, samples: int = 0):
         self.value, self.samples = value, samples
 
-    def add(self, sample: float) -> None:
-        self.samples += 1
-        weight = max(ALPHA, 1.0 / self.samples)
+    def add(self, sample: float, count: int = 1) -> None:
+        self.samples += count
+        weight = max(1.0 - (1.0 - ALPHA) ** count, count / self.samples)
         self.value = sample if self.value is None else (1 - weight) * self.value + weight * sample
 
 
@@ -68,6 +74,7 @@ class LoadPolicy:
                      for m, n in self.slots.items()}
         self._round_s: dict[tuple[str, int], RecentMedian] = {}
         self._measured_at: dict[tuple[str, int], int] = {}    # the choice count of a key's last sample
+        self._host_s: dict[int, RecentMedian] = {}              # host seconds per round outside the dispatch
         self.refresh_every = int(refresh_every)
         self.choices = 0
         self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "estimates": {}}
@@ -80,10 +87,24 @@ class LoadPolicy:
     def round_s(self) -> dict[tuple[str, int], float]:
         return {k: r.value for k, r in self._round_s.items()}
 
+    @property
+    def host_s(self) -> dict[int, float]:
+        return {b: h.value for b, h in self._host_s.items()}
+
     def estimates(self, rows: int, bucket: int) -> dict[str, float]:
-        """Estimated output tokens/s per method timed at `bucket`."""
-        times = {m: self._round_s[(m, bucket)].value for m in self.slots if (m, bucket) in self._round_s}
+        """Estimated output tokens/s per method timed at `bucket`: a round's time includes the host's
+        work around it (committing, streaming), which a method of more rounds per token pays more often."""
+        host = self._host_s[bucket].value if bucket in self._host_s else 0.0
+        times = {m: self._round_s[(m, bucket)].value + host for m in self.slots if (m, bucket) in self._round_s}
         return {m: rows * self._tau[m].value / t for m, t in times.items() if t > 0}
+
+    def rounds(self, method: str, bucket: int, most: int) -> int:
+        """Rounds of `method`'s next dispatch at `bucket` rows when nobody waits: `most` when that many
+        take at most `DISPATCH_S` by its round time (an arrival waits for the dispatch in progress),
+        else 1; 1 before the round is timed."""
+        key = (method, bucket)
+        fits = most > 1 and key in self._round_s and most * self._round_s[key].value <= DISPATCH_S
+        return most if fits else 1
 
     def choose(self, rows: int, bucket: int) -> str:
         """The method of the next round (see the module docstring)."""
@@ -114,7 +135,12 @@ class LoadPolicy:
             self._round_s.setdefault((method, bucket), RecentMedian()).add(seconds / rounds)
             self._measured_at[(method, bucket)] = self.choices
         if row_rounds > 0 and method != "ar":
-            self._tau[method].add(committed / row_rounds)
+            self._tau[method].add(committed / row_rounds, row_rounds)     # one row round: one sample
+
+    def observe_host(self, bucket: int, seconds: float) -> None:
+        """The host spent `seconds` per round at `bucket` rows between one dispatch's results and the
+        next dispatch (no prefill between them)."""
+        self._host_s.setdefault(bucket, RecentMedian()).add(max(0.0, seconds))
 
     def describe(self) -> dict:
         """The last choice: method, why, rows, bucket, each method's tau and estimated tok/s."""

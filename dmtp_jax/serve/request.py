@@ -91,6 +91,27 @@ class Event:
     finished: bool
 
 
+def merge_events(events: list[Event]) -> list[Event]:
+    """One event per request, in the order of their first events: its tokens joined, finished if
+    any was.
+
+    Example:
+        >>> a, b = Request([1], 4), Request([2], 4)
+        >>> [(e.request is a, e.tokens, e.finished) for e in
+        ...  merge_events([Event(a, [5], False), Event(b, [6], False), Event(a, [7], True)])]
+        [(True, [5, 7], True), (False, [6], False)]
+    """
+    merged: dict[int, Event] = {}
+    for ev in events:
+        if ev.request.id in merged:
+            first = merged[ev.request.id]
+            first.tokens = first.tokens + list(ev.tokens)
+            first.finished = first.finished or ev.finished
+        else:
+            merged[ev.request.id] = Event(ev.request, list(ev.tokens), ev.finished)
+    return list(merged.values())
+
+
 def row_sampling(reqs, rows: int, top_k_cap: int = 0) -> tuple[SamplingParams, bool]:
     """`(SamplingParams.rows over `rows` rows, greedy)` for `reqs` in rows 0..len-1 (the rest, and greedy
     rows, temperature 0), in ONE form whatever the requests ask (top-k searching `top_k_cap`, top-p

@@ -12,12 +12,14 @@ from dmtp_jax.decode.prefill import chunk_length
 from dmtp_jax.serve.admission import PrefillGroup, resume_widths
 from dmtp_jax.serve.request import Request, row_sampling
 
+TIMED_RUNS = 3          # rounds per (method, row bucket) whose median seeds the policy's round time
+
 
 def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> None:
     """Compiles every round of the bank at every row bucket (greedy, and with every sampling filter on
-    when `sampled`; K-round dispatches when K > 1), the row moves between buckets, and the prefill of
-    every prompt bucket (`every_bucket`; else the shortest) at every row bucket the burst budget
-    admits."""
+    when `sampled`; K-round dispatches when K > 1) and, when the bank has several, times them
+    (`time_rounds`); compiles the row moves between buckets, and the prefill of every prompt bucket
+    (`every_bucket`; else the shortest) at every row bucket the burst budget admits."""
     top = next_pow2(engine.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
     dispatches = sorted({1, engine.rounds_per_dispatch})
     temperatures = (0.0, 1.0) if sampled else (0.0,)
@@ -25,6 +27,8 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
         sp, greedy = row_sampling([Request([0], 1, temperature=t)], rows, engine.max_top_k)
         engine.bank.run(method, engine.bank.new_state(rows, engine.max_len), np.zeros(rows, bool),
                         np.zeros(rows, np.int32), sp, engine.base_key, 1, greedy, k, engine.stop_ids)
+    if len(engine.bank.methods) > 1:
+        time_rounds(engine)
     for rows, other in itertools.product(engine.buckets, engine.buckets):     # the row moves between buckets
         state = engine.moves.resize(engine.bank.new_state(rows, engine.max_len), other)
         if other <= rows:
@@ -42,6 +46,23 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
                 pass
     if engine.prefix_cache is not None:
         warm_up_prefix_cache(engine, temperatures)
+
+
+def time_rounds(engine, runs: int = TIMED_RUNS) -> None:
+    """Gives the policy each (method, row bucket) round time's first sample: the median of `runs` greedy
+    rounds over full rows of a scratch state (compiled already), so a first choice at a bucket rests on
+    more than one live round."""
+    for rows in engine.buckets:
+        sp, greedy = row_sampling([], rows, engine.max_top_k)
+        state = engine.bank.new_state(rows, engine.max_len)
+        active, limits = np.ones(rows, bool), np.full(rows, engine.max_model_len, np.int32)
+        for method in engine.bank.methods:
+            seconds = []
+            for _ in range(runs):
+                state, *_, s = engine.bank.run(method, state, active, limits, sp, engine.base_key, 1, greedy)
+                seconds.append(s)
+            engine.policy.observe(method, rows, rounds=1, seconds=float(np.median(seconds)), row_rounds=0,
+                                  committed=0)
 
 
 def warm_up_prefix_cache(engine, temperatures=(0.0, 1.0)) -> None:
