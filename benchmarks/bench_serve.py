@@ -7,18 +7,19 @@ server, per method, with every output checked against `generate`.
 
 It builds every method's engine (on the demo by default, each with its demo drafter; greedy programs
 compiled before any clock starts; row buckets 1, 8, 32 unless `--buckets`; at most
-`--rounds-per-dispatch` rounds per dispatch while nobody waits, default `serve`'s, and as many in the
-static batches) and serves each on a free local port in this process (uvicorn thread, the same app as `infer.py serve`); the clients run in a
-process of their own. Per concurrency level `c` it sends `max(c, --min-requests)` greedy
-streaming completions of the workload's prompts (the demo's `demo/prompts.jsonl`, or `--prompts`,
-cycled), at most `c` in flight, arriving all at once (`--arrival all`) or as a Poisson process of
-`--rate` requests/s, to every method in turn, `--repeats` times with the order rotated (a shared
-machine's slow spells fall on every method alike). Per level and method it prints the median output
-tokens/s, time to first token p50 / p99, inter-token latency p50 / p99 (streamed chunks: a
-speculative round's tokens arrive together) and the ratio to a static batch: the method's `generate`
-over the same prompts in batches of `c` (auto: the better of ar's and dmtp's). Every server output
-must equal `generate` of its prompt alone (greedy, compared as text); no request may fail. `--plot`
-writes tok/s and TTFT p50 against concurrency, one line per method.
+`--rounds-per-dispatch` rounds per dispatch while nobody waits, default `serve`'s, and as many in
+the static batches) and serves each on a free local port in this process (uvicorn thread, the same
+app as `infer.py serve`); the clients run in a process of their own. Per concurrency level `c` it
+sends `max(c, --min-requests)` greedy streaming completions of the workload's prompts (the demo's
+`demo/prompts.jsonl`, or `--prompts`, cycled), at most `c` in flight, arriving all at once
+(`--arrival all`) or as a Poisson process of `--rate` requests/s, to every method in turn,
+`--repeats` times with the order rotated (a shared machine's slow spells fall on every method
+alike). Per level and method it prints the median output tokens/s, time to first token p50 / p99,
+inter-token latency p50 / p99 (streamed chunks: a speculative round's tokens arrive together) and
+the ratio to a static batch: the method's `generate` over the same prompts in batches of `c` (auto:
+the better of ar's and dmtp's). Every server output must equal `generate` of its prompt alone
+(greedy, compared as text); no request may fail. `--plot` writes tok/s and TTFT p50 against
+concurrency, one line per method.
 
 Numbers compare methods and concurrency levels within one run on one machine only.
 """
