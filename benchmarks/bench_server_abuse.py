@@ -41,9 +41,10 @@ def rss_mb() -> float:
 def warm_server(decoder, tokenizer, limits, rows: int, max_model_len: int):
     """`(base url, scheduler)` of a warmed-up server on a free local port, while in the block."""
     from dmtp_jax.serve.app import Scheduler, build_app, serving_in_thread, warm_up
-    from dmtp_jax.serve.engine import Engine
+    from dmtp_jax.serve.engine import SERVE_ROUNDS_PER_DISPATCH, Engine
 
-    engine = Engine(decoder, max_batch_size=rows, max_model_len=max_model_len, stop_ids=[])
+    engine = Engine(decoder, max_batch_size=rows, max_model_len=max_model_len, stop_ids=[],
+                    rounds_per_dispatch=SERVE_ROUNDS_PER_DISPATCH)      # as `serve` runs it
     warm_up(engine, every_bucket=False)
     scheduler = Scheduler(engine, max_waiting=limits.max_waiting)
     app = build_app(scheduler, tokenizer, "tiny", drain_s=5, limits=limits, api_key=KEY)
