@@ -1,7 +1,8 @@
 """Which round the engine runs next: the method of the highest estimated output tokens/s at the live
 batch, `rows x tau(method) / (round_s(method, bucket) + host_s(bucket))`, all measured live
-(docs/serving.md; warm-up gives each round time its first sample); stale estimates are re-measured
-every `refresh_every` choices. `rounds` says how many rounds a dispatch may run while nobody waits;
+(docs/serving.md; warm-up gives each round time its first sample). Every `refresh_every` choices one
+other method runs once: the one whose acceptance rests on the fewest row rounds while that is under
+`TRUSTED_ROW_ROUNDS`, else the one timed longest ago. `rounds` says how many rounds a dispatch may run while nobody waits;
 `describe` says what a choice rests on.
 
 Example:
@@ -18,7 +19,9 @@ import collections
 import statistics
 
 ALPHA = 0.05            # the weight of one row round's acceptance once tau holds 1 / ALPHA row rounds
-REFRESH_EVERY = 32      # choices between two refresh runs of the stalest other method
+REFRESH_EVERY = 32      # choices between two refresh runs of another method
+PRIOR_ROW_ROUNDS = 4    # the row rounds a prior tau (a cached verdict, else slots / 2) weighs as
+TRUSTED_ROW_ROUNDS = 20 # measured row rounds below which a method's tau is refreshed before any stale time
 TIME_WINDOW = 5         # round times a (method, bucket) estimate is the median of
 DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
 
@@ -70,8 +73,9 @@ class LoadPolicy:
         self.slots = dict(slots)
         prior = prior_tau or {}
         self._tau = {m: RunningMean(1.0, 1) if m == "ar" else
-                     RunningMean(float(prior[m]), 1) if m in prior else RunningMean(max(1.0, n / 2), 0)
+                     RunningMean(float(prior[m]) if m in prior else max(1.0, n / 2), PRIOR_ROW_ROUNDS)
                      for m, n in self.slots.items()}
+        self._measured = {m: TRUSTED_ROW_ROUNDS if m == "ar" else 0 for m in self.slots}    # ar's tau is exact
         self._round_s: dict[tuple[str, int], RecentMedian] = {}
         self._measured_at: dict[tuple[str, int], int] = {}    # the choice count of a key's last sample
         self._host_s: dict[int, RecentMedian] = {}              # host seconds per round outside the dispatch
@@ -117,15 +121,25 @@ class LoadPolicy:
             method, why = untimed[0], f"timing {untimed[0]} at {bucket} rows"
         else:
             best = max(est, key=est.get)
-            age = {m: self.choices - self._measured_at.get((m, bucket), 0) for m in self.slots if m != best}
-            stalest = max(age, key=age.get)
-            if self.choices % self.refresh_every == 0 and age[stalest] >= self.refresh_every:
-                method, why = stalest, f"refreshing {stalest}'s estimate at {bucket} rows"
+            stale = self._refresh_candidate(best, bucket) if self.choices % self.refresh_every == 0 else None
+            if stale is not None:
+                method, why = stale, f"refreshing {stale}'s estimate at {bucket} rows"
             else:
                 method, why = best, "highest estimated tok/s"
         self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "estimates": est,
                      "tau": self.tau}
         return method
+
+    def _refresh_candidate(self, best: str, bucket: int) -> str | None:
+        """The other method to run once: the least measured while under `TRUSTED_ROW_ROUNDS` row rounds,
+        else the one timed longest ago if that is `refresh_every` choices or more; None otherwise."""
+        others = [m for m in self.slots if m != best]
+        fewest = min(others, key=lambda m: self._measured[m])
+        if self._measured[fewest] < TRUSTED_ROW_ROUNDS:
+            return fewest
+        age = {m: self.choices - self._measured_at.get((m, bucket), 0) for m in others}
+        stalest = max(age, key=age.get)
+        return stalest if age[stalest] >= self.refresh_every else None
 
     def observe(self, method: str, bucket: int, *, rounds: int, seconds: float, row_rounds: int, committed: int,
                 compiled: bool = False) -> None:
@@ -136,6 +150,7 @@ class LoadPolicy:
             self._measured_at[(method, bucket)] = self.choices
         if row_rounds > 0 and method != "ar":
             self._tau[method].add(committed / row_rounds, row_rounds)     # one row round: one sample
+            self._measured[method] += row_rounds
 
     def observe_host(self, bucket: int, seconds: float) -> None:
         """The host spent `seconds` per round at `bucket` rows between one dispatch's results and the
