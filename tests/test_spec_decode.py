@@ -121,11 +121,12 @@ def test_every_method_has_one_proposer_and_the_models_it_needs_are_checked():
 
 
 def test_the_round_has_no_method_branches():
-    """`decode/spec.py` and `decode/round.py` never ask which method runs: proposers do."""
+    """`decode/spec.py`, `decode/round.py` and `decode/drafting.py` never ask which method runs:
+    proposers do."""
     import inspect
     import re
 
+    from dmtp_jax.decode import drafting, spec
     from dmtp_jax.decode import round as round_mod
-    from dmtp_jax.decode import spec
-    for module in (spec, round_mod):
+    for module in (spec, round_mod, drafting):
         assert not re.search(r"method\s*(==|!=|in)\s", inspect.getsource(module))

@@ -245,8 +245,8 @@ class Eagle3Proposer(Proposer):
 
 class PlainProposer(Proposer):
     """`ar` on a speculative state: one verify slot, so the round is a plain target step that still
-    advances the MTP and the drafter's context (a state can switch between plain and speculative
-    rounds)."""
+    keeps the MTP and the drafter's context current, or defers them (`decode/drafting.py`), so a
+    state can switch between plain and speculative rounds."""
 
     def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
         b = state.pending_b.shape[0]

@@ -1,5 +1,6 @@
 """The speculative round as named, pure phase functions over explicit state (`SpecState`):
-propose, verify_forward, accept, mtp_advance, write_context, commit (docs/ARCHITECTURE.md).
+propose, verify_forward, accept, commit (its drafting caches' side: `decode/drafting.py`)
+(docs/ARCHITECTURE.md).
 `spec_round` composes them; `prefill_step` is the state's prefill chunk. Models come in as a
 `RoundModels` and every knob as an argument, so the decoder, `bench/phases.py` and the exactness
 probe jit the same functions."""
@@ -13,11 +14,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dmtp_jax.decode.caches import target_cache_shardings
-from dmtp_jax.decode.draft_model import commit_draft_cache, prefill_draft_cache
+from dmtp_jax.decode.draft_model import prefill_draft_cache
+from dmtp_jax.decode.drafting import (DeferredRows, VerifyForward, advance_drafting, catch_up, defer_rows,
+                                      gather_rows, write_context)
 from dmtp_jax.decode.prefill import target_chunk
 from dmtp_jax.decode.sampling import filtered_probs
 from dmtp_jax.decode.verify import verify_block, verify_greedy, verify_rejection, verify_target_only
-from dmtp_jax.layers.kv_cache import KVCache, TargetCache, write_layer
+from dmtp_jax.layers.kv_cache import KVCache, TargetCache
 from dmtp_jax.models.draft_head import draft_scores
 from dmtp_jax.sharding import kv_cache_sharding, replicated
 
@@ -32,6 +35,7 @@ class SpecState:
     pending_b: jax.Array        # last committed token (A), not yet run by the target
     tokens_bs: jax.Array | None = None          # the row's tokens at slot == position, A at L (int32)
     draft_cache: TargetCache | None = None      # a draft model's own cache (`decode/draft_model.py`)
+    deferred: DeferredRows | None = None        # plain rounds' rows not yet in the drafting caches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,23 +78,6 @@ class Proposal:
     draft_cache: TargetCache | None = None      # a draft model's cache after its chain (None: the state's)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class VerifyForward:
-    """The target's verify forward: inputs `[A, drafts]`, their positions and embeddings, the
-    `TargetOutput` and logits."""
-    tokens_bn: jax.Array
-    positions_bn: jax.Array
-    embeds_bnh: jax.Array
-    out: object
-    logits_bnv: jax.Array
-
-
-def gather_rows(x_bt_: jax.Array, index_b: jax.Array) -> jax.Array:
-    """`x[b, index[b]]` for every row."""
-    return jnp.take_along_axis(x_bt_, index_b.reshape((-1,) + (1,) * (x_bt_.ndim - 1)), axis=1)[:, 0]
-
-
 def write_tokens(tokens_bs: jax.Array | None, new_bt: jax.Array, positions_bt: jax.Array, valid_bt: jax.Array):
     """The token buffer with `new_bt` written at `positions_bt` where `valid_bt` (the rest dropped);
     None stays None.
@@ -105,13 +92,6 @@ def write_tokens(tokens_bs: jax.Array | None, new_bt: jax.Array, positions_bt: j
     s = tokens_bs.shape[1]
     rows = jnp.broadcast_to(jnp.arange(tokens_bs.shape[0])[:, None], positions_bt.shape)
     return tokens_bs.at[rows, jnp.where(valid_bt, positions_bt, s)].set(new_bt.astype(tokens_bs.dtype), mode="drop")
-
-
-def write_all_layers(cache_lbskd: jax.Array, new_lbtkd: jax.Array, positions_bt: jax.Array) -> jax.Array:
-    """`write_layer` for every layer of a stacked cache."""
-    for i in range(cache_lbskd.shape[0]):
-        cache_lbskd = write_layer(cache_lbskd, i, new_lbtkd[i], positions_bt)
-    return cache_lbskd
 
 
 def context_window(cache_lbskd: jax.Array, lengths_b: jax.Array, window: int):
@@ -129,7 +109,8 @@ def state_shardings(mesh, st: SpecState) -> SpecState:
     kv = lambda c: None if c is None else KVCache(*(kv_cache_sharding(mesh, c.k_lbskd.shape),) * 2)  # noqa: E731
     return SpecState(target_cache_shardings(mesh, st.target_cache), kv(st.ctx_cache), kv(st.mtp_cache),
                      None if st.mtp_h_bh is None else rep, rep, rep, None if st.tokens_bs is None else rep,
-                     None if st.draft_cache is None else target_cache_shardings(mesh, st.draft_cache))
+                     None if st.draft_cache is None else target_cache_shardings(mesh, st.draft_cache),
+                     None if st.deferred is None else jax.tree.map(lambda _: rep, st.deferred))
 
 
 def constrain_state(mesh, st: SpecState) -> SpecState:
@@ -173,85 +154,27 @@ def accept(logits_bnv: jax.Array, drafts_bn: jax.Array, q_bnv: jax.Array | None,
     return verify_rejection(p, q_bnv, drafts_bn, key)
 
 
-def mtp_advance(models: RoundModels, state: SpecState, mtp_cache: KVCache, fwd: VerifyForward, acc_b, bonus_b,
-                active_b):
-    """MTP over rows `(h_{L+j}, next committed token)` at `L+j+1` for `j <= accepted`; the rest go to
-    scratch. Returns `(cache, hidden predicting the next T1, every row's hidden or None)`; the last
-    is only for the DMTP context variants (row j aligned with context position `L+j`)."""
-    target, mtp, fusion = models.target, models.mtp, models.fusion
-    n = fwd.tokens_bn.shape[1]
-    j = jnp.arange(n)[None]
-    # the next committed token's embedding: row j < accepted takes verify row j + 1's (already looked
-    # up by the verify forward), the accepted row the bonus's: one new row per round, not n
-    shifted = jnp.concatenate([fwd.embeds_bnh[:, 1:], fwd.embeds_bnh[:, :1]], axis=1)
-    nxt_bnh = jnp.where((j < acc_b[:, None])[:, :, None], shifted, target.embed(bonus_b[:, None]))
-    valid = (j <= acc_b[:, None]) & active_b[:, None]
-    pos = jnp.where(valid, state.lengths_b[:, None] + j + 1, mtp_cache.max_len)
-    hidden_bnh = fwd.out.hidden_bth
-    target_kv = fwd.out.cache.kv        # the verify rows' K/V are written: row j reads positions <= L + j
-    if fusion is not None and fusion.uses_mtp_context:
-        rows, mtp_cache = mtp(nxt_bnh, hidden_bnh, pos, mtp_cache, target_kv=target_kv)
-        last = gather_rows(rows, acc_b)
-        rows = mtp.feature(rows)
-    else:
-        (last, mtp_cache), rows = mtp.advance(nxt_bnh, hidden_bnh, pos, mtp_cache, acc_b, target_kv=target_kv), None
-    return mtp_cache, jnp.where(active_b[:, None], last, state.mtp_h_bh), rows
-
-
-def write_context(drafter, fusion, ctx_cache: KVCache, captured, positions_bt: jax.Array, mtp_h_bth) -> KVCache:
-    """Context K/V of new target rows (captured features at `positions_bt`); the DMTP context variants
-    mix in the MTP feature `mtp_h_bth` (aligned with p)."""
-    features = jnp.concatenate(captured, axis=-1)
-    ctx = (fusion.context(drafter, features, mtp_h_bth) if fusion is not None
-           else drafter.project_context(features))
-    k, v = drafter.context_kv(ctx, positions_bt)
-    return KVCache(write_all_layers(ctx_cache.k_lbskd, k, positions_bt),
-                   write_all_layers(ctx_cache.v_lbskd, v, positions_bt))
-
-
-def chained_advance(models: RoundModels, state: SpecState, fwd: VerifyForward, acc_b, bonus_b, active_b):
-    """A chained drafter's (EAGLE-3's) advance: its cache rows `(features of verify row j, next
-    committed token)` at positions L+j for j <= accepted (the rest go to scratch), and the output of
-    the last accepted row, which predicts the next first candidate. Returns `(cache, hidden [B, H])`."""
-    drafter = models.drafter
-    n = fwd.tokens_bn.shape[1]
-    j = jnp.arange(n)[None]
-    shifted = jnp.concatenate([fwd.tokens_bn[:, 1:], fwd.tokens_bn[:, :1]], axis=1)
-    nxt = jnp.where(j < acc_b[:, None], shifted, bonus_b[:, None])
-    valid = (j <= acc_b[:, None]) & active_b[:, None]
-    pos = jnp.where(valid, fwd.positions_bn, state.ctx_cache.max_len)
-    h, ctx = drafter.step(drafter.embed(nxt, models.target), drafter.fuse(jnp.concatenate(fwd.out.captured, -1)),
-                          pos, state.ctx_cache, acc_b)
-    return ctx, jnp.where(active_b[:, None], h.astype(state.mtp_h_bh.dtype), state.mtp_h_bh)
-
-
 def commit(models: RoundModels, state: SpecState, proposal: Proposal, fwd: VerifyForward, acc_b, bonus_b,
            active_b) -> tuple[SpecState, jax.Array]:
     """`(next state, tokens [B, n])`: a row commits `tokens[:accepted + 1]` (bonus at `accepted`) and
-    `L += accepted + 1`; the target keeps the accepted prefix, then `mtp_advance`, `write_context`, a
-    draft model keeps the same prefix (`commit_draft_cache`) and the token buffer takes the committed
-    tokens. Inactive rows keep their state."""
-    target, drafter = models.target, models.drafter
-    ctx, mtp_cache, mtp_h, mtp_rows = state.ctx_cache, proposal.mtp_cache, state.mtp_h_bh, None
-    if models.mtp is not None:
-        mtp_cache, mtp_h, mtp_rows = mtp_advance(models, state, mtp_cache, fwd, acc_b, bonus_b, active_b)
-    if drafter is not None and drafter.chained:    # EAGLE-3: rows (features, next token), as the MTP's
-        ctx, mtp_h = chained_advance(models, state, fwd, acc_b, bonus_b, active_b)
-    elif drafter is not None:
-        ctx = write_context(drafter, models.fusion, ctx, fwd.out.captured, fwd.positions_bn, mtp_rows)
+    `L += accepted + 1`; the target keeps the accepted prefix, the drafting caches take the committed
+    rows (`drafting.advance_drafting`; a plain round on a state with `deferred` buffers its row instead:
+    `drafting.defer_rows`) and the token buffer takes the committed tokens. Inactive rows keep their
+    state."""
     drafts = proposal.drafts_bn         # [B, n-1]; n = 1 (no drafts) is a plain step
+    if drafts.shape[1] == 0 and state.deferred is not None:
+        caches = {"deferred": defer_rows(state.deferred, fwd, active_b)}
+    else:
+        caches = advance_drafting(models, state, proposal.mtp_cache, fwd, acc_b, bonus_b, active_b,
+                                  proposal.draft_cache)
     slot = jnp.arange(drafts.shape[1] + 1)[None]
     tokens = jnp.where(slot < acc_b[:, None], jnp.concatenate([drafts, bonus_b[:, None]], axis=1), bonus_b[:, None])
     keep_b = jnp.where(active_b, acc_b + 1, 0)
-    target_cache = target.commit(fwd.out.cache, fwd.out.pending, keep_b)
-    draft_cache = state.draft_cache
-    if models.draft_model is not None:
-        start = state.draft_cache if proposal.draft_cache is None else proposal.draft_cache
-        draft_cache = commit_draft_cache(models.draft_model, start, fwd.tokens_bn, fwd.positions_bn, keep_b)
+    target_cache = models.target.commit(fwd.out.cache, fwd.out.pending, keep_b)
     history = write_tokens(state.tokens_bs, tokens, fwd.positions_bn + 1, (slot <= acc_b[:, None]) & active_b[:, None])
     lengths = jnp.where(active_b, state.lengths_b + acc_b + 1, state.lengths_b)
-    new = SpecState(target_cache, ctx, mtp_cache, mtp_h, lengths, jnp.where(active_b, bonus_b, state.pending_b),
-                    history, draft_cache)
+    new = dataclasses.replace(state, target_cache=target_cache, lengths_b=lengths,
+                              pending_b=jnp.where(active_b, bonus_b, state.pending_b), tokens_bs=history, **caches)
     return new, tokens
 
 
@@ -261,6 +184,7 @@ def spec_round(proposer, verify_mode: str, models: RoundModels, state: SpecState
     t1_from_mtp [B])`. A row's committed tokens are `tokens[:accepted + 1]`; `t1_from_mtp` says
     whose first candidate it verified. `limits_b`: each row's token budget (prompt +
     max_new_tokens); `knobs`: `proposers.RoundKnobs`."""
+    state = catch_up(models, state, full_only=proposer.slots == 1)     # a plain round defers its own row
     k_draft, k_verify = jax.random.split(key)
     proposal = proposer.propose(models, state, sp, k_draft, greedy, limits_b, knobs)
     fwd = verify_forward(models.target, state, proposal.drafts_bn, models.capture_layers, jnp.asarray(active_b))
@@ -276,6 +200,7 @@ def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state
     token buffer. The first token is picked in the chunk that ends a row's prompt and carried in
     `state.pending_b` / `state.mtp_h_bh`."""
     target, drafter, mtp = models.target, models.drafter, models.mtp
+    state = catch_up(models, state)     # a resumed snapshot's plain rounds, before the chunk's rows
     res = target_chunk(target, tokens_bt, start, lengths_b, state.target_cache, state.pending_b, sp, key,
                        greedy, models.capture_layers)
     out, positions, first = res.out, res.positions_bt, res.first_b
@@ -301,4 +226,5 @@ def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state
         draft_cache = prefill_draft_cache(models.draft_model, draft_cache, tokens_bt, positions, lengths_b)
     history = write_tokens(state.tokens_bs, tokens_bt, positions, positions < lengths_b[:, None])
     history = write_tokens(history, first[:, None], lengths_b[:, None], res.ends_b[:, None])
-    return SpecState(out.cache, ctx, mtp_cache, mtp_h, lengths_b.astype(jnp.int32), first, history, draft_cache)
+    return SpecState(out.cache, ctx, mtp_cache, mtp_h, lengths_b.astype(jnp.int32), first, history, draft_cache,
+                     state.deferred)

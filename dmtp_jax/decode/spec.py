@@ -20,6 +20,7 @@ from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.ar import GenerationResult
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
 from dmtp_jax.decode.caches import TargetCaches, kv_cache_shape, kv_cache_value_dim, new_kv_cache
+from dmtp_jax.decode.drafting import new_deferred
 from dmtp_jax.decode.multi_round import feed_rounds, pad_stop_ids, run_rounds
 from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK, prefill_chunks
 from dmtp_jax.decode.probe import ExactnessCheck
@@ -122,10 +123,11 @@ def _used(proposer: Proposer, target, drafter, mtp, fusion, draft_head, draft_mo
 
 
 def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: LoadedModel | None, batch: int,
-                   max_len: int, draft_model: LoadedModel | None = None) -> SpecState:
+                   max_len: int, draft_model: LoadedModel | None = None, defer_window: int = 0) -> SpecState:
     """A zero `SpecState` of `batch` rows and `max_len` slots (with the drafter's, the MTP's and a draft
     model's caches where those models are given, and the token buffer), placed as the jitted calls
-    leave it."""
+    leave it. `defer_window` > 0: plain rounds defer the drafting caches' work for up to that many
+    rounds (`drafting.DeferredRows`)."""
     target = caches.target
     mesh = target.mesh
     rep = replicated(mesh)    # placed as the jitted calls leave them: one compile
@@ -143,7 +145,13 @@ def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: Loade
         mtp_h = jax.device_put(np.zeros((batch, mtp.cfg.hidden_size), mtp.state_dtype), rep)
     if draft_model is not None:
         draft_cache = TargetCaches(draft_model).new(batch, max_len)
-    return SpecState(caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros(), zeros(max_len), draft_cache)
+    deferred = None
+    if defer_window and (drafter, mtp, draft_model) != (None, None, None):
+        hidden = target.cfg.hidden_size
+        captured = 0 if drafter is None else len(drafter.cfg.target_layer_ids) * hidden
+        deferred = new_deferred(mesh, batch, defer_window, hidden, captured, target.state_dtype)
+    return SpecState(caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros(), zeros(max_len), draft_cache,
+                     deferred)
 
 
 def to_host(tree):

@@ -4,7 +4,8 @@ models allow, switchable between any two steps.
 A `RoundBank` carries the union of the models its rounds need, so its `round.SpecState` holds
 every cache any round reads. Every round is `round.spec_round` with its own proposer (`ar`: the
 one-slot `PlainProposer`; `mtp`: the MTP chain; the base method its block), and `round.commit`
-keeps every cache current whatever the proposer, so switching needs no re-prefill. Greedy rows
+keeps every cache current whatever the proposer (plain rounds buffer their rows and the next
+speculative round catches up: `decode/drafting.py`), so switching needs no re-prefill. Greedy rows
 commit the target's argmax in every round; each sampled round is lossless."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.ar import ARDecoder
 from dmtp_jax.decode.auto import AutoDecoder
 from dmtp_jax.decode.caches import TargetCaches
+from dmtp_jax.decode.drafting import DEFER_WINDOW
 from dmtp_jax.decode.multi_round import pad_stop_ids
 from dmtp_jax.decode.proposers import RoundKnobs, round_proposer
 from dmtp_jax.decode.spec import (RoundSetup, _used, multi_round_entry, new_spec_state, prefill_entry, round_entry,
@@ -105,8 +107,10 @@ class RoundBank:
         return tuple(None if m is None else m.state for m in self.models)
 
     def new_state(self, rows: int, max_len: int):
-        """A zero state of `rows` rows with every cache of the bank's models."""
-        return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len, self.models[5])
+        """A zero state of `rows` rows with every cache of the bank's models; when the bank also runs
+        `ar`, its plain rounds defer the drafting caches' work (`drafting.DeferredRows`)."""
+        window = DEFER_WINDOW if "ar" in self.slots and len(self.slots) > 1 else 0
+        return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len, self.models[5], window)
 
     def run(self, method: str, state, active_b, limits_b, sp, base_key, first_round: int, greedy: bool,
             rounds: int = 1, stop_ids=()):

@@ -1,0 +1,190 @@
+"""The drafting caches' side of a round: once the target has verified, the committed rows go into
+the MTP head's cache (`mtp_advance`), the drafter's context (`write_context`) or a chained drafter's
+cache (`chained_advance`) and a draft model's cache, all through `advance_drafting`.
+
+A state that carries `DeferredRows` lets plain rounds skip that work: each plain round's verified
+row (token, target hidden, captured features) waits in a per-row buffer (`defer_rows`), and
+`catch_up` runs the waiting rows through `advance_drafting` as one block, on a verify forward
+synthesized from the buffer, before anything reads those caches (a speculative round, a prefill,
+or a full buffer). The caches then equal round-by-round advancing up to float rounding; they only
+shape drafts, and verification decides every token, so outputs are unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dmtp_jax.decode.draft_model import commit_draft_cache
+from dmtp_jax.layers.kv_cache import KVCache, write_layer
+from dmtp_jax.models import TargetOutput
+from dmtp_jax.sharding import replicated
+
+DEFER_WINDOW = 16       # plain rounds a row may run before its drafting caches catch up
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VerifyForward:
+    """The target's verify forward: inputs `[A, drafts]`, their positions and embeddings, the
+    `TargetOutput` and logits."""
+    tokens_bn: jax.Array
+    positions_bn: jax.Array
+    embeds_bnh: jax.Array
+    out: object
+    logits_bnv: jax.Array | None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DeferredRows:
+    """Plain rounds' rows not yet in the drafting caches: row b's slot w holds position
+    `lengths_b - lag_b + w` (w < lag_b)."""
+    lag_b: jax.Array                    # [B] int32: plain rounds since the row's caches last advanced
+    tokens_bw: jax.Array                # [B, W] the token verified at each position (then pending)
+    hidden_bwh: jax.Array               # [B, W, H] the target's post-norm hidden there
+    captured_bwf: jax.Array | None      # [B, W, F] the captured layers' outputs, concatenated (None: none)
+
+    @property
+    def window(self) -> int:
+        return self.tokens_bw.shape[1]
+
+
+def new_deferred(mesh, batch: int, window: int, hidden_size: int, captured_width: int, dtype) -> DeferredRows:
+    """An empty buffer of `window` rows per row, replicated on `mesh`."""
+    rep = replicated(mesh)
+    zeros = lambda *shape, dt=dtype: jax.device_put(np.zeros((batch, *shape), dt), rep)  # noqa: E731
+    return DeferredRows(zeros(dt=np.int32), zeros(window, dt=np.int32), zeros(window, hidden_size),
+                        zeros(window, captured_width) if captured_width else None)
+
+
+def gather_rows(x_bt_: jax.Array, index_b: jax.Array) -> jax.Array:
+    """`x[b, index[b]]` for every row."""
+    return jnp.take_along_axis(x_bt_, index_b.reshape((-1,) + (1,) * (x_bt_.ndim - 1)), axis=1)[:, 0]
+
+
+def write_all_layers(cache_lbskd: jax.Array, new_lbtkd: jax.Array, positions_bt: jax.Array) -> jax.Array:
+    """`write_layer` for every layer of a stacked cache."""
+    for i in range(cache_lbskd.shape[0]):
+        cache_lbskd = write_layer(cache_lbskd, i, new_lbtkd[i], positions_bt)
+    return cache_lbskd
+
+
+def mtp_advance(models, state, mtp_cache: KVCache, fwd: VerifyForward, acc_b, bonus_b, active_b):
+    """MTP over rows `(h_{L+j}, next committed token)` at `L+j+1` for `j <= accepted`; the rest go to
+    scratch. Returns `(cache, hidden predicting the next T1, every row's hidden or None)`; the last
+    is only for the DMTP context variants (row j aligned with context position `L+j`)."""
+    target, mtp, fusion = models.target, models.mtp, models.fusion
+    n = fwd.tokens_bn.shape[1]
+    j = jnp.arange(n)[None]
+    # the next committed token's embedding: row j < accepted takes verify row j + 1's (already looked
+    # up by the verify forward), the accepted row the bonus's: one new row per round, not n
+    shifted = jnp.concatenate([fwd.embeds_bnh[:, 1:], fwd.embeds_bnh[:, :1]], axis=1)
+    nxt_bnh = jnp.where((j < acc_b[:, None])[:, :, None], shifted, target.embed(bonus_b[:, None]))
+    valid = (j <= acc_b[:, None]) & active_b[:, None]
+    pos = jnp.where(valid, state.lengths_b[:, None] + j + 1, mtp_cache.max_len)
+    hidden_bnh = fwd.out.hidden_bth
+    target_kv = fwd.out.cache.kv        # the verify rows' K/V are written: row j reads positions <= L + j
+    if fusion is not None and fusion.uses_mtp_context:
+        rows, mtp_cache = mtp(nxt_bnh, hidden_bnh, pos, mtp_cache, target_kv=target_kv)
+        last = gather_rows(rows, acc_b)
+        rows = mtp.feature(rows)
+    else:
+        (last, mtp_cache), rows = mtp.advance(nxt_bnh, hidden_bnh, pos, mtp_cache, acc_b, target_kv=target_kv), None
+    return mtp_cache, jnp.where(active_b[:, None], last, state.mtp_h_bh), rows
+
+
+def write_context(drafter, fusion, ctx_cache: KVCache, captured, positions_bt: jax.Array, mtp_h_bth) -> KVCache:
+    """Context K/V of new target rows (captured features at `positions_bt`); the DMTP context variants
+    mix in the MTP feature `mtp_h_bth` (aligned with p)."""
+    features = jnp.concatenate(captured, axis=-1)
+    ctx = (fusion.context(drafter, features, mtp_h_bth) if fusion is not None
+           else drafter.project_context(features))
+    k, v = drafter.context_kv(ctx, positions_bt)
+    return KVCache(write_all_layers(ctx_cache.k_lbskd, k, positions_bt),
+                   write_all_layers(ctx_cache.v_lbskd, v, positions_bt))
+
+
+def chained_advance(models, state, fwd: VerifyForward, acc_b, bonus_b, active_b):
+    """A chained drafter's (EAGLE-3's) advance: its cache rows `(features of verify row j, next
+    committed token)` at positions L+j for j <= accepted (the rest go to scratch), and the output of
+    the last accepted row, which predicts the next first candidate. Returns `(cache, hidden [B, H])`."""
+    drafter = models.drafter
+    n = fwd.tokens_bn.shape[1]
+    j = jnp.arange(n)[None]
+    shifted = jnp.concatenate([fwd.tokens_bn[:, 1:], fwd.tokens_bn[:, :1]], axis=1)
+    nxt = jnp.where(j < acc_b[:, None], shifted, bonus_b[:, None])
+    valid = (j <= acc_b[:, None]) & active_b[:, None]
+    pos = jnp.where(valid, fwd.positions_bn, state.ctx_cache.max_len)
+    h, ctx = drafter.step(drafter.embed(nxt, models.target), drafter.fuse(jnp.concatenate(fwd.out.captured, -1)),
+                          pos, state.ctx_cache, acc_b)
+    return ctx, jnp.where(active_b[:, None], h.astype(state.mtp_h_bh.dtype), state.mtp_h_bh)
+
+
+def advance_drafting(models, state, mtp_cache: KVCache | None, fwd: VerifyForward, acc_b, bonus_b, active_b,
+                     draft_start=None) -> dict:
+    """The drafting caches after a row commits verify rows `0..accepted` of `fwd` and `bonus` (inactive
+    rows keep theirs): `{ctx_cache, mtp_cache, mtp_h_bh, draft_cache}` for `dataclasses.replace` on the
+    state. `mtp_cache`: the MTP cache the round starts from (a proposer's chain may have written it);
+    `draft_start`: a draft model's cache to commit from (None: the state's)."""
+    ctx, mtp_h, mtp_rows = state.ctx_cache, state.mtp_h_bh, None
+    if models.mtp is not None:
+        mtp_cache, mtp_h, mtp_rows = mtp_advance(models, state, mtp_cache, fwd, acc_b, bonus_b, active_b)
+    drafter = models.drafter
+    if drafter is not None and drafter.chained:    # EAGLE-3: rows (features, next token), as the MTP's
+        ctx, mtp_h = chained_advance(models, state, fwd, acc_b, bonus_b, active_b)
+    elif drafter is not None:
+        ctx = write_context(drafter, models.fusion, ctx, fwd.out.captured, fwd.positions_bn, mtp_rows)
+    draft_cache = state.draft_cache
+    if models.draft_model is not None:
+        start = state.draft_cache if draft_start is None else draft_start
+        draft_cache = commit_draft_cache(models.draft_model, start, fwd.tokens_bn, fwd.positions_bn,
+                                         jnp.where(active_b, acc_b + 1, 0))
+    return {"ctx_cache": ctx, "mtp_cache": mtp_cache, "mtp_h_bh": mtp_h, "draft_cache": draft_cache}
+
+
+def defer_rows(deferred: DeferredRows, fwd: VerifyForward, active_b) -> DeferredRows:
+    """`deferred` with a plain round's verified row appended for every active row (`fwd` has one row:
+    the pending token at L); a full row's append is dropped, so `catch_up` runs first."""
+    rows_b = jnp.arange(deferred.lag_b.shape[0])
+    slot_b = jnp.where(active_b, deferred.lag_b, deferred.window)
+
+    def put(buf, row):
+        return buf.at[rows_b, slot_b].set(row.astype(buf.dtype), mode="drop")
+    captured = deferred.captured_bwf
+    if captured is not None:
+        captured = put(captured, jnp.concatenate(fwd.out.captured, axis=-1)[:, 0])
+    return DeferredRows(deferred.lag_b + active_b.astype(jnp.int32), put(deferred.tokens_bw, fwd.tokens_bn[:, 0]),
+                        put(deferred.hidden_bwh, fwd.out.hidden_bth[:, 0]), captured)
+
+
+def catch_up(models, state, full_only: bool = False):
+    """`state` with every row's deferred rows in its drafting caches and its lag 0: the rows run
+    through `advance_drafting` as one verify block of the buffered positions whose accepted prefix is
+    the row's lag and whose bonus is the pending token. `full_only`: only when a row's buffer is full.
+    Skipped on device (`lax.cond`) when there is nothing to do."""
+    deferred = state.deferred
+    if deferred is None:
+        return state
+
+    def run(st):
+        d = st.deferred
+        lag_b = d.lag_b
+        j = jnp.arange(d.window)[None]
+        base_b = st.lengths_b - lag_b
+        waiting_b = lag_b > 0
+        positions = jnp.where(j < lag_b[:, None], base_b[:, None] + j, st.target_cache.max_len)   # rest dropped
+        captured = () if d.captured_bwf is None else (d.captured_bwf,)
+        out = TargetOutput(d.hidden_bwh, captured, st.target_cache)
+        fwd = VerifyForward(d.tokens_bw, positions, models.target.embed(d.tokens_bw), out, None)
+        at_base = dataclasses.replace(st, lengths_b=base_b)
+        caches = advance_drafting(models, at_base, st.mtp_cache, fwd, jnp.maximum(lag_b - 1, 0), st.pending_b,
+                                  waiting_b)
+        caches = {k: jax.tree.map(lambda new, old: new.astype(old.dtype), v, getattr(st, k))
+                  for k, v in caches.items()}         # the skip branch's types: lax.cond needs them equal
+        return dataclasses.replace(st, **caches, deferred=dataclasses.replace(d, lag_b=jnp.zeros_like(lag_b)))
+
+    due = jnp.any(deferred.lag_b >= deferred.window) if full_only else jnp.any(deferred.lag_b > 0)
+    return jax.lax.cond(due, run, lambda st: st, state)
