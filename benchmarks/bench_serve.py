@@ -192,7 +192,7 @@ def build_engines(args, methods, target_dir, tokenizer, prompts, stack, client) 
             reference = [tokenizer.decode(ref_dec.generate([q], args.max_tokens, None, 0, stops).output_ids[0],
                                           skip_special_tokens=True) for q in prompts]
         engine = Engine(decoder, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
-                        stop_ids=stops, **buckets)
+                        stop_ids=stops, rounds_per_dispatch=rounds, **buckets)
         t0 = time.perf_counter()
         engine.warm_up(sampled=False)       # greedy requests only: half the programs (and memory maps)
         engine.counters.clear()

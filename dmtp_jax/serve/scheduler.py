@@ -1,6 +1,8 @@
 """The scheduler thread: the only caller of the `Engine`. It admits submitted requests, runs
 `Engine.admit()` and `Engine.decode()` while anything runs and hands each request's events to its
-sink after each (a first token is sent before the next round runs).
+sink after each (a first token is sent before the next round runs). On an idle engine the first
+admission waits for the rest of a burst (`gather_s`), so requests that reach the server a few ms
+apart (each parsed in turn) are one prefill, as a static batch's.
 
 Every submitted request gets exactly one final event: a failed admission ends that request
 ("error"), a failing step ends the requests the engine gives up on, requests queued at shutdown
@@ -20,14 +22,20 @@ from dmtp_jax.serve.metrics import ServerMetrics
 from dmtp_jax.serve.protocol import ApiError
 
 log = logging.getLogger(__name__)
+GATHER_S = 0.01         # an idle engine admits once no request arrived for this long ...
+GATHER_MAX_S = 0.05     # ... or this long after the first arrival, or once a batch is full
 
 
 class Scheduler:
-    """The thread that drives an `Engine`: `submit` from any thread, events to each request's sink."""
+    """The thread that drives an `Engine`: `submit` from any thread, events to each request's sink.
+    `gather_s`: how long an idle engine's first admission waits for another arrival (0: not at all),
+    `gather_max_s`: for all of them (`_gather`)."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_waiting: int = 256):
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_waiting: int = 256,
+                 gather_s: float = GATHER_S, gather_max_s: float = GATHER_MAX_S):
         self.engine, self.metrics = engine, metrics or ServerMetrics()
         self.max_waiting = int(max_waiting)
+        self.gather_s, self.gather_max_s = float(gather_s), float(gather_max_s)
         self.accepting = True
         self._inbox: list = []
         self._open = 0                      # submitted requests without their final event yet
@@ -79,6 +87,27 @@ class Scheduler:
         req.finish_reason, req.finished_s = reason, time.perf_counter()
         self._deliver(Event(req, [], True))
 
+    def _gather(self, inbox: list) -> list:
+        """`inbox` and, when the engine is idle, the requests that follow it closely: until none arrived
+        for `gather_s`, at most `gather_max_s` after the first or until a batch is full. Without it a
+        burst's first arrivals are prefilled alone and the rest in a second prefill, which costs about
+        as much as the whole burst's (same row and prompt buckets); the rest wait for both."""
+        if not inbox or self.gather_s <= 0 or self.engine.busy:
+            return inbox
+        start = last = time.perf_counter()
+        while len(inbox) < self.engine.max_batch_size:
+            wait = min(last + self.gather_s, start + self.gather_max_s) - time.perf_counter()
+            if wait <= 0:
+                break
+            self._wake.wait(wait)
+            self._wake.clear()          # cleared before the inbox is read: no arrival's wake-up is lost
+            with self._lock:
+                more, self._inbox = self._inbox, []
+            if more:
+                inbox += more
+                last = time.perf_counter()
+        return inbox
+
     def _admit(self, inbox) -> None:
         for req, sink in inbox:
             self._sinks[req.id] = (req, sink)
@@ -94,7 +123,7 @@ class Scheduler:
             try:
                 with self._lock:
                     inbox, self._inbox = self._inbox, []
-                self._admit(inbox)
+                self._admit(self._gather(inbox))
                 if not engine.busy:
                     self._wake.wait(0.05)
                     self._wake.clear()

@@ -1,0 +1,55 @@
+"""The scheduler thread (`dmtp_jax/serve/scheduler.py`) over a stand-in engine (no model, no compile):
+an idle engine's first admission gathers a burst whose requests arrive some ms apart."""
+
+import threading
+
+from dmtp_jax.serve.request import Event, Request
+from dmtp_jax.serve.scheduler import Scheduler
+
+
+class CountingEngine:
+    """Admits every waiting request at once and finishes it; records how many each admission took."""
+    max_batch_size = 8
+
+    def __init__(self):
+        self.waiting, self.running, self.admissions = [], [], []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting)
+
+    def check(self, req):
+        return req
+
+    def add(self, req):
+        self.waiting.append(req)
+
+    def cancel(self, req, reason="cancelled"):
+        pass
+
+    def admit(self):
+        self.admissions.append(len(self.waiting))
+        for req in self.waiting:
+            req.finish_reason = "length"
+        events, self.waiting = [Event(r, [1], True) for r in self.waiting], []
+        return events
+
+    def decode(self):
+        return []
+
+
+def test_an_idle_engine_admits_a_burst_arriving_ms_apart_as_one_group():
+    """A burst's first request arrives alone and two more 50 ms later: one admission of three (before:
+    one of the first, then one of the rest: two prefills)."""
+    engine = CountingEngine()
+    scheduler = Scheduler(engine, gather_s=0.5, gather_max_s=5.0)
+    done = threading.Semaphore(0)
+    try:
+        scheduler.submit(Request([1], 1), lambda ev: done.release())
+        threading.Event().wait(0.05)
+        for _ in range(2):
+            scheduler.submit(Request([1], 1), lambda ev: done.release())
+        assert all(done.acquire(timeout=30) for _ in range(3))
+        assert engine.admissions == [3]
+    finally:
+        scheduler.shutdown(drain_s=1)
