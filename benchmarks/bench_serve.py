@@ -137,12 +137,13 @@ def static_rate(decoder, prompts, size: int, max_tokens: int, stops) -> float:
 
 def choice_line(engine, c: int) -> str:
     """What an auto engine's policy estimates for `c` running rows after a level: each method's tok/s,
-    tau and round ms at their bucket, and the host's ms per round there."""
+    tau, round ms and rounds per dispatch at their bucket, and the host's ms per round there."""
     from dmtp_jax.serve.admission import row_bucket
     policy, rows = engine.policy, min(c, engine.max_batch_size)
     bucket = row_bucket(rows, engine.buckets)
-    parts = [f"{m} {est:.0f} tok/s (tau {policy.tau[m]:.2f}, {1e3 * policy.round_s[(m, bucket)]:.1f} ms)"
-             for m, est in sorted(policy.estimates(rows, bucket).items())]
+    most = engine.rounds_per_dispatch
+    parts = [f"{m} {est:.0f} tok/s (tau {policy.tau[m]:.2f}, {1e3 * policy.round_time(m, bucket, most):.1f} ms "
+             f"x{policy.rounds(m, bucket, most)})" for m, est in sorted(policy.estimates(rows, bucket, most).items())]
     host = policy.host_s.get(bucket)
     return (f"estimates at {rows} of {bucket} rows: " + ", ".join(parts)
             + ("" if host is None else f"; host {1e3 * host:.1f} ms per round"))

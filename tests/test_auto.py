@@ -121,7 +121,7 @@ def test_server_engine_follows_the_load_on_one_state(decoders):
         engine.step()
     want = decoders["ar"].generate(PROMPTS, 12, stop_ids=[]).output_ids
     assert [r.output_ids for r in reqs] == want
-    assert {m for m, _ in engine.policy.round_s} == set(engine.bank.methods)
+    assert {m for m, *_ in engine.policy.round_s} == set(engine.bank.methods)
     assert f'dmtp_engine_choice{{method="{engine.choice["method"]}"' in ServerMetrics().render(engine)
 
 

@@ -134,7 +134,7 @@ def test_rounds_switched_every_step_equal_generate(auto, reference):
     assert engine.method == "auto" and set(engine.bank.methods) == {"ar", "dmtp", "mtp"}
     turns = itertools.cycle(engine.bank.methods)
     real_choose = engine.policy.choose
-    engine.policy.choose = lambda rows, bucket: (real_choose(rows, bucket), next(turns))[1]
+    engine.policy.choose = lambda rows, bucket, most=1: (real_choose(rows, bucket, most), next(turns))[1]
     reqs = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[:2], MAX_TOKENS[:2])]
     late = [Request(p, m) for p, m in zip(PROMPTS[2:], MAX_TOKENS[2:])]
     run(engine, {2: late[:2], 4: late[2:]})
@@ -151,11 +151,13 @@ def test_rounds_switched_every_step_equal_generate(auto, reference):
     choice = engine.choice
     assert choice["method"] in engine.bank.methods and choice["rows"] == 1 and choice["bucket"] == 2
     assert set(engine.policy.host_s) <= set(BUCKETS) and engine.policy.host_s    # the host's time per round
-    # warm-up's timing of the compiled rounds: every (method, bucket) has its first sample, no compile
+    # warm-up's timing of the compiled rounds: every (method, bucket, dispatch size) has its first
+    # sample, no compile
     fresh = Engine(auto, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
     before = fresh.compile_counts()
     time_rounds(fresh)
-    assert set(fresh.policy.round_s) == set(itertools.product(fresh.bank.methods, BUCKETS))
+    dispatches = sorted({1, fresh.rounds_per_dispatch})
+    assert set(fresh.policy.round_s) == set(itertools.product(fresh.bank.methods, BUCKETS, dispatches))
     assert not any(new_compiles(fresh, before).values())
     assert fresh.policy.choose(1, 2) in fresh.bank.methods and fresh.choice["why"] == "highest estimated tok/s"
     text = ServerMetrics().render(engine)
@@ -205,7 +207,7 @@ def test_idle_burst_is_one_prefill_then_the_budget_holds(decoder, reference):
     assert [r.output_ids for r in reqs + late] == reference[:4]
 
 
-def test_faults_end_their_requests_only(decoder, reference):
+def test_faults_end_their_requests_only(decoder, reference, monkeypatch):
     """A request whose prefill fails ends with "error" alone (its group's others are prefilled alone
     and run on); a failed round ends the running requests, the waiting ones run on."""
     engine = Engine(decoder, max_batch_size=2, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(2,))
@@ -216,7 +218,7 @@ def test_faults_end_their_requests_only(decoder, reference):
         if any(list(row[:4]) == poison for row in np.asarray(chunk_bt)):
             raise RuntimeError("injected prefill fault")
         return real_prefill(states, chunk_bt, *args, **kwargs)
-    engine.bank.prefill_step = prefill
+    monkeypatch.setattr(engine.bank, "prefill_step", prefill)      # the bank is the decoder's: shared
     bad = engine.add(Request(poison, 5))
     good = engine.add(Request(PROMPTS[0], MAX_TOKENS[0]))
     run(engine)

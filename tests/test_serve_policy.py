@@ -48,7 +48,7 @@ def test_each_bucket_is_timed_on_its_own():
     tau = {"ar": 1, "dmtp": 3}
     run(policy, lambda m, i: 0.01 if m == "ar" else 0.02, tau, rows=1, bucket=1, choices=10)
     assert policy.choose(8, 8) == "ar" and policy.describe()["why"] == "timing ar at 8 rows"
-    assert set(policy.round_s) == {("ar", 1), ("dmtp", 1)}
+    assert set(policy.round_s) == {("ar", 1, 1), ("dmtp", 1, 1)}
     # at 8 rows dmtp's round costs 4x ar's: 3 tokens do not pay for it
     run(policy, lambda m, i: 0.01 if m == "ar" else 0.04, tau, rows=8, bucket=8, choices=30)
     assert policy.choose(8, 8) == "ar" and policy.choose(1, 1) == "dmtp"
@@ -59,7 +59,7 @@ def test_the_hosts_time_per_round_favours_fewer_rounds():
     of host work around every round (committing, streaming) dmtp's fewer rounds win."""
     policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 2.5})
     policy.observe("ar", 4, rounds=1, seconds=0.010, row_rounds=0, committed=0)      # warm-up's timings
-    policy.observe("dmtp", 4, rounds=2, seconds=0.060, row_rounds=0, committed=0)
+    policy.observe("dmtp", 4, rounds=1, seconds=0.030, row_rounds=0, committed=0)
     assert policy.choose(4, 4) == "ar" and policy.tau["dmtp"] == 2.5
     policy.observe_host(4, 0.020)
     assert policy.choose(4, 4) == "dmtp" and policy.describe()["why"] == "highest estimated tok/s"
@@ -131,3 +131,22 @@ def test_refreshes_go_to_the_least_measured_acceptance_before_the_stalest_time()
     assert chosen[:7] == ["mtp"] * 7 and chosen[7] == "dmtp", chosen[:8]
     assert chosen[-24:].count("dmtp") >= 21, chosen
     assert policy.describe()["why"] in ("highest estimated tok/s", "refreshing mtp's estimate at 1 rows")
+
+
+def test_each_method_is_estimated_at_the_dispatch_size_it_would_run():
+    """The trace that cost auto a tenth of its tok/s at one client: mtp ran in 4-round dispatches
+    (3.9 ms a round), dmtp's time came from 1-round dispatches (8.5 ms a round, 4.2 ms in 4-round
+    ones). Compared at the dispatch each would run, dmtp's larger tau wins; with one round per
+    dispatch (a request waits) the 1-round times decide."""
+    policy = LoadPolicy({"ar": 1, "mtp": 5, "dmtp": 8}, {"mtp": 4.67, "dmtp": 5.4})
+    for m, t1, t4 in (("ar", 0.0032, 0.0019), ("mtp", 0.0070, 0.0039), ("dmtp", 0.0085, 0.0042)):
+        policy.observe(m, 1, rounds=1, seconds=t1, row_rounds=0, committed=0)
+        policy.observe(m, 1, rounds=4, seconds=4 * t4, row_rounds=0, committed=0)
+    assert policy.choose(1, 1, most=4) == "dmtp"
+    assert policy.round_time("dmtp", 1, most=4) == 0.0042 and policy.rounds("dmtp", 1, 4) == 4
+    assert policy.choose(1, 1, most=1) == "mtp"           # 4.67 / 7.0 ms beats 5.4 / 8.5 ms
+    # a dispatch size never timed falls back to the 1-round time
+    fresh = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 5.0})
+    fresh.observe("ar", 1, rounds=1, seconds=0.003, row_rounds=0, committed=0)
+    fresh.observe("dmtp", 1, rounds=1, seconds=0.010, row_rounds=0, committed=0)
+    assert fresh.round_time("dmtp", 1, most=4) == 0.010 and fresh.rounds("dmtp", 1, 4) == 4

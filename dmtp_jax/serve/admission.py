@@ -98,7 +98,8 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
 @dataclasses.dataclass
 class PrefillGroup:
     """The prefill of `reqs` in progress: `step()` runs one chunk and returns True once all ran; then
-    `state` holds their rows (0..len-1) and `first` their first tokens."""
+    `state` holds their rows (0..len-1) and `first` their first tokens; `owned`: `state` is the
+    group's own (not a prefix cache entry's), so the engine may adopt it as its running state."""
     reqs: list[Request]
     rows: int
     width: int
@@ -108,6 +109,7 @@ class PrefillGroup:
     key: jax.Array
     top_k_cap: int = 0
     first: list[int] | None = None
+    owned: bool = True
 
     @classmethod
     def start(cls, bank, reqs: list[Request], rows: int, max_len: int, vocab_size: int, top_k_cap: int = 0,
@@ -125,7 +127,8 @@ class PrefillGroup:
         # a lone request's seed seeds its first token; a group draws with its oldest request's
         key = jax.random.fold_in(jax.random.key(reqs[0].seed), 0)
         width = chunks[0][1].shape[1] if chunks else 0
-        return cls(list(reqs), rows, width, state, chunks, batch.lengths_b[:rows], key, top_k_cap)
+        return cls(list(reqs), rows, width, state, chunks, batch.lengths_b[:rows], key, top_k_cap,
+                   owned=row_state is None or bool(chunks))     # a prefill's output is a new buffer
 
     def step(self, bank) -> bool:
         if self.chunks:

@@ -35,6 +35,12 @@ BURST_PROMPT_TOKENS = 2 * PROMPT_BUCKET_FLOOR    # an idle engine prefills this 
 SERVE_ROUNDS_PER_DISPATCH = 4   # `serve`'s most rounds per dispatch while nobody waits (`LoadPolicy.rounds`)
 
 
+def same_shardings(a, b) -> bool:
+    """Whether two states of one layout (any row counts) are laid out alike on the devices, so a round
+    compiled for one runs the other."""
+    return all(x.sharding == y.sharding for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 class Engine:
     """Continuous batching of `Request`s over one decoder (see the module docstring).
 
@@ -240,13 +246,18 @@ class Engine:
 
     def _insert(self, group: PrefillGroup, events) -> None:
         """The group's rows into the running state (grown to a bucket that holds them), first tokens
-        committed; cancelled requests' rows are dropped."""
+        committed; cancelled requests' rows are dropped. A group that fills a bucket on an empty
+        engine becomes the running state (no copy)."""
         keep = [i for i, r in enumerate(group.reqs) if not r.cancelled]
         need = len(self.running) + len(keep)
-        self._resize_to(row_bucket(need, self.buckets))
-        dst = np.full(group.rows, self.rows, np.int32)          # past the rows: dropped
-        dst[keep] = np.arange(len(self.running), need, dtype=np.int32)
-        self.state = self.moves.put(self.state, group.state, dst)
+        fills = need == group.rows == row_bucket(need, self.buckets)      # a resumed request's group has 1 row
+        if not self.running and fills and group.owned and same_shardings(group.state, self.state):
+            self.state = group.state
+        else:
+            self._resize_to(row_bucket(need, self.buckets))
+            dst = np.full(group.rows, self.rows, np.int32)          # past the rows: dropped
+            dst[keep] = np.arange(len(self.running), need, dtype=np.int32)
+            self.state = self.moves.put(self.state, group.state, dst)
         now = time.perf_counter()
         for i, req in enumerate(group.reqs):
             self._solo.discard(req.id)
@@ -305,9 +316,10 @@ class Engine:
         limits = np.zeros(rows, np.int32)
         limits[:n] = [len(r.prompt_ids) + r.max_tokens for r in self.running]
         sp, greedy = row_sampling(self.running, rows, self.max_top_k)
-        method = self.policy.choose(n, rows)
         idle = not self.waiting and self._group is None
-        k = self.policy.rounds(method, rows, self.rounds_per_dispatch) if idle else 1
+        most = self.rounds_per_dispatch if idle else 1
+        method = self.policy.choose(n, rows, most)
+        k = self.policy.rounds(method, rows, most)
         stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if k > 1 else ()
         entry = self.bank.multi_round(method, k) if k > 1 else self.bank.round[method]
         compiles = entry.compiles

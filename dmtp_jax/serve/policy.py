@@ -1,6 +1,8 @@
 """Which round the engine runs next: the method of the highest estimated output tokens/s at the live
-batch, `rows x tau(method) / (round_s(method, bucket) + host_s(bucket))`, all measured live
-(docs/serving.md; warm-up gives each round time its first sample). Every `refresh_every` choices one
+batch, `rows x tau(method) / (round_s(method, bucket, K) + host_s(bucket))`, all measured live
+(docs/serving.md; warm-up gives each round time its first sample). A round's time is kept per
+dispatch size K (rounds per dispatch), and each method is estimated at the K it would run, so a
+method run mostly in K-round dispatches is not compared with another timed only in 1-round ones. Every `refresh_every` choices one
 other method runs once: the one whose acceptance rests on the fewest row rounds while that is under
 `TRUSTED_ROW_ROUNDS`, else the one timed longest ago. `rounds` says how many rounds a dispatch may run while nobody waits;
 `describe` says what a choice rests on.
@@ -11,6 +13,9 @@ Example:
     >>> p.observe("dmtp", 1, rounds=1, seconds=0.02, row_rounds=1, committed=4)
     >>> p.choose(rows=1, bucket=1)
     'dmtp'
+    >>> p.observe("ar", 1, rounds=4, seconds=0.01, row_rounds=0, committed=0)   # 2.5 ms a round at K = 4
+    >>> p.round_time("ar", 1, most=4), p.round_time("ar", 1)
+    (0.0025, 0.01)
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ class LoadPolicy:
                      RunningMean(float(prior[m]) if m in prior else max(1.0, n / 2), PRIOR_ROW_ROUNDS)
                      for m, n in self.slots.items()}
         self._measured = {m: TRUSTED_ROW_ROUNDS if m == "ar" else 0 for m in self.slots}    # ar's tau is exact
-        self._round_s: dict[tuple[str, int], RecentMedian] = {}
+        self._round_s: dict[tuple[str, int, int], RecentMedian] = {}   # (method, bucket, rounds the dispatch ran)
         self._measured_at: dict[tuple[str, int], int] = {}    # the choice count of a key's last sample
         self._host_s: dict[int, RecentMedian] = {}              # host seconds per round outside the dispatch
         self.refresh_every = int(refresh_every)
@@ -88,33 +93,45 @@ class LoadPolicy:
         return {m: t.value for m, t in self._tau.items()}
 
     @property
-    def round_s(self) -> dict[tuple[str, int], float]:
+    def round_s(self) -> dict[tuple[str, int, int], float]:
+        """Seconds per round by (method, bucket, rounds the dispatch ran)."""
         return {k: r.value for k, r in self._round_s.items()}
+
+    def timed(self, method: str, bucket: int) -> bool:
+        """Whether `method` has a 1-round time at `bucket` (what its estimate needs first)."""
+        return (method, bucket, 1) in self._round_s
+
+    def round_time(self, method: str, bucket: int, most: int = 1) -> float:
+        """Seconds per round of `method` at `bucket` in the dispatch it would run (`rounds`, at most
+        `most`): that dispatch size's time once measured, else the 1-round time (needs `timed`)."""
+        k = self.rounds(method, bucket, most)
+        return self._round_s.get((method, bucket, k), self._round_s[(method, bucket, 1)]).value
 
     @property
     def host_s(self) -> dict[int, float]:
         return {b: h.value for b, h in self._host_s.items()}
 
-    def estimates(self, rows: int, bucket: int) -> dict[str, float]:
-        """Estimated output tokens/s per method timed at `bucket`: a round's time includes the host's
-        work around it (committing, streaming), which a method of more rounds per token pays more often."""
+    def estimates(self, rows: int, bucket: int, most: int = 1) -> dict[str, float]:
+        """Estimated output tokens/s per method timed at `bucket`, each in the dispatch it would run (at
+        most `most` rounds): a round's time includes the host's work around it (committing,
+        streaming), which a method of more rounds per token pays more often."""
         host = self._host_s[bucket].value if bucket in self._host_s else 0.0
-        times = {m: self._round_s[(m, bucket)].value + host for m in self.slots if (m, bucket) in self._round_s}
+        times = {m: self.round_time(m, bucket, most) + host for m in self.slots if self.timed(m, bucket)}
         return {m: rows * self._tau[m].value / t for m, t in times.items() if t > 0}
 
     def rounds(self, method: str, bucket: int, most: int) -> int:
         """Rounds of `method`'s next dispatch at `bucket` rows when nobody waits: `most` when that many
         take at most `DISPATCH_S` by its round time (an arrival waits for the dispatch in progress),
         else 1; 1 before the round is timed."""
-        key = (method, bucket)
+        key = (method, bucket, 1)
         fits = most > 1 and key in self._round_s and most * self._round_s[key].value <= DISPATCH_S
         return most if fits else 1
 
-    def choose(self, rows: int, bucket: int) -> str:
-        """The method of the next round (see the module docstring)."""
+    def choose(self, rows: int, bucket: int, most: int = 1) -> str:
+        """The method of the next dispatch of at most `most` rounds (see the module docstring)."""
         self.choices += 1
-        est = self.estimates(rows, bucket)
-        untimed = [m for m in self.slots if (m, bucket) not in self._round_s]
+        est = self.estimates(rows, bucket, most)
+        untimed = [m for m in self.slots if not self.timed(m, bucket)]
         if len(self.slots) == 1:
             method, why = next(iter(self.slots)), "the only round"
         elif untimed:
@@ -143,10 +160,10 @@ class LoadPolicy:
 
     def observe(self, method: str, bucket: int, *, rounds: int, seconds: float, row_rounds: int, committed: int,
                 compiled: bool = False) -> None:
-        """A dispatch of `rounds` rounds of `method` at `bucket` rows took `seconds`; its running rows
-        ran `row_rounds` row rounds committing `committed` tokens (before stop cuts)."""
+        """A dispatch that ran `rounds` rounds of `method` at `bucket` rows took `seconds`; its running
+        rows ran `row_rounds` row rounds committing `committed` tokens (before stop cuts)."""
         if rounds > 0 and not compiled:
-            self._round_s.setdefault((method, bucket), RecentMedian()).add(seconds / rounds)
+            self._round_s.setdefault((method, bucket, rounds), RecentMedian()).add(seconds / rounds)
             self._measured_at[(method, bucket)] = self.choices
         if row_rounds > 0 and method != "ar":
             self._tau[method].add(committed / row_rounds, row_rounds)     # one row round: one sample

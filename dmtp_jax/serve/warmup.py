@@ -49,20 +49,23 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
 
 
 def time_rounds(engine, runs: int = TIMED_RUNS) -> None:
-    """Gives the policy each (method, row bucket) round time's first sample: the median of `runs` greedy
-    rounds over full rows of a scratch state (compiled already), so a first choice at a bucket rests on
-    more than one live round."""
+    """Gives the policy each (method, row bucket, dispatch size) round time's first sample: the median
+    of `runs` greedy dispatches of 1 and of `engine.rounds_per_dispatch` rounds over full rows of a
+    scratch state (compiled already; no stop ids, so a K-round dispatch runs K rounds), so a first
+    choice at a bucket rests on more than one live round, in the dispatch each method would run."""
+    dispatches = sorted({1, engine.rounds_per_dispatch})
     for rows in engine.buckets:
         sp, greedy = row_sampling([], rows, engine.max_top_k)
         state = engine.bank.new_state(rows, engine.max_len)
         active, limits = np.ones(rows, bool), np.full(rows, engine.max_model_len, np.int32)
-        for method in engine.bank.methods:
+        for method, k in itertools.product(engine.bank.methods, dispatches):
             seconds = []
             for _ in range(runs):
-                state, *_, s = engine.bank.run(method, state, active, limits, sp, engine.base_key, 1, greedy)
-                seconds.append(s)
-            engine.policy.observe(method, rows, rounds=1, seconds=float(np.median(seconds)), row_rounds=0,
+                state, *_, ran, s = engine.bank.run(method, state, active, limits, sp, engine.base_key, 1, greedy, k)
+                seconds.append(s / ran)
+            engine.policy.observe(method, rows, rounds=k, seconds=k * float(np.median(seconds)), row_rounds=0,
                                   committed=0)
+            state = engine.bank.new_state(rows, engine.max_len) if k > 1 else state    # lengths back to 0
 
 
 def warm_up_prefix_cache(engine, temperatures=(0.0, 1.0)) -> None:
