@@ -319,7 +319,7 @@ class Engine:
         idle = not self.waiting and self._group is None
         most = self.rounds_per_dispatch if idle else 1
         method = self.policy.choose(n, rows, most)
-        k = self.policy.rounds(method, rows, most)
+        k = self.policy.describe()["rounds"]
         stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if k > 1 else ()
         entry = self.bank.multi_round(method, k) if k > 1 else self.bank.round[method]
         compiles = entry.compiles

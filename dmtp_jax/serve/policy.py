@@ -3,9 +3,10 @@ batch, `rows x tau(method) / (round_s(method, bucket, K) + host_s(bucket))`, all
 (docs/serving.md; warm-up gives each round time its first sample). A round's time is kept per
 dispatch size K (rounds per dispatch), and each method is estimated at the K it would run, so a
 method run mostly in K-round dispatches is not compared with another timed only in 1-round ones. Every `refresh_every` choices one
-other method runs once: the one whose acceptance rests on the fewest row rounds while that is under
-`TRUSTED_ROW_ROUNDS`, else the one timed longest ago. `rounds` says how many rounds a dispatch may run while nobody waits;
-`describe` says what a choice rests on.
+other method runs one round: the one whose acceptance rests on the fewest row rounds while that is
+under `TRUSTED_ROW_ROUNDS`, else the one timed longest ago. `rounds` says how many rounds a dispatch
+of a method may run while nobody waits, `describe()["rounds"]` how many the last choice's dispatch
+runs (1 when it times or refreshes another method); `describe` says what a choice rests on.
 
 Example:
     >>> p = LoadPolicy({"ar": 1, "dmtp": 8})
@@ -26,7 +27,7 @@ import statistics
 ALPHA = 0.05            # the weight of one row round's acceptance once tau holds 1 / ALPHA row rounds
 REFRESH_EVERY = 32      # choices between two refresh runs of another method
 PRIOR_ROW_ROUNDS = 4    # the row rounds a prior tau (a cached verdict, else slots / 2) weighs as
-TRUSTED_ROW_ROUNDS = 20 # measured row rounds below which a method's tau is refreshed before any stale time
+TRUSTED_ROW_ROUNDS = 48 # measured row rounds below which a method's tau is refreshed before any stale time
 TIME_WINDOW = 5         # round times a (method, bucket) estimate is the median of
 DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
 
@@ -86,7 +87,8 @@ class LoadPolicy:
         self._host_s: dict[int, RecentMedian] = {}              # host seconds per round outside the dispatch
         self.refresh_every = int(refresh_every)
         self.choices = 0
-        self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "estimates": {}}
+        self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "rounds": 0,
+                           "estimates": {}}
 
     @property
     def tau(self) -> dict[str, float]:
@@ -132,8 +134,9 @@ class LoadPolicy:
         self.choices += 1
         est = self.estimates(rows, bucket, most)
         untimed = [m for m in self.slots if not self.timed(m, bucket)]
+        explore = True          # a timing or refresh dispatch: one round, so exploring costs little
         if len(self.slots) == 1:
-            method, why = next(iter(self.slots)), "the only round"
+            method, why, explore = next(iter(self.slots)), "the only round", False
         elif untimed:
             method, why = untimed[0], f"timing {untimed[0]} at {bucket} rows"
         else:
@@ -142,8 +145,9 @@ class LoadPolicy:
             if stale is not None:
                 method, why = stale, f"refreshing {stale}'s estimate at {bucket} rows"
             else:
-                method, why = best, "highest estimated tok/s"
-        self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "estimates": est,
+                method, why, explore = best, "highest estimated tok/s", False
+        rounds = 1 if explore else self.rounds(method, bucket, most)
+        self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "rounds": rounds, "estimates": est,
                      "tau": self.tau}
         return method
 
@@ -175,5 +179,6 @@ class LoadPolicy:
         self._host_s.setdefault(bucket, RecentMedian()).add(max(0.0, seconds))
 
     def describe(self) -> dict:
-        """The last choice: method, why, rows, bucket, each method's tau and estimated tok/s."""
+        """The last choice: method, why, rows, bucket, rounds (the dispatch's), each method's tau and
+        estimated tok/s."""
         return dict(self.last)
