@@ -166,3 +166,18 @@ def test_a_refresh_runs_one_round_and_the_best_runs_k():
         picks.append((m, policy.describe()["rounds"]))
     assert picks.count(("ar", 4)) == 6 and picks[3] == ("lookup", 1) and picks[7] == ("lookup", 1), picks
     assert policy.choose(8, 8, most=1) == "ar" and policy.describe()["rounds"] == 1    # somebody waits
+
+
+def test_a_near_tie_keeps_the_method_serving():
+    """ar serves; dmtp's estimate drifts 3 % above ar's: ar keeps serving (a switch would make the
+    plain rounds' rows catch up); 10 % above: dmtp takes over, and a drift back within 5 % keeps it."""
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.0}, refresh_every=1000)
+    policy.observe("ar", 8, rounds=1, seconds=0.005, row_rounds=0, committed=0)
+    policy.observe("dmtp", 8, rounds=1, seconds=0.025, row_rounds=0, committed=0)     # 4 / 25 ms < 1 / 5 ms
+    assert policy.choose(8, 8) == "ar"
+    policy.observe("dmtp", 8, rounds=1, seconds=0.025, row_rounds=200, committed=200 * 5.15)
+    assert policy.tau["dmtp"] > 5.1 and policy.choose(8, 8) == "ar"          # 1.03x ar's estimate
+    policy.observe("dmtp", 8, rounds=1, seconds=0.025, row_rounds=400, committed=400 * 5.5)
+    assert policy.choose(8, 8) == "dmtp"                                      # 1.1x
+    policy.observe("dmtp", 8, rounds=1, seconds=0.025, row_rounds=400, committed=400 * 4.9)
+    assert policy.choose(8, 8) == "dmtp"                                      # 0.98x: dmtp stays

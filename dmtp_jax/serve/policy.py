@@ -2,11 +2,13 @@
 batch, `rows x tau(method) / (round_s(method, bucket, K) + host_s(bucket))`, all measured live
 (docs/serving.md; warm-up gives each round time its first sample). A round's time is kept per
 dispatch size K (rounds per dispatch), and each method is estimated at the K it would run, so a
-method run mostly in K-round dispatches is not compared with another timed only in 1-round ones. Every `refresh_every` choices one
-other method runs one round: the one whose acceptance rests on the fewest row rounds while that is
-under `TRUSTED_ROW_ROUNDS`, else the one timed longest ago. `rounds` says how many rounds a dispatch
-of a method may run while nobody waits, `describe()["rounds"]` how many the last choice's dispatch
-runs (1 when it times or refreshes another method); `describe` says what a choice rests on.
+method run mostly in K-round dispatches is not compared with another timed only in 1-round ones.
+The method serving keeps serving until another's estimate beats its own by `SWITCH_MARGIN`, so a
+near tie does not flip between methods every dispatch. Every `refresh_every` choices one other
+method runs one round: the one whose acceptance rests on the fewest row rounds while that is under
+`TRUSTED_ROW_ROUNDS`, else the one timed longest ago. `rounds` says how many rounds a dispatch of a
+method may run while nobody waits, `describe()["rounds"]` how many the last choice's dispatch runs
+(1 when it times or refreshes another method); `describe` says what a choice rests on.
 
 Example:
     >>> p = LoadPolicy({"ar": 1, "dmtp": 8})
@@ -30,6 +32,7 @@ PRIOR_ROW_ROUNDS = 4    # the row rounds a prior tau (a cached verdict, else slo
 TRUSTED_ROW_ROUNDS = 48 # measured row rounds below which a method's tau is refreshed before any stale time
 TIME_WINDOW = 5         # round times a (method, bucket) estimate is the median of
 DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
+SWITCH_MARGIN = 0.05    # another method replaces the one serving once its estimate is this much higher
 
 
 class RunningMean:
@@ -87,6 +90,7 @@ class LoadPolicy:
         self._host_s: dict[int, RecentMedian] = {}              # host seconds per round outside the dispatch
         self.refresh_every = int(refresh_every)
         self.choices = 0
+        self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
         self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "rounds": 0,
                            "estimates": {}}
 
@@ -141,11 +145,15 @@ class LoadPolicy:
             method, why = untimed[0], f"timing {untimed[0]} at {bucket} rows"
         else:
             best = max(est, key=est.get)
+            held = self._serving
+            if held in est and held != best and est[best] < (1 + SWITCH_MARGIN) * est[held]:
+                best = held         # a near tie: switching costs (a plain round's rows catch up) and flips
             stale = self._refresh_candidate(best, bucket) if self.choices % self.refresh_every == 0 else None
             if stale is not None:
                 method, why = stale, f"refreshing {stale}'s estimate at {bucket} rows"
             else:
                 method, why, explore = best, "highest estimated tok/s", False
+                self._serving = best
         rounds = 1 if explore else self.rounds(method, bucket, most)
         self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "rounds": rounds, "estimates": est,
                      "tau": self.tau}
