@@ -166,6 +166,22 @@ def test_a_refresh_runs_one_round_and_the_best_runs_k():
         picks.append((m, policy.describe()["rounds"]))
     assert picks.count(("ar", 4)) == 6 and picks[3] == ("lookup", 1) and picks[7] == ("lookup", 1), picks
     assert policy.choose(8, 8, most=1) == "ar" and policy.describe()["rounds"] == 1    # somebody waits
+    # dmtp serves (23 ms a round); ar's 4-round time was a slow warm-up sample (7.4 ms a round): its
+    # refresh runs the 4-round dispatch the estimate compares (cheaper than dmtp's), so it is re-measured
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 5.0}, refresh_every=4)
+    for m, t1, t4 in (("ar", 0.0050, 0.0074), ("dmtp", 0.025, 0.023)):
+        policy.observe(m, 8, rounds=1, seconds=t1, row_rounds=0, committed=0)
+        policy.observe(m, 8, rounds=4, seconds=4 * t4, row_rounds=0, committed=0)
+    picks = []
+    for _ in range(12):
+        m = policy.choose(8, 8, most=4)
+        k = policy.describe()["rounds"]
+        picks.append((m, k))
+        policy.observe(m, 8, rounds=k, seconds=k * (0.0043 if m == "ar" else 0.023), row_rounds=8 * k,
+                       committed=8 * k * (1 if m == "ar" else 5.0))
+    assert picks[:3] == [("dmtp", 4)] * 3 and picks[3] == picks[7] == ("ar", 4), picks
+    assert picks[8:11] == [("ar", 4)] * 3, picks        # the outlier outvoted: 8 / 4.3 ms beats 8 x 5 / 23 ms
+    assert picks[11] == ("dmtp", 1), picks              # dmtp's dispatch is the longer: its refresh is 1 round
 
 
 def test_a_near_tie_keeps_the_method_serving():

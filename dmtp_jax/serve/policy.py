@@ -5,10 +5,11 @@ dispatch size K (rounds per dispatch), and each method is estimated at the K it 
 method run mostly in K-round dispatches is not compared with another timed only in 1-round ones.
 The method serving keeps serving until another's estimate beats its own by `SWITCH_MARGIN`, so a
 near tie does not flip between methods every dispatch. Every `refresh_every` choices one other
-method runs one round: the one whose acceptance rests on the fewest row rounds while that is under
-`TRUSTED_ROW_ROUNDS`, else the one timed longest ago. `rounds` says how many rounds a dispatch of a
-method may run while nobody waits, `describe()["rounds"]` how many the last choice's dispatch runs
-(1 when it times or refreshes another method); `describe` says what a choice rests on.
+method runs: the one whose acceptance rests on the fewest row rounds while that is under
+`TRUSTED_ROW_ROUNDS`, else the one timed longest ago; it runs the dispatch its estimate uses when
+that is no longer than the best method's, else one round (exploring a slow round costs little).
+`rounds` says how many rounds a dispatch of a method may run while nobody waits,
+`describe()["rounds"]` how many the last choice's dispatch runs; `describe` says what a choice rests on.
 
 Example:
     >>> p = LoadPolicy({"ar": 1, "dmtp": 8})
@@ -138,9 +139,10 @@ class LoadPolicy:
         self.choices += 1
         est = self.estimates(rows, bucket, most)
         untimed = [m for m in self.slots if not self.timed(m, bucket)]
-        explore = True          # a timing or refresh dispatch: one round, so exploring costs little
+        rounds = 1              # a timing dispatch: one round
         if len(self.slots) == 1:
-            method, why, explore = next(iter(self.slots)), "the only round", False
+            method, why = next(iter(self.slots)), "the only round"
+            rounds = self.rounds(method, bucket, most)
         elif untimed:
             method, why = untimed[0], f"timing {untimed[0]} at {bucket} rows"
         else:
@@ -151,13 +153,22 @@ class LoadPolicy:
             stale = self._refresh_candidate(best, bucket) if self.choices % self.refresh_every == 0 else None
             if stale is not None:
                 method, why = stale, f"refreshing {stale}'s estimate at {bucket} rows"
+                rounds = self._refresh_rounds(stale, best, bucket, most)
             else:
-                method, why, explore = best, "highest estimated tok/s", False
+                method, why = best, "highest estimated tok/s"
+                rounds = self.rounds(method, bucket, most)
                 self._serving = best
-        rounds = 1 if explore else self.rounds(method, bucket, most)
         self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "rounds": rounds, "estimates": est,
                      "tau": self.tau}
         return method
+
+    def _refresh_rounds(self, method: str, best: str, bucket: int, most: int) -> int:
+        """A refresh's rounds: the dispatch its estimate uses when that takes no longer than the best
+        method's dispatch (so the estimate compared is re-measured), else one round (exploring a slow
+        round costs little)."""
+        k = self.rounds(method, bucket, most)
+        dispatch_s = lambda m: self.rounds(m, bucket, most) * self.round_time(m, bucket, most)  # noqa: E731
+        return k if dispatch_s(method) <= dispatch_s(best) else 1
 
     def _refresh_candidate(self, best: str, bucket: int) -> str | None:
         """The other method to run once: the least measured while under `TRUSTED_ROW_ROUNDS` row rounds,
