@@ -3,7 +3,8 @@ fp32 under every mask the rule makes (causal, sliding windows, validity padding,
 allowed key, a cache longer than the queries, ragged last blocks), and `grouped_attention` picks the
 dense form for short query blocks (bit-identical to a materialised mask) and the blockwise one for
 long prompts; for GPU / TPU targets (`compiling_for`) a long self-attention picks cuDNN / the Pallas
-TPU kernel, the latter equal to the dense form in Pallas' TPU interpreter."""
+TPU kernel, the latter equal to the dense form in Pallas' TPU interpreter. Dense attention over a
+cache reads only the slot prefix its queries need."""
 
 import jax
 import jax.numpy as jnp
@@ -102,3 +103,36 @@ def test_grouped_attention_dispatch():
     got = jax.jit(lambda q, k, v: grouped_attention(q, k, v, rule))(q, k, v)
     want = dense_attention(q, k, v, rule.dense())
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+
+@pytest.mark.parametrize("first_key_slot,window", [(0, None), (3, None), (0, 50)])
+def test_a_cache_is_read_up_to_the_longest_row(first_key_slot, window):
+    """Decode steps and verify blocks over a 600-slot cache: equal to dense attention over all of it
+    (1e-6), and no slot past the 128-slot block that holds the highest live position is read (NaN
+    values there change nothing); a parked row (positions >= S) does not widen the read. Long
+    prompt chunks over a cache (the blockwise form) stop at their own highest position too."""
+    s, t = 600, 3
+    over = lambda pos: MaskRule.over_slots(pos, s, first_key_slot, window)  # noqa: E731
+    assert attention_kernel(t, s, jnp.float32, over(jnp.zeros((1, t), int))) == "cache_blocks"
+    assert attention_kernel(t, 128, jnp.float32, MaskRule.over_slots(jnp.zeros((1, t), int), 128)) == "dense"
+    with compiling_for("gpu"):
+        assert attention_kernel(t, s, jnp.float32, over(jnp.zeros((1, t), int))) == "dense"
+    for top in (10, 127, 128, 400, 599):
+        q, k, v = _qkv(top, 3, t, s, 4, 2, 8)
+        q_pos = jnp.asarray([[top - 2], [top // 2], [s]]) + jnp.arange(t)[None]   # row 2 is parked
+        rule = over(q_pos)
+        attend = jax.jit(lambda q, k, v: grouped_attention(q, k, v, rule))
+        want = dense_attention(q, k, v, rule.dense())
+        np.testing.assert_allclose(np.asarray(attend(q, k, v)[:2]), np.asarray(want[:2]), atol=1e-6, rtol=1e-6)
+        read = (top // 128 + 1) * 128
+        poisoned = v.at[:, read:].set(jnp.nan)
+        assert read >= s or bool(jnp.isnan(dense_attention(q, k, poisoned, rule.dense())[:2]).any())
+        np.testing.assert_allclose(np.asarray(attend(q, k, poisoned)[:2]), np.asarray(want[:2]),
+                                   atol=1e-6, rtol=1e-6)
+    t = 40                                              # a prompt chunk at 100..139, in query blocks of 16
+    q, k, v = _qkv(1, 2, t, s, 4, 2, 8)
+    rule = over(jnp.broadcast_to(100 + jnp.arange(t), (2, t)))
+    want = dense_attention(q, k, v, rule.dense())
+    got = blockwise_attention(q, k, v.at[:, 144:].set(jnp.nan), rule, q_block=16, k_block=16)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)

@@ -2,8 +2,11 @@
 `allowed = valid & (k_pos <= q_pos if causal) & (q_pos - k_pos < window if sliding)`.
 
 `grouped_attention` is the one entry point: a materialised mask `[B, T, S]` runs the dense form; a
-`MaskRule` lets `attention_kernel` pick "dense", "cudnn", "pallas" or "blockwise" by the static
-shapes and the compile platform (docs/models.md). Rows with no allowed key return zeros.
+`MaskRule` lets `attention_kernel` pick "dense", "cache_blocks", "cudnn", "pallas" or "blockwise" by
+the static shapes and the compile platform (docs/models.md). Rows with no allowed key return zeros.
+"cache_blocks" (decode steps and verify blocks over a cache of more than `CACHE_BLOCK` slots, on CPU
+and TPU) reads the cache by blocks of `CACHE_BLOCK` slots up to the longest live row, so a round
+costs the rows' lengths, not the cache's (`blockwise_attention`).
 
 Example:
     >>> pos = jnp.arange(5)[None]
@@ -12,6 +15,8 @@ Example:
     (1, 5, 4, 8)
     >>> attention_kernel(1, 32768, jnp.bfloat16, MaskRule(pos, pos))
     'dense'
+    >>> attention_kernel(1, 32768, jnp.bfloat16, MaskRule.over_slots(pos, 32768))
+    'cache_blocks'
 """
 
 from __future__ import annotations
@@ -28,16 +33,21 @@ __all__ = ["MaskRule", "attention_mask", "attention_kernel", "dense_attention", 
 
 DENSE_MAX_QUERIES = 64          # decode steps and verify blocks stay dense (bit-identical to before)
 DENSE_MAX_SCORES = 1 << 20      # T x S up to this stays dense (short prompts, tests)
+CACHE_BLOCK = 128               # the slots per block of "cache_blocks"
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def attention_kernel(t: int, s: int, dtype, rule: MaskRule | None, head_dim: int = 128) -> str:
-    """`"dense"`, `"cudnn"`, `"pallas"` or `"blockwise"`: the form `grouped_attention` runs for `t`
-    queries over `s` keys of `dtype` under `rule` (None: a materialised mask), on `compile_platform()`."""
+    """`"dense"`, `"cache_blocks"`, `"cudnn"`, `"pallas"` or `"blockwise"`: the form `grouped_attention`
+    runs for `t` queries over `s` keys of `dtype` under `rule` (None: a materialised mask), on
+    `compile_platform()`."""
+    target = platform.compile_platform()
+    if (rule is not None and rule.slot_keys and rule.causal is True and t <= DENSE_MAX_QUERIES
+            and s > CACHE_BLOCK and target != "gpu"):
+        return "cache_blocks"
     if rule is None or t <= DENSE_MAX_QUERIES or t * s <= DENSE_MAX_SCORES:
         return "dense"
     fused = rule.self_keys and rule.causal is True
-    target = platform.compile_platform()
     if (target == "gpu" and fused and jnp.dtype(dtype) in CUDNN_DTYPES and head_dim % 8 == 0
             and head_dim <= 256):
         return "cudnn"
@@ -74,6 +84,8 @@ def grouped_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
     kernel = attention_kernel(q_bthd.shape[1], k_bskd.shape[1], q_bthd.dtype, mask, q_bthd.shape[-1])
     if kernel == "dense":
         return dense_attention(q_bthd, k_bskd, v_bskd, mask.dense())
+    if kernel == "cache_blocks":
+        return blockwise_attention(q_bthd, k_bskd, v_bskd, mask, q_block=q_bthd.shape[1], k_block=CACHE_BLOCK)
     if kernel == "cudnn":
         out = cudnn_attention(q_bthd, k_bskd, v_bskd, mask)
         if out is not None:

@@ -48,13 +48,25 @@ def attention_mask(q_pos_bt: jax.Array, k_pos_bs: jax.Array, k_valid_bs: jax.Arr
 class MaskRule:
     """The inputs of `attention_mask`: `q_pos_bt [B, T]`, `k_pos_bs [B, S]`, `k_valid_bs [B, S]` (None:
     all valid), static `causal` and `window`. `self_keys=True` promises that the keys are the queries'
-    own tokens at consecutive positions with a valid prefix per row (what fused kernels need)."""
+    own tokens at consecutive positions with a valid prefix per row (what fused kernels need);
+    `slot_keys=True` that they are a cache's slots, `k_pos_bs[b] == arange(S)` (`over_slots`), so a
+    query at position `p < S` reads no key past slot `p`."""
     q_pos_bt: jax.Array
     k_pos_bs: jax.Array
     k_valid_bs: jax.Array | None = None
     causal: bool = True
     window: int | None = None
     self_keys: bool = False
+    slot_keys: bool = False
+
+    @classmethod
+    def over_slots(cls, q_pos_bt: jax.Array, slots: int, first_key_slot: int = 0,
+                   window: int | None = None) -> "MaskRule":
+        """Causal queries at `q_pos_bt` over a cache of `slots` slots (slot == position), never a
+        slot below `first_key_slot`."""
+        k_pos = jnp.broadcast_to(jnp.arange(slots), (q_pos_bt.shape[0], slots))
+        valid = k_pos >= first_key_slot if first_key_slot else None
+        return cls(q_pos_bt, k_pos, valid, causal=True, window=window, slot_keys=True)
 
     def dense(self) -> jax.Array:
         """The whole mask `[B, T, S]` (`attention_mask` of these inputs)."""

@@ -2,6 +2,10 @@
 
 Query blocks, each an online softmax over key blocks (fp32 `m`, `l`, `acc`; docs/models.md); key
 blocks no query may see are skipped; inputs are never padded. A row with no allowed key gives 0.
+Over a cache (a `slot_keys` rule), a query block's loop ends at the block holding its highest
+position below `S` (a trip count known on device; not when compiling for GPU, where a data-dependent
+loop waits on the host), so reading a cache costs its longest live row, not its length. Queries at
+positions `>= S` (parked rows, whose writes are dropped) then see an unspecified part of the cache.
 
 Example:
     >>> q = jnp.ones((1, 100, 4, 8)); k = v = jnp.ones((1, 100, 2, 8))
@@ -15,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dmtp_jax import platform
 from dmtp_jax.layers.attention_mask import MaskRule
 
 Q_BLOCK = 256
@@ -45,6 +50,15 @@ def blockwise_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
     n_q, n_k = -(-t // tq), -(-s // sk)
     scale = d ** -0.5
     q_all = q_bthd.reshape(b, t, kv, g, d)
+    up_to_live_rows = rule.slot_keys and rule.causal is True and platform.compile_platform() != "gpu"
+
+    def key_blocks(q_at):
+        """The key blocks a query block's loop runs: all, or over a cache up to its highest position."""
+        if not up_to_live_rows:
+            return n_k
+        q_pos = jax.lax.dynamic_slice_in_dim(rule.q_pos_bt, q_at, tq, axis=1)
+        top = jnp.max(jnp.where(q_pos < s, q_pos, -1))
+        return (top + sk) // sk            # blocks holding slots 0 .. top
 
     def query_block(i, out_bthd):
         q_at = jnp.minimum(i * tq, t - tq)
@@ -61,7 +75,7 @@ def blockwise_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
 
         init = (jnp.full((b, kv, g, tq), -jnp.inf, jnp.float32), jnp.zeros((b, kv, g, tq), jnp.float32),
                 jnp.zeros((b, kv, g, tq, d), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(0, n_k, key_block, init)
+        _, l, acc = jax.lax.fori_loop(0, key_blocks(q_at), key_block, init)
         o = acc / jnp.maximum(l, 1e-30)[..., None]                       # rows with no key: 0 / 1e-30
         o = jnp.moveaxis(o, 3, 1).reshape(b, tq, h, d).astype(out_bthd.dtype)
         return jax.lax.dynamic_update_slice_in_dim(out_bthd, o, q_at, axis=1)

@@ -95,10 +95,8 @@ class MlaAttention(nnx.Module):
     def attend_cache(self, q_bthl, gate_btf, positions_bt, cache: KVCache, kv_index):
         """Output of queries at `positions_bt` over cache layer `kv_index`'s latents (causal, never a
         slot below `first_key_slot`); `gate_btf` is always None."""
-        latents = cache.k_lbskd[kv_index]
-        k_pos = jnp.broadcast_to(jnp.arange(cache.max_len), latents.shape[:2])
-        valid = k_pos >= self.first_key_slot if self.first_key_slot else None
-        return self._attend(q_bthl, latents, MaskRule(positions_bt, k_pos, valid, causal=True))
+        rule = MaskRule.over_slots(positions_bt, cache.max_len, self.first_key_slot)
+        return self._attend(q_bthl, cache.k_lbskd[kv_index], rule)
 
     def __call__(self, x_bth, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt, kv_index=0):
         """Attention of the new tokens: over each other without a cache, else written to and read

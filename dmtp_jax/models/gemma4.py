@@ -158,10 +158,9 @@ class GemmaAttention(nnx.Module):
         """Output of queries at `positions_bt` over cache layer `kv_index` (causal, window). `key_limit_bt`:
         the last key position each query reads (default its own position; the assistant's is one less)."""
         keys, values = self.layer_kv(cache, kv_index)
-        k_pos = jnp.broadcast_to(jnp.arange(cache.max_len), keys.shape[:2])
         limit = positions_bt if key_limit_bt is None else key_limit_bt
-        return self.out(grouped_attention(q_bthd, keys, values, MaskRule(limit, k_pos, causal=True,
-                                                                          window=self.window)))
+        rule = MaskRule.over_slots(limit, cache.max_len, window=self.window)
+        return self.out(grouped_attention(q_bthd, keys, values, rule))
 
     def __call__(self, x_bth, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt, kv_index=0):
         """Attention of the new tokens: over each other without a cache, else written to and read from

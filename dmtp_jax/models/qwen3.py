@@ -123,9 +123,7 @@ class Attention(nnx.Module):
         """Output of queries at `positions_bt` over cache layer `kv_index`'s keys (causal, window,
         never a slot below `first_key_slot`)."""
         keys, values = cache.k_lbskd[kv_index], cache.v_lbskd[kv_index]
-        k_pos = jnp.broadcast_to(jnp.arange(cache.max_len), keys.shape[:2])
-        valid = k_pos >= self.first_key_slot if self.first_key_slot else None
-        rule = MaskRule(positions_bt, k_pos, valid, causal=True, window=self.window)
+        rule = MaskRule.over_slots(positions_bt, cache.max_len, self.first_key_slot, self.window)
         return self.out(grouped_attention(q_bthd, keys, values, rule), gate_btf)
 
     def __call__(self, x_bth, positions_bt, cos, sin, cache: KVCache | None, kv_valid_bt, kv_index=0):
