@@ -60,6 +60,8 @@ def test_insert_row_finds_each_leafs_batch_axis():
 def test_continuous_batching_equals_generate(decoder, reference):
     engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
     before = engine.compile_counts()
+    kept, observe = [], engine.policy.observe
+    engine.policy.observe = lambda *a, committed, **k: (kept.append(committed), observe(*a, committed=committed, **k))
     reqs = [engine.add(Request(PROMPTS[0], MAX_TOKENS[0])), engine.add(Request(PROMPTS[1], MAX_TOKENS[1]))]
     engine.step()
     assert all(len(r.output_ids) > 1 for r in reqs)       # a burst is admitted in one step
@@ -70,6 +72,8 @@ def test_continuous_batching_equals_generate(decoder, reference):
     assert [r.output_ids for r in reqs + late] == reference
     assert all(r.finish_reason == "length" for r in reqs + late) and len(sampled.output_ids) == 12
     assert max(a for r in reqs + late for a in r.acceptance) > 1, "drafts should be partly accepted"
+    served = reqs + late + [sampled]        # the policy's tau counts the tokens requests kept
+    assert sum(kept) == sum(len(r.output_ids) - 1 for r in served) < engine.counters["committed"]
     assert engine.rows == 2                 # shrunk back to the smallest bucket
     counts = new_compiles(engine, before)   # greedy + sampled per bucket at most
     assert counts["round/dmtp"] <= 2 * len(BUCKETS) and counts["move_row"] <= len(BUCKETS)

@@ -273,9 +273,9 @@ class Engine:
         self._compact()
 
     def _commit(self, req: Request, tokens, events, exact: bool = True):
-        """Commits a request's new tokens; `exact`: its row's state holds no token past them (no
-        later round of the dispatch ran it), so a finished row that kept them all is offered to the
-        prefix cache."""
+        """Commits a request's new tokens and returns how many it kept (its stop and `max_tokens` cut
+        the rest); `exact`: its row's state holds no token past them (no later round of the dispatch
+        ran it), so a finished row that kept them all is offered to the prefix cache."""
         kept = req.tracker.add(0, tokens)
         req.output_ids.extend(kept)
         self.counters["generated_tokens"] += len(kept)
@@ -287,6 +287,7 @@ class Engine:
             self._finish(req, reason, events, kept)
         elif kept:
             events.append(Event(req, kept, False))
+        return len(kept)
 
     # ---- rows ----------------------------------------------------------------------------------
     def _resize_to(self, rows: int) -> None:
@@ -336,7 +337,7 @@ class Engine:
         self._index += k
         self.counters["rounds"] += k
         self.counters[f"rounds/{method}"] += k
-        row_rounds = committed = 0
+        row_rounds = committed = kept = 0
         for j in range(k):
             for i, req in enumerate(self.running):
                 if req.finished or not ran_bk[i, j]:
@@ -345,12 +346,12 @@ class Engine:
                 req.acceptance.append(got)
                 row_rounds, committed = row_rounds + 1, committed + got
                 self.counters["first_accepted"] += got > 1
-                self._commit(req, tokens_bkn[i, j, :got].tolist(), events, exact=not ran_bk[i, j + 1:].any())
+                kept += self._commit(req, tokens_bkn[i, j, :got].tolist(), events, exact=not ran_bk[i, j + 1:].any())
         if k > 1:                       # one event per request per dispatch: one message to its client
             events[events_before:] = merge_events(events[events_before:])
         self.counters["row_rounds"] += row_rounds
         self.counters["committed"] += committed
-        self.policy.observe(method, rows, rounds=k, seconds=seconds, row_rounds=row_rounds, committed=committed,
+        self.policy.observe(method, rows, rounds=k, seconds=seconds, row_rounds=row_rounds, committed=kept,
                             compiled=entry.compiles != compiles)
         self._compact()
 

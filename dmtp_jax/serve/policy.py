@@ -1,7 +1,7 @@
 """Which round the engine runs next: the method of the highest estimated output tokens/s at the live
 batch, `rows x tau(method) / (round_s(method, bucket, K) + host_s(bucket))`, all measured live
-(docs/serving.md; warm-up gives each round time its first sample). A round's time is kept per
-dispatch size K (rounds per dispatch), and each method is estimated at the K it would run, so a
+(tau: the tokens requests keep per row round; docs/serving.md; warm-up gives each round time its
+first sample). A round's time is kept per dispatch size K (rounds per dispatch), and each method is estimated at the K it would run, so a
 method run mostly in K-round dispatches is not compared with another timed only in 1-round ones.
 The method serving keeps serving until another's estimate beats its own by `SWITCH_MARGIN`, so a
 near tie does not flip between methods every dispatch. Every `refresh_every` choices one other
@@ -184,7 +184,8 @@ class LoadPolicy:
     def observe(self, method: str, bucket: int, *, rounds: int, seconds: float, row_rounds: int, committed: int,
                 compiled: bool = False) -> None:
         """A dispatch that ran `rounds` rounds of `method` at `bucket` rows took `seconds`; its running
-        rows ran `row_rounds` row rounds committing `committed` tokens (before stop cuts)."""
+        rows ran `row_rounds` row rounds in which the requests kept `committed` tokens (a round's
+        tokens past a stop or `max_tokens` serve nobody and are not counted)."""
         if rounds > 0 and not compiled:
             self._round_s.setdefault((method, bucket, rounds), RecentMedian()).add(seconds / rounds)
             self._measured_at[(method, bucket)] = self.choices
