@@ -190,8 +190,8 @@ class Eagle3Drafter(nnx.Module):
         cache = KVCache(write_layer(cache.k_lbskd, 0, k, positions_bt), write_layer(cache.v_lbskd, 0, v, positions_bt))
         if last_b is not None:
             q, hidden_bth, positions_bt = (_row_pick(a, last_b) for a in (q, hidden_bth, positions_bt))
-        k_pos = jnp.broadcast_to(jnp.arange(cache.max_len), cache.k_lbskd.shape[1:3])
-        attn = grouped_attention(q, cache.k_lbskd[0], cache.v_lbskd[0], MaskRule(positions_bt, k_pos, causal=True))
+        rule = MaskRule.over_slots(positions_bt, cache.max_len)
+        attn = grouped_attention(q, cache.k_lbskd[0], cache.v_lbskd[0], rule)
         h = self._finish(hidden_bth, attn)
         return (h[:, 0], cache) if last_b is not None else (h, cache)
 
