@@ -3,8 +3,8 @@ fp32 under every mask the rule makes (causal, sliding windows, validity padding,
 allowed key, a cache longer than the queries, ragged last blocks), and `grouped_attention` picks the
 dense form for short query blocks (bit-identical to a materialised mask) and the blockwise one for
 long prompts; for GPU / TPU targets (`compiling_for`) a long self-attention picks cuDNN / the Pallas
-TPU kernel, the latter equal to the dense form in Pallas' TPU interpreter. Dense attention over a
-cache reads only the slot prefix its queries need."""
+TPU kernel, the latter equal to the dense form in Pallas' TPU interpreter. Short query blocks over a
+cache ("cache_blocks") read it only up to the block of their highest position."""
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +103,6 @@ def test_grouped_attention_dispatch():
     got = jax.jit(lambda q, k, v: grouped_attention(q, k, v, rule))(q, k, v)
     want = dense_attention(q, k, v, rule.dense())
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
-
 
 
 @pytest.mark.parametrize("first_key_slot,window", [(0, None), (3, None), (0, 50)])

@@ -26,12 +26,12 @@ import jax.numpy as jnp
 
 from dmtp_jax import platform
 from dmtp_jax.layers.attention_mask import MaskRule, attention_mask
-from dmtp_jax.layers.blockwise_attention import blockwise_attention
+from dmtp_jax.layers.blockwise_attention import blockwise_attention, stops_at_live_rows
 from dmtp_jax.layers.fused_attention import PALLAS_BLOCK, cudnn_attention, pallas_tpu_attention
 
 __all__ = ["MaskRule", "attention_mask", "attention_kernel", "dense_attention", "grouped_attention"]
 
-DENSE_MAX_QUERIES = 64          # decode steps and verify blocks stay dense (bit-identical to before)
+DENSE_MAX_QUERIES = 64          # decode steps and verify blocks: dense, or "cache_blocks" over a cache
 DENSE_MAX_SCORES = 1 << 20      # T x S up to this stays dense (short prompts, tests)
 CACHE_BLOCK = 128               # the slots per block of "cache_blocks"
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -41,13 +41,12 @@ def attention_kernel(t: int, s: int, dtype, rule: MaskRule | None, head_dim: int
     """`"dense"`, `"cache_blocks"`, `"cudnn"`, `"pallas"` or `"blockwise"`: the form `grouped_attention`
     runs for `t` queries over `s` keys of `dtype` under `rule` (None: a materialised mask), on
     `compile_platform()`."""
-    target = platform.compile_platform()
-    if (rule is not None and rule.slot_keys and rule.causal is True and t <= DENSE_MAX_QUERIES
-            and s > CACHE_BLOCK and target != "gpu"):
+    if rule is not None and t <= DENSE_MAX_QUERIES and s > CACHE_BLOCK and stops_at_live_rows(rule):
         return "cache_blocks"
     if rule is None or t <= DENSE_MAX_QUERIES or t * s <= DENSE_MAX_SCORES:
         return "dense"
     fused = rule.self_keys and rule.causal is True
+    target = platform.compile_platform()
     if (target == "gpu" and fused and jnp.dtype(dtype) in CUDNN_DTYPES and head_dim % 8 == 0
             and head_dim <= 256):
         return "cudnn"

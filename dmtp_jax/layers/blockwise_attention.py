@@ -40,6 +40,12 @@ def _online_step(carry, q_bkgtd, k_bskd, v_bskd, mask_bts, scale):
     return m_new, l, alpha[..., None] * acc + pv
 
 
+def stops_at_live_rows(rule: MaskRule) -> bool:
+    """Whether a key loop under `rule` ends at the queries' highest position: keys are a cache's slots
+    (causal `slot_keys`) and the programs are not compiled for GPU."""
+    return rule.slot_keys and rule.causal is True and platform.compile_platform() != "gpu"
+
+
 def blockwise_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, rule: MaskRule, *,
                         q_block: int = Q_BLOCK, k_block: int = K_BLOCK) -> jax.Array:
     """`grouped_attention` by blocks: `[B, T, heads, D]` in `v`'s dtype, fp32 softmax and sums."""
@@ -50,7 +56,7 @@ def blockwise_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
     n_q, n_k = -(-t // tq), -(-s // sk)
     scale = d ** -0.5
     q_all = q_bthd.reshape(b, t, kv, g, d)
-    up_to_live_rows = rule.slot_keys and rule.causal is True and platform.compile_platform() != "gpu"
+    up_to_live_rows = stops_at_live_rows(rule)
 
     def key_blocks(q_at):
         """The key blocks a query block's loop runs: all, or over a cache up to its highest position."""

@@ -1,8 +1,9 @@
 """Which round the engine runs next: the method of the highest estimated output tokens/s at the live
 batch, `rows x tau(method) / (round_s(method, bucket, K) + host_s(bucket))`, all measured live
 (tau: the tokens requests keep per row round; docs/serving.md; warm-up gives each round time its
-first sample). A round's time is kept per dispatch size K (rounds per dispatch), and each method is estimated at the K it would run, so a
-method run mostly in K-round dispatches is not compared with another timed only in 1-round ones.
+first sample). A round's time is kept per dispatch size K (rounds per dispatch), and each method is
+estimated at the K it would run, so a method run mostly in K-round dispatches is not compared with
+another timed only in 1-round ones.
 The method serving keeps serving until another's estimate beats its own by `SWITCH_MARGIN`, so a
 near tie does not flip between methods every dispatch. Every `refresh_every` choices one other
 method runs: the one whose acceptance rests on the fewest row rounds while that is under
