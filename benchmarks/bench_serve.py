@@ -10,7 +10,8 @@ compiled before any clock starts; row buckets 1, 8, 32 unless `--buckets`; at mo
 `--rounds-per-dispatch` rounds per dispatch while nobody waits, default `serve`'s, and as many in
 the static batches) and serves each on a free local port in this process (uvicorn thread, the same
 app as `infer.py serve`); the clients run in a process of their own. Per concurrency level `c` it
-sends `max(c, --min-requests)` greedy streaming completions of the workload's prompts (the demo's
+sends `max(c, --min-requests)` greedy streaming completions (default 64: 8 clients send 8 each, so a
+level measures steady serving, not one burst) of the workload's prompts (the demo's
 `demo/prompts.jsonl`, or `--prompts`, cycled), at most `c` in flight, arriving all at once
 (`--arrival all`) or as a Poisson process of `--rate` requests/s, to every method in turn,
 `--repeats` times with the order rotated (a shared machine's slow spells fall on every method
@@ -251,7 +252,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--methods", default="ar,dmtp,auto")
     p.add_argument("--concurrency", default="1,8,32")
-    p.add_argument("--min-requests", type=int, default=8, help="requests per level: max(concurrency, this)")
+    p.add_argument("--min-requests", type=int, default=64,
+                   help="requests per level: max(concurrency, this); 8 at --concurrency 8 is one burst")
     p.add_argument("--repeats", type=int, default=3, help="passes over the methods per level (median tok/s)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--arrival", choices=("all", "poisson"), default="all")

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR
 from dmtp_jax.serve.engine import Engine
 from tests.serve_fixtures import (MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, serve_decoder, serve_reference,
                                   serve_tokenizer)
@@ -36,6 +37,8 @@ def server(decoder, tokenizer):
 
     engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(4,))
     engine.warm_up(every_bucket=False, sampled=False)
+    # warm-up timed the one-call prefill it compiled (what sizes the prefill groups)
+    assert set(engine.prefill_times.seconds) == {(4, min(PROMPT_BUCKET_FLOOR, engine.bank.prefill_chunk))}
     scheduler = Scheduler(engine)
     with serving_in_thread(build_app(scheduler, tokenizer, "tiny", drain_s=5)) as base:
         yield base, scheduler

@@ -9,6 +9,8 @@ import itertools
 import numpy as np
 import pytest
 
+from dmtp_jax.decode.prefill import chunk_length
+from dmtp_jax.serve.admission import prompt_bucket
 from dmtp_jax.serve.engine import Engine, Request, insert_row
 from dmtp_jax.serve.warmup import time_rounds
 from tests.serve_fixtures import MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, serve_decoder, serve_reference
@@ -49,6 +51,30 @@ def run(engine, joins=None):
         for req in (joins or {}).get(steps, []):
             engine.add(req)
     return steps
+
+
+class PrefillSpy:
+    """The bank's prefill with `check(chunk_bt)` first (it may raise); `calls`: each call's rows. Keeps
+    the compiled function's `compiles` (the engine reads it)."""
+
+    def __init__(self, real, check=lambda chunk_bt: None):
+        self.real, self.check, self.calls = real, check, []
+
+    @property
+    def compiles(self) -> int:
+        return self.real.compiles
+
+    def __call__(self, states, chunk_bt, *args, **kwargs):
+        self.check(chunk_bt)
+        self.calls.append(int(np.shape(chunk_bt)[0]))
+        return self.real(states, chunk_bt, *args, **kwargs)
+
+
+def spy_prefill(engine, monkeypatch, check=lambda chunk_bt: None) -> PrefillSpy:
+    """Puts a `PrefillSpy` in the engine's bank until the test ends (the bank is the decoder's: shared)."""
+    spy = PrefillSpy(engine.bank.prefill_step, check)
+    monkeypatch.setattr(engine.bank, "prefill_step", spy)
+    return spy
 
 
 def test_insert_row_finds_each_leafs_batch_axis():
@@ -168,19 +194,17 @@ def test_rounds_switched_every_step_equal_generate(auto, reference):
     assert f'dmtp_engine_choice{{method="{choice["method"]}"' in text and "dmtp_engine_tau{" in text
 
 
-def test_burst_is_one_prefill_and_k_rounds_per_dispatch(decoder, reference):
+def test_burst_is_one_prefill_and_k_rounds_per_dispatch(decoder, reference, monkeypatch):
     """Four arrivals of one prompt bucket: one prefill call. Nobody waiting: up to 3 rounds per
     dispatch (on-device stopping), outputs unchanged."""
     engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(4,),
                     rounds_per_dispatch=3)
     before = engine.compile_counts()
-    calls = []
-    real = engine.bank.prefill_step
-    engine.bank.prefill_step = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    spy = spy_prefill(engine, monkeypatch)
     reqs = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[:4], MAX_TOKENS[:4])]
     engine.step()
-    engine.bank.prefill_step = real
-    assert len(calls) == 1 and all(r.output_ids for r in reqs)
+    monkeypatch.undo()
+    assert len(spy.calls) == 1 and all(r.output_ids for r in reqs)
     steps = 0
     while engine.busy:
         ids = [ev.request.id for ev in engine.step()]
@@ -192,23 +216,41 @@ def test_burst_is_one_prefill_and_k_rounds_per_dispatch(decoder, reference):
     assert counts["multi_round/dmtp"] <= 1 and counts["round/dmtp"] <= 2 * len(BUCKETS) + 1, counts
 
 
-def test_idle_burst_is_one_prefill_then_the_budget_holds(decoder, reference):
+def test_idle_burst_is_one_prefill_then_the_budget_holds(decoder, reference, monkeypatch):
     """A prefill budget of one row: a burst into an idle engine is still one prefill (nobody decodes, so
     nobody stalls); arrivals while rows decode are admitted one group per step; outputs unchanged."""
     engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS,
                     prefill_budget=64)
-    calls = []
-    real = engine.bank.prefill_step
-    engine.bank.prefill_step = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    spy = spy_prefill(engine, monkeypatch)
     reqs = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[:2], MAX_TOKENS[:2])]
     engine.step()
-    assert len(calls) == 1 and all(r.output_ids for r in reqs)
+    assert len(spy.calls) == 1 and all(r.output_ids for r in reqs)
     late = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[2:4], MAX_TOKENS[2:4])]
     engine.step()
-    assert len(calls) == 2 and late[0].output_ids and not late[1].output_ids
-    engine.bank.prefill_step = real
+    assert len(spy.calls) == 2 and late[0].output_ids and not late[1].output_ids
+    monkeypatch.undo()
     run(engine)
     assert [r.output_ids for r in reqs + late] == reference[:4]
+
+
+def test_prefill_groups_follow_measured_times(decoder, reference, monkeypatch):
+    """Three arrivals: where a prefill call's time grows with its rows they go as 2 + 1 rows (the 4-row
+    bucket would cost 4/3 of their share), where it does not as one 4-row call; outputs unchanged."""
+    reqs_of = lambda: [Request(p, m) for p, m in zip(PROMPTS[:3], MAX_TOKENS[:3])]    # noqa: E731
+    for seconds, rows in (({2: 0.02, 4: 0.04}, [2, 2]), ({2: 0.02, 4: 0.021}, [4])):
+        engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
+        widths = {chunk_length(prompt_bucket(r), engine.bank.prefill_chunk) for r in reqs_of()}
+        for width, (bucket, s) in itertools.product(widths, seconds.items()):
+            engine.prefill_times.observe(bucket, width, s)
+        spy = spy_prefill(engine, monkeypatch)
+        reqs = [engine.add(r) for r in reqs_of()]
+        engine.step()
+        assert spy.calls == rows and all(r.output_ids for r in reqs)
+        monkeypatch.undo()
+        run(engine)
+        assert [r.output_ids for r in reqs] == reference[:3]
+        if rows == [2, 2]:      # the second call compiled nothing: live one-call prefills are timed too
+            assert engine.prefill_times.get(2, max(widths)) != seconds[2]
 
 
 def test_faults_end_their_requests_only(decoder, reference, monkeypatch):
@@ -216,13 +258,11 @@ def test_faults_end_their_requests_only(decoder, reference, monkeypatch):
     and run on); a failed round ends the running requests, the waiting ones run on."""
     engine = Engine(decoder, max_batch_size=2, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(2,))
     poison = [9, 9, 9, 9]
-    real_prefill = engine.bank.prefill_step
 
-    def prefill(states, chunk_bt, *args, **kwargs):
+    def check(chunk_bt):
         if any(list(row[:4]) == poison for row in np.asarray(chunk_bt)):
             raise RuntimeError("injected prefill fault")
-        return real_prefill(states, chunk_bt, *args, **kwargs)
-    monkeypatch.setattr(engine.bank, "prefill_step", prefill)      # the bank is the decoder's: shared
+    spy_prefill(engine, monkeypatch, check)
     bad = engine.add(Request(poison, 5))
     good = engine.add(Request(PROMPTS[0], MAX_TOKENS[0]))
     run(engine)

@@ -1,7 +1,8 @@
 """Batched admission: waiting prompts prefilled together, shorter ones padded to the group's longest.
 
-`form_group` picks the requests to prefill next; `PrefillGroup` runs their prefill chunk by chunk
-on a compiled row bucket, and the engine scatters the finished rows into the running state
+`form_group` picks the requests to prefill next (as many as the measured prefill times,
+`PrefillTimes`, say are cheapest per request); `PrefillGroup` runs their prefill chunk by chunk on a
+compiled row bucket, and the engine scatters the finished rows into the running state
 (`rows.put_rows`). A request whose group prefill failed is retried alone (`solo`). `start_of` is
 the one place a request's starting state and position are chosen (fresh, or a prefix cache hit)."""
 
@@ -15,9 +16,11 @@ import numpy as np
 from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, next_pow2, pad_prompts
 from dmtp_jax.decode.prefill import chunk_length, prefill_chunks
 from dmtp_jax.decode.spec import to_host
+from dmtp_jax.serve.policy import RecentMedian
 from dmtp_jax.serve.request import Request, row_sampling
 
 RESUME_BUCKET_FLOOR = 16     # a resumed prefill's shortest bucket: a chat turn's new text is short
+SPLIT_MARGIN = 0.05          # a group splits once its first part's time per request is this much lower
 
 
 def prompt_bucket(req: Request) -> int:
@@ -74,12 +77,58 @@ def resume_widths(prefill_chunk: int) -> list[int]:
                    if w & (w - 1) == 0})
 
 
+class PrefillTimes:
+    """Seconds of one prefill call by (row bucket, chunk width): the median of the recent samples
+    (warm-up gives the first, `Engine.warm_up`; then every one-call group the engine admits)."""
+
+    def __init__(self):
+        self._s: dict[tuple[int, int], RecentMedian] = {}
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        self._s.setdefault((rows, width), RecentMedian()).add(seconds)
+
+    def get(self, rows: int, width: int) -> float | None:
+        return self._s[(rows, width)].value if (rows, width) in self._s else None
+
+    @property
+    def seconds(self) -> dict[tuple[int, int], float]:
+        return {k: m.value for k, m in self._s.items()}
+
+
+def cheapest_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk: int,
+                  times: PrefillTimes | None) -> list[Request]:
+    """The oldest requests of `group` to prefill first: the count whose row bucket's measured call time
+    per request is lowest, among the group's own count and the smaller buckets (a larger count unless
+    a smaller one is `SPLIT_MARGIN` cheaper); the whole group while a time it needs is unmeasured.
+    Where a call's time grows with its rows (a CPU), 2 requests in an 8-row bucket cost 4x their
+    share and go as two 1-row calls; where it does not (an accelerator's small batches), the group
+    stays whole.
+
+    Example:
+        >>> t = PrefillTimes(); t.observe(1, 64, 0.01); t.observe(8, 64, 0.08)
+        >>> reqs = [Request([1] * 10, 4) for _ in range(3)]
+        >>> len(cheapest_part(reqs, (1, 8), 512, t)), len(cheapest_part(reqs, (1, 8), 512, None))
+        (1, 3)
+    """
+    best, best_cost = group, None
+    for n in sorted({len(group)} | {b for b in buckets if b < len(group)}, reverse=True):
+        part = group[:n]
+        seconds = None if times is None else times.get(
+            row_bucket(n, buckets), chunk_length(max(prompt_bucket(r) for r in part), prefill_chunk))
+        if seconds is None:
+            return group
+        if best_cost is None or seconds / n < (1 - SPLIT_MARGIN) * best_cost:
+            best, best_cost = part, seconds / n
+    return best
+
+
 def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefill_chunk: int,
-               solo: set, cache=None) -> list[Request]:
+               solo: set, cache=None, times: PrefillTimes | None = None) -> list[Request]:
     """The requests to prefill together next (oldest first; empty when none can start): the oldest
     admissible request, then others while row bucket x the chunk width of the group's longest prompt
     bucket stays within `budget` tokens (a burst of arrivals is one prefill, as a static batch's, short
-    prompts padded to the longest). A request in `solo` or starting from a stored state goes alone."""
+    prompts padded to the longest), cut to its `cheapest_part` by the prefill `times`. A request in
+    `solo` or starting from a stored state goes alone."""
     group: list[Request] = []
     for req in waiting:
         if len(group) >= free:
@@ -92,7 +141,7 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
         group.append(req)
         if alone:
             break
-    return group
+    return cheapest_part(group, buckets, prefill_chunk, times) if len(group) > 1 else group
 
 
 @dataclasses.dataclass
@@ -110,6 +159,7 @@ class PrefillGroup:
     top_k_cap: int = 0
     first: list[int] | None = None
     owned: bool = True
+    calls: int = 0          # prefill calls the group runs in all
 
     @classmethod
     def start(cls, bank, reqs: list[Request], rows: int, max_len: int, vocab_size: int, top_k_cap: int = 0,
@@ -128,7 +178,7 @@ class PrefillGroup:
         key = jax.random.fold_in(jax.random.key(reqs[0].seed), 0)
         width = chunks[0][1].shape[1] if chunks else 0
         return cls(list(reqs), rows, width, state, chunks, batch.lengths_b[:rows], key, top_k_cap,
-                   owned=row_state is None or bool(chunks))     # a prefill's output is a new buffer
+                   owned=row_state is None or bool(chunks), calls=len(chunks))   # a prefill's output is new
 
     def step(self, bank) -> bool:
         if self.chunks:

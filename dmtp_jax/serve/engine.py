@@ -19,7 +19,7 @@ from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.auto import AUTO, AutoDecoder
 from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, RequestError, StopTracker, round_up
 from dmtp_jax.options import check_max_model_len, check_positive_int
-from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
+from dmtp_jax.serve.admission import PrefillGroup, PrefillTimes, form_group, row_bucket, row_buckets
 from dmtp_jax.serve.policy import LoadPolicy
 from dmtp_jax.serve.prefix_cache import PrefixCache, copy_state, prefix_cache_bytes, state_nbytes
 from dmtp_jax.serve.request import Event, Request, check_request, merge_events, row_sampling
@@ -86,6 +86,7 @@ class Engine:
         self.method = AUTO if self.auto is not None else self.bank.methods[0]
         prior = {m: x.get("tau_per_verify") for m, x in (self.verdict.measured if self.verdict else {}).items()}
         self.policy = LoadPolicy(self.bank.slots, {m: t for m, t in prior.items() if t})
+        self.prefill_times = PrefillTimes()         # how many waiting requests a prefill takes at once
         self.max_len = round_up(self.max_model_len + self.bank.max_slots, 128)
         self.prefill_budget = int(prefill_budget or PREFILL_BUDGET_CHUNKS * self.bank.prefill_chunk)
         self.burst_budget = int(burst_budget or max(self.prefill_budget, self.max_batch_size * BURST_PROMPT_TOKENS))
@@ -202,7 +203,7 @@ class Engine:
         while True:
             budget = self.prefill_budget if self.running else self.burst_budget    # nobody decodes: no stall
             reqs = form_group(self.waiting, self.max_batch_size - len(self.running), self.buckets,
-                              budget, self.bank.prefill_chunk, self._solo, self.prefix_cache)
+                              budget, self.bank.prefill_chunk, self._solo, self.prefix_cache, self.prefill_times)
             if not reqs:
                 return None
             for req in reqs:
@@ -236,8 +237,11 @@ class Engine:
                 return spent            # the running rows wait no longer than the budget's prefill
             spent += cost
             try:
+                start, compiles = time.perf_counter(), self.bank.prefill_step.compiles
                 if not group.step(self.bank):
                     continue
+                if group.calls == 1 and self.bank.prefill_step.compiles == compiles:    # its results are back
+                    self.prefill_times.observe(group.rows, group.width, time.perf_counter() - start)
                 self._group = None
                 self._insert(group, events)
             except Exception:

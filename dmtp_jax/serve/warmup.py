@@ -4,6 +4,7 @@ nothing: rounds at every row bucket, row moves, prefills, and the prefix cache's
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 
@@ -19,7 +20,8 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
     """Compiles every round of the bank at every row bucket (greedy, and with every sampling filter on
     when `sampled`; K-round dispatches when K > 1) and, when the bank has several, times them
     (`time_rounds`); compiles the row moves between buckets, and the prefill of every prompt bucket
-    (`every_bucket`; else the shortest) at every row bucket the burst budget admits."""
+    (`every_bucket`; else the shortest) at every row bucket the burst budget admits, each one-call
+    greedy prefill timed once compiled (`Engine.prefill_times`, which sizes the prefill groups)."""
     top = next_pow2(engine.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
     dispatches = sorted({1, engine.rounds_per_dispatch})
     temperatures = (0.0, 1.0) if sampled else (0.0,)
@@ -40,10 +42,14 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
         for rows, t in itertools.product([r for r in engine.buckets if r == 1 or r * width <= engine.burst_budget],
                                          temperatures):
             reqs = [Request([0] * min(bucket, engine.max_model_len - 2), 1, temperature=t) for _ in range(rows)]
-            group = PrefillGroup.start(engine.bank, reqs, rows, engine.max_len, engine.cfg.vocab_size,
-                                       engine.max_top_k)
-            while not group.step(engine.bank):
-                pass
+            for timed in (False, True) if t == 0 and bucket <= width else (False,):
+                group = PrefillGroup.start(engine.bank, reqs, rows, engine.max_len, engine.cfg.vocab_size,
+                                           engine.max_top_k)
+                start = time.perf_counter()
+                while not group.step(engine.bank):
+                    pass
+                if timed:
+                    engine.prefill_times.observe(rows, width, time.perf_counter() - start)
     if engine.prefix_cache is not None:
         warm_up_prefix_cache(engine, temperatures)
 
