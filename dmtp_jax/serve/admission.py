@@ -110,6 +110,8 @@ def cheapest_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk:
         >>> len(cheapest_part(reqs, (1, 8), 512, t)), len(cheapest_part(reqs, (1, 8), 512, None))
         (1, 3)
     """
+    if len(group) < 2:
+        return group            # nothing to split
     best, best_cost = group, None
     for n in sorted({len(group)} | {b for b in buckets if b < len(group)}, reverse=True):
         part = group[:n]
@@ -141,7 +143,7 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
         group.append(req)
         if alone:
             break
-    return cheapest_part(group, buckets, prefill_chunk, times) if len(group) > 1 else group
+    return cheapest_part(group, buckets, prefill_chunk, times)
 
 
 @dataclasses.dataclass

@@ -42,16 +42,22 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
         for rows, t in itertools.product([r for r in engine.buckets if r == 1 or r * width <= engine.burst_budget],
                                          temperatures):
             reqs = [Request([0] * min(bucket, engine.max_model_len - 2), 1, temperature=t) for _ in range(rows)]
-            for timed in (False, True) if t == 0 and bucket <= width else (False,):
-                group = PrefillGroup.start(engine.bank, reqs, rows, engine.max_len, engine.cfg.vocab_size,
-                                           engine.max_top_k)
-                start = time.perf_counter()
-                while not group.step(engine.bank):
-                    pass
-                if timed:
-                    engine.prefill_times.observe(rows, width, time.perf_counter() - start)
+            run_prefill(engine, reqs, rows)                 # compiles
+            if t == 0 and bucket <= width:                  # one call: timed once compiled
+                engine.prefill_times.observe(rows, width, run_prefill(engine, reqs, rows))
     if engine.prefix_cache is not None:
         warm_up_prefix_cache(engine, temperatures)
+
+
+def run_prefill(engine, reqs, rows: int, cache=None) -> float:
+    """Runs the prefill of `reqs` on `rows` rows (from `cache`'s stored prefix, if any) to its first
+    tokens; returns its seconds."""
+    group = PrefillGroup.start(engine.bank, reqs, rows, engine.max_len, engine.cfg.vocab_size, engine.max_top_k,
+                               cache)
+    start = time.perf_counter()
+    while not group.step(engine.bank):
+        pass
+    return time.perf_counter() - start
 
 
 def time_rounds(engine, runs: int = TIMED_RUNS) -> None:
@@ -85,9 +91,6 @@ def warm_up_prefix_cache(engine, temperatures=(0.0, 1.0)) -> None:
     for width, t in itertools.product(resume_widths(engine.bank.prefill_chunk), temperatures):
         cache.offer(base + [0], one, greedy=False)
         req = Request(base + [0] * width, 1, temperature=t)      # resumes at 8: `width` tokens run
-        group = PrefillGroup.start(engine.bank, [req], 1, engine.max_len, engine.cfg.vocab_size, engine.max_top_k,
-                                   cache)
-        while not group.step(engine.bank):
-            pass
+        run_prefill(engine, [req], 1, cache)
     cache.clear()
     cache.counters.clear()
