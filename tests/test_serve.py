@@ -38,7 +38,7 @@ def server(decoder, tokenizer):
     engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(4,))
     engine.warm_up(every_bucket=False, sampled=False)
     # warm-up timed the one-call prefill it compiled (what sizes the prefill groups)
-    assert set(engine.prefill_times.seconds) == {(4, min(PROMPT_BUCKET_FLOOR, engine.bank.prefill_chunk))}
+    assert set(engine.prefill_times.as_dict()) == {(4, min(PROMPT_BUCKET_FLOOR, engine.bank.prefill_chunk))}
     scheduler = Scheduler(engine)
     with serving_in_thread(build_app(scheduler, tokenizer, "tiny", drain_s=5)) as base:
         yield base, scheduler

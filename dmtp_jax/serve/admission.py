@@ -1,7 +1,7 @@
 """Batched admission: waiting prompts prefilled together, shorter ones padded to the group's longest.
 
-`form_group` picks the requests to prefill next (as many as the measured prefill times,
-`PrefillTimes`, say are cheapest per request); `PrefillGroup` runs their prefill chunk by chunk on a
+`form_group` picks the requests to prefill next (as many as the measured prefill call times, by
+(row bucket, chunk width), say are cheapest per request); `PrefillGroup` runs their prefill chunk by chunk on a
 compiled row bucket, and the engine scatters the finished rows into the running state
 (`rows.put_rows`). A request whose group prefill failed is retried alone (`solo`). `start_of` is
 the one place a request's starting state and position are chosen (fresh, or a prefix cache hit)."""
@@ -16,7 +16,7 @@ import numpy as np
 from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, next_pow2, pad_prompts
 from dmtp_jax.decode.prefill import chunk_length, prefill_chunks
 from dmtp_jax.decode.spec import to_host
-from dmtp_jax.serve.policy import RecentMedian
+from dmtp_jax.serve.policy import RecentMedians
 from dmtp_jax.serve.request import Request, row_sampling
 
 RESUME_BUCKET_FLOOR = 16     # a resumed prefill's shortest bucket: a chat turn's new text is short
@@ -77,26 +77,8 @@ def resume_widths(prefill_chunk: int) -> list[int]:
                    if w & (w - 1) == 0})
 
 
-class PrefillTimes:
-    """Seconds of one prefill call by (row bucket, chunk width): the median of the recent samples
-    (warm-up gives the first, `Engine.warm_up`; then every one-call group the engine admits)."""
-
-    def __init__(self):
-        self._s: dict[tuple[int, int], RecentMedian] = {}
-
-    def observe(self, rows: int, width: int, seconds: float) -> None:
-        self._s.setdefault((rows, width), RecentMedian()).add(seconds)
-
-    def get(self, rows: int, width: int) -> float | None:
-        return self._s[(rows, width)].value if (rows, width) in self._s else None
-
-    @property
-    def seconds(self) -> dict[tuple[int, int], float]:
-        return {k: m.value for k, m in self._s.items()}
-
-
 def cheapest_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk: int,
-                  times: PrefillTimes | None) -> list[Request]:
+                  times: RecentMedians | None) -> list[Request]:
     """The oldest requests of `group` to prefill first: the count whose row bucket's measured call time
     per request is lowest, among the group's own count and the smaller buckets (a larger count unless
     a smaller one is `SPLIT_MARGIN` cheaper); the whole group while a time it needs is unmeasured.
@@ -105,7 +87,7 @@ def cheapest_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk:
     stays whole.
 
     Example:
-        >>> t = PrefillTimes(); t.observe(1, 64, 0.01); t.observe(8, 64, 0.08)
+        >>> t = RecentMedians(); t.add((1, 64), 0.01); t.add((8, 64), 0.08)
         >>> reqs = [Request([1] * 10, 4) for _ in range(3)]
         >>> len(cheapest_part(reqs, (1, 8), 512, t)), len(cheapest_part(reqs, (1, 8), 512, None))
         (1, 3)
@@ -116,7 +98,7 @@ def cheapest_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk:
     for n in sorted({len(group)} | {b for b in buckets if b < len(group)}, reverse=True):
         part = group[:n]
         seconds = None if times is None else times.get(
-            row_bucket(n, buckets), chunk_length(max(prompt_bucket(r) for r in part), prefill_chunk))
+            (row_bucket(n, buckets), chunk_length(max(prompt_bucket(r) for r in part), prefill_chunk)))
         if seconds is None:
             return group
         if best_cost is None or seconds / n < (1 - SPLIT_MARGIN) * best_cost:
@@ -125,7 +107,7 @@ def cheapest_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk:
 
 
 def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefill_chunk: int,
-               solo: set, cache=None, times: PrefillTimes | None = None) -> list[Request]:
+               solo: set, cache=None, times: RecentMedians | None = None) -> list[Request]:
     """The requests to prefill together next (oldest first; empty when none can start): the oldest
     admissible request, then others while row bucket x the chunk width of the group's longest prompt
     bucket stays within `budget` tokens (a burst of arrivals is one prefill, as a static batch's, short

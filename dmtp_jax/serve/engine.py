@@ -19,8 +19,8 @@ from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.auto import AUTO, AutoDecoder
 from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, RequestError, StopTracker, round_up
 from dmtp_jax.options import check_max_model_len, check_positive_int
-from dmtp_jax.serve.admission import PrefillGroup, PrefillTimes, form_group, row_bucket, row_buckets
-from dmtp_jax.serve.policy import LoadPolicy
+from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
+from dmtp_jax.serve.policy import LoadPolicy, RecentMedians
 from dmtp_jax.serve.prefix_cache import PrefixCache, copy_state, prefix_cache_bytes, state_nbytes
 from dmtp_jax.serve.request import Event, Request, check_request, merge_events, row_sampling
 from dmtp_jax.serve.rounds import engine_bank
@@ -86,7 +86,7 @@ class Engine:
         self.method = AUTO if self.auto is not None else self.bank.methods[0]
         prior = {m: x.get("tau_per_verify") for m, x in (self.verdict.measured if self.verdict else {}).items()}
         self.policy = LoadPolicy(self.bank.slots, {m: t for m, t in prior.items() if t})
-        self.prefill_times = PrefillTimes()         # how many waiting requests a prefill takes at once
+        self.prefill_times = RecentMedians()        # a one-call prefill's seconds by (row bucket, chunk width)
         self.max_len = round_up(self.max_model_len + self.bank.max_slots, 128)
         self.prefill_budget = int(prefill_budget or PREFILL_BUDGET_CHUNKS * self.bank.prefill_chunk)
         self.burst_budget = int(burst_budget or max(self.prefill_budget, self.max_batch_size * BURST_PROMPT_TOKENS))
@@ -241,7 +241,7 @@ class Engine:
                 if not group.step(self.bank):
                     continue
                 if group.calls == 1 and self.bank.prefill_step.compiles == compiles:    # its results are back
-                    self.prefill_times.observe(group.rows, group.width, time.perf_counter() - start)
+                    self.prefill_times.add((group.rows, group.width), time.perf_counter() - start)
                 self._group = None
                 self._insert(group, events)
             except Exception:

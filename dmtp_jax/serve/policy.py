@@ -57,23 +57,30 @@ class RunningMean:
         self.value = sample if self.value is None else (1 - weight) * self.value + weight * sample
 
 
-class RecentMedian:
-    """The median of the last `TIME_WINDOW` samples.
+class RecentMedians:
+    """Per key, the median of its last `TIME_WINDOW` samples (one slow sample is outvoted by two normal
+    ones): the policy's round and host times, the engine's prefill call times.
 
     Example:
-        >>> m = RecentMedian(); m.add(0.2); m.add(0.02); m.add(0.021); m.value
-        0.021
+        >>> m = RecentMedians(); m.add("a", 0.2); m.add("a", 0.02); m.add("a", 0.021)
+        >>> m.get("a"), m.get("b"), m.get("b", 0.0), "a" in m
+        (0.021, None, 0.0, True)
     """
 
     def __init__(self):
-        self.recent: collections.deque = collections.deque(maxlen=TIME_WINDOW)
+        self._recent: dict = {}
 
-    def add(self, sample: float) -> None:
-        self.recent.append(sample)
+    def add(self, key, sample: float) -> None:
+        self._recent.setdefault(key, collections.deque(maxlen=TIME_WINDOW)).append(sample)
 
-    @property
-    def value(self) -> float:
-        return statistics.median(self.recent)
+    def get(self, key, default: float | None = None) -> float | None:
+        return statistics.median(self._recent[key]) if key in self._recent else default
+
+    def __contains__(self, key) -> bool:
+        return key in self._recent
+
+    def as_dict(self) -> dict:
+        return {k: statistics.median(v) for k, v in self._recent.items()}
 
 
 class LoadPolicy:
@@ -87,9 +94,9 @@ class LoadPolicy:
                      RunningMean(float(prior[m]) if m in prior else max(1.0, n / 2), PRIOR_ROW_ROUNDS)
                      for m, n in self.slots.items()}
         self._measured = {m: TRUSTED_ROW_ROUNDS if m == "ar" else 0 for m in self.slots}    # ar's tau is exact
-        self._round_s: dict[tuple[str, int, int], RecentMedian] = {}   # (method, bucket, rounds the dispatch ran)
+        self._round_s = RecentMedians()     # seconds per round by (method, bucket, rounds the dispatch ran)
         self._measured_at: dict[tuple[str, int], int] = {}    # the choice count of a key's last sample
-        self._host_s: dict[int, RecentMedian] = {}              # host seconds per round outside the dispatch
+        self._host_s = RecentMedians()      # host seconds per round outside the dispatch, by bucket
         self.refresh_every = int(refresh_every)
         self.choices = 0
         self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
@@ -103,7 +110,7 @@ class LoadPolicy:
     @property
     def round_s(self) -> dict[tuple[str, int, int], float]:
         """Seconds per round by (method, bucket, rounds the dispatch ran)."""
-        return {k: r.value for k, r in self._round_s.items()}
+        return self._round_s.as_dict()
 
     def timed(self, method: str, bucket: int) -> bool:
         """Whether `method` has a 1-round time at `bucket` (what its estimate needs first)."""
@@ -113,17 +120,17 @@ class LoadPolicy:
         """Seconds per round of `method` at `bucket` in the dispatch it would run (`rounds`, at most
         `most`): that dispatch size's time once measured, else the 1-round time (needs `timed`)."""
         k = self.rounds(method, bucket, most)
-        return self._round_s.get((method, bucket, k), self._round_s[(method, bucket, 1)]).value
+        return self._round_s.get((method, bucket, k), self._round_s.get((method, bucket, 1)))
 
     @property
     def host_s(self) -> dict[int, float]:
-        return {b: h.value for b, h in self._host_s.items()}
+        return self._host_s.as_dict()
 
     def estimates(self, rows: int, bucket: int, most: int = 1) -> dict[str, float]:
         """Estimated output tokens/s per method timed at `bucket`, each in the dispatch it would run (at
         most `most` rounds): a round's time includes the host's work around it (committing,
         streaming), which a method of more rounds per token pays more often."""
-        host = self._host_s[bucket].value if bucket in self._host_s else 0.0
+        host = self._host_s.get(bucket, 0.0)
         times = {m: self.round_time(m, bucket, most) + host for m in self.slots if self.timed(m, bucket)}
         return {m: rows * self._tau[m].value / t for m, t in times.items() if t > 0}
 
@@ -132,7 +139,7 @@ class LoadPolicy:
         take at most `DISPATCH_S` by its round time (an arrival waits for the dispatch in progress),
         else 1; 1 before the round is timed."""
         key = (method, bucket, 1)
-        fits = most > 1 and key in self._round_s and most * self._round_s[key].value <= DISPATCH_S
+        fits = most > 1 and key in self._round_s and most * self._round_s.get(key) <= DISPATCH_S
         return most if fits else 1
 
     def choose(self, rows: int, bucket: int, most: int = 1) -> str:
@@ -188,7 +195,7 @@ class LoadPolicy:
         rows ran `row_rounds` row rounds in which the requests kept `committed` tokens (a round's
         tokens past a stop or `max_tokens` serve nobody and are not counted)."""
         if rounds > 0 and not compiled:
-            self._round_s.setdefault((method, bucket, rounds), RecentMedian()).add(seconds / rounds)
+            self._round_s.add((method, bucket, rounds), seconds / rounds)
             self._measured_at[(method, bucket)] = self.choices
         if row_rounds > 0 and method != "ar":
             self._tau[method].add(committed / row_rounds, row_rounds)     # one row round: one sample
@@ -197,7 +204,7 @@ class LoadPolicy:
     def observe_host(self, bucket: int, seconds: float) -> None:
         """The host spent `seconds` per round at `bucket` rows between one dispatch's results and the
         next dispatch (no prefill between them)."""
-        self._host_s.setdefault(bucket, RecentMedian()).add(max(0.0, seconds))
+        self._host_s.add(bucket, max(0.0, seconds))
 
     def describe(self) -> dict:
         """The last choice: method, why, rows, bucket, rounds (the dispatch's), each method's tau and

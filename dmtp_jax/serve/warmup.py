@@ -44,7 +44,7 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
             reqs = [Request([0] * min(bucket, engine.max_model_len - 2), 1, temperature=t) for _ in range(rows)]
             run_prefill(engine, reqs, rows)                 # compiles
             if t == 0 and bucket <= width:                  # one call: timed once compiled
-                engine.prefill_times.observe(rows, width, run_prefill(engine, reqs, rows))
+                engine.prefill_times.add((rows, width), run_prefill(engine, reqs, rows))
     if engine.prefix_cache is not None:
         warm_up_prefix_cache(engine, temperatures)
 
