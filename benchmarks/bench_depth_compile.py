@@ -21,8 +21,7 @@ from flax import nnx
 
 from dmtp_jax.checkpoint.hf import abstract_target, init_target
 from dmtp_jax.config import TargetConfig
-from dmtp_jax.decode.caches import kv_cache_shape, recurrent_state_shapes
-from dmtp_jax.layers.kv_cache import KVCache, TargetCache
+from dmtp_jax.decode.caches import target_cache_spec
 
 
 def config(family: str, layers: int) -> TargetConfig:
@@ -36,15 +35,6 @@ def config(family: str, layers: int) -> TargetConfig:
     return TargetConfig.from_hf_dict(d)
 
 
-def abstract_cache(cfg, batch: int, max_len: int) -> TargetCache:
-    kv = jax.ShapeDtypeStruct(kv_cache_shape(cfg, batch, max_len), jnp.float32)
-    shapes = recurrent_state_shapes(cfg, batch)
-    if shapes is None:
-        return TargetCache(KVCache(kv, kv))
-    return TargetCache(KVCache(kv, kv), jax.ShapeDtypeStruct(shapes[0], jnp.float32),
-                       jax.ShapeDtypeStruct(shapes[1], jnp.float32))
-
-
 def compile_times(cfg, tokens: int, batch: int = 1, max_len: int = 256) -> tuple[float, float]:
     """`(trace + lower seconds, compile seconds)` of one cached forward of `tokens` tokens per row."""
     graphdef, state = abstract_target(cfg, "float32")
@@ -56,7 +46,7 @@ def compile_times(cfg, tokens: int, batch: int = 1, max_len: int = 256) -> tuple
 
     ints = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
     t0 = time.perf_counter()
-    lowered = jax.jit(step, donate_argnums=(3,)).lower(state, ints, ints, abstract_cache(cfg, batch, max_len))
+    lowered = jax.jit(step, donate_argnums=(3,)).lower(state, ints, ints, target_cache_spec(cfg, batch, max_len, "float32"))
     t1 = time.perf_counter()
     lowered.compile()
     return t1 - t0, time.perf_counter() - t1

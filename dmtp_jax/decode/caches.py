@@ -74,6 +74,30 @@ def recurrent_state_shapes(cfg, batch: int):
             (n, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
 
 
+def target_cache_spec(cfg, batch: int, max_len: int, dtype, mesh=None) -> TargetCache:
+    """A `TargetCache` of `jax.ShapeDtypeStruct`s: the shape and dtype of every array of a zero cache
+    (K/V and conv windows in `dtype`, the recurrent state in fp32; KV heads as laid out on `mesh`).
+
+    Example:
+        >>> from dmtp_jax.tiny import tiny_target_config
+        >>> spec = target_cache_spec(tiny_target_config(), 2, 16, "float32")
+        >>> spec.kv.k_lbskd.shape[1:3], spec.conv_lbwc
+        ((2, 16), None)
+    """
+    sds = jax.ShapeDtypeStruct
+    k_shape = kv_cache_shape(cfg, batch, max_len, mesh)
+    kv = KVCache(sds(k_shape, jnp.dtype(dtype)), sds(k_shape[:-1] + (kv_cache_value_dim(cfg),), jnp.dtype(dtype)))
+    shapes = recurrent_state_shapes(cfg, batch)
+    if shapes is None:
+        return TargetCache(kv)
+    return TargetCache(kv, sds(shapes[0], jnp.dtype(dtype)), sds(shapes[1], jnp.dtype(jnp.float32)))
+
+
+def zero_target_cache(spec: TargetCache) -> TargetCache:
+    """Zeros of `target_cache_spec`'s shapes (inside a jitted function: no sharding of their own)."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), spec)
+
+
 def state_bytes_per_row(cfg, max_len: int, dtype_bytes: int = 2, verify_slots: int = 8) -> dict[str, int]:
     """Bytes one row holds across rounds (`kv`: K/V of the attention layers, MLA: the latent; fp32
     `conv` / `ssm` of the DeltaNet layers) and `verify_transient`: the per-token DeltaNet inputs a
@@ -126,11 +150,9 @@ class TargetCaches:
     def new(self, batch: int, max_len: int) -> TargetCache:
         """A zero cache of `batch` rows and `max_len` slots at its sharding."""
         mesh = self.target.mesh
-        kv = new_kv_cache(mesh, self.shape(batch, max_len), self.target.state_dtype,
-                          kv_cache_value_dim(self.target.cfg))
-        shapes = recurrent_state_shapes(self.target.cfg, batch)
-        if shapes is None:
+        spec = target_cache_spec(self.target.cfg, batch, max_len, self.target.state_dtype, mesh)
+        k, v = spec.kv.k_lbskd, spec.kv.v_lbskd
+        kv = _zeros_cache_maker(mesh, k.shape, k.dtype, v.shape)()
+        if spec.conv_lbwc is None:
             return TargetCache(kv)
-        conv_shape, ssm_shape = shapes
-        return TargetCache(kv, _zeros_maker(mesh, conv_shape, jnp.dtype(self.target.state_dtype))(),
-                           _zeros_maker(mesh, ssm_shape, jnp.dtype(jnp.float32))())
+        return TargetCache(kv, *(_zeros_maker(mesh, x.shape, x.dtype)() for x in (spec.conv_lbwc, spec.ssm_lbhkv)))

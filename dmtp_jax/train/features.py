@@ -5,8 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dmtp_jax.decode.caches import kv_cache_shape, kv_cache_value_dim, recurrent_state_shapes
-from dmtp_jax.layers.kv_cache import KVCache, TargetCache
+from dmtp_jax.decode.caches import target_cache_spec, zero_target_cache
 from dmtp_jax.models.dflash import context_features
 from dmtp_jax.models.dflash_config import DFlashConfig
 
@@ -19,23 +18,12 @@ def target_features(target, tokens_bt: jax.Array, valid_bt: jax.Array, dcfg: DFl
     forward runs through a zero cache of the sequence's length; else no cache, and None).
     `valid_bt` marks real tokens (padding trails: no real token reads it)."""
     positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-    cache = sequence_cache(target, *tokens_bt.shape) if keep_kv else None
+    cache = zero_target_cache(target_cache_spec(target.cfg, *tokens_bt.shape, target.dtype)) if keep_kv else None
     out = target(tokens_bt, positions_bt, cache, capture_layers=dcfg.target_layer_ids,
                  kv_valid_bt=valid_bt)
     feats = context_features(out, dcfg, target.cfg.num_hidden_layers)
     kv = jax.lax.stop_gradient(out.cache.kv) if keep_kv else None
     return jax.lax.stop_gradient(feats), jax.lax.stop_gradient(out.hidden_bth), kv
-
-
-def sequence_cache(target, batch: int, length: int) -> TargetCache:
-    """A zero target cache of `length` slots (the model's own KV heads, the target's dtype)."""
-    cfg, dtype = target.cfg, target.dtype
-    shape = kv_cache_shape(cfg, batch, length)
-    kv = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape[:-1] + (kv_cache_value_dim(cfg),), dtype))
-    states = recurrent_state_shapes(cfg, batch)
-    if states is None:
-        return TargetCache(kv)
-    return TargetCache(kv, jnp.zeros(states[0], dtype), jnp.zeros(states[1], jnp.float32))
 
 
 def reads_target_kv(mtp) -> bool:
