@@ -10,14 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from dmtp_jax.decode.batch import pad_prompts
-from dmtp_jax.decode.drafting import DEFER_WINDOW, catch_up
+from dmtp_jax.decode.drafting import catch_up
 from dmtp_jax.decode.prefill import prefill_chunks
 from dmtp_jax.decode.round import merge_models
 from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.serve.rounds import RoundBank
 from tests.serve_fixtures import PROMPTS, serve_decoder
 
-ROUNDS = DEFER_WINDOW + 4       # row 0 fills its buffer once (a catch-up inside a plain round), then 4 wait
+WINDOW = 16                     # a short buffer: the mechanism is the default's
+ROUNDS = WINDOW + 4             # row 0 fills its buffer once (a catch-up inside a plain round), then 4 wait
 
 
 def test_catch_up_equals_advancing_the_caches_every_round():
@@ -27,8 +28,8 @@ def test_catch_up_equals_advancing_the_caches_every_round():
     batch = pad_prompts([PROMPTS[0], PROMPTS[2]], ROUNDS + 2, cfg.vocab_size, cfg.max_position_embeddings,
                         slack=bank.max_slots)
     states = bank.model_states()
-    deferred = bank.new_state(2, batch.max_len)
-    assert deferred.deferred is not None and deferred.deferred.window == DEFER_WINDOW
+    deferred = bank.new_state(2, batch.max_len, defer_window=WINDOW)
+    assert deferred.deferred is not None and deferred.deferred.window == WINDOW
     for start, chunk_bt, next_b in prefill_chunks(batch.tokens_bt, bank.prefill_chunk):
         deferred = bank.prefill_step(states, chunk_bt, next_b, start, batch.lengths_b, deferred, sp, key, greedy=True)
     every = dataclasses.replace(jax.tree.map(jnp.copy, deferred), deferred=None)     # advanced every round

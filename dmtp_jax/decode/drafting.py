@@ -22,7 +22,9 @@ from dmtp_jax.layers.kv_cache import KVCache, write_layer
 from dmtp_jax.models import TargetOutput
 from dmtp_jax.sharding import replicated
 
-DEFER_WINDOW = 16       # plain rounds a row may run before its drafting caches catch up
+DEFER_WINDOW = 64       # plain rounds a row may run before its drafting caches catch up: a row that ends
+                        # within them never pays the upkeep; a catch-up runs W positions per row, at most
+                        # once per W plain rounds (every lag is 0 after it)
 
 
 @jax.tree_util.register_dataclass

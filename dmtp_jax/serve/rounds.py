@@ -106,10 +106,11 @@ class RoundBank:
     def model_states(self) -> tuple:
         return tuple(None if m is None else m.state for m in self.models)
 
-    def new_state(self, rows: int, max_len: int):
+    def new_state(self, rows: int, max_len: int, defer_window: int = DEFER_WINDOW):
         """A zero state of `rows` rows with every cache of the bank's models; when the bank also runs
-        `ar`, its plain rounds defer the drafting caches' work (`drafting.DeferredRows`)."""
-        window = DEFER_WINDOW if "ar" in self.slots and len(self.slots) > 1 else 0
+        `ar`, its plain rounds defer the drafting caches' work for up to `defer_window` rounds
+        (`drafting.DeferredRows`)."""
+        window = defer_window if "ar" in self.slots and len(self.slots) > 1 else 0
         return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len, self.models[5], window)
 
     def run(self, method: str, state, active_b, limits_b, sp, base_key, first_round: int, greedy: bool,
