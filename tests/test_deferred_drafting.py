@@ -10,15 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from dmtp_jax.decode.batch import pad_prompts
-from dmtp_jax.decode.drafting import catch_up
+from dmtp_jax.decode.drafting import CATCH_UP_CHUNK, catch_up
 from dmtp_jax.decode.prefill import prefill_chunks
 from dmtp_jax.decode.round import merge_models
 from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.serve.rounds import RoundBank
 from tests.serve_fixtures import PROMPTS, serve_decoder
 
-WINDOW = 16                     # a short buffer: the mechanism is the default's
-ROUNDS = WINDOW + 4             # row 0 fills its buffer once (a catch-up inside a plain round), then 4 wait
+WINDOW = 2 * CATCH_UP_CHUNK     # a short buffer of two catch-up blocks: the mechanism is the default's
+ROUNDS = WINDOW + 20            # row 0 fills its buffer once (a two-block catch-up inside a plain round),
+                                # then 20 rows wait (again two blocks, the second partial)
 
 
 def test_catch_up_equals_advancing_the_caches_every_round():
@@ -39,7 +40,7 @@ def test_catch_up_equals_advancing_the_caches_every_round():
         deferred, tok_d, *_ = bank.run("ar", deferred, active, limits, sp, key, i + 1, True)
         every, tok_e, *_ = bank.run("ar", every, active, limits, sp, key, i + 1, True)
         assert np.array_equal(tok_d, tok_e)
-    assert deferred.deferred.lag_b.tolist() == [4, 2]
+    assert deferred.deferred.lag_b.tolist() == [20, 2]       # row 1's 11 caught up with row 0's 32
     lengths = np.asarray(deferred.lengths_b).tolist()
     assert lengths == np.asarray(every.lengths_b).tolist()
 
@@ -53,7 +54,7 @@ def test_catch_up_equals_advancing_the_caches_every_round():
                                        (a.ctx_cache.v_lbskd, b.ctx_cache.v_lbskd, 0))) \
             and np.allclose(a.mtp_h_bh, b.mtp_h_bh, atol=1e-5)
 
-    assert not close(deferred, every)           # 4 and 2 rows wait
+    assert not close(deferred, every)           # 20 and 2 rows wait
     graphdefs = bank.setups["ar"].graphdefs
     caught = jax.jit(lambda s, st: catch_up(merge_models(graphdefs, s), st))(states, deferred)
     assert caught.deferred.lag_b.tolist() == [0, 0]

@@ -4,8 +4,8 @@ cache (`chained_advance`) and a draft model's cache, all through `advance_drafti
 
 A state that carries `DeferredRows` lets plain rounds skip that work: each plain round's verified
 row (token, target hidden, captured features) waits in a per-row buffer (`defer_rows`), and
-`catch_up` runs the waiting rows through `advance_drafting` as one block, on a verify forward
-synthesized from the buffer, before anything reads those caches (a speculative round, a prefill,
+`catch_up` runs the waiting rows through `advance_drafting` in blocks of `CATCH_UP_CHUNK`, on verify
+forwards synthesized from the buffer, before anything reads those caches (a speculative round, a prefill,
 or a full buffer). The caches then equal round-by-round advancing up to float rounding; they only
 shape drafts, and verification decides every token, so outputs are unchanged."""
 
@@ -23,8 +23,8 @@ from dmtp_jax.models import TargetOutput
 from dmtp_jax.sharding import replicated
 
 DEFER_WINDOW = 64       # plain rounds a row may run before its drafting caches catch up: a row that ends
-                        # within them never pays the upkeep; a catch-up runs W positions per row, at most
-                        # once per W plain rounds (every lag is 0 after it)
+                        # within them never pays the upkeep
+CATCH_UP_CHUNK = 16     # positions per catch-up block: a catch-up runs ceil(longest lag / 16) blocks
 
 
 @jax.tree_util.register_dataclass
@@ -55,7 +55,10 @@ class DeferredRows:
 
 
 def new_deferred(mesh, batch: int, window: int, hidden_size: int, captured_width: int, dtype) -> DeferredRows:
-    """An empty buffer of `window` rows per row, replicated on `mesh`."""
+    """An empty buffer of `window` rows per row, replicated on `mesh`. `window` is at most
+    `CATCH_UP_CHUNK` or a multiple of it (catch-up blocks tile the buffer)."""
+    if window > CATCH_UP_CHUNK and window % CATCH_UP_CHUNK:
+        raise ValueError(f"a defer window of {window} rows does not tile into catch-up blocks of {CATCH_UP_CHUNK}")
     rep = replicated(mesh)
     zeros = lambda *shape, dt=dtype: jax.device_put(np.zeros((batch, *shape), dt), rep)  # noqa: E731
     return DeferredRows(zeros(dt=np.int32), zeros(window, dt=np.int32), zeros(window, hidden_size),
@@ -163,30 +166,42 @@ def defer_rows(deferred: DeferredRows, fwd: VerifyForward, active_b) -> Deferred
 
 
 def catch_up(models, state, full_only: bool = False):
-    """`state` with every row's deferred rows in its drafting caches and its lag 0: the rows run
-    through `advance_drafting` as one verify block of the buffered positions whose accepted prefix is
-    the row's lag and whose bonus is the pending token. `full_only`: only when a row's buffer is full.
-    Skipped on device (`lax.cond`) when there is nothing to do."""
+    """`state` with every row's deferred rows in its drafting caches and its lag 0. The buffer runs
+    through `advance_drafting` in verify blocks of `CATCH_UP_CHUNK` positions, as many as the longest
+    lag needs (so the cost follows the lag, not the window): block i of row b holds its buffered
+    positions from `16 i` on, accepted prefix = the positions left in it minus one, bonus = the next block's
+    first token or, in the row's last block, the pending token. `full_only`: only when a row's buffer
+    is full. No block runs when there is nothing to do."""
     deferred = state.deferred
     if deferred is None:
         return state
+    width = min(CATCH_UP_CHUNK, deferred.window)
+    lag_b = deferred.lag_b
+    last_slot = deferred.window - 1
 
-    def run(st):
-        d = st.deferred
-        lag_b = d.lag_b
-        j = jnp.arange(d.window)[None]
-        base_b = st.lengths_b - lag_b
-        waiting_b = lag_b > 0
-        positions = jnp.where(j < lag_b[:, None], base_b[:, None] + j, st.target_cache.max_len)   # rest dropped
-        captured = () if d.captured_bwf is None else (d.captured_bwf,)
-        out = TargetOutput(d.hidden_bwh, captured, st.target_cache)
-        fwd = VerifyForward(d.tokens_bw, positions, models.target.embed(d.tokens_bw), out, None)
-        at_base = dataclasses.replace(st, lengths_b=base_b)
-        caches = advance_drafting(models, at_base, st.mtp_cache, fwd, jnp.maximum(lag_b - 1, 0), st.pending_b,
-                                  waiting_b)
+    def advance_block(i, st):
+        d, first = st.deferred, i * width
+        left_b = lag_b - first                          # the row's buffered positions from this block on
+        j = jnp.arange(width)[None]
+        base_b = st.lengths_b - left_b
+        positions = jnp.where(j < left_b[:, None], base_b[:, None] + j, st.target_cache.max_len)  # rest dropped
+        block = lambda buf: jax.lax.dynamic_slice_in_dim(buf, first, width, axis=1)  # noqa: E731
+        tokens = block(d.tokens_bw)
+        captured = () if d.captured_bwf is None else (block(d.captured_bwf),)
+        out = TargetOutput(block(d.hidden_bwh), captured, st.target_cache)
+        fwd = VerifyForward(tokens, positions, models.target.embed(tokens), out, None)
+        following_b = jax.lax.dynamic_index_in_dim(d.tokens_bw, jnp.minimum(first + width, last_slot), axis=1,
+                                                   keepdims=False)
+        bonus_b = jnp.where(left_b > width, following_b, st.pending_b)
+        acc_b = jnp.clip(left_b, 1, width) - 1
+        caches = advance_drafting(models, dataclasses.replace(st, lengths_b=base_b), st.mtp_cache, fwd, acc_b,
+                                  bonus_b, left_b > 0)
         caches = {k: jax.tree.map(lambda new, old: new.astype(old.dtype), v, getattr(st, k))
-                  for k, v in caches.items()}         # the skip branch's types: lax.cond needs them equal
-        return dataclasses.replace(st, **caches, deferred=dataclasses.replace(d, lag_b=jnp.zeros_like(lag_b)))
+                  for k, v in caches.items()}         # the loop carry's types must stay the same
+        return dataclasses.replace(st, **caches)
 
-    due = jnp.any(deferred.lag_b >= deferred.window) if full_only else jnp.any(deferred.lag_b > 0)
-    return jax.lax.cond(due, run, lambda st: st, state)
+    due = jnp.any(lag_b >= deferred.window) if full_only else jnp.any(lag_b > 0)
+    blocks = jnp.where(due, (jnp.max(lag_b) + width - 1) // width, 0)
+    state = jax.lax.fori_loop(0, blocks, advance_block, state)
+    return dataclasses.replace(state, deferred=dataclasses.replace(state.deferred,
+                                                                   lag_b=jnp.where(due, 0, lag_b)))
