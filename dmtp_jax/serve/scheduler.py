@@ -12,6 +12,7 @@ end "cancelled"; no request's failure ends the thread. `submit` refuses with 429
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -24,12 +25,16 @@ from dmtp_jax.serve.protocol import ApiError
 log = logging.getLogger(__name__)
 GATHER_S = 0.01         # an idle engine admits once no request arrived for this long ...
 GATHER_MAX_S = 0.05     # ... or this long after the first arrival, or once a batch is full
+SWITCH_INTERVAL_S = 0.0005  # the process's GIL switch interval while a scheduler runs (Python's default: 5 ms):
+                            # each device call of the scheduler thread lets go of the GIL and takes it back,
+                            # and while the HTTP thread runs Python every take-back waits out one interval
 
 
 class Scheduler:
     """The thread that drives an `Engine`: `submit` from any thread, events to each request's sink.
     `gather_s`: how long an idle engine's first admission waits for another arrival (0: not at all),
-    `gather_max_s`: for all of them (`_gather`)."""
+    `gather_max_s`: for all of them (`_gather`). Starting one lowers the process's GIL switch
+    interval to `SWITCH_INTERVAL_S` (benchmarks/bench_engine_gil.py shows why)."""
 
     def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, max_waiting: int = 256,
                  gather_s: float = GATHER_S, gather_max_s: float = GATHER_MAX_S):
@@ -43,6 +48,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = False
         self._sinks: dict[int, tuple[Request, Any]] = {}     # request id -> (request, sink)
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="dmtp-scheduler", daemon=True)
         self._thread.start()
 
