@@ -1,10 +1,12 @@
 """The scheduler thread (`dmtp_jax/serve/scheduler.py`) over a stand-in engine (no model, no compile):
-an idle engine's first admission gathers a burst whose requests arrive some ms apart."""
+an idle engine's first admission gathers a burst whose requests arrive some ms apart, and a running
+scheduler lowers the GIL switch interval."""
 
+import sys
 import threading
 
 from dmtp_jax.serve.request import Event, Request
-from dmtp_jax.serve.scheduler import Scheduler
+from dmtp_jax.serve.scheduler import SWITCH_INTERVAL_S, Scheduler
 
 
 class CountingEngine:
@@ -53,3 +55,16 @@ def test_an_idle_engine_admits_a_burst_arriving_ms_apart_as_one_group():
         assert engine.admissions == [3]
     finally:
         scheduler.shutdown(drain_s=1)
+
+
+def test_a_running_scheduler_lowers_the_gil_switch_interval():
+    """The engine thread's device calls re-take the GIL behind the HTTP thread: a scheduler leaves the
+    process's switch interval at most `SWITCH_INTERVAL_S` (Python's default is 10x that)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    scheduler = Scheduler(CountingEngine())
+    try:
+        assert sys.getswitchinterval() <= SWITCH_INTERVAL_S < 0.005
+    finally:
+        scheduler.shutdown(drain_s=1)
+        sys.setswitchinterval(before)
