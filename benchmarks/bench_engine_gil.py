@@ -4,8 +4,9 @@
 
 `serve` runs the engine on the scheduler thread and HTTP on another thread of the same process. Each
 jitted call on the engine thread lets go of the GIL and takes it back; while another thread runs
-Python, each take-back waits until that thread's switch interval runs out. Per method (the demo's
-serving state: `ar`'s, or `auto`'s switching bank with the MTP cache and deferred rows), per switch
+Python, each take-back waits until that thread's switch interval runs out. Per method (the state
+`serve` keeps on the demo: `ar`'s, or `auto`'s switching bank with its drafting caches and deferred
+rows), per switch
 interval (Python's default 5 ms, and the scheduler's `SWITCH_INTERVAL_S`) and per number of
 threads spinning Python beside it (0, 1): the mean time to dispatch one `RowMoves.put` of a 1-row
 state into a `--rows`-row state (the row insert of every admission) and the time until its result
@@ -56,6 +57,8 @@ def main(argv=None) -> int:
     import jax
 
     import infer
+    from bench_serve import load_served_decoder
+    from dmtp_jax.serve.engine import SERVE_ROUNDS_PER_DISPATCH
     from dmtp_jax.serve.rounds import engine_bank
     from dmtp_jax.serve.rows import RowMoves
     from dmtp_jax.serve.scheduler import SWITCH_INTERVAL_S
@@ -63,16 +66,13 @@ def main(argv=None) -> int:
     from dmtp_jax.tokenizer import load_tokenizer
 
     target_dir = infer.resolve_target(None)
-    opts = argparse.Namespace(target=target_dir, draft=None, mtp=None, dtype=None, block_size=None,
-                              verify="rejection", mtp_steps=None, strict=False, rounds_per_dispatch=4,
-                              prefill_chunk=None, adaptive_threshold=None, stop_token_ids=None)
+    demo = argparse.Namespace(target=None, draft=None, mtp=None, dtype=None)      # serve's defaults on the demo
     tokenizer, mesh = load_tokenizer(target_dir, plain=True), make_mesh(None)
     default = sys.getswitchinterval()
     print(f"state of {args.rows} rows, max len {args.max_len}; put of one row; mean of {args.repeats} calls")
     print(f"{'method':8s} {'arrays':>6s} {'switch':>8s} {'busy':>4s} {'dispatch ms':>11s} {'ready ms':>8s}")
     for method in args.methods.split(","):
-        built, _ = infer.decoder_methods(opts, target_dir, [method])
-        decoder, _ = infer.load_decoder(opts, target_dir, method, built, mesh, tokenizer)
+        decoder, _ = load_served_decoder(demo, target_dir, method, SERVE_ROUNDS_PER_DISPATCH, mesh, tokenizer)
         bank = engine_bank(decoder)[0]
         moves = RowMoves(bank.new_state(1, args.max_len), bank.new_state(2, args.max_len))
         big, small = bank.new_state(args.rows, args.max_len), bank.new_state(1, args.max_len)

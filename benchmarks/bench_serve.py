@@ -170,6 +170,20 @@ def plot(rows: list[dict], path: str) -> None:
     print(f"wrote {path}")
 
 
+def load_served_decoder(args, target_dir: str, method: str, rounds: int, mesh, tokenizer):
+    """`(decoder, stop ids)` of `method` on `target_dir` as `infer.py serve` builds it, from `args.target`
+    (None: the demo, with its drafters), `args.draft`, `args.mtp` and `args.dtype`, running `rounds`
+    rounds per dispatch."""
+    import infer
+
+    opts = argparse.Namespace(target=args.target, draft=args.draft, mtp=args.mtp, dtype=args.dtype, block_size=None,
+                              verify="rejection", mtp_steps=None, strict=False,
+                              rounds_per_dispatch=rounds, prefill_chunk=None,
+                              adaptive_threshold=None, stop_token_ids=None)
+    built, _ = infer.decoder_methods(opts, target_dir, [method])
+    return infer.load_decoder(opts, target_dir, method, built, mesh, tokenizer)
+
+
 def build_engines(args, methods, target_dir, tokenizer, prompts, stack, client) -> tuple[dict, list]:
     """`({method: (decoder, stops, engine, base url)}, reference texts)`: every method's engine warmed
     up and served (in `stack`) before any clock starts; the reference is `generate` of each prompt
@@ -180,15 +194,10 @@ def build_engines(args, methods, target_dir, tokenizer, prompts, stack, client) 
     from dmtp_jax.sharding import make_mesh
 
     rounds = args.rounds_per_dispatch or SERVE_ROUNDS_PER_DISPATCH     # the servers' and the static batches'
-    opts = argparse.Namespace(target=args.target, draft=args.draft, mtp=args.mtp, dtype=args.dtype, block_size=None,
-                              verify="rejection", mtp_steps=None, strict=False,
-                              rounds_per_dispatch=rounds, prefill_chunk=None,
-                              adaptive_threshold=None, stop_token_ids=None)
     mesh, served, reference = make_mesh(None), {}, None
     buckets = {"buckets": tuple(int(b) for b in args.buckets.split(","))} if args.buckets else {}
     for method in methods:
-        built, _ = infer.decoder_methods(opts, target_dir, [method])
-        decoder, stops = infer.load_decoder(opts, target_dir, method, built, mesh, tokenizer)
+        decoder, stops = load_served_decoder(args, target_dir, method, rounds, mesh, tokenizer)
         if reference is None:
             ref_dec = decoder.candidates["ar"] if hasattr(decoder, "candidates") else decoder
             reference = [tokenizer.decode(ref_dec.generate([q], args.max_tokens, None, 0, stops).output_ids[0],
