@@ -51,9 +51,8 @@ def insert_row(state, row_state, row):
 def put_rows(axes, big, small, dst_g):
     """`big` with its rows `dst_g[i]` replaced by `small`'s row `i`; an index past `big`'s rows
     drops that row (a padding row of a prefill bucket)."""
-    def put(axis, b, s):
-        moved = jnp.moveaxis(b, axis, 0).at[dst_g].set(jnp.moveaxis(s, axis, 0).astype(b.dtype), mode="drop")
-        return jnp.moveaxis(moved, 0, axis)
+    def put(axis, b, s):        # indexed at the batch axis in place: no transpose of `big`
+        return b.at[(slice(None),) * axis + (dst_g,)].set(s.astype(b.dtype), mode="drop")
     return jax.tree.map(put, axes, big, small)
 
 
