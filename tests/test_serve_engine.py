@@ -165,16 +165,19 @@ def test_rounds_switched_every_step_equal_generate(auto, reference):
     turns = itertools.cycle(engine.bank.methods)
     real_choose = engine.policy.choose
     engine.policy.choose = lambda rows, bucket, most=1: (real_choose(rows, bucket, most), next(turns))[1]
+    leans = itertools.cycle(["ar", "dmtp"])      # admissions alternate lean and full prefills
+    engine.policy.best = lambda rows, bucket, most=1: next(leans)
     reqs = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[:2], MAX_TOKENS[:2])]
     late = [Request(p, m) for p, m in zip(PROMPTS[2:], MAX_TOKENS[2:])]
     run(engine, {2: late[:2], 4: late[2:]})
     assert [r.output_ids for r in reqs + late] == reference
     assert all(engine.counters[f"rounds/{m}"] >= 3 for m in engine.bank.methods)
-    counts = new_compiles(engine, before)   # per method: one per bucket
+    assert engine.counters["lean_prefills"] >= 1
+    counts = new_compiles(engine, before)   # per method: one per bucket; prefill: full and lean per bucket
     assert all(counts[f"round/{m}"] <= len(BUCKETS) for m in engine.bank.methods), counts
-    assert counts["prefill"] <= len(BUCKETS), counts
+    assert counts["prefill"] <= 2 * len(BUCKETS), counts
     # every method was timed at the buckets it ran: the choice rests on live numbers, shown in /metrics
-    del engine.policy.choose
+    del engine.policy.choose, engine.policy.best
     req = engine.add(Request(PROMPTS[0], 6))
     run(engine)
     assert req.output_ids == reference[0][:6]

@@ -5,9 +5,12 @@ cache (`chained_advance`) and a draft model's cache, all through `advance_drafti
 A state that carries `DeferredRows` lets plain rounds skip that work: each plain round's verified
 row (token, target hidden, captured features) waits in a per-row buffer (`defer_rows`), and
 `catch_up` runs the waiting rows through `advance_drafting` in blocks of `CATCH_UP_CHUNK`, on verify
-forwards synthesized from the buffer, before anything reads those caches (a speculative round, a prefill,
-or a full buffer). The caches then equal round-by-round advancing up to float rounding; they only
-shape drafts, and verification decides every token, so outputs are unchanged."""
+forwards synthesized from the buffer, before anything reads those caches (a speculative round, a
+prefill on a resumed state) or the buffer would overflow (`serve/rounds.py:RoundBank.caught_up`).
+The caches then equal round-by-round advancing up to float rounding; they only shape drafts, and
+verification decides every token, so outputs are unchanged. A lean prefill
+(`defer_chunk`) puts a prompt's rows there too, so a request that ends while plain rounds serve
+never runs the drafting models at all."""
 
 from __future__ import annotations
 
@@ -22,9 +25,10 @@ from dmtp_jax.layers.kv_cache import KVCache, write_layer
 from dmtp_jax.models import TargetOutput
 from dmtp_jax.sharding import replicated
 
-DEFER_WINDOW = 64       # plain rounds a row may run before its drafting caches catch up: a row that ends
-                        # within them never pays the upkeep
+DEFER_WINDOW = 256      # positions a row may buffer (its prompt, when prefilled lean, and its plain rounds)
+                        # before its drafting caches catch up: a row that ends within them never pays the upkeep
 CATCH_UP_CHUNK = 16     # positions per catch-up block: a catch-up runs ceil(longest lag / 16) blocks
+DRAFTING_CACHES = ("ctx_cache", "mtp_cache", "mtp_h_bh", "draft_cache")     # what `advance_drafting` returns
 
 
 @jax.tree_util.register_dataclass
@@ -52,6 +56,23 @@ class DeferredRows:
     @property
     def window(self) -> int:
         return self.tokens_bw.shape[1]
+
+
+def deferred_widths(target_cfg, drafter_cfg) -> tuple[int, int]:
+    """`(hidden, captured width)` of a buffered row: the target's hidden size, and the captured layers'
+    features the drafter's context reads (0 without a drafter)."""
+    hidden = target_cfg.hidden_size
+    return hidden, 0 if drafter_cfg is None else len(drafter_cfg.target_layer_ids) * hidden
+
+
+def deferred_nbytes(batch: int, window: int, hidden_size: int, captured_width: int, dtype) -> int:
+    """Bytes of a `new_deferred` buffer (int32 tokens and lags, rows in `dtype`).
+
+    Example:
+        >>> deferred_nbytes(2, 16, 8, 16, "bfloat16")
+        1672
+    """
+    return batch * (4 + window * (4 + (hidden_size + captured_width) * jnp.dtype(dtype).itemsize))
 
 
 def new_deferred(mesh, batch: int, window: int, hidden_size: int, captured_width: int, dtype) -> DeferredRows:
@@ -152,7 +173,7 @@ def advance_drafting(models, state, mtp_cache: KVCache | None, fwd: VerifyForwar
 
 def defer_rows(deferred: DeferredRows, fwd: VerifyForward, active_b) -> DeferredRows:
     """`deferred` with a plain round's verified row appended for every active row (`fwd` has one row:
-    the pending token at L); a full row's append is dropped, so `catch_up` runs first."""
+    the pending token at L); the caller keeps room (`catch_up` first), a full row's append is dropped."""
     rows_b = jnp.arange(deferred.lag_b.shape[0])
     slot_b = jnp.where(active_b, deferred.lag_b, deferred.window)
 
@@ -165,13 +186,35 @@ def defer_rows(deferred: DeferredRows, fwd: VerifyForward, active_b) -> Deferred
                         put(deferred.hidden_bwh, fwd.out.hidden_bth[:, 0]), captured)
 
 
-def catch_up(models, state, full_only: bool = False):
+def defer_chunk(deferred: DeferredRows, out: TargetOutput, tokens_bt: jax.Array, positions_bt: jax.Array,
+                start: jax.Array, lengths_b: jax.Array) -> DeferredRows:
+    """`deferred` (empty: every lag 0) holding a lean prefill's only chunk: the rows at positions
+    `start <= p < lengths_b` (token, `out`'s hidden and captured features) at slot `p - start`, lag
+    `lengths_b - start`; the chunk is at most the window wide (checked). `catch_up` then runs them as
+    the prefill would have (row p pairs h_p with the token at p + 1, the last with the pending one)."""
+    if tokens_bt.shape[1] > deferred.window:
+        raise ValueError(f"a lean prefill chunk of {tokens_bt.shape[1]} tokens does not fit a defer window of "
+                         f"{deferred.window}")
+    rows_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[0])[:, None], tokens_bt.shape)
+    slot_bt = jnp.where(positions_bt < lengths_b[:, None], positions_bt - start, deferred.window)
+
+    def put(buf, rows):
+        return buf.at[rows_bt, slot_bt].set(rows.astype(buf.dtype), mode="drop")
+    captured = deferred.captured_bwf
+    if captured is not None:
+        captured = put(captured, jnp.concatenate(out.captured, axis=-1))
+    return DeferredRows(jnp.maximum(lengths_b - start, 0).astype(jnp.int32), put(deferred.tokens_bw, tokens_bt),
+                        put(deferred.hidden_bwh, out.hidden_bth), captured)
+
+
+def catch_up(models, state):
     """`state` with every row's deferred rows in its drafting caches and its lag 0. The buffer runs
     through `advance_drafting` in verify blocks of `CATCH_UP_CHUNK` positions, as many as the longest
     lag needs (so the cost follows the lag, not the window): block i of row b holds its buffered
     positions from `16 i` on, accepted prefix = the positions left in it minus one, bonus = the next block's
-    first token or, in the row's last block, the pending token. `full_only`: only when a row's buffer
-    is full. No block runs when there is nothing to do."""
+    first token or, in the row's last block, the pending token. No block runs when nothing waits.
+    Its own call (`spec.catch_up_entry`), never inside a round or a prefill: a program that reads the
+    buffer in a loop and then writes it in place gets the whole buffer copied by XLA every call."""
     deferred = state.deferred
     if deferred is None:
         return state
@@ -179,7 +222,8 @@ def catch_up(models, state, full_only: bool = False):
     lag_b = deferred.lag_b
     last_slot = deferred.window - 1
 
-    def advance_block(i, st):
+    def advance_block(i, carry):
+        st = dataclasses.replace(state, **carry)        # the loop carries the drafting caches only
         d, first = st.deferred, i * width
         left_b = lag_b - first                          # the row's buffered positions from this block on
         j = jnp.arange(width)[None]
@@ -196,12 +240,9 @@ def catch_up(models, state, full_only: bool = False):
         acc_b = jnp.clip(left_b, 1, width) - 1
         caches = advance_drafting(models, dataclasses.replace(st, lengths_b=base_b), st.mtp_cache, fwd, acc_b,
                                   bonus_b, left_b > 0)
-        caches = {k: jax.tree.map(lambda new, old: new.astype(old.dtype), v, getattr(st, k))
-                  for k, v in caches.items()}         # the loop carry's types must stay the same
-        return dataclasses.replace(st, **caches)
+        return {k: jax.tree.map(lambda new, old: new.astype(old.dtype), v, carry[k])
+                for k, v in caches.items()}         # the loop carry's types must stay the same
 
-    due = jnp.any(lag_b >= deferred.window) if full_only else jnp.any(lag_b > 0)
-    blocks = jnp.where(due, (jnp.max(lag_b) + width - 1) // width, 0)
-    state = jax.lax.fori_loop(0, blocks, advance_block, state)
-    return dataclasses.replace(state, deferred=dataclasses.replace(state.deferred,
-                                                                   lag_b=jnp.where(due, 0, lag_b)))
+    blocks = (jnp.max(lag_b) + width - 1) // width
+    caches = jax.lax.fori_loop(0, blocks, advance_block, {k: getattr(state, k) for k in DRAFTING_CACHES})
+    return dataclasses.replace(state, **caches, deferred=dataclasses.replace(deferred, lag_b=jnp.zeros_like(lag_b)))

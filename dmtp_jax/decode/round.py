@@ -15,7 +15,7 @@ from flax import nnx
 
 from dmtp_jax.decode.caches import target_cache_shardings
 from dmtp_jax.decode.draft_model import prefill_draft_cache
-from dmtp_jax.decode.drafting import (DeferredRows, VerifyForward, advance_drafting, catch_up, defer_rows,
+from dmtp_jax.decode.drafting import (DeferredRows, VerifyForward, advance_drafting, defer_chunk, defer_rows,
                                       gather_rows, write_context)
 from dmtp_jax.decode.prefill import target_chunk
 from dmtp_jax.decode.sampling import filtered_probs
@@ -183,8 +183,8 @@ def spec_round(proposer, verify_mode: str, models: RoundModels, state: SpecState
     """One propose / verify / accept / commit round: `(state, tokens [B, n], accepted [B],
     t1_from_mtp [B])`. A row's committed tokens are `tokens[:accepted + 1]`; `t1_from_mtp` says
     whose first candidate it verified. `limits_b`: each row's token budget (prompt +
-    max_new_tokens); `knobs`: `proposers.RoundKnobs`."""
-    state = catch_up(models, state, full_only=proposer.slots == 1)     # a plain round defers its own row
+    max_new_tokens); `knobs`: `proposers.RoundKnobs`. A state with `deferred` comes caught up to a
+    speculative round and with buffer room to a plain one (`RoundBank.caught_up`)."""
     k_draft, k_verify = jax.random.split(key)
     proposal = proposer.propose(models, state, sp, k_draft, greedy, limits_b, knobs)
     fwd = verify_forward(models.target, state, proposal.drafts_bn, models.capture_layers, jnp.asarray(active_b))
@@ -194,16 +194,26 @@ def spec_round(proposer, verify_mode: str, models: RoundModels, state: SpecState
 
 
 def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state: SpecState, sp, key,
-                 greedy: bool = False) -> SpecState:
+                 greedy: bool = False, defer: bool = False) -> SpecState:
     """One prefill chunk (`decode/prefill.py`) through the target, the MTP (row i pairs h_i with
     x_{i+1}; rows past the prompt go to scratch) and a draft model; the chunk's tokens go into the
     token buffer. The first token is picked in the chunk that ends a row's prompt and carried in
-    `state.pending_b` / `state.mtp_h_bh`."""
+    `state.pending_b` / `state.mtp_h_bh`. A state with `deferred` comes caught up (a resumed
+    snapshot's plain rounds: `RoundBank.caught_up`). `defer` (a lean prefill: such a state, and this
+    chunk the prefill's only one): the target alone runs and the chunk's rows wait in the buffer
+    (`drafting.defer_chunk`) for the first speculative round, or a full buffer, to catch them up."""
     target, drafter, mtp = models.target, models.drafter, models.mtp
-    state = catch_up(models, state)     # a resumed snapshot's plain rounds, before the chunk's rows
     res = target_chunk(target, tokens_bt, start, lengths_b, state.target_cache, state.pending_b, sp, key,
                        greedy, models.capture_layers)
     out, positions, first = res.out, res.positions_bt, res.first_b
+    history = write_tokens(state.tokens_bs, tokens_bt, positions, positions < lengths_b[:, None])
+    history = write_tokens(history, first[:, None], lengths_b[:, None], res.ends_b[:, None])
+    if defer:
+        if state.deferred is None:
+            raise ValueError("a lean prefill needs a state that defers its drafting caches")
+        return dataclasses.replace(state, target_cache=out.cache, lengths_b=lengths_b.astype(jnp.int32),
+                                   pending_b=first, tokens_bs=history,
+                                   deferred=defer_chunk(state.deferred, out, tokens_bt, positions, start, lengths_b))
     ctx = mtp_cache = mtp_h = h = None
     if mtp is not None:
         nxt = jnp.concatenate([tokens_bt[:, 1:], next_b[:, None]], axis=1)
@@ -224,7 +234,5 @@ def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state
     draft_cache = state.draft_cache
     if models.draft_model is not None:
         draft_cache = prefill_draft_cache(models.draft_model, draft_cache, tokens_bt, positions, lengths_b)
-    history = write_tokens(state.tokens_bs, tokens_bt, positions, positions < lengths_b[:, None])
-    history = write_tokens(history, first[:, None], lengths_b[:, None], res.ends_b[:, None])
     return SpecState(out.cache, ctx, mtp_cache, mtp_h, lengths_b.astype(jnp.int32), first, history, draft_cache,
                      state.deferred)

@@ -20,7 +20,7 @@ from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.ar import GenerationResult
 from dmtp_jax.decode.batch import RequestError, StopTracker, pad_prompts
 from dmtp_jax.decode.caches import TargetCaches, kv_cache_shape, kv_cache_value_dim, new_kv_cache
-from dmtp_jax.decode.drafting import new_deferred
+from dmtp_jax.decode.drafting import catch_up, deferred_widths, new_deferred
 from dmtp_jax.decode.multi_round import feed_rounds, pad_stop_ids, run_rounds
 from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK, prefill_chunks
 from dmtp_jax.decode.probe import ExactnessCheck
@@ -80,12 +80,18 @@ def _pin(mesh, x):
 
 
 def prefill_entry(setup: RoundSetup, states, tokens_bt, next_b, start, lengths_b, state: SpecState, sp, key,
-                  greedy: bool = False) -> SpecState:
+                  greedy: bool = False, defer: bool = False) -> SpecState:
     """`round.prefill_step` on the merged models, the state pinned at its shardings (jitted as
-    `SpecDecoder.prefill_step`)."""
+    `SpecDecoder.prefill_step`; `defer`: a lean prefill, as a switching `RoundBank` runs it)."""
     models = merge_models(setup.graphdefs, states)
-    state = prefill_step(models, tokens_bt, next_b, start, lengths_b, state, sp, key, greedy)
+    state = prefill_step(models, tokens_bt, next_b, start, lengths_b, state, sp, key, greedy, defer)
     return constrain_state(setup.mesh, state)
+
+
+def catch_up_entry(setup: RoundSetup, states, state: SpecState) -> SpecState:
+    """`drafting.catch_up` on the merged models, the state pinned at its shardings (jitted as
+    `RoundBank.catch_up_step`)."""
+    return constrain_state(setup.mesh, catch_up(merge_models(setup.graphdefs, states), state))
 
 
 def _keyed_round(setup: RoundSetup, models, knobs, state, active_b, limits_b, sp, key, greedy):
@@ -147,8 +153,7 @@ def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: Loade
         draft_cache = TargetCaches(draft_model).new(batch, max_len)
     deferred = None
     if defer_window and (drafter, mtp, draft_model) != (None, None, None):
-        hidden = target.cfg.hidden_size
-        captured = 0 if drafter is None else len(drafter.cfg.target_layer_ids) * hidden
+        hidden, captured = deferred_widths(target.cfg, None if drafter is None else drafter.cfg)
         deferred = new_deferred(mesh, batch, defer_window, hidden, captured, target.state_dtype)
     return SpecState(caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros(), zeros(max_len), draft_cache,
                      deferred)

@@ -9,8 +9,9 @@ TPU, the compiler's time estimate (`plan.report`). Usage: docs/sizing.md."""
 from __future__ import annotations
 
 from dmtp_jax.plan.compile import DoesNotFitError  # noqa: F401
-from dmtp_jax.plan.report import PlanResult, cost_notes, format_plan  # noqa: F401
+from dmtp_jax.plan.report import PlanResult, cost_notes, format_plan, gib  # noqa: F401
 from dmtp_jax.decode import make_decoder
+from dmtp_jax.decode.drafting import DEFER_WINDOW, deferred_nbytes, deferred_widths
 from dmtp_jax.plan.compile import compile_function
 from dmtp_jax.plan.inference import inference_calls
 from dmtp_jax.plan.models import plan_models, shard_bytes
@@ -91,6 +92,11 @@ def plan_inference(target: str, *, method: str = "dmtp", draft: str | None = Non
         d = models["drafter"].cfg
         notes.append(f"drafter: the default shape ({d.num_hidden_layers} layers of the target's width, "
                      f"context from target layers {list(d.target_layer_ids)}); --draft DIR|CONFIG.json for yours")
+    if method != "ar" and models.keys() & {"drafter", "mtp", "draft_model"}:    # serve's switching bank
+        hidden, captured = deferred_widths(models["target"].cfg, models["drafter"].cfg if "drafter" in models else None)
+        notes.append(f"`serve --method auto` over {method} also keeps "
+                     f"{gib(deferred_nbytes(batch_size, DEFER_WINDOW, hidden, captured, dtype))} of deferred rows per "
+                     f"device ({DEFER_WINDOW} positions per row, replicated; not in the peak)")
     notes += cost_notes(functions, exact_cost)
     return PlanResult("inference", topology, topo.platform, topo.device_kind, device_mesh.size,
                       _mesh_sizes(device_mesh), _hbm(topo, hbm_gb), topo.peak_bytes_per_s, settings, weights, state,

@@ -132,7 +132,8 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
 class PrefillGroup:
     """The prefill of `reqs` in progress: `step()` runs one chunk and returns True once all ran; then
     `state` holds their rows (0..len-1) and `first` their first tokens; `owned`: `state` is the
-    group's own (not a prefix cache entry's), so the engine may adopt it as its running state."""
+    group's own (not a prefix cache entry's), so the engine may adopt it as its running state;
+    `lean`: the prefill defers the drafting caches (`RoundBank.lean_prefill`)."""
     reqs: list[Request]
     rows: int
     width: int
@@ -144,11 +145,13 @@ class PrefillGroup:
     first: list[int] | None = None
     owned: bool = True
     calls: int = 0          # prefill calls the group runs in all
+    lean: bool = False
 
     @classmethod
     def start(cls, bank, reqs: list[Request], rows: int, max_len: int, vocab_size: int, top_k_cap: int = 0,
-              cache=None):
-        """The group's padded prompts and its starting state (`start_of`)."""
+              cache=None, lean: bool = False):
+        """The group's padded prompts and its starting state (`start_of`); `lean`: prefill lean where the
+        bank can (plain rounds serve, so the drafting caches may wait)."""
         batch = pad_prompts([r.prompt_ids for r in reqs], 1, vocab_size, batch_bucket=rows)
         row_state, start = start_of(reqs[0], cache, take=True)
         if row_state is None:
@@ -156,20 +159,23 @@ class PrefillGroup:
         else:
             rows, state, suffix = 1, row_state, reqs[0].prompt_ids[start:]
             tokens_bt = resume_tokens(suffix) if suffix else np.zeros((1, 0), np.int32)
+            if suffix:          # a prefill reads the drafting caches: the snapshot's plain rounds first
+                state = bank.caught_up(state)
         chunks = [(np.int32(s + start), c, n)
                   for s, c, n in (prefill_chunks(tokens_bt, bank.prefill_chunk) if tokens_bt.shape[1] else ())]
         # a lone request's seed seeds its first token; a group draws with its oldest request's
         key = jax.random.fold_in(jax.random.key(reqs[0].seed), 0)
         width = chunks[0][1].shape[1] if chunks else 0
         return cls(list(reqs), rows, width, state, chunks, batch.lengths_b[:rows], key, top_k_cap,
-                   owned=row_state is None or bool(chunks), calls=len(chunks))   # a prefill's output is new
+                   owned=row_state is None or bool(chunks), calls=len(chunks),   # a prefill's output is new
+                   lean=lean and bank.lean_prefill(width, len(chunks)))
 
     def step(self, bank) -> bool:
         if self.chunks:
             start, chunk_bt, next_b = self.chunks.pop(0)
             sp, greedy = row_sampling(self.reqs, self.rows, self.top_k_cap)
             self.state = bank.prefill_step(bank.model_states(), chunk_bt, next_b, start, self.lengths_b, self.state,
-                                           sp, self.key, greedy=greedy)
+                                           sp, self.key, greedy=greedy, defer=self.lean)
         if self.chunks:
             return False
         self.first = [int(t) for t in to_host(self.state.pending_b)[:len(self.reqs)]]

@@ -86,7 +86,7 @@ class Engine:
         self.method = AUTO if self.auto is not None else self.bank.methods[0]
         prior = {m: x.get("tau_per_verify") for m, x in (self.verdict.measured if self.verdict else {}).items()}
         self.policy = LoadPolicy(self.bank.slots, {m: t for m, t in prior.items() if t})
-        self.prefill_times = RecentMedians()        # a one-call prefill's seconds by (row bucket, chunk width)
+        self.prefill_times = RecentMedians()        # one-call prefill seconds by (row bucket, chunk width), lean or not
         self.max_len = round_up(self.max_model_len + self.bank.max_slots, 128)
         self.prefill_budget = int(prefill_budget or PREFILL_BUDGET_CHUNKS * self.bank.prefill_chunk)
         self.burst_budget = int(burst_budget or max(self.prefill_budget, self.max_batch_size * BURST_PROMPT_TOKENS))
@@ -208,9 +208,11 @@ class Engine:
                 return None
             for req in reqs:
                 self.waiting.remove(req)
+            need = len(self.running) + len(reqs)      # lean while plain rounds will serve the rows after it
+            lean = self.policy.best(need, row_bucket(need, self.buckets)) == "ar"
             try:
                 return PrefillGroup.start(self.bank, reqs, row_bucket(len(reqs), self.buckets), self.max_len,
-                                          self.cfg.vocab_size, self.max_top_k, self.prefix_cache)
+                                          self.cfg.vocab_size, self.max_top_k, self.prefix_cache, lean)
             except Exception:
                 self._group_failed(reqs, events)
 
@@ -263,6 +265,7 @@ class Engine:
             dst[keep] = np.arange(len(self.running), need, dtype=np.int32)
             self.state = self.moves.put(self.state, group.state, dst)
         now = time.perf_counter()
+        self.counters["lean_prefills"] += group.lean
         for i, req in enumerate(group.reqs):
             self._solo.discard(req.id)
             if req.cancelled:

@@ -94,6 +94,8 @@ class ServerMetrics:
             ("running_rows", "gauge", "rows of the running batch in use", engine.num_running, ""),
             ("waiting_requests", "gauge", "requests waiting for a row", len(engine.waiting), ""),
             ("verify_rounds_total", "counter", "rounds run over the batch", c["rounds"], m),
+            ("lean_prefills_total", "counter", "prefill groups that left the drafting caches to a later catch-up "
+             "(auto while plain rounds serve)", c["lean_prefills"], m),
             ("acceptance_length", "gauge", "mean tokens committed per row per round", c["committed"] / rows, m),
             ("first_candidate_acceptance", "gauge", "fraction of row rounds whose first draft was accepted",
              c["first_accepted"] / rows, m),

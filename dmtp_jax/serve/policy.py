@@ -142,6 +142,18 @@ class LoadPolicy:
         fits = most > 1 and key in self._round_s and most * self._round_s.get(key) <= DISPATCH_S
         return most if fits else 1
 
+    def best(self, rows: int, bucket: int, most: int = 1) -> str | None:
+        """The method of the highest estimate at `rows` live rows on `bucket`, the one serving kept on a
+        near tie (switching costs: a plain round's rows catch up, and it flips); None while a method is
+        untimed there. Counts no choice (the engine asks it before a prefill)."""
+        est = self.estimates(rows, bucket, most)
+        if len(est) < len(self.slots):
+            return None
+        best, held = max(est, key=est.get), self._serving
+        if held in est and held != best and est[best] < (1 + SWITCH_MARGIN) * est[held]:
+            return held
+        return best
+
     def choose(self, rows: int, bucket: int, most: int = 1) -> str:
         """The method of the next dispatch of at most `most` rounds (see the module docstring)."""
         self.choices += 1
@@ -154,10 +166,7 @@ class LoadPolicy:
         elif untimed:
             method, why = untimed[0], f"timing {untimed[0]} at {bucket} rows"
         else:
-            best = max(est, key=est.get)
-            held = self._serving
-            if held in est and held != best and est[best] < (1 + SWITCH_MARGIN) * est[held]:
-                best = held         # a near tie: switching costs (a plain round's rows catch up) and flips
+            best = self.best(rows, bucket, most)
             stale = self._refresh_candidate(best, bucket) if self.choices % self.refresh_every == 0 else None
             if stale is not None:
                 method, why = stale, f"refreshing {stale}'s estimate at {bucket} rows"

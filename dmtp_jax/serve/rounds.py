@@ -23,8 +23,8 @@ from dmtp_jax.decode.caches import TargetCaches
 from dmtp_jax.decode.drafting import DEFER_WINDOW
 from dmtp_jax.decode.multi_round import pad_stop_ids
 from dmtp_jax.decode.proposers import RoundKnobs, round_proposer
-from dmtp_jax.decode.spec import (RoundSetup, _used, multi_round_entry, new_spec_state, prefill_entry, round_entry,
-                                  to_host)
+from dmtp_jax.decode.spec import (RoundSetup, _used, catch_up_entry, multi_round_entry, new_spec_state, prefill_entry,
+                                  round_entry, to_host)
 from dmtp_jax.options import verify_slots
 
 DEFAULT_MTP_STEPS = 4       # the MTP chain's drafts when the models allow `mtp` and no mtp decoder says otherwise
@@ -61,7 +61,12 @@ class RoundBank:
                                      verify_mode if m != "ar" else "rejection", 1) for m, n in self.slots.items()}
         self.round = {m: self._jit(functools.partial(round_entry, setup)) for m, setup in self.setups.items()}
         self._multi: dict[tuple[str, int], object] = {}
-        self.prefill_step = self._jit(functools.partial(prefill_entry, next(iter(self.setups.values()))))
+        self.prefill_step = counted_jit(functools.partial(prefill_entry, next(iter(self.setups.values()))),
+                                        donate_argnames=("state",), static_argnames=("greedy", "defer"))
+        drafting = any(m is not None for m in (models[1], models[2], models[5]))
+        self.defer_window = DEFER_WINDOW if drafting and "ar" in self.slots and len(self.slots) > 1 else 0
+        self.catch_up_step = counted_jit(functools.partial(catch_up_entry, next(iter(self.setups.values()))),
+                                         donate_argnames=("state",))
 
     def multi_round(self, method: str, rounds: int):
         """The jitted dispatch of up to `rounds` rounds of `method` (`spec.multi_round_entry`)."""
@@ -106,17 +111,36 @@ class RoundBank:
     def model_states(self) -> tuple:
         return tuple(None if m is None else m.state for m in self.models)
 
-    def new_state(self, rows: int, max_len: int, defer_window: int = DEFER_WINDOW):
+    def new_state(self, rows: int, max_len: int, defer_window: int | None = None):
         """A zero state of `rows` rows with every cache of the bank's models; when the bank also runs
-        `ar`, its plain rounds defer the drafting caches' work for up to `defer_window` rounds
-        (`drafting.DeferredRows`)."""
-        window = defer_window if "ar" in self.slots and len(self.slots) > 1 else 0
+        `ar` beside drafting models, its plain rounds (and lean prefills) defer the drafting caches'
+        work for up to `defer_window` positions (default `self.defer_window`; `drafting.DeferredRows`)."""
+        window = self.defer_window if defer_window is None or not self.defer_window else defer_window
         return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len, self.models[5], window)
+
+    def caught_up(self, state, method: str | None = None, rounds: int = 1):
+        """`state` ready for `rounds` rounds of `method` (None: a prefill): its deferred rows caught up
+        (`catch_up_step`) when a speculative round or a prefill would read the drafting caches, or a
+        plain row's buffer would overflow; else `state` itself. Reads the lags (a small host sync)."""
+        if state.deferred is None:
+            return state
+        lag = int(np.max(np.asarray(state.deferred.lag_b)))
+        plain = method is not None and self.slots[method] == 1
+        if lag == 0 or (plain and lag + rounds <= state.deferred.window):
+            return state
+        return self.catch_up_step(self.model_states(), state)
+
+    def lean_prefill(self, width: int, chunks: int) -> bool:
+        """Whether a prefill of `chunks` calls `width` tokens wide can be lean (`round.prefill_step`'s
+        `defer`): one call no wider than the defer window."""
+        return chunks == 1 and 0 < width <= self.defer_window
 
     def run(self, method: str, state, active_b, limits_b, sp, base_key, first_round: int, greedy: bool,
             rounds: int = 1, stop_ids=()):
-        """One round of `method`, or up to `rounds` stopping on device: `(state, tokens [B, k, n],
-        accepted [B, k], ran [B, k], rounds run, seconds from dispatch to host results)`."""
+        """One round of `method`, or up to `rounds` stopping on device, on `state` made ready by
+        `caught_up`: `(state, tokens [B, k, n], accepted [B, k], ran [B, k], rounds run, seconds from
+        dispatch to host results)` (a catch-up before it is not in those seconds)."""
+        state = self.caught_up(state, method, rounds)
         t0 = time.perf_counter()
         if rounds == 1:
             state, *out = self.round[method](self.model_states(), state, active_b, limits_b, sp, base_key,
@@ -131,7 +155,7 @@ class RoundBank:
         return state, tokens_bkn, acc_bk, ran_bk, int(k), time.perf_counter() - t0
 
     def compile_counts(self) -> dict[str, int]:
-        counts = {"prefill": self.prefill_step.compiles}
+        counts = {"prefill": self.prefill_step.compiles, "catch_up": self.catch_up_step.compiles}
         counts.update({f"round/{m}": fn.compiles for m, fn in self.round.items()})
         counts.update({f"multi_round/{m}": fn.compiles for (m, _), fn in self._multi.items()})
         return counts

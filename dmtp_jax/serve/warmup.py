@@ -19,9 +19,11 @@ TIMED_RUNS = 3          # rounds per (method, row bucket) whose median seeds the
 def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> None:
     """Compiles every round of the bank at every row bucket (greedy, and with every sampling filter on
     when `sampled`; K-round dispatches when K > 1) and, when the bank has several, times them
-    (`time_rounds`); compiles the row moves between buckets, and the prefill of every prompt bucket
-    (`every_bucket`; else the shortest) at every row bucket the burst budget admits, each one-call
-    greedy prefill timed once compiled (`Engine.prefill_times`, which sizes the prefill groups)."""
+    (`time_rounds`); compiles the catch-up at every bucket and one row, the row moves between
+    buckets, and the prefill of every prompt bucket (`every_bucket`; else the shortest) at every
+    row bucket the burst budget admits, full and, where the bank can, lean (`lean_variants`), each
+    one-call greedy prefill timed once compiled (`Engine.prefill_times`, which sizes the prefill
+    groups)."""
     top = next_pow2(engine.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
     dispatches = sorted({1, engine.rounds_per_dispatch})
     temperatures = (0.0, 1.0) if sampled else (0.0,)
@@ -31,6 +33,8 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
                         np.zeros(rows, np.int32), sp, engine.base_key, 1, greedy, k, engine.stop_ids)
     if len(engine.bank.methods) > 1:
         time_rounds(engine)
+    for rows in sorted({1, *engine.buckets}):       # catch-ups: the running state's, a resumed snapshot's
+        engine.bank.catch_up_step(engine.bank.model_states(), engine.bank.new_state(rows, engine.max_len))
     for rows, other in itertools.product(engine.buckets, engine.buckets):     # the row moves between buckets
         state = engine.moves.resize(engine.bank.new_state(rows, engine.max_len), other)
         if other <= rows:
@@ -39,21 +43,27 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
             state = engine.moves.move(state, np.int32(0), np.int32(0))
     for bucket in itertools.takewhile(lambda b: b <= top, (PROMPT_BUCKET_FLOOR << i for i in itertools.count())):
         width = chunk_length(bucket, engine.bank.prefill_chunk)
-        for rows, t in itertools.product([r for r in engine.buckets if r == 1 or r * width <= engine.burst_budget],
-                                         temperatures):
+        leans = lean_variants(engine, width, -(-bucket // width))
+        rows_fit = [r for r in engine.buckets if r == 1 or r * width <= engine.burst_budget]
+        for rows, t, lean in itertools.product(rows_fit, temperatures, leans):
             reqs = [Request([0] * min(bucket, engine.max_model_len - 2), 1, temperature=t) for _ in range(rows)]
-            run_prefill(engine, reqs, rows)                 # compiles
+            run_prefill(engine, reqs, rows, lean=lean)      # compiles
             if t == 0 and bucket <= width:                  # one call: timed once compiled
-                engine.prefill_times.add((rows, width), run_prefill(engine, reqs, rows))
+                engine.prefill_times.add((rows, width), run_prefill(engine, reqs, rows, lean=lean))
     if engine.prefix_cache is not None:
         warm_up_prefix_cache(engine, temperatures)
 
 
-def run_prefill(engine, reqs, rows: int, cache=None) -> float:
-    """Runs the prefill of `reqs` on `rows` rows (from `cache`'s stored prefix, if any) to its first
-    tokens; returns its seconds."""
+def lean_variants(engine, width: int, chunks: int) -> tuple[bool, ...]:
+    """The prefills a group of `chunks` calls `width` wide may run: full, and lean where the bank can."""
+    return (False, True) if engine.bank.lean_prefill(width, chunks) else (False,)
+
+
+def run_prefill(engine, reqs, rows: int, cache=None, lean: bool = False) -> float:
+    """Runs the prefill of `reqs` on `rows` rows (from `cache`'s stored prefix, if any; `lean`: deferring
+    the drafting caches where the bank can) to its first tokens; returns its seconds."""
     group = PrefillGroup.start(engine.bank, reqs, rows, engine.max_len, engine.cfg.vocab_size, engine.max_top_k,
-                               cache)
+                               cache, lean)
     start = time.perf_counter()
     while not group.step(engine.bank):
         pass
@@ -89,8 +99,9 @@ def warm_up_prefix_cache(engine, temperatures=(0.0, 1.0)) -> None:
         engine.moves.put(engine.bank.new_state(rows, engine.max_len), one, np.full(1, rows, np.int32))
     base = [0] * 8
     for width, t in itertools.product(resume_widths(engine.bank.prefill_chunk), temperatures):
-        cache.offer(base + [0], one, greedy=False)
-        req = Request(base + [0] * width, 1, temperature=t)      # resumes at 8: `width` tokens run
-        run_prefill(engine, [req], 1, cache)
+        for lean in lean_variants(engine, width, 1):
+            cache.offer(base + [0], one, greedy=False)
+            req = Request(base + [0] * width, 1, temperature=t)      # resumes at 8: `width` tokens run
+            run_prefill(engine, [req], 1, cache, lean)
     cache.clear()
     cache.counters.clear()
