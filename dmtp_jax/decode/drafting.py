@@ -171,19 +171,27 @@ def advance_drafting(models, state, mtp_cache: KVCache | None, fwd: VerifyForwar
     return {"ctx_cache": ctx, "mtp_cache": mtp_cache, "mtp_h_bh": mtp_h, "draft_cache": draft_cache}
 
 
+def write_slots(deferred: DeferredRows, lag_b: jax.Array, slot_bt: jax.Array, tokens_bt: jax.Array,
+                out: TargetOutput) -> DeferredRows:
+    """`deferred` with lags `lag_b` and row b's `tokens_bt[b, t]`, `out`'s hidden and captured features
+    there written at slot `slot_bt[b, t]` (a slot past the window is dropped)."""
+    rows_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[0])[:, None], tokens_bt.shape)
+
+    def put(buf, rows):
+        return buf.at[rows_bt, slot_bt].set(rows.astype(buf.dtype), mode="drop")
+    captured = deferred.captured_bwf
+    if captured is not None:
+        captured = put(captured, jnp.concatenate(out.captured, axis=-1))
+    tokens, hidden = put(deferred.tokens_bw, tokens_bt), put(deferred.hidden_bwh, out.hidden_bth)
+    return DeferredRows(lag_b.astype(jnp.int32), tokens, hidden, captured)
+
+
 def defer_rows(deferred: DeferredRows, fwd: VerifyForward, active_b) -> DeferredRows:
     """`deferred` with a plain round's verified row appended for every active row (`fwd` has one row:
     the pending token at L); the caller keeps room (`catch_up` first), a full row's append is dropped."""
-    rows_b = jnp.arange(deferred.lag_b.shape[0])
     slot_b = jnp.where(active_b, deferred.lag_b, deferred.window)
-
-    def put(buf, row):
-        return buf.at[rows_b, slot_b].set(row.astype(buf.dtype), mode="drop")
-    captured = deferred.captured_bwf
-    if captured is not None:
-        captured = put(captured, jnp.concatenate(fwd.out.captured, axis=-1)[:, 0])
-    return DeferredRows(deferred.lag_b + active_b.astype(jnp.int32), put(deferred.tokens_bw, fwd.tokens_bn[:, 0]),
-                        put(deferred.hidden_bwh, fwd.out.hidden_bth[:, 0]), captured)
+    return write_slots(deferred, deferred.lag_b + active_b.astype(jnp.int32), slot_b[:, None], fwd.tokens_bn,
+                       fwd.out)
 
 
 def defer_chunk(deferred: DeferredRows, out: TargetOutput, tokens_bt: jax.Array, positions_bt: jax.Array,
@@ -195,16 +203,8 @@ def defer_chunk(deferred: DeferredRows, out: TargetOutput, tokens_bt: jax.Array,
     if tokens_bt.shape[1] > deferred.window:
         raise ValueError(f"a lean prefill chunk of {tokens_bt.shape[1]} tokens does not fit a defer window of "
                          f"{deferred.window}")
-    rows_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[0])[:, None], tokens_bt.shape)
     slot_bt = jnp.where(positions_bt < lengths_b[:, None], positions_bt - start, deferred.window)
-
-    def put(buf, rows):
-        return buf.at[rows_bt, slot_bt].set(rows.astype(buf.dtype), mode="drop")
-    captured = deferred.captured_bwf
-    if captured is not None:
-        captured = put(captured, jnp.concatenate(out.captured, axis=-1))
-    return DeferredRows(jnp.maximum(lengths_b - start, 0).astype(jnp.int32), put(deferred.tokens_bw, tokens_bt),
-                        put(deferred.hidden_bwh, out.hidden_bth), captured)
+    return write_slots(deferred, jnp.maximum(lengths_b - start, 0), slot_bt, tokens_bt, out)
 
 
 def catch_up(models, state):
