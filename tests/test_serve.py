@@ -59,8 +59,10 @@ def test_concurrent_streams_equal_generate(client, reference, tokenizer):
                                                 temperature=0, stream=True))
         return "".join(c.choices[0].text for c in chunks), chunks[-1]
 
+    first = stream(0)   # the openai client's response models build on first use, which threads may race
     with ThreadPoolExecutor(len(PROMPTS)) as pool:       # more requests than rows: some wait for a row
         results = list(pool.map(stream, range(len(PROMPTS))))
+    assert first[0] == results[0][0]
     for (text, last), ref in zip(results, reference):
         assert text == tokenizer.decode(ref, skip_special_tokens=True)
         assert last.choices[0].finish_reason == "length" and last.usage.completion_tokens == len(ref)

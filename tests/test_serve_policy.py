@@ -34,13 +34,46 @@ def test_one_slow_first_sample_does_not_lock_in_plain_decoding():
 def test_plain_decoding_is_retimed_when_its_estimate_goes_stale():
     """ar's timing round was slow (a busy machine), dmtp wins; ar's refreshes find it fast again
     once the acceptance drops, and ar takes over."""
-    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.0}, refresh_every=8)
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.0}, refresh_every=8, refresh_share=1.0)
     tau = {"ar": 1, "dmtp": 4}
     chosen = run(policy, lambda m, i: 0.050 if m == "ar" else 0.020, tau, choices=40)
     assert chosen[2:].count("dmtp") >= 34, chosen
     tau["dmtp"] = 1                                             # text where drafts stop landing
     chosen = run(policy, lambda m, i: 0.010 if m == "ar" else 0.020, tau, choices=120)
     assert chosen[-40:].count("ar") >= 35, chosen[-40:]
+
+
+def test_refreshes_take_at_most_their_share_of_the_serving_time():
+    """At 32 rows ar serves (8 ms a round); a refresh of dmtp costs its 72 ms round and the 46 ms
+    catch-up of the plain rounds' rows before it: once its acceptance is trusted (two refreshes of 32
+    row rounds), the share keeps such refreshes to 2 % of the time, where every 32 choices would
+    spend a third of it. On one row dmtp serves (20 ms a round) and a refresh of ar (10 ms) is cheap:
+    it runs every 32 choices."""
+    def drive(policy, rows, seconds, tau, choices=1000):
+        chosen, previous = [], None
+        for _ in range(choices):
+            m = policy.choose(rows, rows)
+            chosen.append(m)
+            catch_up = 0.046 if m == "dmtp" and previous == "ar" else 0.0
+            policy.observe(m, rows, rounds=1, seconds=seconds[m], row_rounds=rows, committed=rows * tau[m],
+                           catch_up_s=catch_up)
+            previous = m
+        return chosen
+
+    dear = {"ar": 0.008, "dmtp": 0.072}
+    for share, most, least in ((1.0, 40, 25), (0.02, 4, 3)):
+        policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 5.0}, refresh_share=share)
+        policy.observe("ar", 32, rounds=1, seconds=dear["ar"], row_rounds=0, committed=0)
+        policy.observe("dmtp", 32, rounds=1, seconds=dear["dmtp"], row_rounds=0, committed=0)
+        chosen = drive(policy, 32, dear, {"ar": 1, "dmtp": 5})
+        assert least <= chosen.count("dmtp") <= most, (share, chosen.count("dmtp"))
+    assert policy.refresh_s <= 2 * 0.072 + 0.046 + 0.02 * policy.serving_s     # the two trusting refreshes, then 2 %
+    cheap = {"ar": 0.010, "dmtp": 0.020}
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 5.0})
+    policy.observe("ar", 1, rounds=1, seconds=cheap["ar"], row_rounds=0, committed=0)
+    policy.observe("dmtp", 1, rounds=1, seconds=cheap["dmtp"], row_rounds=0, committed=0)
+    chosen = drive(policy, 1, cheap, {"ar": 1, "dmtp": 5})
+    assert chosen.count("ar") == 1000 // 32, chosen.count("ar")
 
 
 def test_each_bucket_is_timed_on_its_own():
@@ -121,7 +154,7 @@ def test_one_unlucky_first_round_does_not_replace_the_prior():
 def test_refreshes_go_to_the_least_measured_acceptance_before_the_stalest_time():
     """dmtp was judged on one row round that accepted nothing; mtp serves. The next refresh runs dmtp
     (1 measured row round) rather than ar or lookup (timed longer ago), and dmtp, found good, takes over."""
-    policy = LoadPolicy({"ar": 1, "mtp": 5, "dmtp": 8, "lookup": 8}, refresh_every=8)
+    policy = LoadPolicy({"ar": 1, "mtp": 5, "dmtp": 8, "lookup": 8}, refresh_every=8, refresh_share=1.0)
     for m in policy.slots:
         policy.observe(m, 1, rounds=1, seconds=0.02, row_rounds=0, committed=0)
     policy.observe("lookup", 1, rounds=1, seconds=0.02, row_rounds=40, committed=44)
@@ -156,7 +189,7 @@ def test_each_method_is_estimated_at_the_dispatch_size_it_would_run():
 def test_a_refresh_runs_one_round_and_the_best_runs_k():
     """At 8 rows ar wins (3.6 ms a round in 4-round dispatches); a refresh of lookup (13.8 ms a round)
     runs one round, not four: the refresh that cost a tenth of auto's tok/s at 8 clients."""
-    policy = LoadPolicy({"ar": 1, "lookup": 8}, {"lookup": 2.4}, refresh_every=4)
+    policy = LoadPolicy({"ar": 1, "lookup": 8}, {"lookup": 2.4}, refresh_every=4, refresh_share=1.0)
     for m, t in (("ar", 0.0036), ("lookup", 0.0138)):
         policy.observe(m, 8, rounds=1, seconds=t, row_rounds=0, committed=0)
         policy.observe(m, 8, rounds=4, seconds=4 * t, row_rounds=0, committed=0)
@@ -168,7 +201,7 @@ def test_a_refresh_runs_one_round_and_the_best_runs_k():
     assert policy.choose(8, 8, most=1) == "ar" and policy.describe()["rounds"] == 1    # somebody waits
     # dmtp serves (23 ms a round); ar's 4-round time was a slow warm-up sample (7.4 ms a round): its
     # refresh runs the 4-round dispatch the estimate compares (cheaper than dmtp's), so it is re-measured
-    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 5.0}, refresh_every=4)
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 5.0}, refresh_every=4, refresh_share=1.0)
     for m, t1, t4 in (("ar", 0.0050, 0.0074), ("dmtp", 0.025, 0.023)):
         policy.observe(m, 8, rounds=1, seconds=t1, row_rounds=0, committed=0)
         policy.observe(m, 8, rounds=4, seconds=4 * t4, row_rounds=0, committed=0)
@@ -179,9 +212,9 @@ def test_a_refresh_runs_one_round_and_the_best_runs_k():
         picks.append((m, k))
         policy.observe(m, 8, rounds=k, seconds=k * (0.0043 if m == "ar" else 0.023), row_rounds=8 * k,
                        committed=8 * k * (1 if m == "ar" else 5.0))
-    assert picks[:3] == [("dmtp", 4)] * 3 and picks[3] == picks[7] == ("ar", 4), picks
-    assert picks[8:11] == [("ar", 4)] * 3, picks        # the outlier outvoted: 8 / 4.3 ms beats 8 x 5 / 23 ms
-    assert picks[11] == ("dmtp", 1), picks              # dmtp's dispatch is the longer: its refresh is 1 round
+    assert picks[:3] == [("dmtp", 4)] * 3 and picks[3] == ("ar", 4), picks
+    assert picks[4:7] == [("ar", 4)] * 3, picks         # the outlier replaced at once: 8 / 4.3 ms beats 8 x 5 / 23 ms
+    assert picks[7] == ("dmtp", 1), picks               # dmtp's dispatch is the longer: its refresh is 1 round
 
 
 def test_a_near_tie_keeps_the_method_serving():
@@ -197,3 +230,44 @@ def test_a_near_tie_keeps_the_method_serving():
     assert policy.choose(8, 8) == "dmtp"                                      # 1.1x
     policy.observe("dmtp", 8, rounds=1, seconds=0.025, row_rounds=400, committed=400 * 4.9)
     assert policy.choose(8, 8) == "dmtp"                                      # 0.98x: dmtp stays
+
+
+def test_a_tokens_share_of_its_prefill_counts_where_rounds_are_cheap():
+    """At 32 rows mtp's round (25 ms for 3.3 tokens a row) beats ar's (8.5 ms) by 10 %, but ar's rows
+    are prefilled lean (17 ms a request) and mtp's in full (24 ms): over 64 tokens a request, ar
+    wins. On one row the same prefills do not matter: dmtp's 5 tokens for 2x ar's round win."""
+    policy = LoadPolicy({"ar": 1, "mtp": 5, "dmtp": 8}, {"mtp": 3.3, "dmtp": 5.0})
+    for m, t32, t1 in (("ar", 0.0085, 0.003), ("mtp", 0.025, 0.005), ("dmtp", 0.08, 0.006)):
+        policy.observe(m, 32, rounds=1, seconds=t32, row_rounds=0, committed=0)
+        policy.observe(m, 1, rounds=1, seconds=t1, row_rounds=0, committed=0)
+    assert policy.choose(32, 32) == "mtp" and policy.admission_s("mtp") == 0.0    # nothing measured yet
+    policy.observe_prefill(True, 0.017)
+    policy.observe_prefill(False, 0.024)
+    assert policy.choose(32, 32) == "mtp"           # no request finished yet: tokens per request unknown
+    policy.observe_output(64)
+    assert policy.admission_s("ar") == 0.017 / 64 and policy.admission_s("mtp") == 0.024 / 64
+    est = policy.estimates(32, 32)
+    assert policy.choose(32, 32) == "ar" and est["ar"] > 1.05 * est["mtp"], est
+    assert policy.choose(1, 1) == "dmtp"
+    plain = LoadPolicy({"ar": 1}, {})               # a bank without lean prefills: every method pays the full one
+    plain.observe_prefill(False, 0.024)
+    plain.observe_output(64)
+    assert plain.admission_s("ar") == 0.024 / 64
+
+
+def test_a_slow_spell_of_the_method_serving_does_not_switch():
+    """ar serves 32 rows (8 ms a round: 4000 tok/s against mtp's 3.3 tokens in 30 ms, 3520); the
+    machine slows down for four dispatches (14 ms) that only ar lives through. Its cost is the fastest
+    of its last five rounds, so ar keeps serving; their median would have handed over to mtp."""
+    policy = LoadPolicy({"ar": 1, "mtp": 5}, {"mtp": 3.3}, refresh_every=1000)
+    policy.observe("ar", 32, rounds=1, seconds=0.008, row_rounds=0, committed=0)
+    policy.observe("mtp", 32, rounds=1, seconds=0.030, row_rounds=0, committed=0)
+    chosen = []
+    for i in range(12):
+        m = policy.choose(32, 32)
+        chosen.append(m)
+        slow = 2 <= i < 6
+        policy.observe(m, 32, rounds=1, seconds=(0.014 if slow else 0.008) if m == "ar" else 0.030,
+                       row_rounds=32, committed=32 * (1 if m == "ar" else 3.3))
+    assert chosen == ["ar"] * 12, chosen
+    assert policy.round_time("ar", 32) == 0.008

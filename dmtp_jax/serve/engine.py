@@ -208,7 +208,8 @@ class Engine:
                 return None
             for req in reqs:
                 self.waiting.remove(req)
-            need = len(self.running) + len(reqs)      # lean while plain rounds will serve the rows after it
+            # lean while plain rounds will serve the rows once the waiting requests are in too
+            need = min(self.max_batch_size, len(self.running) + len(reqs) + len(self.waiting))
             lean = self.policy.best(need, row_bucket(need, self.buckets)) == "ar"
             try:
                 return PrefillGroup.start(self.bank, reqs, row_bucket(len(reqs), self.buckets), self.max_len,
@@ -243,7 +244,9 @@ class Engine:
                 if not group.step(self.bank):
                     continue
                 if group.calls == 1 and self.bank.prefill_step.compiles == compiles:    # its results are back
-                    self.prefill_times.add((group.rows, group.width), time.perf_counter() - start)
+                    seconds = time.perf_counter() - start
+                    self.prefill_times.add((group.rows, group.width), seconds)
+                    self.policy.observe_prefill(group.lean, seconds / len(group.reqs))
                 self._group = None
                 self._insert(group, events)
             except Exception:
@@ -291,6 +294,7 @@ class Engine:
                 self.prefix_cache.offer_row(self.state, self.running.index(req), req.prompt_ids + req.output_ids,
                                             req.greedy)
             reason = "stop" if kept and kept[-1] in req.tracker.stop_ids else "length"
+            self.policy.observe_output(len(req.output_ids))
             self._finish(req, reason, events, kept)
         elif kept:
             events.append(Event(req, kept, False))
@@ -337,9 +341,9 @@ class Engine:
         if self._last_dispatch is not None:     # (bucket, rounds, when its results were back)
             bucket, rounds, back = self._last_dispatch
             self.policy.observe_host(bucket, (start - back) / rounds)
-        self.state, tokens_bkn, acc_bk, ran_bk, k, seconds = self.bank.run(
+        self.state, tokens_bkn, acc_bk, ran_bk, k, seconds, catch_up_s = self.bank.run(
             method, self.state, active, limits, sp, self.base_key, self._index + 1, greedy, k, stop_ids)
-        self._last_dispatch = (rows, k, start + seconds)
+        self._last_dispatch = (rows, k, start + catch_up_s + seconds)
         events_before = len(events)
         self._index += k
         self.counters["rounds"] += k
@@ -359,7 +363,7 @@ class Engine:
         self.counters["row_rounds"] += row_rounds
         self.counters["committed"] += committed
         self.policy.observe(method, rows, rounds=k, seconds=seconds, row_rounds=row_rounds, committed=kept,
-                            compiled=entry.compiles != compiles)
+                            compiled=entry.compiles != compiles, catch_up_s=catch_up_s)
         self._compact()
 
     # ---- compiles ------------------------------------------------------------------------------

@@ -1,14 +1,20 @@
 """Which round the engine runs next: the method of the highest estimated output tokens/s at the live
-batch, `rows x tau(method) / (round_s(method, bucket, K) + host_s(bucket))`, all measured live
-(tau: the tokens requests keep per row round; docs/serving.md; warm-up gives each round time its
-first sample). A round's time is kept per dispatch size K (rounds per dispatch), and each method is
+batch, one over its seconds per token: `(round_s(method, bucket, K) + host_s(bucket)) / (rows x
+tau(method))` plus a request's prefill over its tokens (`admission_s`), all measured live (tau: the
+tokens requests keep per row round; docs/serving.md; warm-up gives each round time its first
+sample). A round's time is kept per dispatch size K (rounds per dispatch), and each method is
 estimated at the K it would run, so a method run mostly in K-round dispatches is not compared with
 another timed only in 1-round ones.
 The method serving keeps serving until another's estimate beats its own by `SWITCH_MARGIN`, so a
 near tie does not flip between methods every dispatch. Every `refresh_every` choices one other
 method runs: the one whose acceptance rests on the fewest row rounds while that is under
-`TRUSTED_ROW_ROUNDS`, else the one timed longest ago; it runs the dispatch its estimate uses when
-that is no longer than the best method's, else one round (exploring a slow round costs little).
+`TRUSTED_ROW_ROUNDS`, else the one timed longest ago among those whose refresh costs at most
+`refresh_share` of the serving seconds since their last refresh at the bucket (a refresh's cost: its
+dispatch by the round time, plus the bucket's catch-up time when it is a speculative round after
+plain ones); it runs the dispatch its estimate uses when that is no longer than the best method's,
+else one round (exploring a slow round costs little). So a dear refresh (a speculative round over
+many rows that first catches up the plain rounds' rows) is rare, and a cheap one runs every
+`refresh_every` choices.
 `rounds` says how many rounds a dispatch of a method may run while nobody waits,
 `describe()["rounds"]` how many the last choice's dispatch runs; `describe` says what a choice rests on.
 
@@ -32,9 +38,10 @@ ALPHA = 0.05            # the weight of one row round's acceptance once tau hold
 REFRESH_EVERY = 32      # choices between two refresh runs of another method
 PRIOR_ROW_ROUNDS = 4    # the row rounds a prior tau (a cached verdict, else slots / 2) weighs as
 TRUSTED_ROW_ROUNDS = 48 # measured row rounds below which a method's tau is refreshed before any stale time
-TIME_WINDOW = 5         # round times a (method, bucket) estimate is the median of
+TIME_WINDOW = 5         # recent samples a time is the least (rounds) or the median (host, prefill) of
 DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
 SWITCH_MARGIN = 0.05    # another method replaces the one serving once its estimate is this much higher
+REFRESH_SHARE = 0.02    # a method's refresh costs at most this share of the serving seconds since its last
 
 
 class RunningMean:
@@ -59,13 +66,15 @@ class RunningMean:
 
 class RecentMedians:
     """Per key, the median of its last `TIME_WINDOW` samples (one slow sample is outvoted by two normal
-    ones): the policy's round and host times, the engine's prefill call times.
+    ones): the policy's host and catch-up times, the engine's prefill call times.
 
     Example:
         >>> m = RecentMedians(); m.add("a", 0.2); m.add("a", 0.02); m.add("a", 0.021)
         >>> m.get("a"), m.get("b"), m.get("b", 0.0), "a" in m
         (0.021, None, 0.0, True)
     """
+
+    reduce = staticmethod(statistics.median)
 
     def __init__(self):
         self._recent: dict = {}
@@ -74,34 +83,55 @@ class RecentMedians:
         self._recent.setdefault(key, collections.deque(maxlen=TIME_WINDOW)).append(sample)
 
     def get(self, key, default: float | None = None) -> float | None:
-        return statistics.median(self._recent[key]) if key in self._recent else default
+        return self.reduce(self._recent[key]) if key in self._recent else default
 
     def __contains__(self, key) -> bool:
         return key in self._recent
 
     def as_dict(self) -> dict:
-        return {k: statistics.median(v) for k, v in self._recent.items()}
+        return {k: self.reduce(v) for k, v in self._recent.items()}
+
+
+class RecentMinimums(RecentMedians):
+    """Per key, the least of its last `TIME_WINDOW` samples: the policy's round times. A round's cost
+    is fixed by its shapes and a busy machine only adds to it, so the fastest recent sample is the
+    round's own; a median would let a slow spell that only the method serving lives through (the
+    others were timed in calmer ones) make it look dearer than they are, and switch for nothing. A
+    spell of `TIME_WINDOW` dispatches or more counts, as a lasting change in cost does.
+
+    Example:
+        >>> m = RecentMinimums(); m.add("a", 0.02); m.add("a", 0.05); m.add("a", 0.06); m.get("a")
+        0.02
+    """
+
+    reduce = staticmethod(min)
 
 
 class LoadPolicy:
     """Live per-method acceptance and per-(method, bucket) round time; `choose` the fastest."""
 
     def __init__(self, slots: dict[str, int], prior_tau: dict[str, float] | None = None,
-                 refresh_every: int = REFRESH_EVERY):
+                 refresh_every: int = REFRESH_EVERY, refresh_share: float = REFRESH_SHARE):
         self.slots = dict(slots)
         prior = prior_tau or {}
         self._tau = {m: RunningMean(1.0, 1) if m == "ar" else
                      RunningMean(float(prior[m]) if m in prior else max(1.0, n / 2), PRIOR_ROW_ROUNDS)
                      for m, n in self.slots.items()}
         self._measured = {m: TRUSTED_ROW_ROUNDS if m == "ar" else 0 for m in self.slots}    # ar's tau is exact
-        self._round_s = RecentMedians()     # seconds per round by (method, bucket, rounds the dispatch ran)
+        self._round_s = RecentMinimums()    # seconds per round by (method, bucket, rounds the dispatch ran)
         self._measured_at: dict[tuple[str, int], int] = {}    # the choice count of a key's last sample
         self._host_s = RecentMedians()      # host seconds per round outside the dispatch, by bucket
-        self.refresh_every = int(refresh_every)
+        self.refresh_every, self.refresh_share = int(refresh_every), float(refresh_share)
+        self.serving_s = 0.0        # seconds of the dispatches that ran rows, catch-ups included
+        self.refresh_s = 0.0        # of which refresh dispatches
+        self._refreshed_s: dict[tuple[str, int], float] = {}    # serving_s at a (method, bucket)'s last refresh
+        self._catch_up_s = RecentMedians()      # seconds of the catch-ups before dispatches, by bucket
+        self._prefill_s: dict[bool, RunningMean] = {}   # prefill seconds per admitted request, by lean
+        self._output_tokens = RunningMean()     # tokens a finished request generated
         self.choices = 0
         self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
         self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "rounds": 0,
-                           "estimates": {}}
+                           "estimates": {}, "refresh": False}
 
     @property
     def tau(self) -> dict[str, float]:
@@ -129,10 +159,23 @@ class LoadPolicy:
     def estimates(self, rows: int, bucket: int, most: int = 1) -> dict[str, float]:
         """Estimated output tokens/s per method timed at `bucket`, each in the dispatch it would run (at
         most `most` rounds): a round's time includes the host's work around it (committing,
-        streaming), which a method of more rounds per token pays more often."""
+        streaming), which a method of more rounds per token pays more often, and each token carries
+        its share of its request's prefill (`admission_s`)."""
         host = self._host_s.get(bucket, 0.0)
         times = {m: self.round_time(m, bucket, most) + host for m in self.slots if self.timed(m, bucket)}
-        return {m: rows * self._tau[m].value / t for m, t in times.items() if t > 0}
+        per_token = {m: t / (rows * self._tau[m].value) + self.admission_s(m) for m, t in times.items()}
+        return {m: 1.0 / s for m, s in per_token.items() if s > 0}
+
+    def admission_s(self, method: str) -> float:
+        """Prefill seconds per output token while `method` serves: a request's prefill (lean while plain
+        rounds serve and a lean one was timed, else full: `observe_prefill`) over the tokens a finished
+        request generated (`observe_output`); 0 before both are measured. Under load this is what plain
+        rounds save besides their rounds: a lean prefill skips the drafting models."""
+        if not self._prefill_s or self._output_tokens.value is None:
+            return 0.0
+        lean = self.slots[method] == 1 and True in self._prefill_s
+        per_request = self._prefill_s.get(lean, next(iter(self._prefill_s.values()))).value
+        return per_request / max(1.0, self._output_tokens.value)
 
     def rounds(self, method: str, bucket: int, most: int) -> int:
         """Rounds of `method`'s next dispatch at `bucket` rows when nobody waits: `most` when that many
@@ -167,7 +210,8 @@ class LoadPolicy:
             method, why = untimed[0], f"timing {untimed[0]} at {bucket} rows"
         else:
             best = self.best(rows, bucket, most)
-            stale = self._refresh_candidate(best, bucket) if self.choices % self.refresh_every == 0 else None
+            due = self.choices % self.refresh_every == 0
+            stale = self._refresh_candidate(best, bucket, most) if due else None
             if stale is not None:
                 method, why = stale, f"refreshing {stale}'s estimate at {bucket} rows"
                 rounds = self._refresh_rounds(stale, best, bucket, most)
@@ -176,7 +220,7 @@ class LoadPolicy:
                 rounds = self.rounds(method, bucket, most)
                 self._serving = best
         self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "rounds": rounds, "estimates": est,
-                     "tau": self.tau}
+                     "tau": self.tau, "refresh": why.startswith("refreshing")}
         return method
 
     def _refresh_rounds(self, method: str, best: str, bucket: int, most: int) -> int:
@@ -187,28 +231,55 @@ class LoadPolicy:
         dispatch_s = lambda m: self.rounds(m, bucket, most) * self.round_time(m, bucket, most)  # noqa: E731
         return k if dispatch_s(method) <= dispatch_s(best) else 1
 
-    def _refresh_candidate(self, best: str, bucket: int) -> str | None:
+    def refresh_cost(self, method: str, best: str, bucket: int, most: int) -> float:
+        """Estimated seconds of a refresh of `method` while `best` serves: its dispatch by the round time,
+        and the bucket's recent catch-up time when it is a speculative round after plain ones."""
+        k = self._refresh_rounds(method, best, bucket, most)
+        switch = self.slots[method] > 1 and self.slots[best] == 1
+        return k * self.round_time(method, bucket, k) + (self._catch_up_s.get(bucket, 0.0) if switch else 0.0)
+
+    def _refresh_candidate(self, best: str, bucket: int, most: int) -> str | None:
         """The other method to run once: the least measured while under `TRUSTED_ROW_ROUNDS` row rounds,
-        else the one timed longest ago if that is `refresh_every` choices or more; None otherwise."""
+        else, among those whose `refresh_cost` is at most `refresh_share` of the serving seconds since
+        their last refresh at `bucket`, the one timed longest ago if that is `refresh_every` choices or
+        more; None otherwise."""
         others = [m for m in self.slots if m != best]
         fewest = min(others, key=lambda m: self._measured[m])
         if self._measured[fewest] < TRUSTED_ROW_ROUNDS:
             return fewest
-        age = {m: self.choices - self._measured_at.get((m, bucket), 0) for m in others}
-        stalest = max(age, key=age.get)
-        return stalest if age[stalest] >= self.refresh_every else None
+        since = {m: self.serving_s - self._refreshed_s.get((m, bucket), 0.0) for m in others}
+        affordable = [m for m in others if self.refresh_cost(m, best, bucket, most) <= self.refresh_share * since[m]]
+        age = {m: self.choices - self._measured_at.get((m, bucket), 0) for m in affordable}
+        stalest = max(age, key=age.get, default=None)
+        return stalest if stalest is not None and age[stalest] >= self.refresh_every else None
 
     def observe(self, method: str, bucket: int, *, rounds: int, seconds: float, row_rounds: int, committed: int,
-                compiled: bool = False) -> None:
-        """A dispatch that ran `rounds` rounds of `method` at `bucket` rows took `seconds`; its running
-        rows ran `row_rounds` row rounds in which the requests kept `committed` tokens (a round's
-        tokens past a stop or `max_tokens` serve nobody and are not counted)."""
+                compiled: bool = False, catch_up_s: float = 0.0) -> None:
+        """A dispatch that ran `rounds` rounds of `method` at `bucket` rows took `seconds` after a
+        catch-up of `catch_up_s`; its running rows ran `row_rounds` row rounds in which the requests
+        kept `committed` tokens (a round's tokens past a stop or `max_tokens` serve nobody and are not
+        counted)."""
+        if catch_up_s > 0:
+            self._catch_up_s.add(bucket, catch_up_s)
+        if row_rounds > 0 and not compiled:
+            self.serving_s += seconds + catch_up_s
+            if self.last["refresh"] and self.last["method"] == method:
+                self.refresh_s += seconds + catch_up_s
+                self._refreshed_s[(method, bucket)] = self.serving_s
         if rounds > 0 and not compiled:
             self._round_s.add((method, bucket, rounds), seconds / rounds)
             self._measured_at[(method, bucket)] = self.choices
         if row_rounds > 0 and method != "ar":
             self._tau[method].add(committed / row_rounds, row_rounds)     # one row round: one sample
             self._measured[method] += row_rounds
+
+    def observe_prefill(self, lean: bool, seconds: float) -> None:
+        """An admission prefilled its requests in `seconds` each (`lean`: the target alone)."""
+        self._prefill_s.setdefault(bool(lean), RunningMean()).add(seconds)
+
+    def observe_output(self, tokens: int) -> None:
+        """A request finished with `tokens` generated."""
+        self._output_tokens.add(float(tokens))
 
     def observe_host(self, bucket: int, seconds: float) -> None:
         """The host spent `seconds` per round at `bucket` rows between one dispatch's results and the

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import time
 
+import jax
 import numpy as np
 
 from dmtp_jax.counted_jit import counted_jit
@@ -139,20 +140,25 @@ class RoundBank:
             rounds: int = 1, stop_ids=()):
         """One round of `method`, or up to `rounds` stopping on device, on `state` made ready by
         `caught_up`: `(state, tokens [B, k, n], accepted [B, k], ran [B, k], rounds run, seconds from
-        dispatch to host results)` (a catch-up before it is not in those seconds)."""
-        state = self.caught_up(state, method, rounds)
+        dispatch to host results, seconds of the catch-up before it)`. A catch-up is waited for before
+        the rounds' clock starts, so their seconds are theirs alone (a switch's cost is the catch-up's)."""
+        t0, catch_up_s = time.perf_counter(), 0.0
+        ready = self.caught_up(state, method, rounds)
+        if ready is not state:
+            state = jax.block_until_ready(ready)
+            catch_up_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         if rounds == 1:
             state, *out = self.round[method](self.model_states(), state, active_b, limits_b, sp, base_key,
                                              np.int32(first_round), self.knobs, greedy=greedy)
             tokens_bn, acc_b, _ = to_host(tuple(out))
             return state, tokens_bn[:, None], acc_b[:, None], np.asarray(active_b)[:, None], 1, \
-                time.perf_counter() - t0
+                time.perf_counter() - t0, catch_up_s
         state, *out = self.multi_round(method, rounds)(self.model_states(), state, active_b, limits_b, sp, base_key,
                                                        np.int32(first_round), pad_stop_ids(stop_ids), self.knobs,
                                                        greedy=greedy)
         tokens_bkn, acc_bk, _, ran_bk, k = to_host(tuple(out))
-        return state, tokens_bkn, acc_bk, ran_bk, int(k), time.perf_counter() - t0
+        return state, tokens_bkn, acc_bk, ran_bk, int(k), time.perf_counter() - t0, catch_up_s
 
     def compile_counts(self) -> dict[str, int]:
         counts = {"prefill": self.prefill_step.compiles, "catch_up": self.catch_up_step.compiles}

@@ -23,7 +23,7 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
     buckets, and the prefill of every prompt bucket (`every_bucket`; else the shortest) at every
     row bucket the burst budget admits, full and, where the bank can, lean (`lean_variants`), each
     one-call greedy prefill timed once compiled (`Engine.prefill_times`, which sizes the prefill
-    groups)."""
+    groups; the shortest bucket's 1-row times are the policy's first `observe_prefill`)."""
     top = next_pow2(engine.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
     dispatches = sorted({1, engine.rounds_per_dispatch})
     temperatures = (0.0, 1.0) if sampled else (0.0,)
@@ -49,7 +49,10 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
             reqs = [Request([0] * min(bucket, engine.max_model_len - 2), 1, temperature=t) for _ in range(rows)]
             run_prefill(engine, reqs, rows, lean=lean)      # compiles
             if t == 0 and bucket <= width:                  # one call: timed once compiled
-                engine.prefill_times.add((rows, width), run_prefill(engine, reqs, rows, lean=lean))
+                seconds = run_prefill(engine, reqs, rows, lean=lean)
+                engine.prefill_times.add((rows, width), seconds)
+                if rows == 1 and bucket == PROMPT_BUCKET_FLOOR:     # the policy's first prefill sample
+                    engine.policy.observe_prefill(lean, seconds)
     if engine.prefix_cache is not None:
         warm_up_prefix_cache(engine, temperatures)
 
@@ -83,7 +86,8 @@ def time_rounds(engine, runs: int = TIMED_RUNS) -> None:
         for method, k in itertools.product(engine.bank.methods, dispatches):
             seconds = []
             for _ in range(runs):
-                state, *_, ran, s = engine.bank.run(method, state, active, limits, sp, engine.base_key, 1, greedy, k)
+                state, *_, ran, s, _ = engine.bank.run(method, state, active, limits, sp, engine.base_key, 1, greedy,
+                                                       k)
                 seconds.append(s / ran)
             engine.policy.observe(method, rows, rounds=k, seconds=k * float(np.median(seconds)), row_rounds=0,
                                   committed=0)
