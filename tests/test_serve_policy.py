@@ -212,9 +212,9 @@ def test_a_refresh_runs_one_round_and_the_best_runs_k():
         picks.append((m, k))
         policy.observe(m, 8, rounds=k, seconds=k * (0.0043 if m == "ar" else 0.023), row_rounds=8 * k,
                        committed=8 * k * (1 if m == "ar" else 5.0))
-    assert picks[:3] == [("dmtp", 4)] * 3 and picks[3] == ("ar", 4), picks
-    assert picks[4:7] == [("ar", 4)] * 3, picks         # the outlier replaced at once: 8 / 4.3 ms beats 8 x 5 / 23 ms
-    assert picks[7] == ("dmtp", 1), picks               # dmtp's dispatch is the longer: its refresh is 1 round
+    assert picks[:3] == [("dmtp", 4)] * 3 and picks[3] == picks[7] == ("ar", 4), picks
+    assert picks[8:11] == [("ar", 4)] * 3, picks        # the outlier outvoted: 8 / 4.3 ms beats 8 x 5 / 23 ms
+    assert picks[11] == ("dmtp", 1), picks              # dmtp's dispatch is the longer: its refresh is 1 round
 
 
 def test_a_near_tie_keeps_the_method_serving():
@@ -253,21 +253,3 @@ def test_a_tokens_share_of_its_prefill_counts_where_rounds_are_cheap():
     plain.observe_prefill(False, 0.024)
     plain.observe_output(64)
     assert plain.admission_s("ar") == 0.024 / 64
-
-
-def test_a_slow_spell_of_the_method_serving_does_not_switch():
-    """ar serves 32 rows (8 ms a round: 4000 tok/s against mtp's 3.3 tokens in 30 ms, 3520); the
-    machine slows down for four dispatches (14 ms) that only ar lives through. Its cost is the fastest
-    of its last five rounds, so ar keeps serving; their median would have handed over to mtp."""
-    policy = LoadPolicy({"ar": 1, "mtp": 5}, {"mtp": 3.3}, refresh_every=1000)
-    policy.observe("ar", 32, rounds=1, seconds=0.008, row_rounds=0, committed=0)
-    policy.observe("mtp", 32, rounds=1, seconds=0.030, row_rounds=0, committed=0)
-    chosen = []
-    for i in range(12):
-        m = policy.choose(32, 32)
-        chosen.append(m)
-        slow = 2 <= i < 6
-        policy.observe(m, 32, rounds=1, seconds=(0.014 if slow else 0.008) if m == "ar" else 0.030,
-                       row_rounds=32, committed=32 * (1 if m == "ar" else 3.3))
-    assert chosen == ["ar"] * 12, chosen
-    assert policy.round_time("ar", 32) == 0.008

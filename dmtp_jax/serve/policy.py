@@ -38,7 +38,7 @@ ALPHA = 0.05            # the weight of one row round's acceptance once tau hold
 REFRESH_EVERY = 32      # choices between two refresh runs of another method
 PRIOR_ROW_ROUNDS = 4    # the row rounds a prior tau (a cached verdict, else slots / 2) weighs as
 TRUSTED_ROW_ROUNDS = 48 # measured row rounds below which a method's tau is refreshed before any stale time
-TIME_WINDOW = 5         # recent samples a time is the least (rounds) or the median (host, prefill) of
+TIME_WINDOW = 5         # recent samples a time is the median of
 DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
 SWITCH_MARGIN = 0.05    # another method replaces the one serving once its estimate is this much higher
 REFRESH_SHARE = 0.02    # a method's refresh costs at most this share of the serving seconds since its last
@@ -66,15 +66,13 @@ class RunningMean:
 
 class RecentMedians:
     """Per key, the median of its last `TIME_WINDOW` samples (one slow sample is outvoted by two normal
-    ones): the policy's host and catch-up times, the engine's prefill call times.
+    ones): the policy's round, host and catch-up times, the engine's prefill call times.
 
     Example:
         >>> m = RecentMedians(); m.add("a", 0.2); m.add("a", 0.02); m.add("a", 0.021)
         >>> m.get("a"), m.get("b"), m.get("b", 0.0), "a" in m
         (0.021, None, 0.0, True)
     """
-
-    reduce = staticmethod(statistics.median)
 
     def __init__(self):
         self._recent: dict = {}
@@ -83,28 +81,13 @@ class RecentMedians:
         self._recent.setdefault(key, collections.deque(maxlen=TIME_WINDOW)).append(sample)
 
     def get(self, key, default: float | None = None) -> float | None:
-        return self.reduce(self._recent[key]) if key in self._recent else default
+        return statistics.median(self._recent[key]) if key in self._recent else default
 
     def __contains__(self, key) -> bool:
         return key in self._recent
 
     def as_dict(self) -> dict:
-        return {k: self.reduce(v) for k, v in self._recent.items()}
-
-
-class RecentMinimums(RecentMedians):
-    """Per key, the least of its last `TIME_WINDOW` samples: the policy's round times. A round's cost
-    is fixed by its shapes and a busy machine only adds to it, so the fastest recent sample is the
-    round's own; a median would let a slow spell that only the method serving lives through (the
-    others were timed in calmer ones) make it look dearer than they are, and switch for nothing. A
-    spell of `TIME_WINDOW` dispatches or more counts, as a lasting change in cost does.
-
-    Example:
-        >>> m = RecentMinimums(); m.add("a", 0.02); m.add("a", 0.05); m.add("a", 0.06); m.get("a")
-        0.02
-    """
-
-    reduce = staticmethod(min)
+        return {k: statistics.median(v) for k, v in self._recent.items()}
 
 
 class LoadPolicy:
@@ -118,7 +101,7 @@ class LoadPolicy:
                      RunningMean(float(prior[m]) if m in prior else max(1.0, n / 2), PRIOR_ROW_ROUNDS)
                      for m, n in self.slots.items()}
         self._measured = {m: TRUSTED_ROW_ROUNDS if m == "ar" else 0 for m in self.slots}    # ar's tau is exact
-        self._round_s = RecentMinimums()    # seconds per round by (method, bucket, rounds the dispatch ran)
+        self._round_s = RecentMedians()     # seconds per round by (method, bucket, rounds the dispatch ran)
         self._measured_at: dict[tuple[str, int], int] = {}    # the choice count of a key's last sample
         self._host_s = RecentMedians()      # host seconds per round outside the dispatch, by bucket
         self.refresh_every, self.refresh_share = int(refresh_every), float(refresh_share)
