@@ -28,7 +28,7 @@ from dmtp_jax.sharding import replicated
 DEFER_WINDOW = 256      # positions a row may buffer (its prompt, when prefilled lean, and its plain rounds)
                         # before its drafting caches catch up: a row that ends within them never pays the upkeep
 CATCH_UP_CHUNK = 16     # positions per catch-up block: a catch-up runs ceil(longest lag / 16) blocks
-DRAFTING_CACHES = ("ctx_cache", "mtp_cache", "mtp_h_bh", "draft_cache")     # what `advance_drafting` returns
+DRAFTING_CACHES = ("ctx_cache", "mtp_cache", "mtp_h_bh", "draft_cache")     # SpecState fields advance_drafting returns
 
 
 @jax.tree_util.register_dataclass
@@ -168,7 +168,7 @@ def advance_drafting(models, state, mtp_cache: KVCache | None, fwd: VerifyForwar
         start = state.draft_cache if draft_start is None else draft_start
         draft_cache = commit_draft_cache(models.draft_model, start, fwd.tokens_bn, fwd.positions_bn,
                                          jnp.where(active_b, acc_b + 1, 0))
-    return {"ctx_cache": ctx, "mtp_cache": mtp_cache, "mtp_h_bh": mtp_h, "draft_cache": draft_cache}
+    return dict(zip(DRAFTING_CACHES, (ctx, mtp_cache, mtp_h, draft_cache)))
 
 
 def write_slots(deferred: DeferredRows, lag_b: jax.Array, slot_bt: jax.Array, tokens_bt: jax.Array,

@@ -185,7 +185,7 @@ class LoadPolicy:
         self.choices += 1
         est = self.estimates(rows, bucket, most)
         untimed = [m for m in self.slots if not self.timed(m, bucket)]
-        rounds = 1              # a timing dispatch: one round
+        rounds, refresh = 1, False      # a timing dispatch: one round
         if len(self.slots) == 1:
             method, why = next(iter(self.slots)), "the only round"
             rounds = self.rounds(method, bucket, most)
@@ -196,14 +196,14 @@ class LoadPolicy:
             due = self.choices % self.refresh_every == 0
             stale = self._refresh_candidate(best, bucket, most) if due else None
             if stale is not None:
-                method, why = stale, f"refreshing {stale}'s estimate at {bucket} rows"
+                method, why, refresh = stale, f"refreshing {stale}'s estimate at {bucket} rows", True
                 rounds = self._refresh_rounds(stale, best, bucket, most)
             else:
                 method, why = best, "highest estimated tok/s"
                 rounds = self.rounds(method, bucket, most)
                 self._serving = best
         self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "rounds": rounds, "estimates": est,
-                     "tau": self.tau, "refresh": why.startswith("refreshing")}
+                     "tau": self.tau, "refresh": refresh}
         return method
 
     def _refresh_rounds(self, method: str, best: str, bucket: int, most: int) -> int:
