@@ -4,6 +4,7 @@ sampling functions on the same drafts), the sampled (accepted, bonus) law, the p
 example, and the engine's chi-square check for dflash, DFlash2, mtp and dmtp -- which rejects a
 deliberately wrong variant (the last position's block weight replaced by the token-level one)."""
 
+import dataclasses
 import functools
 import itertools
 
@@ -206,6 +207,50 @@ def test_sampled_block_verification_reproduces_target_distribution(method, reque
     else:
         engine, target = _mtp_engine(method, request, verify="block")
     assert_matches_target_joint(engine, target, [5, 9, 31, 4, 77, 2, 18], SP)
+
+
+class CappedRounds:
+    """`generate` of a decoder whose rounds commit one token per row (`RoundKnobs.commit_cap` 0, as the
+    serving engine's in-step dispatches do); its stats' histogram counts the drafts the target
+    accepted and the cap cut, so the harness's check that verification ran reads them."""
+
+    def __init__(self, decoder):
+        self.decoder, self.cut = decoder, 0
+        knobs = decoder.knobs()
+        decoder.knobs = lambda: dataclasses.replace(knobs, commit_cap=np.int32(0))
+        decoder.round, decoder.multi_round = RoundSpy(decoder.round, self), RoundSpy(decoder.multi_round, self)
+
+    def generate(self, *args, **kwargs):
+        self.cut = 0
+        res = self.decoder.generate(*args, **kwargs)
+        assert {n for row in res.stats["acceptance_lengths"] for n in row} == {1}
+        res.stats["histogram"] = [0, self.cut]
+        return res
+
+
+class RoundSpy:
+    """A jitted round (or K-round dispatch) that adds the drafts each call accepted to `owner.cut`
+    (`lower` and the rest pass through)."""
+
+    def __init__(self, real, owner):
+        self.real, self.owner = real, owner
+
+    def __call__(self, *args, **kwargs):
+        out = self.real(*args, **kwargs)
+        self.owner.cut += int(np.asarray(out[2]).sum())
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("verify", ["rejection", "block"])
+def test_rounds_cut_to_one_token_stay_lossless(verify, request):
+    """dmtp rounds whose committed tokens are cut after the first (`round.cap_accepted`): the first
+    token is the accepted draft, not the bonus, and the next round drafts from it; the joint is the
+    target's for token-level and block verification."""
+    engine, target = _mtp_engine("dmtp", request, verify=verify)
+    assert_matches_target_joint(CappedRounds(engine), target, [5, 9, 31, 4, 77, 2, 18], SP)
 
 
 @pytest.mark.heavy

@@ -4,6 +4,7 @@ buckets), rounds switched every step on one state, batched admission, K rounds p
 isolation, and bounded compiles. Tiny models shared with tests/test_serve.py (tests/serve_fixtures.py):
 the engines here share one round bank per decoder, so its compiles are counted across tests."""
 
+import collections
 import itertools
 
 import numpy as np
@@ -195,6 +196,41 @@ def test_rounds_switched_every_step_equal_generate(auto, reference):
     assert fresh.policy.choose(1, 2) in fresh.bank.methods and fresh.choice["why"] == "highest estimated tok/s"
     text = ServerMetrics().render(engine)
     assert f'dmtp_engine_choice{{method="{choice["method"]}"' in text and "dmtp_engine_tau{" in text
+
+
+def test_in_step_dispatches_keep_rows_in_step(auto, reference):
+    """Speculative rounds run in step (`describe()["in_step"]`: auto's timing and refresh dispatches
+    while plain rounds serve) commit one token per row: requests admitted together keep equal lengths
+    through ar, dmtp and mtp rounds and equal `generate`, and the drafts the target accepted still
+    reach the policy's acceptance."""
+    engine = Engine(auto, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
+    turns = itertools.cycle(["ar", "dmtp", "mtp"])
+    real_choose, real_observe = engine.policy.choose, engine.policy.observe
+
+    def in_step(rows, bucket, most=1):
+        real_choose(rows, bucket, most)
+        method = next(turns)
+        engine.policy.last.update(method=method, rounds=1, in_step=method != "ar")
+        return method
+    measured = collections.Counter()
+
+    def observe(method, bucket, **kw):
+        measured[method, "row_rounds"] += kw["row_rounds"]
+        measured[method, "committed"] += kw["committed"]
+        real_observe(method, bucket, **kw)
+    engine.policy.choose, engine.policy.observe = in_step, observe
+    rows = (0, 2, 4)
+    reqs = [engine.add(Request(PROMPTS[i], 12)) for i in rows]
+    lengths = []
+    while engine.busy:
+        engine.step()
+        lengths.append({len(r.output_ids) for r in reqs})
+    assert all(len(seen) == 1 for seen in lengths), lengths
+    assert [r.output_ids for r in reqs] == [reference[i][:12] for i in rows]
+    assert all(set(r.acceptance) == {1} for r in reqs)
+    spec_rounds = measured["dmtp", "row_rounds"] + measured["mtp", "row_rounds"]
+    assert spec_rounds > 0 and measured["dmtp", "committed"] + measured["mtp", "committed"] > spec_rounds
+    assert engine.counters["first_accepted"] > 0
 
 
 def test_burst_is_one_prefill_and_k_rounds_per_dispatch(decoder, reference, monkeypatch):

@@ -202,6 +202,7 @@ def test_a_refresh_runs_one_round_and_the_best_runs_k():
     # dmtp serves (23 ms a round); ar's 4-round time was a slow warm-up sample (7.4 ms a round): its
     # refresh runs the 4-round dispatch the estimate compares (cheaper than dmtp's), so it is re-measured
     policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 5.0}, refresh_every=4, refresh_share=1.0)
+    policy.observe("dmtp", 8, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 5.0)    # trusted: not in step
     for m, t1, t4 in (("ar", 0.0050, 0.0074), ("dmtp", 0.025, 0.023)):
         policy.observe(m, 8, rounds=1, seconds=t1, row_rounds=0, committed=0)
         policy.observe(m, 8, rounds=4, seconds=4 * t4, row_rounds=0, committed=0)
@@ -233,23 +234,73 @@ def test_a_near_tie_keeps_the_method_serving():
 
 
 def test_a_tokens_share_of_its_prefill_counts_where_rounds_are_cheap():
-    """At 32 rows mtp's round (25 ms for 3.3 tokens a row) beats ar's (8.5 ms) by 10 %, but ar's rows
-    are prefilled lean (17 ms a request) and mtp's in full (24 ms): over 64 tokens a request, ar
-    wins. On one row the same prefills do not matter: dmtp's 5 tokens for 2x ar's round win."""
+    """At 32 rows mtp's round (25 ms for 3.3 tokens a row) beats ar's (8.5 ms) by 10 %, but ar's rows,
+    begun together, end together and are prefilled 32 to a lean call (160 ms), while mtp's end one by
+    one, each prefilled in a full call of its own (12 ms): over 64 tokens a request, ar wins by 40 %.
+    Once ar's calls are seen to hold one request each, only the lean call's saving is left. On one
+    row the prefills do not matter: dmtp's 5 tokens for 2x ar's round win."""
     policy = LoadPolicy({"ar": 1, "mtp": 5, "dmtp": 8}, {"mtp": 3.3, "dmtp": 5.0})
     for m, t32, t1 in (("ar", 0.0085, 0.003), ("mtp", 0.025, 0.005), ("dmtp", 0.08, 0.006)):
         policy.observe(m, 32, rounds=1, seconds=t32, row_rounds=0, committed=0)
         policy.observe(m, 1, rounds=1, seconds=t1, row_rounds=0, committed=0)
-    assert policy.choose(32, 32) == "mtp" and policy.admission_s("mtp") == 0.0    # nothing measured yet
-    policy.observe_prefill(True, 0.017)
-    policy.observe_prefill(False, 0.024)
+    assert policy.choose(32, 32) == "mtp" and policy.admission_s("mtp", 32) == 0.0    # nothing timed yet
+    for lean, rows, seconds in ((False, 1, 0.012), (True, 1, 0.010), (False, 32, 0.20), (True, 32, 0.16)):
+        policy.time_prefill(lean, rows, seconds)
     assert policy.choose(32, 32) == "mtp"           # no request finished yet: tokens per request unknown
     policy.observe_output(64)
-    assert policy.admission_s("ar") == 0.017 / 64 and policy.admission_s("mtp") == 0.024 / 64
+    assert policy.admission_s("ar", 32) == 0.16 / 32 / 64 and policy.admission_s("mtp", 32) == 0.012 / 64
     est = policy.estimates(32, 32)
     assert policy.choose(32, 32) == "ar" and est["ar"] > 1.05 * est["mtp"], est
+    policy.observe_prefill(True, 32, 32, 0.32, 32)  # live calls take twice the table's: every prefill does
+    assert policy.admission_s("ar", 32) == 2 * 0.16 / 32 / 64 and policy.admission_s("mtp", 32) == 2 * 0.012 / 64
+    est = policy.estimates(32, 32)
+    assert est["ar"] > 1.4 * est["mtp"], est
+    for _ in range(40):                             # ar's rows came apart: one request a call
+        policy.observe_prefill(True, 1, 1, 0.020, 32)
+    assert 0.9 * 2 * 0.010 / 64 < policy.admission_s("ar", 32) < 2 * 0.010 / 64
+    est = policy.estimates(32, 32)
+    assert est["ar"] < 1.1 * est["mtp"], est        # a near tie: only the lean call's saving is left
     assert policy.choose(1, 1) == "dmtp"
     plain = LoadPolicy({"ar": 1}, {})               # a bank without lean prefills: every method pays the full one
-    plain.observe_prefill(False, 0.024)
+    plain.time_prefill(False, 1, 0.024)
     plain.observe_output(64)
-    assert plain.admission_s("ar") == 0.024 / 64
+    assert plain.admission_s("ar", 1) == 0.024 / 64
+
+
+def test_speculative_timing_and_refreshes_run_in_step_while_plain_rounds_serve():
+    """Before any method serves and while ar serves, a timing or refresh dispatch of mtp or dmtp is one
+    round in step (one token per row: rows admitted together still finish together); a dispatch of
+    the method serving, ar's refresh, and a refresh while a speculative method serves are not."""
+    policy = LoadPolicy(SLOTS, {"mtp": 2.0, "dmtp": 3.0}, refresh_every=4, refresh_share=1.0)
+    runs = []
+    for i in range(64):
+        m = policy.choose(32, 32, most=4)
+        d = policy.describe()
+        runs.append((m, d["refresh"] or d["why"].startswith("timing"), d["in_step"], d["rounds"]))
+        cheap = i >= 20 and m == "dmtp"         # from choice 20 dmtp's rounds get cheap: it takes over at 40
+        policy.observe(m, 32, rounds=d["rounds"], seconds=d["rounds"] * (0.003 if cheap or m == "ar" else 0.05),
+                       row_rounds=32 * d["rounds"], committed=32 * d["rounds"] * SLOTS[m] / 2)
+    serving = [r for r in runs if not r[1]]
+    assert serving and all(not in_step for _, _, in_step, _ in serving)
+    probes = [(m, in_step, k) for m, probe, in_step, k in runs[:20] if probe]
+    assert ("ar", False, 1) in probes and ("mtp", True, 1) in probes and ("dmtp", True, 1) in probes, probes
+    assert all(in_step == (m != "ar") and k == 1 for m, in_step, k in probes), probes
+    late = [(m, in_step) for m, probe, in_step, _ in runs[44:] if probe]
+    assert {m for m, probe, *_ in runs[44:] if not probe} == {"dmtp"}, runs
+    assert {m for m, _ in late} == {"ar", "mtp"} and not any(in_step for _, in_step in late), late
+
+
+def test_a_speculative_method_chosen_on_its_prior_runs_in_step_until_measured():
+    """dmtp's prior (6 tokens a row for 2x ar's round) wins at 8 rows: its dispatches run one round in
+    step until 48 row rounds measure it, then K rounds; on one row nothing runs in step."""
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 6.0}, refresh_every=1000)
+    for bucket in (1, 8):
+        policy.observe("ar", bucket, rounds=1, seconds=0.01, row_rounds=0, committed=0)
+        policy.observe("dmtp", bucket, rounds=1, seconds=0.02, row_rounds=0, committed=0)
+    assert policy.choose(8, 8, most=4) == "dmtp"
+    assert policy.describe()["in_step"] and policy.describe()["rounds"] == 1
+    assert policy.choose(1, 1, most=4) == "dmtp"
+    assert not policy.describe()["in_step"] and policy.describe()["rounds"] == 4
+    policy.observe("dmtp", 8, rounds=1, seconds=0.02, row_rounds=48, committed=48 * 6)
+    assert policy.choose(8, 8, most=4) == "dmtp"
+    assert not policy.describe()["in_step"] and policy.describe()["rounds"] == 4

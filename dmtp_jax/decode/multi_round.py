@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dmtp_jax.decode.batch import StopTracker, next_pow2
+from dmtp_jax.decode.round import NO_CAP
 
 STOP_IDS_FLOOR = 8      # the stop-id array is padded to a power of two >= this: one compile for all
 NO_STOP = -1            # padding of the stop-id array (never a token)
@@ -49,13 +50,14 @@ def rows_still_running(tokens_bn: jax.Array, accepted_b: jax.Array, lengths_b: j
 
 
 def run_rounds(round_fn: Callable, state, active_b, limits_b, sp, base_key, first_round, stop_ids_s, *,
-               rounds: int, slots: int, greedy: bool):
+               rounds: int, slots: int, greedy: bool, commit_cap=NO_CAP):
     """Up to `rounds` calls of `round_fn(state, active_b, limits_b, sp, key, greedy)` in one
     `lax.while_loop`, stopping when no row runs; loop round `i` uses key
     `fold_in(base_key, first_round + i)`.
 
     Returns `(state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, rounds_run)`: slot `k` holds round
-    `k` per row (row b committed `tokens_bkn[b, k, :accepted_bk[b, k] + 1]`; `ran_bk`: was it active)."""
+    `k` per row (row b committed `tokens_bkn[b, k, :min(accepted_bk[b, k], commit_cap) + 1]`, the
+    rounds' `commit_cap`; `ran_bk`: was it active)."""
     b = active_b.shape[0]
     tokens_bkn = jnp.zeros((b, rounds, slots), jnp.int32)
     accepted_bk = jnp.zeros((b, rounds), jnp.int32)
@@ -75,7 +77,8 @@ def run_rounds(round_fn: Callable, state, active_b, limits_b, sp, base_key, firs
             return jax.lax.dynamic_update_slice_in_dim(buf, x[:, None].astype(buf.dtype), i, axis=1)
         tokens, accepted, from_mtp, ran = (put(tokens, tokens_bn), put(accepted, accepted_b),
                                            put(from_mtp, from_mtp_b), put(ran, active))
-        active = rows_still_running(tokens_bn, accepted_b, st.lengths_b, limits_b, stop_ids_s, active)
+        active = rows_still_running(tokens_bn, jnp.minimum(accepted_b, commit_cap), st.lengths_b, limits_b,
+                                    stop_ids_s, active)
         return i + 1, st, active, tokens, accepted, from_mtp, ran
 
     carry = (jnp.int32(0), state, jnp.asarray(active_b), tokens_bkn, accepted_bk, from_mtp_bk, ran_bk)
@@ -85,10 +88,12 @@ def run_rounds(round_fn: Callable, state, active_b, limits_b, sp, base_key, firs
 
 def feed_rounds(tracker: StopTracker, acceptance: list[list[int]], first_source: list[list[bool]],
                 tokens_bkn: np.ndarray, accepted_bk: np.ndarray, from_mtp_bk: np.ndarray, ran_bk: np.ndarray,
-                rounds_run: int, on_tokens: Callable[[int, list[int]], None] | None = None) -> None:
-    """Replays a dispatch's rounds into the host's `tracker`, `acceptance` and `first_source` lists in
-    round order, then streams each row's kept tokens in one `on_tokens` call. Raises `RuntimeError`
-    if the device and the tracker disagree on which rows ran.
+                rounds_run: int, on_tokens: Callable[[int, list[int]], None] | None = None,
+                commit_cap: int = NO_CAP) -> None:
+    """Replays a dispatch's rounds (run with `commit_cap`) into the host's `tracker`, `acceptance`
+    (tokens committed per round) and `first_source` lists in round order, then streams each row's kept
+    tokens in one `on_tokens` call. Raises `RuntimeError` if the device and the tracker disagree on
+    which rows ran.
 
     Example:
         >>> tracker, acc, src = StopTracker(1, 4, [9]), [[]], [[]]
@@ -106,9 +111,10 @@ def feed_rounds(tracker: StopTracker, acceptance: list[list[int]], first_source:
                                    f"round {k} of the dispatch")
             if not ran_bk[row, k]:
                 continue
-            acceptance[row].append(int(accepted_bk[row, k]) + 1)
+            got = min(int(accepted_bk[row, k]), commit_cap) + 1
+            acceptance[row].append(got)
             first_source[row].append(bool(from_mtp_bk[row, k]))
-            kept_rows[row] += tracker.add(row, tokens_bkn[row, k, :accepted_bk[row, k] + 1])
+            kept_rows[row] += tracker.add(row, tokens_bkn[row, k, :got])
     if on_tokens:
         for row, kept in enumerate(kept_rows):
             if kept:

@@ -19,7 +19,7 @@ import numpy as np
 
 from dmtp_jax.decode.draft_model import draft_chain
 from dmtp_jax.decode.lookup import lookup_drafts
-from dmtp_jax.decode.round import Proposal, RoundModels, SpecState, context_window
+from dmtp_jax.decode.round import NO_CAP, Proposal, RoundModels, SpecState, context_window
 from dmtp_jax.decode.sampling import filtered_probs, sample_from_probs
 from dmtp_jax.decode.verify import candidate_probs_to_dense
 from dmtp_jax.methods import ADAPTIVE, METHODS
@@ -30,13 +30,17 @@ from dmtp_jax.options import method_needs
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RoundKnobs:
-    """Traced run-time knobs of the proposers: `adaptive_threshold` (f32 scalar, dmtp-adaptive only)."""
+    """Traced run-time knobs of a round: `adaptive_threshold` (f32 scalar, dmtp-adaptive only) and
+    `commit_cap` (i32 scalar: a row commits at most `commit_cap + 1` tokens, `round.cap_accepted`;
+    `round.NO_CAP` by default)."""
     adaptive_threshold: jax.Array
+    commit_cap: jax.Array
 
     @classmethod
-    def make(cls, adaptive_threshold: float | None = None) -> "RoundKnobs":
-        """Host-side knobs (`np.float32` leaves)."""
-        return cls(np.float32(0.0 if adaptive_threshold is None else adaptive_threshold))
+    def make(cls, adaptive_threshold: float | None = None, commit_cap: int | None = None) -> "RoundKnobs":
+        """Host-side knobs (numpy scalar leaves, so every choice runs the same compile)."""
+        return cls(np.float32(0.0 if adaptive_threshold is None else adaptive_threshold),
+                   np.int32(NO_CAP if commit_cap is None else commit_cap))
 
 
 @jax.tree_util.register_dataclass

@@ -24,6 +24,8 @@ from dmtp_jax.layers.kv_cache import KVCache, TargetCache
 from dmtp_jax.models.draft_head import draft_scores
 from dmtp_jax.sharding import kv_cache_sharding, replicated
 
+NO_CAP = 2 ** 30        # a commit cap (`RoundKnobs.commit_cap`) that cuts nothing
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SpecState:
@@ -178,18 +180,38 @@ def commit(models: RoundModels, state: SpecState, proposal: Proposal, fwd: Verif
     return new, tokens
 
 
+def cap_accepted(drafts_bn: jax.Array, acc_b: jax.Array, bonus_b: jax.Array, cap):
+    """`(kept [B], last [B])`: the accepted drafts cut at `cap` and the token committed after them (the
+    draft at `cap` where more were accepted, else the verifier's bonus). Lossless for any verifier:
+    the committed tokens are the first `kept + 1` of the uncut round's, and the next round goes on
+    from them.
+
+    Example:
+        >>> kept, last = cap_accepted(jnp.array([[4, 5, 6]]), jnp.array([3]), jnp.array([9]), 1)
+        >>> kept.tolist(), last.tolist()
+        ([1], [5])
+    """
+    kept = jnp.minimum(acc_b, cap)
+    if drafts_bn.shape[1] == 0:
+        return kept, bonus_b
+    at = jnp.minimum(kept, drafts_bn.shape[1] - 1)[:, None]
+    return kept, jnp.where(acc_b > kept, jnp.take_along_axis(drafts_bn, at, axis=1)[:, 0], bonus_b)
+
+
 def spec_round(proposer, verify_mode: str, models: RoundModels, state: SpecState, active_b, limits_b, sp,
                key: jax.Array, greedy: bool, knobs):
     """One propose / verify / accept / commit round: `(state, tokens [B, n], accepted [B],
-    t1_from_mtp [B])`. A row's committed tokens are `tokens[:accepted + 1]`; `t1_from_mtp` says
-    whose first candidate it verified. `limits_b`: each row's token budget (prompt +
-    max_new_tokens); `knobs`: `proposers.RoundKnobs`. A state with `deferred` comes caught up to a
-    speculative round and with buffer room to a plain one (`RoundBank.caught_up`)."""
+    t1_from_mtp [B])`. `accepted`: the drafts the target accepted; a row commits
+    `tokens[:min(accepted, knobs.commit_cap) + 1]` (`cap_accepted`); `t1_from_mtp` says whose first
+    candidate it verified. `limits_b`: each row's token budget (prompt + max_new_tokens); `knobs`:
+    `proposers.RoundKnobs`. A state with `deferred` comes caught up to a speculative round and with
+    buffer room to a plain one (`RoundBank.caught_up`)."""
     k_draft, k_verify = jax.random.split(key)
     proposal = proposer.propose(models, state, sp, k_draft, greedy, limits_b, knobs)
     fwd = verify_forward(models.target, state, proposal.drafts_bn, models.capture_layers, jnp.asarray(active_b))
     acc, bonus = accept(fwd.logits_bnv, proposal.drafts_bn, proposal.q_bnv, sp, k_verify, greedy, verify_mode)
-    new, tokens = commit(models, state, proposal, fwd, acc, bonus, active_b)
+    kept, last = cap_accepted(proposal.drafts_bn, acc, bonus, knobs.commit_cap)
+    new, tokens = commit(models, state, proposal, fwd, kept, last, active_b)
     return new, tokens, acc, proposal.t1_from_mtp_b
 
 

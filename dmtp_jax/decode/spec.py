@@ -117,7 +117,7 @@ def multi_round_entry(setup: RoundSetup, states, state: SpecState, active_b, lim
     models = merge_models(setup.graphdefs, states)
     return run_rounds(functools.partial(_keyed_round, setup, models, knobs), state, active_b, limits_b, sp, base_key,
                       first_round, stop_ids_s, rounds=setup.rounds_per_dispatch, slots=setup.proposer.slots,
-                      greedy=greedy)
+                      greedy=greedy, commit_cap=knobs.commit_cap)
 
 
 def _used(proposer: Proposer, target, drafter, mtp, fusion, draft_head, draft_model=None) -> tuple:
@@ -318,7 +318,7 @@ class SpecDecoder:
                                                stop_ids_s, knobs, greedy=greedy)
                 out = list(to_host(tuple(out)))
                 out[-1] = int(out[-1])
-            feed_rounds(tracker, acceptance, first_source, *out, on_tokens)
+            feed_rounds(tracker, acceptance, first_source, *out, on_tokens, commit_cap=int(knobs.commit_cap))
             rounds += out[-1]
         decode_s = time.perf_counter() - t1
         self.last_state = state

@@ -208,14 +208,20 @@ class Engine:
                 return None
             for req in reqs:
                 self.waiting.remove(req)
-            # lean while plain rounds will serve the rows once the waiting requests are in too
-            need = min(self.max_batch_size, len(self.running) + len(reqs) + len(self.waiting))
-            lean = self.policy.best(need, row_bucket(need, self.buckets)) == "ar"
+            # lean while plain rounds will serve the rows once the waiting requests are in too (in the
+            # dispatches run while nobody waits)
+            need = self._rows_to_come(len(reqs))
+            lean = self.policy.best(need, row_bucket(need, self.buckets), self.rounds_per_dispatch) == "ar"
             try:
                 return PrefillGroup.start(self.bank, reqs, row_bucket(len(reqs), self.buckets), self.max_len,
                                           self.cfg.vocab_size, self.max_top_k, self.prefix_cache, lean)
             except Exception:
                 self._group_failed(reqs, events)
+
+    def _rows_to_come(self, group: int) -> int:
+        """The rows running once a group of `group` requests and the waiting ones are in (at most
+        `max_batch_size`)."""
+        return min(self.max_batch_size, len(self.running) + group + len(self.waiting))
 
     def _group_failed(self, reqs, events) -> None:
         log.exception("admitting requests %s failed", [r.id for r in reqs])
@@ -246,7 +252,8 @@ class Engine:
                 if group.calls == 1 and self.bank.prefill_step.compiles == compiles:    # its results are back
                     seconds = time.perf_counter() - start
                     self.prefill_times.add((group.rows, group.width), seconds)
-                    self.policy.observe_prefill(group.lean, seconds / len(group.reqs))
+                    self.policy.observe_prefill(group.lean, group.rows, len(group.reqs), seconds,
+                                                row_bucket(self._rows_to_come(len(group.reqs)), self.buckets))
                 self._group = None
                 self._insert(group, events)
             except Exception:
@@ -331,7 +338,7 @@ class Engine:
         idle = not self.waiting and self._group is None
         most = self.rounds_per_dispatch if idle else 1
         method = self.policy.choose(n, rows, most)
-        k = self.policy.describe()["rounds"]
+        k, cap = self.policy.describe()["rounds"], 0 if self.policy.describe()["in_step"] else None
         stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if k > 1 else ()
         entry = self.bank.multi_round(method, k) if k > 1 else self.bank.round[method]
         compiles = entry.compiles
@@ -342,27 +349,28 @@ class Engine:
             bucket, rounds, back = self._last_dispatch
             self.policy.observe_host(bucket, (start - back) / rounds)
         self.state, tokens_bkn, acc_bk, ran_bk, k, seconds, catch_up_s = self.bank.run(
-            method, self.state, active, limits, sp, self.base_key, self._index + 1, greedy, k, stop_ids)
+            method, self.state, active, limits, sp, self.base_key, self._index + 1, greedy, k, stop_ids, cap)
         self._last_dispatch = (rows, k, start + catch_up_s + seconds)
         events_before = len(events)
         self._index += k
         self.counters["rounds"] += k
         self.counters[f"rounds/{method}"] += k
-        row_rounds = committed = kept = 0
+        row_rounds = committed = kept = cut = 0
         for j in range(k):
             for i, req in enumerate(self.running):
                 if req.finished or not ran_bk[i, j]:
                     continue
-                got = int(acc_bk[i, j]) + 1
+                accepted = int(acc_bk[i, j]) + 1
+                got = accepted if cap is None else min(accepted, cap + 1)
                 req.acceptance.append(got)
-                row_rounds, committed = row_rounds + 1, committed + got
-                self.counters["first_accepted"] += got > 1
+                row_rounds, committed, cut = row_rounds + 1, committed + got, cut + accepted - got
+                self.counters["first_accepted"] += accepted > 1
                 kept += self._commit(req, tokens_bkn[i, j, :got].tolist(), events, exact=not ran_bk[i, j + 1:].any())
         if k > 1:                       # one event per request per dispatch: one message to its client
             events[events_before:] = merge_events(events[events_before:])
         self.counters["row_rounds"] += row_rounds
         self.counters["committed"] += committed
-        self.policy.observe(method, rows, rounds=k, seconds=seconds, row_rounds=row_rounds, committed=kept,
+        self.policy.observe(method, rows, rounds=k, seconds=seconds, row_rounds=row_rounds, committed=kept + cut,
                             compiled=entry.compiles != compiles, catch_up_s=catch_up_s)
         self._compact()
 

@@ -1,6 +1,6 @@
 """Which round the engine runs next: the method of the highest estimated output tokens/s at the live
 batch, one over its seconds per token: `(round_s(method, bucket, K) + host_s(bucket)) / (rows x
-tau(method))` plus a request's prefill over its tokens (`admission_s`), all measured live (tau: the
+tau(method) x occupancy)` plus a request's prefill over its tokens (`admission_s`), all measured live (tau: the
 tokens requests keep per row round; docs/serving.md; warm-up gives each round time its first
 sample). A round's time is kept per dispatch size K (rounds per dispatch), and each method is
 estimated at the K it would run, so a method run mostly in K-round dispatches is not compared with
@@ -14,7 +14,12 @@ dispatch by the round time, plus the bucket's catch-up time when it is a specula
 plain ones); it runs the dispatch its estimate uses when that is no longer than the best method's,
 else one round (exploring a slow round costs little). So a dear refresh (a speculative round over
 many rows that first catches up the plain rounds' rows) is rare, and a cheap one runs every
-`refresh_every` choices.
+`refresh_every` choices. Over several rows, a timing or refresh dispatch of a speculative method
+while plain rounds serve (or before any serves), and the dispatches of a speculative method chosen
+while its acceptance rests on fewer than `TRUSTED_ROW_ROUNDS` row rounds (a prior's), run one round
+in step: each row commits one token (`describe()["in_step"]`; `round.cap_accepted`, lossless), so
+rows admitted together still finish together, and the drafts the target accepted still count toward
+the method's acceptance.
 `rounds` says how many rounds a dispatch of a method may run while nobody waits,
 `describe()["rounds"]` how many the last choice's dispatch runs; `describe` says what a choice rests on.
 
@@ -36,7 +41,8 @@ import statistics
 
 ALPHA = 0.05            # the weight of one row round's acceptance once tau holds 1 / ALPHA row rounds
 REFRESH_EVERY = 32      # choices between two refresh runs of another method
-PRIOR_ROW_ROUNDS = 4    # the row rounds a prior tau (a cached verdict, else slots / 2) weighs as
+PRIOR_ROW_ROUNDS = 4    # the row rounds a prior tau (a cached verdict, else slots / 2) weighs as; the
+                        # prefill calls a prior request share (`admission_s`) weighs as
 TRUSTED_ROW_ROUNDS = 48 # measured row rounds below which a method's tau is refreshed before any stale time
 TIME_WINDOW = 5         # recent samples a time is the median of
 DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
@@ -109,12 +115,15 @@ class LoadPolicy:
         self.refresh_s = 0.0        # of which refresh dispatches
         self._refreshed_s: dict[tuple[str, int], float] = {}    # serving_s at a (method, bucket)'s last refresh
         self._catch_up_s = RecentMedians()      # seconds of the catch-ups before dispatches, by bucket
-        self._prefill_s: dict[bool, RunningMean] = {}   # prefill seconds per admitted request, by lean
+        self._prefill_table: dict[tuple[bool, int], float] = {}    # one-call prefill seconds by (lean, rows)
+        self._prefill_scale = RunningMean()     # live one-call prefill seconds over the table's at their rows
+        self._request_s: dict[tuple[str, int], RunningMean] = {}   # table seconds per request, by (serving, bucket)
+        self._occupancies: dict[tuple[str, int], RunningMean] = {}  # row rounds run over offered, by (method, bucket)
         self._output_tokens = RunningMean()     # tokens a finished request generated
         self.choices = 0
         self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
         self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "rounds": 0,
-                           "estimates": {}, "refresh": False}
+                           "estimates": {}, "refresh": False, "in_step": False}
 
     @property
     def tau(self) -> dict[str, float]:
@@ -146,19 +155,62 @@ class LoadPolicy:
         its share of its request's prefill (`admission_s`)."""
         host = self._host_s.get(bucket, 0.0)
         times = {m: self.round_time(m, bucket, most) + host for m in self.slots if self.timed(m, bucket)}
-        per_token = {m: t / (rows * self._tau[m].value) + self.admission_s(m) for m, t in times.items()}
+        per_token = {m: t / (rows * self._tau[m].value * self.occupancy(m, bucket, most))
+                     + self.admission_s(m, bucket) for m, t in times.items()}
         return {m: 1.0 / s for m, s in per_token.items() if s > 0}
 
-    def admission_s(self, method: str) -> float:
-        """Prefill seconds per output token while `method` serves: a request's prefill (lean while plain
-        rounds serve and a lean one was timed, else full: `observe_prefill`) over the tokens a finished
-        request generated (`observe_output`); 0 before both are measured. Under load this is what plain
-        rounds save besides their rounds: a lean prefill skips the drafting models."""
-        if not self._prefill_s or self._output_tokens.value is None:
+    def occupancy(self, method: str, bucket: int, most: int = 1) -> float:
+        """The share of a dispatch's row rounds that its rows run when `method` serves at `bucket` in the
+        dispatch it would run: 1 for one round; for K rounds a row that ends mid-dispatch idles to its
+        end (the dispatch stops once no row runs). A running mean over the K-round dispatches it
+        served there (`observe`), before any, weighing as `PRIOR_ROW_ROUNDS` of them: 1 for plain
+        rounds and on one row (rows that began together end together), else a request's rounds
+        (its tokens over tau) over those plus the (K - 1) / 2 rounds its row idles on average at its
+        end (speculative rows end at different rounds)."""
+        k = self.rounds(method, bucket, most)
+        if k == 1:
+            return 1.0
+        return self._occupancy(method, bucket, k).value
+
+    def _occupancy(self, method: str, bucket: int, k: int) -> RunningMean:
+        if (method, bucket) not in self._occupancies:
+            prior = 1.0
+            if self.slots[method] > 1 and bucket > 1 and self._output_tokens.value is not None:
+                per_request = max(1.0, self._output_tokens.value / self._tau[method].value)
+                prior = per_request / (per_request + (k - 1) / 2)
+            self._occupancies[(method, bucket)] = RunningMean(prior, PRIOR_ROW_ROUNDS)
+        return self._occupancies[(method, bucket)]
+
+    def admission_s(self, method: str, bucket: int) -> float:
+        """Prefill seconds per output token while `method` serves at `bucket`: a request's share of its
+        prefill call (lean while plain rounds serve and the bank can, else full) over the tokens a
+        finished request generated (`observe_output`); 0 before both are known. A call's seconds are
+        the table's that warm-up timed at the call's rows (`time_prefill`), scaled by how live calls
+        compare with it (longer prompts, a busier machine); the calls are those made while the method
+        served at the bucket (`observe_prefill`), before any a call of the bucket's rows, as full, for
+        plain rounds (rows that began together end together) and one of a request for speculative
+        ones (their rows end at different rounds, so their successors come one by one). Under load
+        this is what plain rounds save besides their rounds: calls that batch, each lean."""
+        if not self._prefill_table or self._output_tokens.value is None:
             return 0.0
-        lean = self.slots[method] == 1 and True in self._prefill_s
-        per_request = self._prefill_s.get(lean, next(iter(self._prefill_s.values()))).value
-        return per_request / max(1.0, self._output_tokens.value)
+        share = self._request_share(method, bucket).value * (self._prefill_scale.value or 1.0)
+        return share / max(1.0, self._output_tokens.value)
+
+    def _request_share(self, method: str, bucket: int) -> RunningMean:
+        """The table's seconds per request of the prefill calls made while `method` served at `bucket`,
+        at its kind of call; the prior (see `admission_s`) weighs as `PRIOR_ROW_ROUNDS` calls."""
+        if (method, bucket) not in self._request_s:
+            rows = bucket if self.slots[method] == 1 else 1
+            self._request_s[(method, bucket)] = RunningMean(self._table_call_s(method, rows) / rows,
+                                                           PRIOR_ROW_ROUNDS)
+        return self._request_s[(method, bucket)]
+
+    def _table_call_s(self, method: str, rows: int) -> float:
+        """The table's seconds of a call of `method`'s kind (lean for plain rounds where the bank can)
+        on `rows` rows: the fewest timed rows that hold them, else the most."""
+        lean = self.slots[method] == 1 and any(k for k, _ in self._prefill_table)
+        timed = sorted(r for k, r in self._prefill_table if k == lean)
+        return self._prefill_table[(lean, next((r for r in timed if r >= rows), timed[-1]))]
 
     def rounds(self, method: str, bucket: int, most: int) -> int:
         """Rounds of `method`'s next dispatch at `bucket` rows when nobody waits: `most` when that many
@@ -185,31 +237,42 @@ class LoadPolicy:
         self.choices += 1
         est = self.estimates(rows, bucket, most)
         untimed = [m for m in self.slots if not self.timed(m, bucket)]
-        rounds, refresh = 1, False      # a timing dispatch: one round
+        rounds, refresh, in_step = 1, False, False      # a timing dispatch: one round
         if len(self.slots) == 1:
             method, why = next(iter(self.slots)), "the only round"
             rounds = self.rounds(method, bucket, most)
         elif untimed:
             method, why = untimed[0], f"timing {untimed[0]} at {bucket} rows"
+            in_step = self._in_step(method, self._serving, rows)
         else:
             best = self.best(rows, bucket, most)
             due = self.choices % self.refresh_every == 0
             stale = self._refresh_candidate(best, bucket, most) if due else None
             if stale is not None:
                 method, why, refresh = stale, f"refreshing {stale}'s estimate at {bucket} rows", True
-                rounds = self._refresh_rounds(stale, best, bucket, most)
+                rounds = self._refresh_rounds(stale, best, bucket, most, rows)
+                in_step = self._in_step(stale, best, rows)
             else:
                 method, why = best, "highest estimated tok/s"
-                rounds = self.rounds(method, bucket, most)
+                in_step = rows > 1 and self.slots[best] > 1 and self._measured[best] < TRUSTED_ROW_ROUNDS
+                rounds = 1 if in_step else self.rounds(method, bucket, most)
                 self._serving = best
         self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "rounds": rounds, "estimates": est,
-                     "tau": self.tau, "refresh": refresh}
+                     "tau": self.tau, "refresh": refresh, "in_step": in_step}
         return method
 
-    def _refresh_rounds(self, method: str, best: str, bucket: int, most: int) -> int:
-        """A refresh's rounds: the dispatch its estimate uses when that takes no longer than the best
-        method's dispatch (so the estimate compared is re-measured), else one round (exploring a slow
-        round costs little)."""
+    def _in_step(self, method: str, serving: str | None, rows: int) -> bool:
+        """Whether a timing or refresh dispatch of `method` over `rows` rows commits one token per row,
+        as the plain rounds serving (or none yet) do: a speculative round's rows would end at
+        different rounds, and requests that arrived together would no longer be admitted together."""
+        return rows > 1 and self.slots[method] > 1 and (serving is None or self.slots[serving] == 1)
+
+    def _refresh_rounds(self, method: str, best: str, bucket: int, most: int, rows: int) -> int:
+        """A refresh's rounds: one when it runs in step (`_in_step`); else the dispatch its estimate uses
+        when that takes no longer than the best method's dispatch (so the estimate compared is
+        re-measured), else one round (exploring a slow round costs little)."""
+        if self._in_step(method, best, rows):
+            return 1
         k = self.rounds(method, bucket, most)
         dispatch_s = lambda m: self.rounds(m, bucket, most) * self.round_time(m, bucket, most)  # noqa: E731
         return k if dispatch_s(method) <= dispatch_s(best) else 1
@@ -217,7 +280,7 @@ class LoadPolicy:
     def refresh_cost(self, method: str, best: str, bucket: int, most: int) -> float:
         """Estimated seconds of a refresh of `method` while `best` serves: its dispatch by the round time,
         and the bucket's recent catch-up time when it is a speculative round after plain ones."""
-        k = self._refresh_rounds(method, best, bucket, most)
+        k = self._refresh_rounds(method, best, bucket, most, bucket)
         switch = self.slots[method] > 1 and self.slots[best] == 1
         return k * self.round_time(method, bucket, k) + (self._catch_up_s.get(bucket, 0.0) if switch else 0.0)
 
@@ -255,10 +318,24 @@ class LoadPolicy:
         if row_rounds > 0 and method != "ar":
             self._tau[method].add(committed / row_rounds, row_rounds)     # one row round: one sample
             self._measured[method] += row_rounds
+        last = self.last
+        if rounds > 1 and not compiled and last["method"] == method and not last["refresh"] and last["rows"] > 0:
+            self._occupancy(method, bucket, rounds).add(row_rounds / (last["rows"] * rounds))
 
-    def observe_prefill(self, lean: bool, seconds: float) -> None:
-        """An admission prefilled its requests in `seconds` each (`lean`: the target alone)."""
-        self._prefill_s.setdefault(bool(lean), RunningMean()).add(seconds)
+    def time_prefill(self, lean: bool, rows: int, seconds: float) -> None:
+        """Warm-up's one-call prefill of `rows` rows of the shortest prompts took `seconds` (`lean`: the
+        target alone): the table `admission_s` reads."""
+        self._prefill_table[(bool(lean), int(rows))] = float(seconds)
+
+    def observe_prefill(self, lean: bool, rows: int, requests: int, seconds: float, bucket: int) -> None:
+        """A one-call prefill of `requests` requests on `rows` rows took `seconds` (`lean`: the target
+        alone), their rows going to a state of `bucket` rows: the table's scale, and a sample of the
+        request share of the method serving there (`admission_s`)."""
+        if (bool(lean), int(rows)) in self._prefill_table:
+            self._prefill_scale.add(seconds / self._prefill_table[(bool(lean), int(rows))])
+        if self._serving is not None and self._prefill_table:
+            share = self._request_share(self._serving, bucket)
+            share.add(self._table_call_s(self._serving, rows) / max(1, requests))
 
     def observe_output(self, tokens: int) -> None:
         """A request finished with `tokens` generated."""

@@ -137,11 +137,14 @@ class RoundBank:
         return chunks == 1 and 0 < width <= self.defer_window
 
     def run(self, method: str, state, active_b, limits_b, sp, base_key, first_round: int, greedy: bool,
-            rounds: int = 1, stop_ids=()):
+            rounds: int = 1, stop_ids=(), commit_cap: int | None = None):
         """One round of `method`, or up to `rounds` stopping on device, on `state` made ready by
         `caught_up`: `(state, tokens [B, k, n], accepted [B, k], ran [B, k], rounds run, seconds from
         dispatch to host results, seconds of the catch-up before it)`. A catch-up is waited for before
-        the rounds' clock starts, so their seconds are theirs alone (a switch's cost is the catch-up's)."""
+        the rounds' clock starts, so their seconds are theirs alone (a switch's cost is the catch-up's).
+        `commit_cap`: a row commits `tokens[:min(accepted, commit_cap) + 1]` per round
+        (`round.cap_accepted`); `accepted` stays what the target accepted."""
+        knobs = self.knobs if commit_cap is None else dataclasses.replace(self.knobs, commit_cap=np.int32(commit_cap))
         t0, catch_up_s = time.perf_counter(), 0.0
         ready = self.caught_up(state, method, rounds)
         if ready is not state:
@@ -150,12 +153,12 @@ class RoundBank:
         t0 = time.perf_counter()
         if rounds == 1:
             state, *out = self.round[method](self.model_states(), state, active_b, limits_b, sp, base_key,
-                                             np.int32(first_round), self.knobs, greedy=greedy)
+                                             np.int32(first_round), knobs, greedy=greedy)
             tokens_bn, acc_b, _ = to_host(tuple(out))
             return state, tokens_bn[:, None], acc_b[:, None], np.asarray(active_b)[:, None], 1, \
                 time.perf_counter() - t0, catch_up_s
         state, *out = self.multi_round(method, rounds)(self.model_states(), state, active_b, limits_b, sp, base_key,
-                                                       np.int32(first_round), pad_stop_ids(stop_ids), self.knobs,
+                                                       np.int32(first_round), pad_stop_ids(stop_ids), knobs,
                                                        greedy=greedy)
         tokens_bkn, acc_bk, _, ran_bk, k = to_host(tuple(out))
         return state, tokens_bkn, acc_bk, ran_bk, int(k), time.perf_counter() - t0, catch_up_s

@@ -13,7 +13,7 @@ from dmtp_jax.decode.prefill import chunk_length
 from dmtp_jax.serve.admission import PrefillGroup, resume_widths
 from dmtp_jax.serve.request import Request, row_sampling
 
-TIMED_RUNS = 3          # rounds per (method, row bucket) whose median seeds the policy's round time
+TIMED_RUNS = 3          # dispatches (prefill calls) whose median seeds a round's (a call's) time
 
 
 def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> None:
@@ -22,8 +22,9 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
     (`time_rounds`); compiles the catch-up at every bucket and one row, the row moves between
     buckets, and the prefill of every prompt bucket (`every_bucket`; else the shortest) at every
     row bucket the burst budget admits, full and, where the bank can, lean (`lean_variants`), each
-    one-call greedy prefill timed once compiled (`Engine.prefill_times`, which sizes the prefill
-    groups; the shortest bucket's 1-row times are the policy's first `observe_prefill`)."""
+    one-call greedy prefill timed once compiled, the median of `TIMED_RUNS` calls
+    (`Engine.prefill_times`, which sizes the prefill groups; the shortest bucket's are the policy's
+    table, `LoadPolicy.time_prefill`)."""
     top = next_pow2(engine.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
     dispatches = sorted({1, engine.rounds_per_dispatch})
     temperatures = (0.0, 1.0) if sampled else (0.0,)
@@ -49,10 +50,10 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
             reqs = [Request([0] * min(bucket, engine.max_model_len - 2), 1, temperature=t) for _ in range(rows)]
             run_prefill(engine, reqs, rows, lean=lean)      # compiles
             if t == 0 and bucket <= width:                  # one call: timed once compiled
-                seconds = run_prefill(engine, reqs, rows, lean=lean)
+                seconds = float(np.median([run_prefill(engine, reqs, rows, lean=lean) for _ in range(TIMED_RUNS)]))
                 engine.prefill_times.add((rows, width), seconds)
-                if rows == 1 and bucket == PROMPT_BUCKET_FLOOR:     # the policy's first prefill sample
-                    engine.policy.observe_prefill(lean, seconds)
+                if bucket == PROMPT_BUCKET_FLOOR:                   # the policy's table of prefill calls
+                    engine.policy.time_prefill(lean, rows, seconds)
     if engine.prefix_cache is not None:
         warm_up_prefix_cache(engine, temperatures)
 
