@@ -304,3 +304,24 @@ def test_a_speculative_method_chosen_on_its_prior_runs_in_step_until_measured():
     policy.observe("dmtp", 8, rounds=1, seconds=0.02, row_rounds=48, committed=48 * 6)
     assert policy.choose(8, 8, most=4) == "dmtp"
     assert not policy.describe()["in_step"] and policy.describe()["rounds"] == 4
+
+
+def test_what_a_method_realizes_of_its_model_corrects_its_estimate():
+    """dmtp is modelled 10 % above ar at 8 rows and serves, but its dispatches realize 75 % of their
+    modelled rate (its rows idle between requests, a busy host): once `REALIZED_DISPATCHES` of them
+    count, ar (not yet measured: taken at its model) serves. dmtp's realization at 8 rows is its own:
+    on one row its model stands."""
+    from dmtp_jax.serve.policy import REALIZED_DISPATCHES
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.4}, refresh_every=1000)
+    policy.observe("dmtp", 8, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4.4)     # trusted
+    for bucket, ar_s, dmtp_s in ((8, 0.004, 0.016), (1, 0.002, 0.004)):
+        policy.observe("ar", bucket, rounds=1, seconds=ar_s, row_rounds=0, committed=0)
+        policy.observe("dmtp", bucket, rounds=1, seconds=dmtp_s, row_rounds=0, committed=0)
+    chosen = []
+    for _ in range(REALIZED_DISPATCHES + 2):
+        m = chosen.append(policy.choose(8, 8)) or chosen[-1]
+        tokens = 8 * (4.4 if m == "dmtp" else 1.0)
+        policy.observe_served(m, 8, tokens, tokens / (0.75 * policy.describe()["modelled"]))
+    assert chosen[:REALIZED_DISPATCHES] == ["dmtp"] * REALIZED_DISPATCHES and chosen[-1] == "ar", chosen
+    assert abs(policy.realized("dmtp", 8) - 0.75) < 1e-9 and policy.realized("dmtp", 1) == 1.0
+    assert policy.choose(1, 1) == "dmtp"

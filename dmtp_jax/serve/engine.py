@@ -78,6 +78,7 @@ class Engine:
         self._solo: set[int] = set()                 # requests to prefill alone (their group failed)
         self._index = 0                              # rounds run (the round key's index)
         self._last_dispatch = None                   # (bucket, rounds, results back s) of a dispatch just run
+        self._busy_since: float | None = None        # when the busy time the next dispatch is charged began
         self.counters = collections.Counter()        # requests, prompt / generated tokens, rounds, accepted
         self.auto = decoder if isinstance(decoder, AutoDecoder) else None
         self.verdict = None if self.auto is None else self.auto.cached(self.max_batch_size, greedy=True)
@@ -146,6 +147,8 @@ class Engine:
         """Frees cancelled rows and runs at most the prefill budget's worth of admissions; returns the
         events (admitted requests' first tokens), which a server can send before the next round."""
         events: list[Event] = []
+        if self._busy_since is None and self.busy:  # the engine's busy time runs from here (`_round`)
+            self._busy_since = time.perf_counter()
         self._drop_cancelled(events)
         if self._admit(events) or events:
             self._last_dispatch = None      # the time to the next dispatch is not the host's round work
@@ -370,9 +373,14 @@ class Engine:
             events[events_before:] = merge_events(events[events_before:])
         self.counters["row_rounds"] += row_rounds
         self.counters["committed"] += committed
+        compiled = entry.compiles != compiles
         self.policy.observe(method, rows, rounds=k, seconds=seconds, row_rounds=row_rounds, committed=kept + cut,
-                            compiled=entry.compiles != compiles, catch_up_s=catch_up_s)
+                            compiled=compiled, catch_up_s=catch_up_s)
         self._compact()
+        now = time.perf_counter()
+        if self._busy_since is not None and not compiled:   # busy since the last dispatch: admissions too
+            self.policy.observe_served(method, rows, kept, now - self._busy_since)
+        self._busy_since = now if self.busy else None
 
     # ---- compiles ------------------------------------------------------------------------------
     def warm_up(self, every_bucket: bool = True, sampled: bool = True) -> None:

@@ -1,6 +1,7 @@
 """Which round the engine runs next: the method of the highest estimated output tokens/s at the live
-batch, one over its seconds per token: `(round_s(method, bucket, K) + host_s(bucket)) / (rows x
-tau(method) x occupancy)` plus a request's prefill over its tokens (`admission_s`), all measured live (tau: the
+batch: what its dispatches `realized` of its modelled rate times that rate, one over its seconds per
+token: `(round_s(method, bucket, K) + host_s(bucket)) / (rows x tau(method) x occupancy)` plus a
+request's prefill over its tokens (`admission_s`), all measured live (tau: the
 tokens requests keep per row round; docs/serving.md; warm-up gives each round time its first
 sample). A round's time is kept per dispatch size K (rounds per dispatch), and each method is
 estimated at the K it would run, so a method run mostly in K-round dispatches is not compared with
@@ -48,6 +49,8 @@ TIME_WINDOW = 5         # recent samples a time is the median of
 DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
 SWITCH_MARGIN = 0.05    # another method replaces the one serving once its estimate is this much higher
 REFRESH_SHARE = 0.02    # a method's refresh costs at most this share of the serving seconds since its last
+REALIZED_DISPATCHES = 8 # served dispatches before what a method realized of its model counts
+REALIZED_SPAN = 0.5     # what it realized counts within 1 -/+ this
 
 
 class RunningMean:
@@ -119,11 +122,12 @@ class LoadPolicy:
         self._prefill_scale = RunningMean()     # live one-call prefill seconds over the table's at their rows
         self._request_s: dict[tuple[str, int], RunningMean] = {}   # table seconds per request, by (serving, bucket)
         self._occupancies: dict[tuple[str, int], RunningMean] = {}  # row rounds run over offered, by (method, bucket)
+        self._realized: dict[tuple[str, int], list] = {}    # [modelled s, busy s, dispatches] by (method, bucket)
         self._output_tokens = RunningMean()     # tokens a finished request generated
         self.choices = 0
         self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
         self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "rounds": 0,
-                           "estimates": {}, "refresh": False, "in_step": False}
+                           "estimates": {}, "refresh": False, "in_step": False, "modelled": None}
 
     @property
     def tau(self) -> dict[str, float]:
@@ -149,7 +153,24 @@ class LoadPolicy:
         return self._host_s.as_dict()
 
     def estimates(self, rows: int, bucket: int, most: int = 1) -> dict[str, float]:
-        """Estimated output tokens/s per method timed at `bucket`, each in the dispatch it would run (at
+        """Estimated output tokens/s per method timed at `bucket`: the `modelled` rate times what the
+        method's dispatches served there realized of it (`realized`)."""
+        return {m: v * self.realized(m, bucket) for m, v in self.modelled(rows, bucket, most).items()}
+
+    def realized(self, method: str, bucket: int) -> float:
+        """How much of its modelled rate `method` realized while it served at `bucket`: the modelled
+        seconds of the tokens its dispatches committed over the engine's busy seconds they took
+        (admissions, row moves and the host's work between them included; exponential sums, each
+        dispatch weighing `ALPHA`), within [1 - `REALIZED_SPAN`, 1 + `REALIZED_SPAN`]; 1 until
+        `REALIZED_DISPATCHES` dispatches are counted (`observe_served`). What the model leaves out
+        (rows idle between a request's end and its successor's admission, a busy host) it corrects."""
+        sums = self._realized.get((method, bucket))
+        if sums is None or sums[2] < REALIZED_DISPATCHES:
+            return 1.0
+        return min(1.0 + REALIZED_SPAN, max(1.0 - REALIZED_SPAN, sums[0] / sums[1]))
+
+    def modelled(self, rows: int, bucket: int, most: int = 1) -> dict[str, float]:
+        """Modelled output tokens/s per method timed at `bucket`, each in the dispatch it would run (at
         most `most` rounds): a round's time includes the host's work around it (committing,
         streaming), which a method of more rounds per token pays more often, and each token carries
         its share of its request's prefill (`admission_s`)."""
@@ -235,7 +256,8 @@ class LoadPolicy:
     def choose(self, rows: int, bucket: int, most: int = 1) -> str:
         """The method of the next dispatch of at most `most` rounds (see the module docstring)."""
         self.choices += 1
-        est = self.estimates(rows, bucket, most)
+        modelled = self.modelled(rows, bucket, most)
+        est = {m: v * self.realized(m, bucket) for m, v in modelled.items()}
         untimed = [m for m in self.slots if not self.timed(m, bucket)]
         rounds, refresh, in_step = 1, False, False      # a timing dispatch: one round
         if len(self.slots) == 1:
@@ -258,7 +280,7 @@ class LoadPolicy:
                 rounds = 1 if in_step else self.rounds(method, bucket, most)
                 self._serving = best
         self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "rounds": rounds, "estimates": est,
-                     "tau": self.tau, "refresh": refresh, "in_step": in_step}
+                     "tau": self.tau, "refresh": refresh, "in_step": in_step, "modelled": modelled.get(method)}
         return method
 
     def _in_step(self, method: str, serving: str | None, rows: int) -> bool:
@@ -321,6 +343,21 @@ class LoadPolicy:
         last = self.last
         if rounds > 1 and not compiled and last["method"] == method and not last["refresh"] and last["rows"] > 0:
             self._occupancy(method, bucket, rounds).add(row_rounds / (last["rows"] * rounds))
+
+    def observe_served(self, method: str, bucket: int, tokens: int, seconds: float) -> None:
+        """The last choice's dispatch of `method` at `bucket` rows committed `tokens` kept tokens in
+        `seconds` of the engine's busy time since the dispatch before it: a sample of `realized`
+        when the dispatch served (not a timing, refresh or in-step one)."""
+        last = self.last
+        if last["method"] != method or last["refresh"] or last["in_step"] or last["why"].startswith("timing"):
+            return
+        modelled = last.get("modelled")
+        if not modelled or tokens <= 0 or seconds <= 0:
+            return
+        sums = self._realized.setdefault((method, bucket), [0.0, 0.0, 0])
+        sums[0] = (1 - ALPHA) * sums[0] + tokens / modelled
+        sums[1] = (1 - ALPHA) * sums[1] + seconds
+        sums[2] += 1
 
     def time_prefill(self, lean: bool, rows: int, seconds: float) -> None:
         """Warm-up's one-call prefill of `rows` rows of the shortest prompts took `seconds` (`lean`: the
