@@ -49,8 +49,10 @@ TIME_WINDOW = 5         # recent samples a time is the median of
 DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
 SWITCH_MARGIN = 0.05    # another method replaces the one serving once its estimate is this much higher
 REFRESH_SHARE = 0.02    # a method's refresh costs at most this share of the serving seconds since its last
-REALIZED_DISPATCHES = 8 # served dispatches before what a method realized of its model counts
-REALIZED_SPAN = 0.5     # what it realized counts within 1 -/+ this
+REALIZED_DISPATCHES = 32    # served dispatches before what a method realized of its model counts
+REALIZED_WEIGHT = 0.02      # one served dispatch's weight in it (a window of a few requests' lives: a
+                            # burst's prefill, paid before its rows' first dispatch, is spread over them)
+REALIZED_SPAN = 0.5         # what it realized counts within 1 -/+ this
 
 
 class RunningMean:
@@ -161,7 +163,7 @@ class LoadPolicy:
         """How much of its modelled rate `method` realized while it served at `bucket`: the modelled
         seconds of the tokens its dispatches committed over the engine's busy seconds they took
         (admissions, row moves and the host's work between them included; exponential sums, each
-        dispatch weighing `ALPHA`), within [1 - `REALIZED_SPAN`, 1 + `REALIZED_SPAN`]; 1 until
+        dispatch weighing `REALIZED_WEIGHT`), within [1 - `REALIZED_SPAN`, 1 + `REALIZED_SPAN`]; 1 until
         `REALIZED_DISPATCHES` dispatches are counted (`observe_served`). What the model leaves out
         (rows idle between a request's end and its successor's admission, a busy host) it corrects."""
         sums = self._realized.get((method, bucket))
@@ -355,8 +357,8 @@ class LoadPolicy:
         if not modelled or tokens <= 0 or seconds <= 0:
             return
         sums = self._realized.setdefault((method, bucket), [0.0, 0.0, 0])
-        sums[0] = (1 - ALPHA) * sums[0] + tokens / modelled
-        sums[1] = (1 - ALPHA) * sums[1] + seconds
+        sums[0] = (1 - REALIZED_WEIGHT) * sums[0] + tokens / modelled
+        sums[1] = (1 - REALIZED_WEIGHT) * sums[1] + seconds
         sums[2] += 1
 
     def time_prefill(self, lean: bool, rows: int, seconds: float) -> None:
