@@ -341,7 +341,8 @@ class Engine:
         idle = not self.waiting and self._group is None
         most = self.rounds_per_dispatch if idle else 1
         method = self.policy.choose(n, rows, most)
-        k, cap = self.policy.describe()["rounds"], 0 if self.policy.describe()["in_step"] else None
+        choice = self.policy.describe()
+        k, cap = choice["rounds"], 0 if choice["in_step"] else None
         stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if k > 1 else ()
         entry = self.bank.multi_round(method, k) if k > 1 else self.bank.round[method]
         compiles = entry.compiles

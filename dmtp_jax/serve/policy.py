@@ -129,7 +129,7 @@ class LoadPolicy:
         self.choices = 0
         self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
         self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "rounds": 0,
-                           "estimates": {}, "refresh": False, "in_step": False, "modelled": None}
+                           "estimates": {}, "refresh": False, "in_step": False, "served": False, "modelled": None}
 
     @property
     def tau(self) -> dict[str, float]:
@@ -210,9 +210,9 @@ class LoadPolicy:
         finished request generated (`observe_output`); 0 before both are known. A call's seconds are
         the table's that warm-up timed at the call's rows (`time_prefill`), scaled by how live calls
         compare with it (longer prompts, a busier machine); the calls are those made while the method
-        served at the bucket (`observe_prefill`), before any a call of the bucket's rows, as full, for
-        plain rounds (rows that began together end together) and one of a request for speculative
-        ones (their rows end at different rounds, so their successors come one by one). Under load
+        served at the bucket (`observe_prefill`); before any, a call holding as many requests as the
+        bucket has rows for plain rounds (rows that began together end together) and a call of one
+        request for speculative ones (their rows end at different rounds, so their successors come one by one). Under load
         this is what plain rounds save besides their rounds: calls that batch, each lean."""
         if not self._prefill_table or self._output_tokens.value is None:
             return 0.0
@@ -261,9 +261,9 @@ class LoadPolicy:
         modelled = self.modelled(rows, bucket, most)
         est = {m: v * self.realized(m, bucket) for m, v in modelled.items()}
         untimed = [m for m in self.slots if not self.timed(m, bucket)]
-        rounds, refresh, in_step = 1, False, False      # a timing dispatch: one round
+        rounds, refresh, in_step, served = 1, False, False, False     # a timing dispatch: one round
         if len(self.slots) == 1:
-            method, why = next(iter(self.slots)), "the only round"
+            method, why, served = next(iter(self.slots)), "the only round", True
             rounds = self.rounds(method, bucket, most)
         elif untimed:
             method, why = untimed[0], f"timing {untimed[0]} at {bucket} rows"
@@ -280,9 +280,11 @@ class LoadPolicy:
                 method, why = best, "highest estimated tok/s"
                 in_step = rows > 1 and self.slots[best] > 1 and self._measured[best] < TRUSTED_ROW_ROUNDS
                 rounds = 1 if in_step else self.rounds(method, bucket, most)
+                served = not in_step
                 self._serving = best
         self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "rounds": rounds, "estimates": est,
-                     "tau": self.tau, "refresh": refresh, "in_step": in_step, "modelled": modelled.get(method)}
+                     "tau": self.tau, "refresh": refresh, "in_step": in_step, "served": served,
+                     "modelled": modelled.get(method)}
         return method
 
     def _in_step(self, method: str, serving: str | None, rows: int) -> bool:
@@ -351,9 +353,9 @@ class LoadPolicy:
         `seconds` of the engine's busy time since the dispatch before it: a sample of `realized`
         when the dispatch served (not a timing, refresh or in-step one)."""
         last = self.last
-        if last["method"] != method or last["refresh"] or last["in_step"] or last["why"].startswith("timing"):
+        if last["method"] != method or not last["served"]:
             return
-        modelled = last.get("modelled")
+        modelled = last["modelled"]
         if not modelled or tokens <= 0 or seconds <= 0:
             return
         sums = self._realized.setdefault((method, bucket), [0.0, 0.0, 0])
