@@ -76,6 +76,30 @@ def test_refreshes_take_at_most_their_share_of_the_serving_time():
     assert chosen.count("ar") == 1000 // 32, chosen.count("ar")
 
 
+def test_refreshes_of_several_methods_share_one_budget():
+    """ar serves at 32 rows; dmtp (72 ms round, 46 ms catch-up) and mtp (40 ms, 46 ms) are both dear to
+    refresh: once both are trusted, their refreshes together stay within `REFRESH_SHARE` of the
+    serving seconds (within one refresh's cost), each still refreshed."""
+    from dmtp_jax.serve.policy import REFRESH_SHARE
+    seconds, tau = {"ar": 0.008, "dmtp": 0.072, "mtp": 0.040}, {"ar": 1, "dmtp": 5, "mtp": 2}
+    policy = LoadPolicy({"ar": 1, "dmtp": 8, "mtp": 2}, {"dmtp": 5.0, "mtp": 2.0})
+    for m in seconds:
+        policy.observe(m, 32, rounds=1, seconds=seconds[m], row_rounds=0, committed=0)
+    chosen, previous = [], "ar"
+    for i in range(4000):
+        if i == 200:
+            refresh_s, serving_s = policy.refresh_s, policy.serving_s
+        m = policy.choose(32, 32)
+        chosen.append(m)
+        catch_up = 0.046 if m != "ar" and previous == "ar" else 0.0
+        policy.observe(m, 32, rounds=1, seconds=seconds[m], row_rounds=32, committed=32 * tau[m], catch_up_s=catch_up)
+        previous = m
+    later = chosen[200:]
+    assert later.count("dmtp") >= 1 and later.count("mtp") >= 1 and later.count("ar") > 3780, later
+    spent = policy.refresh_s - refresh_s
+    assert spent <= REFRESH_SHARE * (policy.serving_s - serving_s) + 0.072 + 0.046, (spent, policy.serving_s)
+
+
 def test_each_bucket_is_timed_on_its_own():
     policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 3.0})
     tau = {"ar": 1, "dmtp": 3}
@@ -271,7 +295,7 @@ def test_speculative_timing_and_refreshes_run_in_step_while_plain_rounds_serve()
     """Before any method serves and while ar serves, a timing or refresh dispatch of mtp or dmtp is one
     round in step (one token per row: rows admitted together still finish together); a dispatch of
     the method serving, ar's refresh, and a refresh while a speculative method serves are not."""
-    policy = LoadPolicy(SLOTS, {"mtp": 2.0, "dmtp": 3.0}, refresh_every=4, refresh_share=1.0)
+    policy = LoadPolicy(SLOTS, {"mtp": 2.0, "dmtp": 3.0}, refresh_every=4, refresh_share=10.0)   # any refresh
     runs = []
     for i in range(64):
         m = policy.choose(32, 32, most=4)
@@ -325,3 +349,57 @@ def test_what_a_method_realizes_of_its_model_corrects_its_estimate():
     assert chosen[:REALIZED_DISPATCHES] == ["dmtp"] * REALIZED_DISPATCHES and chosen[-1] == "ar", chosen
     assert abs(policy.realized("dmtp", 8) - 0.75) < 1e-9 and policy.realized("dmtp", 1) == 1.0
     assert policy.choose(1, 1) == "dmtp"
+
+
+def test_what_a_method_realized_is_forgotten_after_others_serve():
+    """dmtp realized 75 % of its model at 8 rows and gave way to ar (10 % below dmtp's model); once ar
+    has served there, since dmtp's last dispatch, `REALIZED_FORGET` times the seconds of
+    `REALIZED_DISPATCHES` of dmtp's dispatches, dmtp serves on its model again (a spell that held it
+    back is not held against it for good) and what it realizes then counts anew. A dispatch at
+    another bucket forgets nothing at 8 rows."""
+    from dmtp_jax.serve.policy import REALIZED_DISPATCHES, REALIZED_FORGET
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.4}, refresh_every=10_000)
+    policy.observe("dmtp", 0, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4.4)     # trusted
+    for bucket in (1, 8):
+        policy.observe("ar", bucket, rounds=1, seconds=0.004, row_rounds=0, committed=0)
+        policy.observe("dmtp", bucket, rounds=1, seconds=0.016, row_rounds=0, committed=0)
+
+    def serve(rows, share):
+        m = policy.choose(rows, rows)
+        tokens = rows * (4.4 if m == "dmtp" else 1.0)
+        policy.observe_served(m, rows, tokens, tokens / (share[m] * policy.describe()["modelled"]))
+        return m
+
+    chosen = [serve(8, {"dmtp": 0.75, "ar": 1.0}) for _ in range(REALIZED_DISPATCHES + 1)]
+    assert chosen[-1] == "ar" and chosen.count("ar") == 1, chosen
+    for _ in range(20):
+        assert serve(1, {"dmtp": 1.0, "ar": 1.0}) == "dmtp"     # another bucket: dmtp's 75 % at 8 stays
+    dmtp_s, ar_s = (8 * t / (share * policy.modelled(8, 8)[m]) for m, t, share in (("dmtp", 4.4, 0.75), ("ar", 1, 1)))
+    dispatches = int(REALIZED_FORGET * REALIZED_DISPATCHES * dmtp_s / ar_s)     # ar's dispatches, the first's too
+    chosen = [serve(8, {"dmtp": 0.75, "ar": 1.0}) for _ in range(dispatches - 1)]
+    assert set(chosen) == {"ar"} and abs(policy.realized("dmtp", 8) - 0.75) < 1e-9
+    assert serve(8, {"dmtp": 0.75, "ar": 1.0}) == "ar" and policy.realized("dmtp", 8) == 1.0
+    assert abs(policy.realized("ar", 8) - 1.0) < 1e-9 and serve(8, {"dmtp": 0.75, "ar": 1.0}) == "dmtp"
+
+
+def test_occupancy_prior_follows_requests_until_a_dispatch_measures_it():
+    """A K-round dispatch of dmtp over 8 rows: before any request finished its occupancy is 1 (asked
+    for at warm-up, too); once requests of 64 tokens finish at tau 4 it is a request's 16 rounds over
+    those plus (K - 1) / 2 idle ones; a served 4-round dispatch then weighs in as one of 1 +
+    `PRIOR_ROW_ROUNDS` samples. Plain rounds and one-round dispatches run every row round."""
+    from dmtp_jax.serve.policy import PRIOR_ROW_ROUNDS
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.0}, refresh_every=10_000)
+    for method, seconds in (("ar", 0.004), ("dmtp", 0.012)):
+        policy.observe(method, 8, rounds=1, seconds=seconds, row_rounds=0, committed=0)
+    assert policy.occupancy("dmtp", 8, most=4) == 1.0
+    policy.observe_output(64)
+    prior = 16 / (16 + 1.5)
+    assert abs(policy.occupancy("dmtp", 8, most=4) - prior) < 1e-12
+    assert policy.occupancy("dmtp", 8, most=1) == policy.occupancy("ar", 8, most=4) == 1.0
+    policy.observe("dmtp", 0, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4)     # trusted
+    assert policy.choose(8, 8, most=4) == "dmtp" and policy.describe()["rounds"] == 4
+    policy.observe("dmtp", 8, rounds=4, seconds=0.048, row_rounds=16, committed=64)         # half the row rounds
+    mean = (PRIOR_ROW_ROUNDS * prior + 0.5) / (PRIOR_ROW_ROUNDS + 1)
+    assert abs(policy.occupancy("dmtp", 8, most=4) - mean) < 1e-12
+    policy.observe_output(64)
+    assert abs(policy.occupancy("dmtp", 8, most=4) - mean) < 1e-12

@@ -9,8 +9,9 @@ another timed only in 1-round ones.
 The method serving keeps serving until another's estimate beats its own by `SWITCH_MARGIN`, so a
 near tie does not flip between methods every dispatch. Every `refresh_every` choices one other
 method runs: the one whose acceptance rests on the fewest row rounds while that is under
-`TRUSTED_ROW_ROUNDS`, else the one timed longest ago among those whose refresh costs at most
-`refresh_share` of the serving seconds since their last refresh at the bucket (a refresh's cost: its
+`TRUSTED_ROW_ROUNDS`, else the one timed longest ago among those whose refresh costs at most their
+part of `refresh_share` (split evenly among the other methods, so refreshes together stay within
+it) of the serving seconds since their last refresh at the bucket (a refresh's cost: its
 dispatch by the round time, plus the bucket's catch-up time when it is a speculative round after
 plain ones); it runs the dispatch its estimate uses when that is no longer than the best method's,
 else one round (exploring a slow round costs little). So a dear refresh (a speculative round over
@@ -48,11 +49,14 @@ TRUSTED_ROW_ROUNDS = 48 # measured row rounds below which a method's tau is refr
 TIME_WINDOW = 5         # recent samples a time is the median of
 DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
 SWITCH_MARGIN = 0.05    # another method replaces the one serving once its estimate is this much higher
-REFRESH_SHARE = 0.02    # a method's refresh costs at most this share of the serving seconds since its last
+REFRESH_SHARE = 0.02    # refreshes cost at most this share of the serving seconds (each other method its part
+                        # of it since its last)
 REALIZED_DISPATCHES = 32    # served dispatches before what a method realized of its model counts
 REALIZED_WEIGHT = 0.02      # one served dispatch's weight in it (a window of a few requests' lives: a
                             # burst's prefill, paid before its rows' first dispatch, is spread over them)
 REALIZED_SPAN = 0.5         # what it realized counts within 1 -/+ this
+REALIZED_FORGET = 4         # a method's is forgotten once others served at its bucket this many times the
+                            # seconds `REALIZED_DISPATCHES` of its dispatches take (a retry: at most 1 / 5 of them)
 
 
 class RunningMean:
@@ -124,7 +128,8 @@ class LoadPolicy:
         self._prefill_scale = RunningMean()     # live one-call prefill seconds over the table's at their rows
         self._request_s: dict[tuple[str, int], RunningMean] = {}   # table seconds per request, by (serving, bucket)
         self._occupancies: dict[tuple[str, int], RunningMean] = {}  # row rounds run over offered, by (method, bucket)
-        self._realized: dict[tuple[str, int], list] = {}    # [modelled s, busy s, dispatches] by (method, bucket)
+        self._realized: dict[tuple[str, int], list] = {}    # [modelled s, busy s (both decayed), dispatches,
+                                        # their busy s, others' served s since its last] by (method, bucket)
         self._output_tokens = RunningMean()     # tokens a finished request generated
         self.choices = 0
         self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
@@ -165,7 +170,12 @@ class LoadPolicy:
         (admissions, row moves and the host's work between them included; exponential sums, each
         dispatch weighing `REALIZED_WEIGHT`), within [1 - `REALIZED_SPAN`, 1 + `REALIZED_SPAN`]; 1 until
         `REALIZED_DISPATCHES` dispatches are counted (`observe_served`). What the model leaves out
-        (rows idle between a request's end and its successor's admission, a busy host) it corrects."""
+        (rows idle between a request's end and its successor's admission, a busy host) it corrects.
+        Forgotten once other methods have served at the bucket, since the method's last dispatch,
+        `REALIZED_FORGET` times the seconds `REALIZED_DISPATCHES` of its dispatches took: a method held
+        back by what it realized in one spell (a slow machine, the first burst) serves again on its
+        model, and what it realizes then counts anew; a method that still falls short spends at most
+        about one part in `REALIZED_FORGET` + 1 of the time retrying."""
         sums = self._realized.get((method, bucket))
         if sums is None or sums[2] < REALIZED_DISPATCHES:
             return 1.0
@@ -196,13 +206,16 @@ class LoadPolicy:
         return self._occupancy(method, bucket, k).value
 
     def _occupancy(self, method: str, bucket: int, k: int) -> RunningMean:
-        if (method, bucket) not in self._occupancies:
+        """The running mean of `occupancy`; until a dispatch is observed its prior follows the live tau
+        and request length (a prior fixed before the first request finished would stay at 1)."""
+        mean = self._occupancies.get((method, bucket))
+        if mean is None or mean.samples == PRIOR_ROW_ROUNDS:
             prior = 1.0
             if self.slots[method] > 1 and bucket > 1 and self._output_tokens.value is not None:
                 per_request = max(1.0, self._output_tokens.value / self._tau[method].value)
                 prior = per_request / (per_request + (k - 1) / 2)
-            self._occupancies[(method, bucket)] = RunningMean(prior, PRIOR_ROW_ROUNDS)
-        return self._occupancies[(method, bucket)]
+            mean = self._occupancies[(method, bucket)] = RunningMean(prior, PRIOR_ROW_ROUNDS)
+        return mean
 
     def admission_s(self, method: str, bucket: int) -> float:
         """Prefill seconds per output token while `method` serves at `bucket`: a request's share of its
@@ -312,15 +325,16 @@ class LoadPolicy:
 
     def _refresh_candidate(self, best: str, bucket: int, most: int) -> str | None:
         """The other method to run once: the least measured while under `TRUSTED_ROW_ROUNDS` row rounds,
-        else, among those whose `refresh_cost` is at most `refresh_share` of the serving seconds since
-        their last refresh at `bucket`, the one timed longest ago if that is `refresh_every` choices or
-        more; None otherwise."""
+        else, among those whose `refresh_cost` is at most `refresh_share` / (the other methods) of the
+        serving seconds since their last refresh at `bucket`, the one timed longest ago if that is
+        `refresh_every` choices or more; None otherwise."""
         others = [m for m in self.slots if m != best]
         fewest = min(others, key=lambda m: self._measured[m])
         if self._measured[fewest] < TRUSTED_ROW_ROUNDS:
             return fewest
         since = {m: self.serving_s - self._refreshed_s.get((m, bucket), 0.0) for m in others}
-        affordable = [m for m in others if self.refresh_cost(m, best, bucket, most) <= self.refresh_share * since[m]]
+        budget = self.refresh_share / len(others)
+        affordable = [m for m in others if self.refresh_cost(m, best, bucket, most) <= budget * since[m]]
         age = {m: self.choices - self._measured_at.get((m, bucket), 0) for m in affordable}
         stalest = max(age, key=age.get, default=None)
         return stalest if stalest is not None and age[stalest] >= self.refresh_every else None
@@ -358,10 +372,15 @@ class LoadPolicy:
         modelled = last["modelled"]
         if not modelled or tokens <= 0 or seconds <= 0:
             return
-        sums = self._realized.setdefault((method, bucket), [0.0, 0.0, 0])
+        for key, other in list(self._realized.items()):
+            if key[1] == bucket and key[0] != method:
+                other[4] += seconds
+                if other[4] >= REALIZED_FORGET * REALIZED_DISPATCHES * other[3] / other[2]:
+                    del self._realized[key]
+        sums = self._realized.setdefault((method, bucket), [0.0, 0.0, 0, 0.0, 0.0])
         sums[0] = (1 - REALIZED_WEIGHT) * sums[0] + tokens / modelled
         sums[1] = (1 - REALIZED_WEIGHT) * sums[1] + seconds
-        sums[2] += 1
+        sums[2], sums[3], sums[4] = sums[2] + 1, sums[3] + seconds, 0.0
 
     def time_prefill(self, lean: bool, rows: int, seconds: float) -> None:
         """Warm-up's one-call prefill of `rows` rows of the shortest prompts took `seconds` (`lean`: the
