@@ -255,6 +255,23 @@ def test_burst_is_one_prefill_and_k_rounds_per_dispatch(decoder, reference, monk
     assert counts["multi_round/dmtp"] <= 1 and counts["round/dmtp"] <= 2 * len(BUCKETS) + 1, counts
 
 
+def test_served_seconds_leave_admissions_out(decoder, reference, monkeypatch):
+    """What a dispatch realized (`LoadPolicy.observe_served`) is timed without the admissions before it
+    (prefill is modelled apart): with every prefill call slowed by 0.3 s and requests joining
+    mid-flight, no served dispatch is charged that long; outputs unchanged."""
+    import time
+    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
+    spy = spy_prefill(engine, monkeypatch, check=lambda chunk_bt: time.sleep(0.3))
+    served = []
+    real = engine.policy.observe_served
+    monkeypatch.setattr(engine.policy, "observe_served", lambda *a: served.append(a[3]) or real(*a))
+    reqs = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[:2], MAX_TOKENS[:2])]
+    joins = {2: [Request(PROMPTS[2], MAX_TOKENS[2])], 3: [Request(PROMPTS[3], MAX_TOKENS[3])]}
+    run(engine, joins)
+    assert len(spy.calls) >= 2 and len(served) > 2 and max(served) < 0.3, (spy.calls, served)
+    assert [r.output_ids for r in reqs + joins[2] + joins[3]] == reference[:4]
+
+
 def test_idle_burst_is_one_prefill_then_the_budget_holds(decoder, reference, monkeypatch):
     """A prefill budget of one row: a burst into an idle engine is still one prefill (nobody decodes, so
     nobody stalls); arrivals while rows decode are admitted one group per step; outputs unchanged."""

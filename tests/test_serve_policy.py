@@ -345,7 +345,7 @@ def test_what_a_method_realizes_of_its_model_corrects_its_estimate():
     for _ in range(REALIZED_DISPATCHES + 2):
         m = chosen.append(policy.choose(8, 8)) or chosen[-1]
         tokens = 8 * (4.4 if m == "dmtp" else 1.0)
-        policy.observe_served(m, 8, tokens, tokens / (0.75 * policy.describe()["modelled"]))
+        policy.observe_served(m, 8, tokens, tokens / (0.75 * policy.describe()["rounds_rate"]))
     assert chosen[:REALIZED_DISPATCHES] == ["dmtp"] * REALIZED_DISPATCHES and chosen[-1] == "ar", chosen
     assert abs(policy.realized("dmtp", 8) - 0.75) < 1e-9 and policy.realized("dmtp", 1) == 1.0
     assert policy.choose(1, 1) == "dmtp"
@@ -367,7 +367,7 @@ def test_what_a_method_realized_is_forgotten_after_others_serve():
     def serve(rows, share):
         m = policy.choose(rows, rows)
         tokens = rows * (4.4 if m == "dmtp" else 1.0)
-        policy.observe_served(m, rows, tokens, tokens / (share[m] * policy.describe()["modelled"]))
+        policy.observe_served(m, rows, tokens, tokens / (share[m] * policy.describe()["rounds_rate"]))
         return m
 
     chosen = [serve(8, {"dmtp": 0.75, "ar": 1.0}) for _ in range(REALIZED_DISPATCHES + 1)]

@@ -16,7 +16,7 @@ import numpy as np
 from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, next_pow2, pad_prompts
 from dmtp_jax.decode.prefill import chunk_length, prefill_chunks
 from dmtp_jax.decode.spec import to_host
-from dmtp_jax.serve.policy import RecentMedians
+from dmtp_jax.serve.stats import RecentMedians
 from dmtp_jax.serve.request import Request, row_sampling
 
 RESUME_BUCKET_FLOOR = 16     # a resumed prefill's shortest bucket: a chat turn's new text is short

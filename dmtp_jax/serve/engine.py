@@ -20,11 +20,12 @@ from dmtp_jax.decode.auto import AUTO, AutoDecoder
 from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, RequestError, StopTracker, round_up
 from dmtp_jax.options import check_max_model_len, check_positive_int
 from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
-from dmtp_jax.serve.policy import LoadPolicy, RecentMedians
+from dmtp_jax.serve.policy import LoadPolicy
 from dmtp_jax.serve.prefix_cache import PrefixCache, copy_state, prefix_cache_bytes, state_nbytes
 from dmtp_jax.serve.request import Event, Request, check_request, merge_events, row_sampling
 from dmtp_jax.serve.rounds import engine_bank
 from dmtp_jax.serve.rows import RowMoves, insert_row
+from dmtp_jax.serve.stats import RecentMedians
 from dmtp_jax.serve.warmup import warm_up_engine
 
 __all__ = ["Engine", "Event", "Request", "insert_row"]
@@ -79,6 +80,7 @@ class Engine:
         self._index = 0                              # rounds run (the round key's index)
         self._last_dispatch = None                   # (bucket, rounds, results back s) of a dispatch just run
         self._busy_since: float | None = None        # when the busy time the next dispatch is charged began
+        self._admitting_s = 0.0                      # of which spent admitting (prefill is modelled apart)
         self.counters = collections.Counter()        # requests, prompt / generated tokens, rounds, accepted
         self.auto = decoder if isinstance(decoder, AutoDecoder) else None
         self.verdict = None if self.auto is None else self.auto.cached(self.max_batch_size, greedy=True)
@@ -147,11 +149,13 @@ class Engine:
         """Frees cancelled rows and runs at most the prefill budget's worth of admissions; returns the
         events (admitted requests' first tokens), which a server can send before the next round."""
         events: list[Event] = []
+        start = time.perf_counter()
         if self._busy_since is None and self.busy:  # the engine's busy time runs from here (`_round`)
-            self._busy_since = time.perf_counter()
+            self._busy_since, self._admitting_s = start, 0.0
         self._drop_cancelled(events)
         if self._admit(events) or events:
             self._last_dispatch = None      # the time to the next dispatch is not the host's round work
+        self._admitting_s += time.perf_counter() - start
         return events
 
     def decode(self) -> list[Event]:
@@ -379,9 +383,9 @@ class Engine:
                             compiled=compiled, catch_up_s=catch_up_s)
         self._compact()
         now = time.perf_counter()
-        if self._busy_since is not None and not compiled:   # busy since the last dispatch: admissions too
-            self.policy.observe_served(method, rows, kept, now - self._busy_since)
-        self._busy_since = now if self.busy else None
+        if self._busy_since is not None and not compiled:   # busy since the last dispatch, admissions aside
+            self.policy.observe_served(method, rows, kept, now - self._busy_since - self._admitting_s)
+        self._busy_since, self._admitting_s = (now if self.busy else None), 0.0
 
     # ---- compiles ------------------------------------------------------------------------------
     def warm_up(self, every_bucket: bool = True, sampled: bool = True) -> None:

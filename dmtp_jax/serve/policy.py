@@ -1,7 +1,7 @@
 """Which round the engine runs next: the method of the highest estimated output tokens/s at the live
-batch: what its dispatches `realized` of its modelled rate times that rate, one over its seconds per
-token: `(round_s(method, bucket, K) + host_s(bucket)) / (rows x tau(method) x occupancy)` plus a
-request's prefill over its tokens (`admission_s`), all measured live (tau: the
+batch: one over its seconds per token, `(round_s(method, bucket, K) + host_s(bucket)) / (rows x
+tau(method) x occupancy x realized)` (`realized`: what its served dispatches realized of that
+modelled rounds' rate) plus a request's prefill over its tokens (`admission_s`), all measured live (tau: the
 tokens requests keep per row round; docs/serving.md; warm-up gives each round time its first
 sample). A round's time is kept per dispatch size K (rounds per dispatch), and each method is
 estimated at the K it would run, so a method run mostly in K-round dispatches is not compared with
@@ -38,15 +38,12 @@ Example:
 
 from __future__ import annotations
 
-import collections
-import statistics
+from dmtp_jax.serve.stats import RecentMedians, RunningMean
 
-ALPHA = 0.05            # the weight of one row round's acceptance once tau holds 1 / ALPHA row rounds
 REFRESH_EVERY = 32      # choices between two refresh runs of another method
 PRIOR_ROW_ROUNDS = 4    # the row rounds a prior tau (a cached verdict, else slots / 2) weighs as; the
                         # prefill calls a prior request share (`admission_s`) weighs as
 TRUSTED_ROW_ROUNDS = 48 # measured row rounds below which a method's tau is refreshed before any stale time
-TIME_WINDOW = 5         # recent samples a time is the median of
 DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
 SWITCH_MARGIN = 0.05    # another method replaces the one serving once its estimate is this much higher
 REFRESH_SHARE = 0.02    # refreshes cost at most this share of the serving seconds (each other method its part
@@ -57,52 +54,6 @@ REALIZED_WEIGHT = 0.02      # one served dispatch's weight in it (a window of a 
 REALIZED_SPAN = 0.5         # what it realized counts within 1 -/+ this
 REALIZED_FORGET = 4         # a method's is forgotten once others served at its bucket this many times the
                             # seconds `REALIZED_DISPATCHES` of its dispatches take (a retry: at most 1 / 5 of them)
-
-
-class RunningMean:
-    """A mean over the first `1 / ALPHA` samples, an exponential average (weight ALPHA per sample)
-    after; `add(mean, count)` adds the mean of `count` samples, weighing as many.
-
-    Example:
-        >>> m = RunningMean(); m.add(4.0); m.add(1.0); m.value
-        2.5
-        >>> m.add(1.0, count=2); m.value
-        1.75
-    """
-
-    def __init__(self, value: float | None = None, samples: int = 0):
-        self.value, self.samples = value, samples
-
-    def add(self, sample: float, count: int = 1) -> None:
-        self.samples += count
-        weight = max(1.0 - (1.0 - ALPHA) ** count, count / self.samples)
-        self.value = sample if self.value is None else (1 - weight) * self.value + weight * sample
-
-
-class RecentMedians:
-    """Per key, the median of its last `TIME_WINDOW` samples (one slow sample is outvoted by two normal
-    ones): the policy's round, host and catch-up times, the engine's prefill call times.
-
-    Example:
-        >>> m = RecentMedians(); m.add("a", 0.2); m.add("a", 0.02); m.add("a", 0.021)
-        >>> m.get("a"), m.get("b"), m.get("b", 0.0), "a" in m
-        (0.021, None, 0.0, True)
-    """
-
-    def __init__(self):
-        self._recent: dict = {}
-
-    def add(self, key, sample: float) -> None:
-        self._recent.setdefault(key, collections.deque(maxlen=TIME_WINDOW)).append(sample)
-
-    def get(self, key, default: float | None = None) -> float | None:
-        return statistics.median(self._recent[key]) if key in self._recent else default
-
-    def __contains__(self, key) -> bool:
-        return key in self._recent
-
-    def as_dict(self) -> dict:
-        return {k: statistics.median(v) for k, v in self._recent.items()}
 
 
 class LoadPolicy:
@@ -134,7 +85,7 @@ class LoadPolicy:
         self.choices = 0
         self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
         self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "rounds": 0,
-                           "estimates": {}, "refresh": False, "in_step": False, "served": False, "modelled": None}
+                           "estimates": {}, "refresh": False, "in_step": False, "served": False, "rounds_rate": None}
 
     @property
     def tau(self) -> dict[str, float]:
@@ -160,18 +111,21 @@ class LoadPolicy:
         return self._host_s.as_dict()
 
     def estimates(self, rows: int, bucket: int, most: int = 1) -> dict[str, float]:
-        """Estimated output tokens/s per method timed at `bucket`: the `modelled` rate times what the
-        method's dispatches served there realized of it (`realized`)."""
-        return {m: v * self.realized(m, bucket) for m, v in self.modelled(rows, bucket, most).items()}
+        """Estimated output tokens/s per method timed at `bucket`: the `modelled` rate with its rounds'
+        seconds per token over what the method's dispatches served there realized of them
+        (`realized`); the prefill's share stands as modelled (`admission_s`, measured apart)."""
+        return {m: 1.0 / (rounds_s / self.realized(m, bucket) + prefill_s)
+                for m, (rounds_s, prefill_s) in self._per_token(rows, bucket, most).items()}
 
     def realized(self, method: str, bucket: int) -> float:
-        """How much of its modelled rate `method` realized while it served at `bucket`: the modelled
-        seconds of the tokens its dispatches committed over the engine's busy seconds they took
-        (admissions, row moves and the host's work between them included; exponential sums, each
-        dispatch weighing `REALIZED_WEIGHT`), within [1 - `REALIZED_SPAN`, 1 + `REALIZED_SPAN`]; 1 until
-        `REALIZED_DISPATCHES` dispatches are counted (`observe_served`). What the model leaves out
-        (rows idle between a request's end and its successor's admission, a busy host) it corrects.
-        Forgotten once other methods have served at the bucket, since the method's last dispatch,
+        """How much of its modelled rounds' rate `method` realized while it served at `bucket`: the
+        modelled round seconds of the tokens its dispatches committed over the engine's busy seconds
+        they took outside admissions (row moves, catch-ups and the host's work between them included;
+        exponential sums, each dispatch weighing `REALIZED_WEIGHT`), within [1 - `REALIZED_SPAN`, 1 +
+        `REALIZED_SPAN`]; 1 until `REALIZED_DISPATCHES` dispatches are counted (`observe_served`). What
+        the rounds' model leaves out or gets wrong (dispatches cut short by arrivals, a busy host) it
+        corrects; prefill is not in it (a burst's admission, paid at one dispatch, would weigh as that
+        dispatch's alone). Forgotten once other methods have served at the bucket, since the method's last dispatch,
         `REALIZED_FORGET` times the seconds `REALIZED_DISPATCHES` of its dispatches took: a method held
         back by what it realized in one spell (a slow machine, the first burst) serves again on its
         model, and what it realizes then counts anew; a method that still falls short spends at most
@@ -186,11 +140,14 @@ class LoadPolicy:
         most `most` rounds): a round's time includes the host's work around it (committing,
         streaming), which a method of more rounds per token pays more often, and each token carries
         its share of its request's prefill (`admission_s`)."""
+        return {m: 1.0 / (r + p) for m, (r, p) in self._per_token(rows, bucket, most).items() if r + p > 0}
+
+    def _per_token(self, rows: int, bucket: int, most: int) -> dict[str, tuple[float, float]]:
+        """Per method timed at `bucket`: (its rounds' seconds per token, its prefill's per token)."""
         host = self._host_s.get(bucket, 0.0)
         times = {m: self.round_time(m, bucket, most) + host for m in self.slots if self.timed(m, bucket)}
-        per_token = {m: t / (rows * self._tau[m].value * self.occupancy(m, bucket, most))
-                     + self.admission_s(m, bucket) for m, t in times.items()}
-        return {m: 1.0 / s for m, s in per_token.items() if s > 0}
+        return {m: (t / (rows * self._tau[m].value * self.occupancy(m, bucket, most)), self.admission_s(m, bucket))
+                for m, t in times.items()}
 
     def occupancy(self, method: str, bucket: int, most: int = 1) -> float:
         """The share of a dispatch's row rounds that its rows run when `method` serves at `bucket` in the
@@ -271,8 +228,7 @@ class LoadPolicy:
     def choose(self, rows: int, bucket: int, most: int = 1) -> str:
         """The method of the next dispatch of at most `most` rounds (see the module docstring)."""
         self.choices += 1
-        modelled = self.modelled(rows, bucket, most)
-        est = {m: v * self.realized(m, bucket) for m, v in modelled.items()}
+        est = self.estimates(rows, bucket, most)
         untimed = [m for m in self.slots if not self.timed(m, bucket)]
         rounds, refresh, in_step, served = 1, False, False, False     # a timing dispatch: one round
         if len(self.slots) == 1:
@@ -295,9 +251,10 @@ class LoadPolicy:
                 rounds = 1 if in_step else self.rounds(method, bucket, most)
                 served = not in_step
                 self._serving = best
+        rounds_s = self._per_token(rows, bucket, most).get(method, (0.0, 0.0))[0]    # modelled, per token
         self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "rounds": rounds, "estimates": est,
                      "tau": self.tau, "refresh": refresh, "in_step": in_step, "served": served,
-                     "modelled": modelled.get(method)}
+                     "rounds_rate": 1.0 / rounds_s if rounds_s > 0 else None}
         return method
 
     def _in_step(self, method: str, serving: str | None, rows: int) -> bool:
@@ -364,13 +321,13 @@ class LoadPolicy:
 
     def observe_served(self, method: str, bucket: int, tokens: int, seconds: float) -> None:
         """The last choice's dispatch of `method` at `bucket` rows committed `tokens` kept tokens in
-        `seconds` of the engine's busy time since the dispatch before it: a sample of `realized`
-        when the dispatch served (not a timing, refresh or in-step one)."""
+        `seconds` of the engine's busy time since the dispatch before it, admissions left out: a
+        sample of `realized` when the dispatch served (not a timing, refresh or in-step one)."""
         last = self.last
         if last["method"] != method or not last["served"]:
             return
-        modelled = last["modelled"]
-        if not modelled or tokens <= 0 or seconds <= 0:
+        rate = last["rounds_rate"]
+        if not rate or tokens <= 0 or seconds <= 0:
             return
         for key, other in list(self._realized.items()):
             if key[1] == bucket and key[0] != method:
@@ -378,7 +335,7 @@ class LoadPolicy:
                 if other[4] >= REALIZED_FORGET * REALIZED_DISPATCHES * other[3] / other[2]:
                     del self._realized[key]
         sums = self._realized.setdefault((method, bucket), [0.0, 0.0, 0, 0.0, 0.0])
-        sums[0] = (1 - REALIZED_WEIGHT) * sums[0] + tokens / modelled
+        sums[0] = (1 - REALIZED_WEIGHT) * sums[0] + tokens / rate
         sums[1] = (1 - REALIZED_WEIGHT) * sums[1] + seconds
         sums[2], sums[3], sums[4] = sums[2] + 1, sums[3] + seconds, 0.0
 
