@@ -403,3 +403,28 @@ def test_occupancy_prior_follows_requests_until_a_dispatch_measures_it():
     assert abs(policy.occupancy("dmtp", 8, most=4) - mean) < 1e-12
     policy.observe_output(64)
     assert abs(policy.occupancy("dmtp", 8, most=4) - mean) < 1e-12
+
+
+def test_dispatches_cut_short_by_arrivals_count_in_what_a_method_realizes():
+    """dmtp beats ar at 8 rows in 4-round dispatches (12 ms a round against its 20 ms alone) but not
+    in 1-round ones; arrivals keep cutting its dispatches to one round (`idle=False`), so what it
+    realizes of its 4-round model falls to 0.6 and, once that counts, ar serves: the methods are
+    compared at the dispatch they would run while nobody waits, whatever cuts them short."""
+    from dmtp_jax.serve.policy import REALIZED_DISPATCHES
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.4}, refresh_every=10_000)
+    policy.observe("dmtp", 0, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4.4)     # trusted
+    one, four = {"ar": 0.004, "dmtp": 0.020}, {"ar": 0.004, "dmtp": 0.012}
+    for m in one:
+        policy.observe(m, 8, rounds=1, seconds=one[m], row_rounds=0, committed=0)
+        policy.observe(m, 8, rounds=4, seconds=4 * four[m], row_rounds=0, committed=0)
+    chosen = []
+    for _ in range(REALIZED_DISPATCHES + 1):
+        m = policy.choose(8, 8, most=4, idle=False)
+        assert policy.describe()["rounds"] == 1
+        chosen.append(m)
+        tokens = 8 * (4.4 if m == "dmtp" else 1.0)
+        policy.observe(m, 8, rounds=1, seconds=one[m], row_rounds=8, committed=tokens)
+        policy.observe_served(m, 8, tokens, one[m])
+    assert chosen[:REALIZED_DISPATCHES] == ["dmtp"] * REALIZED_DISPATCHES and chosen[-1] == "ar", chosen
+    assert abs(policy.realized("dmtp", 8) - 0.6) < 1e-9
+    assert policy.choose(8, 8, most=4) == "ar" and policy.describe()["rounds"] == 4

@@ -343,8 +343,7 @@ class Engine:
         limits[:n] = [len(r.prompt_ids) + r.max_tokens for r in self.running]
         sp, greedy = row_sampling(self.running, rows, self.max_top_k)
         idle = not self.waiting and self._group is None
-        most = self.rounds_per_dispatch if idle else 1
-        method = self.policy.choose(n, rows, most)
+        method = self.policy.choose(n, rows, self.rounds_per_dispatch, idle=idle)
         choice = self.policy.describe()
         k, cap = choice["rounds"], 0 if choice["in_step"] else None
         stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if k > 1 else ()

@@ -225,8 +225,11 @@ class LoadPolicy:
             return held
         return best
 
-    def choose(self, rows: int, bucket: int, most: int = 1) -> str:
-        """The method of the next dispatch of at most `most` rounds (see the module docstring)."""
+    def choose(self, rows: int, bucket: int, most: int = 1, idle: bool = True) -> str:
+        """The method of the next dispatch of at most `most` rounds (see the module docstring); one
+        round unless `idle` (nobody waits), the methods still compared at `most`: what a method loses
+        to dispatches cut short by arrivals (its rows ending at different rounds, their successors
+        arriving one by one) is in what it `realized`."""
         self.choices += 1
         est = self.estimates(rows, bucket, most)
         untimed = [m for m in self.slots if not self.timed(m, bucket)]
@@ -251,6 +254,7 @@ class LoadPolicy:
                 rounds = 1 if in_step else self.rounds(method, bucket, most)
                 served = not in_step
                 self._serving = best
+        rounds = rounds if idle else 1
         rounds_s = self._per_token(rows, bucket, most).get(method, (0.0, 0.0))[0]    # modelled, per token
         self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "rounds": rounds, "estimates": est,
                      "tau": self.tau, "refresh": refresh, "in_step": in_step, "served": served,
