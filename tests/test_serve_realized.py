@@ -1,0 +1,105 @@
+"""What the engine's round policy (`serve/policy.py`) learns from the dispatches that served: what a
+method `realized` of its model and forgetting it, the occupancy of K-round dispatches, dispatches
+cut short by arrivals. On made-up timings: no model, no compile."""
+
+from dmtp_jax.serve.policy import LoadPolicy
+
+
+def test_what_a_method_realizes_of_its_model_corrects_its_estimate():
+    """dmtp is modelled 10 % above ar at 8 rows and serves, but its dispatches realize 75 % of their
+    modelled rate (its rows idle between requests, a busy host): once `REALIZED_DISPATCHES` of them
+    count, ar (not yet measured: taken at its model) serves. dmtp's realization at 8 rows is its own:
+    on one row its model stands."""
+    from dmtp_jax.serve.policy import REALIZED_DISPATCHES
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.4}, refresh_every=1000)
+    policy.observe("dmtp", 8, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4.4)     # trusted
+    for bucket, ar_s, dmtp_s in ((8, 0.004, 0.016), (1, 0.002, 0.004)):
+        policy.observe("ar", bucket, rounds=1, seconds=ar_s, row_rounds=0, committed=0)
+        policy.observe("dmtp", bucket, rounds=1, seconds=dmtp_s, row_rounds=0, committed=0)
+    chosen = []
+    for _ in range(REALIZED_DISPATCHES + 2):
+        m = chosen.append(policy.choose(8, 8)) or chosen[-1]
+        tokens = 8 * (4.4 if m == "dmtp" else 1.0)
+        policy.observe_served(m, 8, tokens, tokens / (0.75 * policy.describe()["rounds_rate"]))
+    assert chosen[:REALIZED_DISPATCHES] == ["dmtp"] * REALIZED_DISPATCHES and chosen[-1] == "ar", chosen
+    assert abs(policy.realized("dmtp", 8) - 0.75) < 1e-9 and policy.realized("dmtp", 1) == 1.0
+    assert policy.choose(1, 1) == "dmtp"
+
+
+def test_what_a_method_realized_is_forgotten_after_others_serve():
+    """dmtp realized 75 % of its model at 8 rows and gave way to ar (10 % below dmtp's model); once ar
+    has served there, since dmtp's last dispatch, `REALIZED_FORGET` times the seconds of
+    `REALIZED_DISPATCHES` of dmtp's dispatches, dmtp serves on its model again (a spell that held it
+    back is not held against it for good) and what it realizes then counts anew. A dispatch at
+    another bucket forgets nothing at 8 rows."""
+    from dmtp_jax.serve.policy import REALIZED_DISPATCHES, REALIZED_FORGET
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.4}, refresh_every=10_000)
+    policy.observe("dmtp", 0, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4.4)     # trusted
+    for bucket in (1, 8):
+        policy.observe("ar", bucket, rounds=1, seconds=0.004, row_rounds=0, committed=0)
+        policy.observe("dmtp", bucket, rounds=1, seconds=0.016, row_rounds=0, committed=0)
+
+    def serve(rows, share):
+        m = policy.choose(rows, rows)
+        tokens = rows * (4.4 if m == "dmtp" else 1.0)
+        policy.observe_served(m, rows, tokens, tokens / (share[m] * policy.describe()["rounds_rate"]))
+        return m
+
+    chosen = [serve(8, {"dmtp": 0.75, "ar": 1.0}) for _ in range(REALIZED_DISPATCHES + 1)]
+    assert chosen[-1] == "ar" and chosen.count("ar") == 1, chosen
+    for _ in range(20):
+        assert serve(1, {"dmtp": 1.0, "ar": 1.0}) == "dmtp"     # another bucket: dmtp's 75 % at 8 stays
+    dmtp_s, ar_s = (8 * t / (share * policy.modelled(8, 8)[m]) for m, t, share in (("dmtp", 4.4, 0.75), ("ar", 1, 1)))
+    dispatches = int(REALIZED_FORGET * REALIZED_DISPATCHES * dmtp_s / ar_s)     # ar's dispatches, the first's too
+    chosen = [serve(8, {"dmtp": 0.75, "ar": 1.0}) for _ in range(dispatches - 1)]
+    assert set(chosen) == {"ar"} and abs(policy.realized("dmtp", 8) - 0.75) < 1e-9
+    assert serve(8, {"dmtp": 0.75, "ar": 1.0}) == "ar" and policy.realized("dmtp", 8) == 1.0
+    assert abs(policy.realized("ar", 8) - 1.0) < 1e-9 and serve(8, {"dmtp": 0.75, "ar": 1.0}) == "dmtp"
+
+
+def test_occupancy_prior_follows_requests_until_a_dispatch_measures_it():
+    """A K-round dispatch of dmtp over 8 rows: before any request finished its occupancy is 1 (asked
+    for at warm-up, too); once requests of 64 tokens finish at tau 4 it is a request's 16 rounds over
+    those plus (K - 1) / 2 idle ones; a served 4-round dispatch then weighs in as one of 1 +
+    `PRIOR_ROW_ROUNDS` samples. Plain rounds and one-round dispatches run every row round."""
+    from dmtp_jax.serve.policy import PRIOR_ROW_ROUNDS
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.0}, refresh_every=10_000)
+    for method, seconds in (("ar", 0.004), ("dmtp", 0.012)):
+        policy.observe(method, 8, rounds=1, seconds=seconds, row_rounds=0, committed=0)
+    assert policy.occupancy("dmtp", 8, most=4) == 1.0
+    policy.observe_output(64)
+    prior = 16 / (16 + 1.5)
+    assert abs(policy.occupancy("dmtp", 8, most=4) - prior) < 1e-12
+    assert policy.occupancy("dmtp", 8, most=1) == policy.occupancy("ar", 8, most=4) == 1.0
+    policy.observe("dmtp", 0, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4)     # trusted
+    assert policy.choose(8, 8, most=4) == "dmtp" and policy.describe()["rounds"] == 4
+    policy.observe("dmtp", 8, rounds=4, seconds=0.048, row_rounds=16, committed=64)         # half the row rounds
+    mean = (PRIOR_ROW_ROUNDS * prior + 0.5) / (PRIOR_ROW_ROUNDS + 1)
+    assert abs(policy.occupancy("dmtp", 8, most=4) - mean) < 1e-12
+    policy.observe_output(64)
+    assert abs(policy.occupancy("dmtp", 8, most=4) - mean) < 1e-12
+
+
+def test_dispatches_cut_short_by_arrivals_count_in_what_a_method_realizes():
+    """dmtp beats ar at 8 rows in 4-round dispatches (12 ms a round against its 20 ms alone) but not
+    in 1-round ones; arrivals keep cutting its dispatches to one round (`idle=False`), so what it
+    realizes of its 4-round model falls to 0.6 and, once that counts, ar serves: the methods are
+    compared at the dispatch they would run while nobody waits, whatever cuts them short."""
+    from dmtp_jax.serve.policy import REALIZED_DISPATCHES
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.4}, refresh_every=10_000)
+    policy.observe("dmtp", 0, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4.4)     # trusted
+    one, four = {"ar": 0.004, "dmtp": 0.020}, {"ar": 0.004, "dmtp": 0.012}
+    for m in one:
+        policy.observe(m, 8, rounds=1, seconds=one[m], row_rounds=0, committed=0)
+        policy.observe(m, 8, rounds=4, seconds=4 * four[m], row_rounds=0, committed=0)
+    chosen = []
+    for _ in range(REALIZED_DISPATCHES + 1):
+        m = policy.choose(8, 8, most=4, idle=False)
+        assert policy.describe()["rounds"] == 1
+        chosen.append(m)
+        tokens = 8 * (4.4 if m == "dmtp" else 1.0)
+        policy.observe(m, 8, rounds=1, seconds=one[m], row_rounds=8, committed=tokens)
+        policy.observe_served(m, 8, tokens, one[m])
+    assert chosen[:REALIZED_DISPATCHES] == ["dmtp"] * REALIZED_DISPATCHES and chosen[-1] == "ar", chosen
+    assert abs(policy.realized("dmtp", 8) - 0.6) < 1e-9
+    assert policy.choose(8, 8, most=4) == "ar" and policy.describe()["rounds"] == 4
