@@ -30,13 +30,13 @@ def test_what_a_method_realized_is_forgotten_after_others_serve():
     """dmtp realized 75 % of its model at 8 rows and gave way to ar (10 % below dmtp's model); once ar
     has served there, since dmtp's last dispatch, `REALIZED_FORGET` times the seconds of
     `REALIZED_DISPATCHES` of dmtp's dispatches, dmtp serves on its model again (a spell that held it
-    back is not held against it for good) and what it realizes then counts anew. A dispatch at
-    another bucket forgets nothing at 8 rows."""
+    back is not held against it for good) and what it realizes then counts anew. ar's dispatches on
+    one row (where it serves) forget nothing at 8 rows, however long they take."""
     from dmtp_jax.serve.policy import REALIZED_DISPATCHES, REALIZED_FORGET
     policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.4}, refresh_every=10_000)
     policy.observe("dmtp", 0, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4.4)     # trusted
-    for bucket in (1, 8):
-        policy.observe("ar", bucket, rounds=1, seconds=0.004, row_rounds=0, committed=0)
+    for bucket, ar_round_s in ((1, 0.002), (8, 0.004)):
+        policy.observe("ar", bucket, rounds=1, seconds=ar_round_s, row_rounds=0, committed=0)
         policy.observe("dmtp", bucket, rounds=1, seconds=0.016, row_rounds=0, committed=0)
 
     def serve(rows, share):
@@ -47,9 +47,11 @@ def test_what_a_method_realized_is_forgotten_after_others_serve():
 
     chosen = [serve(8, {"dmtp": 0.75, "ar": 1.0}) for _ in range(REALIZED_DISPATCHES + 1)]
     assert chosen[-1] == "ar" and chosen.count("ar") == 1, chosen
-    for _ in range(20):
-        assert serve(1, {"dmtp": 1.0, "ar": 1.0}) == "dmtp"     # another bucket: dmtp's 75 % at 8 stays
     dmtp_s, ar_s = (8 * t / (share * policy.modelled(8, 8)[m]) for m, t, share in (("dmtp", 4.4, 0.75), ("ar", 1, 1)))
+    one_row_s = 1 / (0.6 * policy.modelled(1, 1)["ar"])        # ar realizes 60 % on one row: still ahead
+    for _ in range(int(1.1 * REALIZED_FORGET * REALIZED_DISPATCHES * dmtp_s / one_row_s)):
+        assert serve(1, {"dmtp": 1.0, "ar": 0.6}) == "ar"
+    assert abs(policy.realized("dmtp", 8) - 0.75) < 1e-9
     dispatches = int(REALIZED_FORGET * REALIZED_DISPATCHES * dmtp_s / ar_s)     # ar's dispatches, the first's too
     chosen = [serve(8, {"dmtp": 0.75, "ar": 1.0}) for _ in range(dispatches - 1)]
     assert set(chosen) == {"ar"} and abs(policy.realized("dmtp", 8) - 0.75) < 1e-9
