@@ -38,6 +38,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 from dmtp_jax.serve.stats import RecentMedians, RunningMean
 
 REFRESH_EVERY = 32      # choices between two refresh runs of another method
@@ -54,6 +56,18 @@ REALIZED_WEIGHT = 0.02      # one served dispatch's weight in it (a window of a 
 REALIZED_SPAN = 0.5         # what it realized counts within 1 -/+ this
 REALIZED_FORGET = 4         # a method's is forgotten once others served at its bucket this many times the
                             # seconds `REALIZED_DISPATCHES` of its dispatches take (a retry: at most 1 / 5 of them)
+
+
+@dataclasses.dataclass
+class Realization:
+    """What a method's served dispatches at a bucket realized (`LoadPolicy.realized`): the modelled
+    round seconds of their tokens and their busy seconds, exponential sums (`REALIZED_WEIGHT`); how
+    many served and their busy seconds in all; other methods' served seconds there since its last."""
+    modelled_s: float = 0.0
+    busy_s: float = 0.0
+    dispatches: int = 0
+    served_s: float = 0.0
+    others_s: float = 0.0
 
 
 class LoadPolicy:
@@ -79,8 +93,7 @@ class LoadPolicy:
         self._prefill_scale = RunningMean()     # live one-call prefill seconds over the table's at their rows
         self._request_s: dict[tuple[str, int], RunningMean] = {}   # table seconds per request, by (serving, bucket)
         self._occupancies: dict[tuple[str, int], RunningMean] = {}  # row rounds run over offered, by (method, bucket)
-        self._realized: dict[tuple[str, int], list] = {}    # [modelled s, busy s (both decayed), dispatches,
-                                        # their busy s, others' served s since its last] by (method, bucket)
+        self._realized: dict[tuple[str, int], Realization] = {}     # by (method, bucket)
         self._output_tokens = RunningMean()     # tokens a finished request generated
         self.choices = 0
         self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
@@ -114,8 +127,11 @@ class LoadPolicy:
         """Estimated output tokens/s per method timed at `bucket`: the `modelled` rate with its rounds'
         seconds per token over what the method's dispatches served there realized of them
         (`realized`); the prefill's share stands as modelled (`admission_s`, measured apart)."""
+        return self._estimated(self._per_token(rows, bucket, most), bucket)
+
+    def _estimated(self, per_token: dict[str, tuple[float, float]], bucket: int) -> dict[str, float]:
         return {m: 1.0 / (rounds_s / self.realized(m, bucket) + prefill_s)
-                for m, (rounds_s, prefill_s) in self._per_token(rows, bucket, most).items()}
+                for m, (rounds_s, prefill_s) in per_token.items()}
 
     def realized(self, method: str, bucket: int) -> float:
         """How much of its modelled rounds' rate `method` realized while it served at `bucket`: the
@@ -131,9 +147,9 @@ class LoadPolicy:
         model, and what it realizes then counts anew; a method that still falls short spends at most
         about one part in `REALIZED_FORGET` + 1 of the time retrying."""
         sums = self._realized.get((method, bucket))
-        if sums is None or sums[2] < REALIZED_DISPATCHES:
+        if sums is None or sums.dispatches < REALIZED_DISPATCHES:
             return 1.0
-        return min(1.0 + REALIZED_SPAN, max(1.0 - REALIZED_SPAN, sums[0] / sums[1]))
+        return min(1.0 + REALIZED_SPAN, max(1.0 - REALIZED_SPAN, sums.modelled_s / sums.busy_s))
 
     def modelled(self, rows: int, bucket: int, most: int = 1) -> dict[str, float]:
         """Modelled output tokens/s per method timed at `bucket`, each in the dispatch it would run (at
@@ -217,7 +233,9 @@ class LoadPolicy:
         """The method of the highest estimate at `rows` live rows on `bucket`, the one serving kept on a
         near tie (switching costs: a plain round's rows catch up, and it flips); None while a method is
         untimed there. Counts no choice (the engine asks it before a prefill)."""
-        est = self.estimates(rows, bucket, most)
+        return self._best(self.estimates(rows, bucket, most))
+
+    def _best(self, est: dict[str, float]) -> str | None:
         if len(est) < len(self.slots):
             return None
         best, held = max(est, key=est.get), self._serving
@@ -231,7 +249,8 @@ class LoadPolicy:
         to dispatches cut short by arrivals (its rows ending at different rounds, their successors
         arriving one by one) is in what it `realized`."""
         self.choices += 1
-        est = self.estimates(rows, bucket, most)
+        per_token = self._per_token(rows, bucket, most)
+        est = self._estimated(per_token, bucket)
         untimed = [m for m in self.slots if not self.timed(m, bucket)]
         rounds, refresh, in_step, served = 1, False, False, False     # a timing dispatch: one round
         if len(self.slots) == 1:
@@ -241,7 +260,7 @@ class LoadPolicy:
             method, why = untimed[0], f"timing {untimed[0]} at {bucket} rows"
             in_step = self._in_step(method, self._serving, rows)
         else:
-            best = self.best(rows, bucket, most)
+            best = self._best(est)
             due = self.choices % self.refresh_every == 0
             stale = self._refresh_candidate(best, bucket, most) if due else None
             if stale is not None:
@@ -255,7 +274,7 @@ class LoadPolicy:
                 served = not in_step
                 self._serving = best
         rounds = rounds if idle else 1
-        rounds_s = self._per_token(rows, bucket, most).get(method, (0.0, 0.0))[0]    # modelled, per token
+        rounds_s = per_token.get(method, (0.0, 0.0))[0]     # modelled, per token
         self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "rounds": rounds, "estimates": est,
                      "tau": self.tau, "refresh": refresh, "in_step": in_step, "served": served,
                      "rounds_rate": 1.0 / rounds_s if rounds_s > 0 else None}
@@ -335,13 +354,13 @@ class LoadPolicy:
             return
         for key, other in list(self._realized.items()):
             if key[1] == bucket and key[0] != method:
-                other[4] += seconds
-                if other[4] >= REALIZED_FORGET * REALIZED_DISPATCHES * other[3] / other[2]:
+                other.others_s += seconds
+                if other.others_s >= REALIZED_FORGET * REALIZED_DISPATCHES * other.served_s / other.dispatches:
                     del self._realized[key]
-        sums = self._realized.setdefault((method, bucket), [0.0, 0.0, 0, 0.0, 0.0])
-        sums[0] = (1 - REALIZED_WEIGHT) * sums[0] + tokens / rate
-        sums[1] = (1 - REALIZED_WEIGHT) * sums[1] + seconds
-        sums[2], sums[3], sums[4] = sums[2] + 1, sums[3] + seconds, 0.0
+        sums = self._realized.setdefault((method, bucket), Realization())
+        sums.modelled_s = (1 - REALIZED_WEIGHT) * sums.modelled_s + tokens / rate
+        sums.busy_s = (1 - REALIZED_WEIGHT) * sums.busy_s + seconds
+        sums.dispatches, sums.served_s, sums.others_s = sums.dispatches + 1, sums.served_s + seconds, 0.0
 
     def time_prefill(self, lean: bool, rows: int, seconds: float) -> None:
         """Warm-up's one-call prefill of `rows` rows of the shortest prompts took `seconds` (`lean`: the
