@@ -100,6 +100,32 @@ def test_refreshes_of_several_methods_share_one_budget():
     assert spent <= REFRESH_SHARE * (policy.serving_s - serving_s) + 0.072 + 0.046, (spent, policy.serving_s)
 
 
+def test_seconds_served_at_another_bucket_buy_no_refresh():
+    """dmtp serves one row for 100 s; then ar serves 32 rows, where a dmtp refresh (72 ms round, 46 ms
+    catch-up) is dear: it waits until 32 rows have been served for what the share pays (the old code
+    counted the 100 s at one row and refreshed 0.41 s in)."""
+    from dmtp_jax.serve.policy import REFRESH_SHARE
+    seconds = {("ar", 1): 0.010, ("dmtp", 1): 0.020, ("ar", 32): 0.008, ("dmtp", 32): 0.072}
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 5.0})
+    chosen = run(policy, lambda m, i: seconds[(m, 1)], {"ar": 1, "dmtp": 5}, choices=5100)
+    assert chosen[-100:].count("dmtp") > 90 and policy.serving_s > 100
+    policy.observe("ar", 32, rounds=1, seconds=seconds[("ar", 32)], row_rounds=0, committed=0)
+    policy.observe("dmtp", 32, rounds=1, seconds=seconds[("dmtp", 32)], row_rounds=0, committed=0)
+    free = 0.072 / REFRESH_SHARE        # the seconds served at 32 rows that pay for dmtp's first refresh (its
+                                        # round: the bucket's catch-up time is unknown until one ran)
+    previous, at_32 = "ar", []
+    while sum(seconds[(m, 32)] for m in at_32) < 1.5 * free:
+        m = policy.choose(32, 32)
+        at_32.append(m)
+        catch_up = 0.046 if m == "dmtp" and previous == "ar" else 0.0
+        policy.observe(m, 32, rounds=1, seconds=seconds[(m, 32)], row_rounds=32,
+                       committed=32 * (5 if m == "dmtp" else 1), catch_up_s=catch_up)
+        previous = m
+    first = at_32.index("dmtp")
+    assert seconds[("ar", 32)] * first >= free, (first, free)
+    assert at_32.count("dmtp") == 1, at_32.count("dmtp")
+
+
 def test_each_bucket_is_timed_on_its_own():
     policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 3.0})
     tau = {"ar": 1, "dmtp": 3}

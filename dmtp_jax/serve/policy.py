@@ -10,18 +10,19 @@ The method serving keeps serving until another's estimate beats its own by `SWIT
 near tie does not flip between methods every dispatch. Every `refresh_every` choices one other
 method runs: the one whose acceptance rests on the fewest row rounds while that is under
 `TRUSTED_ROW_ROUNDS`, else the one timed longest ago among those whose refresh costs at most their
-part of `refresh_share` (split evenly among the other methods, so refreshes together stay within
-it) of the serving seconds since their last refresh at the bucket (a refresh's cost: its
-dispatch by the round time, plus the bucket's catch-up time when it is a speculative round after
-plain ones); it runs the dispatch its estimate uses when that is no longer than the best method's,
-else one round (exploring a slow round costs little). So a dear refresh (a speculative round over
-many rows that first catches up the plain rounds' rows) is rare, and a cheap one runs every
-`refresh_every` choices. Over several rows, a timing or refresh dispatch of a speculative method
-while plain rounds serve (or before any serves), and the dispatches of a speculative method chosen
-while its acceptance rests on fewer than `TRUSTED_ROW_ROUNDS` row rounds (a prior's), run one round
-in step: each row commits one token (`describe()["in_step"]`; `round.cap_accepted`, lossless), so
-rows admitted together still finish together, and the drafts the target accepted still count toward
-the method's acceptance.
+part of `refresh_share` (split evenly among the other methods, so refreshes together stay within it)
+of the seconds served at the bucket since their last refresh there (a refresh's cost: its dispatch
+by the round time, plus the bucket's catch-up time when it is a speculative round after plain ones;
+seconds served at other buckets buy no refresh here, so refreshes stay within the share at every
+bucket, not spent all at once on a bucket first served late); it runs the dispatch its estimate uses
+when that is no longer than the best method's, else one round (exploring a slow round costs little).
+So a dear refresh (a speculative round over many rows that first catches up the plain rounds' rows)
+is rare, and a cheap one runs every `refresh_every` choices. Over several rows, a timing or refresh
+dispatch of a speculative method while plain rounds serve (or before any serves), and the dispatches
+of a speculative method chosen while its acceptance rests on fewer than `TRUSTED_ROW_ROUNDS` row
+rounds (a prior's), run one round in step: each row commits one token (`describe()["in_step"]`;
+`round.cap_accepted`, lossless), so rows admitted together still finish together, and the drafts the
+target accepted still count toward the method's acceptance.
 `rounds` says how many rounds a dispatch of a method may run while nobody waits,
 `describe()["rounds"]` how many the last choice's dispatch runs; `describe` says what a choice rests on.
 
@@ -48,8 +49,8 @@ PRIOR_ROW_ROUNDS = 4    # the row rounds a prior tau (a cached verdict, else slo
 TRUSTED_ROW_ROUNDS = 48 # measured row rounds below which a method's tau is refreshed before any stale time
 DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
 SWITCH_MARGIN = 0.05    # another method replaces the one serving once its estimate is this much higher
-REFRESH_SHARE = 0.02    # refreshes cost at most this share of the serving seconds (each other method its part
-                        # of it since its last)
+REFRESH_SHARE = 0.02    # refreshes cost at most this share of the serving seconds at a bucket (each other method
+                        # its part of those since its last there)
 REALIZED_DISPATCHES = 32    # served dispatches before what a method realized of its model counts
 REALIZED_WEIGHT = 0.02      # one served dispatch's weight in it (a window of a few requests' lives: a
                             # burst's prefill, paid before its rows' first dispatch, is spread over them)
@@ -87,7 +88,8 @@ class LoadPolicy:
         self.refresh_every, self.refresh_share = int(refresh_every), float(refresh_share)
         self.serving_s = 0.0        # seconds of the dispatches that ran rows, catch-ups included
         self.refresh_s = 0.0        # of which refresh dispatches
-        self._refreshed_s: dict[tuple[str, int], float] = {}    # serving_s at a (method, bucket)'s last refresh
+        self._serving_at: dict[int, float] = {}                 # serving_s by bucket
+        self._refreshed_s: dict[tuple[str, int], float] = {}    # the bucket's at a (method, bucket)'s last refresh
         self._catch_up_s = RecentMedians()      # seconds of the catch-ups before dispatches, by bucket
         self._prefill_table: dict[tuple[bool, int], float] = {}    # one-call prefill seconds by (lean, rows)
         self._prefill_scale = RunningMean()     # live one-call prefill seconds over the table's at their rows
@@ -306,13 +308,14 @@ class LoadPolicy:
     def _refresh_candidate(self, best: str, bucket: int, most: int) -> str | None:
         """The other method to run once: the least measured while under `TRUSTED_ROW_ROUNDS` row rounds,
         else, among those whose `refresh_cost` is at most `refresh_share` / (the other methods) of the
-        serving seconds since their last refresh at `bucket`, the one timed longest ago if that is
+        seconds served at `bucket` since their last refresh there, the one timed longest ago if that is
         `refresh_every` choices or more; None otherwise."""
         others = [m for m in self.slots if m != best]
         fewest = min(others, key=lambda m: self._measured[m])
         if self._measured[fewest] < TRUSTED_ROW_ROUNDS:
             return fewest
-        since = {m: self.serving_s - self._refreshed_s.get((m, bucket), 0.0) for m in others}
+        serving = self._serving_at.get(bucket, 0.0)
+        since = {m: serving - self._refreshed_s.get((m, bucket), 0.0) for m in others}
         budget = self.refresh_share / len(others)
         affordable = [m for m in others if self.refresh_cost(m, best, bucket, most) <= budget * since[m]]
         age = {m: self.choices - self._measured_at.get((m, bucket), 0) for m in affordable}
@@ -329,9 +332,10 @@ class LoadPolicy:
             self._catch_up_s.add(bucket, catch_up_s)
         if row_rounds > 0 and not compiled:
             self.serving_s += seconds + catch_up_s
+            self._serving_at[bucket] = self._serving_at.get(bucket, 0.0) + seconds + catch_up_s
             if self.last["refresh"] and self.last["method"] == method:
                 self.refresh_s += seconds + catch_up_s
-                self._refreshed_s[(method, bucket)] = self.serving_s
+                self._refreshed_s[(method, bucket)] = self._serving_at[bucket]
         if rounds > 0 and not compiled:
             self._round_s.add((method, bucket, rounds), seconds / rounds)
             self._measured_at[(method, bucket)] = self.choices
