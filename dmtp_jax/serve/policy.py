@@ -86,10 +86,11 @@ class LoadPolicy:
         self._measured_at: dict[tuple[str, int], int] = {}    # the choice count of a key's last sample
         self._host_s = RecentMedians()      # host seconds per round outside the dispatch, by bucket
         self.refresh_every, self.refresh_share = int(refresh_every), float(refresh_share)
-        self.serving_s = 0.0        # seconds of the dispatches that ran rows, catch-ups included
+        self._serving_at: dict[int, float] = {}     # seconds of the dispatches that ran rows, catch-ups included,
+                                                    # by bucket (`serving_s`: all of them)
         self.refresh_s = 0.0        # of which refresh dispatches
-        self._serving_at: dict[int, float] = {}                 # serving_s by bucket
-        self._refreshed_s: dict[tuple[str, int], float] = {}    # the bucket's at a (method, bucket)'s last refresh
+        self._refreshed_s: dict[tuple[str, int], float] = {}    # `_serving_at[bucket]` at a (method, bucket)'s last
+                                                                # refresh
         self._catch_up_s = RecentMedians()      # seconds of the catch-ups before dispatches, by bucket
         self._prefill_table: dict[tuple[bool, int], float] = {}    # one-call prefill seconds by (lean, rows)
         self._prefill_scale = RunningMean()     # live one-call prefill seconds over the table's at their rows
@@ -105,6 +106,11 @@ class LoadPolicy:
     @property
     def tau(self) -> dict[str, float]:
         return {m: t.value for m, t in self._tau.items()}
+
+    @property
+    def serving_s(self) -> float:
+        """Seconds of the dispatches that ran rows (catch-ups included), at every bucket."""
+        return sum(self._serving_at.values())
 
     @property
     def round_s(self) -> dict[tuple[str, int, int], float]:
@@ -331,7 +337,6 @@ class LoadPolicy:
         if catch_up_s > 0:
             self._catch_up_s.add(bucket, catch_up_s)
         if row_rounds > 0 and not compiled:
-            self.serving_s += seconds + catch_up_s
             self._serving_at[bucket] = self._serving_at.get(bucket, 0.0) + seconds + catch_up_s
             if self.last["refresh"] and self.last["method"] == method:
                 self.refresh_s += seconds + catch_up_s
