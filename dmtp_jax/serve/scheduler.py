@@ -23,7 +23,8 @@ from dmtp_jax.serve.metrics import ServerMetrics
 from dmtp_jax.serve.protocol import ApiError
 
 log = logging.getLogger(__name__)
-GATHER_S = 0.01         # an idle engine admits once no request arrived for this long ...
+GATHER_S = 0.004        # an idle engine admits once no request arrived for this long (10x the HTTP thread's
+                        # parse of a request: the burst's wait for its first round, benchmarks/bench_serve.py) ...
 GATHER_MAX_S = 0.05     # ... or this long after the first arrival, or once a batch is full
 SWITCH_INTERVAL_S = 0.0005  # the process's GIL switch interval while a scheduler runs (Python's default: 5 ms):
                             # each device call of the scheduler thread lets go of the GIL and takes it back,
