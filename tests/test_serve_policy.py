@@ -354,3 +354,26 @@ def test_a_speculative_method_chosen_on_its_prior_runs_in_step_until_measured():
     policy.observe("dmtp", 8, rounds=1, seconds=0.02, row_rounds=48, committed=48 * 6)
     assert policy.choose(8, 8, most=4) == "dmtp"
     assert not policy.describe()["in_step"] and policy.describe()["rounds"] == 4
+
+
+def test_a_method_replaces_the_serving_one_only_on_a_fresh_time():
+    """At 8 rows ar serves (2.5 ms a round when timed with mtp, 10 ms); its live rounds then take 4 ms
+    (its rows grew longer): mtp's old time would win. Its time is re-taken first (a confirming
+    dispatch, in step beside plain rounds): at 16 ms (longer rows cost it too) ar keeps serving; at
+    10 ms (only ar slowed) mtp replaces it. Before, mtp replaced ar on its old time at once."""
+    from dmtp_jax.serve.policy import CONFIRM_AGE
+    for confirmed_s, after in ((0.016, "ar"), (0.010, "mtp")):
+        policy = LoadPolicy({"ar": 1, "mtp": 5}, {"mtp": 3.0}, refresh_every=10_000)
+        policy.observe("mtp", 8, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 3)     # trusted
+        for method, seconds in (("ar", 0.0025), ("mtp", 0.010)):
+            policy.observe(method, 8, rounds=1, seconds=seconds, row_rounds=0, committed=0)
+        for i in range(CONFIRM_AGE + 3):       # 4 ms from the CONFIRM_AGE-th: the median has it from then on
+            assert policy.choose(8, 8) == "ar" and policy.describe()["served"]
+            policy.observe("ar", 8, rounds=1, seconds=0.004 if i >= CONFIRM_AGE else 0.0025, row_rounds=8, committed=8)
+        assert policy.choose(8, 8) == "mtp"
+        choice = policy.describe()
+        assert choice["why"] == "confirming mtp's estimate before it replaces ar", choice["why"]
+        assert choice["in_step"] and not choice["served"] and choice["rounds"] == 1
+        policy.observe("mtp", 8, rounds=1, seconds=confirmed_s, row_rounds=8, committed=8 * 3)
+        assert policy.round_time("mtp", 8) == confirmed_s          # the fresh time, not a median with the old
+        assert policy.choose(8, 8) == after and policy.describe()["served"]

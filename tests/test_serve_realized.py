@@ -35,13 +35,14 @@ def test_what_a_method_realized_is_forgotten_after_others_serve():
     from dmtp_jax.serve.policy import REALIZED_DISPATCHES, REALIZED_FORGET
     policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.4}, refresh_every=10_000)
     policy.observe("dmtp", 0, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4.4)     # trusted
-    for bucket, ar_round_s in ((1, 0.002), (8, 0.004)):
-        policy.observe("ar", bucket, rounds=1, seconds=ar_round_s, row_rounds=0, committed=0)
-        policy.observe("dmtp", bucket, rounds=1, seconds=0.016, row_rounds=0, committed=0)
+    round_s = {("ar", 1): 0.002, ("ar", 8): 0.004, ("dmtp", 1): 0.016, ("dmtp", 8): 0.016}
+    for (method, bucket), seconds in round_s.items():
+        policy.observe(method, bucket, rounds=1, seconds=seconds, row_rounds=0, committed=0)
 
     def serve(rows, share):
         m = policy.choose(rows, rows)
         tokens = rows * (4.4 if m == "dmtp" else 1.0)
+        policy.observe(m, rows, rounds=1, seconds=round_s[(m, rows)], row_rounds=rows, committed=tokens)
         policy.observe_served(m, rows, tokens, tokens / (share[m] * policy.describe()["rounds_rate"]))
         return m
 
@@ -52,8 +53,8 @@ def test_what_a_method_realized_is_forgotten_after_others_serve():
     for _ in range(int(1.1 * REALIZED_FORGET * REALIZED_DISPATCHES * dmtp_s / one_row_s)):
         assert serve(1, {"dmtp": 1.0, "ar": 0.6}) == "ar"
     assert abs(policy.realized("dmtp", 8) - 0.75) < 1e-9
-    dispatches = int(REALIZED_FORGET * REALIZED_DISPATCHES * dmtp_s / ar_s)     # ar's dispatches, the first's too
-    chosen = [serve(8, {"dmtp": 0.75, "ar": 1.0}) for _ in range(dispatches - 1)]
+    dispatches = int(REALIZED_FORGET * REALIZED_DISPATCHES * dmtp_s / ar_s)     # ar's first at 8 confirmed its time
+    chosen = [serve(8, {"dmtp": 0.75, "ar": 1.0}) for _ in range(dispatches)]
     assert set(chosen) == {"ar"} and abs(policy.realized("dmtp", 8) - 0.75) < 1e-9
     assert serve(8, {"dmtp": 0.75, "ar": 1.0}) == "ar" and policy.realized("dmtp", 8) == 1.0
     assert abs(policy.realized("ar", 8) - 1.0) < 1e-9 and serve(8, {"dmtp": 0.75, "ar": 1.0}) == "dmtp"

@@ -7,7 +7,10 @@ sample). A round's time is kept per dispatch size K (rounds per dispatch), and e
 estimated at the K it would run, so a method run mostly in K-round dispatches is not compared with
 another timed only in 1-round ones.
 The method serving keeps serving until another's estimate beats its own by `SWITCH_MARGIN`, so a
-near tie does not flip between methods every dispatch. Every `refresh_every` choices one other
+near tie does not flip between methods every dispatch, and the other's time at the bucket is
+re-taken first (a confirming dispatch, run as a refresh) when it is older than `CONFIRM_AGE` choices:
+a round's time grows with its rows' length and with a slow spell of the machine, so a time taken
+then is not compared with the serving method's live ones. Every `refresh_every` choices one other
 method runs: the one whose acceptance rests on the fewest row rounds while that is under
 `TRUSTED_ROW_ROUNDS`, else the one timed longest ago among those whose refresh costs at most their
 part of `refresh_share` (split evenly among the other methods, so refreshes together stay within it)
@@ -49,6 +52,7 @@ PRIOR_ROW_ROUNDS = 4    # the row rounds a prior tau (a cached verdict, else slo
 TRUSTED_ROW_ROUNDS = 48 # measured row rounds below which a method's tau is refreshed before any stale time
 DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
 SWITCH_MARGIN = 0.05    # another method replaces the one serving once its estimate is this much higher
+CONFIRM_AGE = 8         # choices after which a method's time at a bucket is re-taken before it replaces another
 REFRESH_SHARE = 0.02    # refreshes cost at most this share of the serving seconds at a bucket (each other method
                         # its part of those since its last there)
 REALIZED_DISPATCHES = 32    # served dispatches before what a method realized of its model counts
@@ -101,7 +105,8 @@ class LoadPolicy:
         self.choices = 0
         self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
         self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "rounds": 0,
-                           "estimates": {}, "refresh": False, "in_step": False, "served": False, "rounds_rate": None}
+                           "estimates": {}, "refresh": False, "confirm": False, "in_step": False, "served": False,
+                           "rounds_rate": None}
 
     @property
     def tau(self) -> dict[str, float]:
@@ -261,6 +266,7 @@ class LoadPolicy:
         est = self._estimated(per_token, bucket)
         untimed = [m for m in self.slots if not self.timed(m, bucket)]
         rounds, refresh, in_step, served = 1, False, False, False     # a timing dispatch: one round
+        confirm = False
         if len(self.slots) == 1:
             method, why, served = next(iter(self.slots)), "the only round", True
             rounds = self.rounds(method, bucket, most)
@@ -271,10 +277,15 @@ class LoadPolicy:
             best = self._best(est)
             due = self.choices % self.refresh_every == 0
             stale = self._refresh_candidate(best, bucket, most) if due else None
+            if stale is None and self._unconfirmed(best, bucket):
+                stale, confirm = best, True
             if stale is not None:
-                method, why, refresh = stale, f"refreshing {stale}'s estimate at {bucket} rows", True
-                rounds = self._refresh_rounds(stale, best, bucket, most, rows)
-                in_step = self._in_step(stale, best, rows)
+                held = self._serving if confirm else best
+                method, refresh, = stale, True
+                why = (f"confirming {stale}'s estimate before it replaces {held}" if confirm
+                       else f"refreshing {stale}'s estimate at {bucket} rows")
+                rounds = self._refresh_rounds(stale, held, bucket, most, rows)
+                in_step = self._in_step(stale, held, rows)
             else:
                 method, why = best, "highest estimated tok/s"
                 in_step = rows > 1 and self.slots[best] > 1 and self._measured[best] < TRUSTED_ROW_ROUNDS
@@ -284,9 +295,25 @@ class LoadPolicy:
         rounds = rounds if idle else 1
         rounds_s = per_token.get(method, (0.0, 0.0))[0]     # modelled, per token
         self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "rounds": rounds, "estimates": est,
-                     "tau": self.tau, "refresh": refresh, "in_step": in_step, "served": served,
+                     "tau": self.tau, "refresh": refresh, "confirm": confirm, "in_step": in_step, "served": served,
                      "rounds_rate": 1.0 / rounds_s if rounds_s > 0 else None}
         return method
+
+    def _unconfirmed(self, best: str, bucket: int) -> bool:
+        """Whether `best` would replace the method serving on a time at `bucket` older than `CONFIRM_AGE`
+        choices: taken under other conditions (shorter rows: a round's attention reads up to its
+        longest live row; a slow spell of the machine) than the serving method's live ones."""
+        return (self._serving is not None and best != self._serving
+                and self.choices - self._measured_at.get((best, bucket), 0) > CONFIRM_AGE)
+
+    def _restart_times(self, method: str, bucket: int, rounds: int, per_round: float) -> None:
+        """A confirming dispatch's time supersedes `method`'s earlier ones at `bucket`: its dispatch
+        size's samples restart at it, and the other sizes' scale as it compares with that size's."""
+        old = self._round_s.get((method, bucket, rounds))
+        for key, value in self._round_s.as_dict().items():
+            if key[:2] == (method, bucket) and key[2] != rounds and old:
+                self._round_s.restart(key, value * per_round / old)
+        self._round_s.restart((method, bucket, rounds), per_round)
 
     def _in_step(self, method: str, serving: str | None, rows: int) -> bool:
         """Whether a timing or refresh dispatch of `method` over `rows` rows commits one token per row,
@@ -342,7 +369,10 @@ class LoadPolicy:
                 self.refresh_s += seconds + catch_up_s
                 self._refreshed_s[(method, bucket)] = self._serving_at[bucket]
         if rounds > 0 and not compiled:
-            self._round_s.add((method, bucket, rounds), seconds / rounds)
+            if self.last.get("confirm") and self.last["method"] == method:
+                self._restart_times(method, bucket, rounds, seconds / rounds)
+            else:
+                self._round_s.add((method, bucket, rounds), seconds / rounds)
             self._measured_at[(method, bucket)] = self.choices
         if row_rounds > 0 and method != "ar":
             self._tau[method].add(committed / row_rounds, row_rounds)     # one row round: one sample

@@ -47,6 +47,10 @@ class RecentMedians:
     def add(self, key, sample: float) -> None:
         self._recent.setdefault(key, collections.deque(maxlen=TIME_WINDOW)).append(sample)
 
+    def restart(self, key, sample: float) -> None:
+        """`key`'s samples are `sample` alone (what superseded the older ones)."""
+        self._recent[key] = collections.deque([sample], maxlen=TIME_WINDOW)
+
     def get(self, key, default: float | None = None) -> float | None:
         return statistics.median(self._recent[key]) if key in self._recent else default
 

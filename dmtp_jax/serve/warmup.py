@@ -13,7 +13,7 @@ from dmtp_jax.decode.prefill import chunk_length
 from dmtp_jax.serve.admission import PrefillGroup, resume_widths
 from dmtp_jax.serve.request import Request, row_sampling
 
-TIMED_RUNS = 3          # dispatches (prefill calls) whose median seeds a round's (a call's) time
+TIMED_RUNS = 3          # dispatches whose fastest seeds a round's time (prefill calls whose median seeds a call's)
 
 
 def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> None:
@@ -75,24 +75,23 @@ def run_prefill(engine, reqs, rows: int, cache=None, lean: bool = False) -> floa
 
 
 def time_rounds(engine, runs: int = TIMED_RUNS) -> None:
-    """Gives the policy each (method, row bucket, dispatch size) round time's first sample: the median
+    """Gives the policy each (method, row bucket, dispatch size) round time's first sample: the fastest
     of `runs` greedy dispatches of 1 and of `engine.rounds_per_dispatch` rounds over full rows of a
-    scratch state (compiled already; no stop ids, so a K-round dispatch runs K rounds), so a first
-    choice at a bucket rests on more than one live round, in the dispatch each method would run."""
+    fresh scratch state (compiled already; no stop ids, so a K-round dispatch runs K rounds), so a
+    first choice at a bucket rests on more than one live round, in the dispatch each method would
+    run. The runs go over every method and size in turn, and the fastest counts: a slow spell of the
+    machine only adds to a dispatch's time, and one that covers a run covers every method's."""
     dispatches = sorted({1, engine.rounds_per_dispatch})
     for rows in engine.buckets:
         sp, greedy = row_sampling([], rows, engine.max_top_k)
-        state = engine.bank.new_state(rows, engine.max_len)
         active, limits = np.ones(rows, bool), np.full(rows, engine.max_model_len, np.int32)
-        for method, k in itertools.product(engine.bank.methods, dispatches):
-            seconds = []
-            for _ in range(runs):
-                state, *_, ran, s, _ = engine.bank.run(method, state, active, limits, sp, engine.base_key, 1, greedy,
-                                                       k)
-                seconds.append(s / ran)
-            engine.policy.observe(method, rows, rounds=k, seconds=k * float(np.median(seconds)), row_rounds=0,
-                                  committed=0)
-            state = engine.bank.new_state(rows, engine.max_len) if k > 1 else state    # lengths back to 0
+        seconds = {key: [] for key in itertools.product(engine.bank.methods, dispatches)}
+        for _, (method, k) in itertools.product(range(runs), seconds):
+            *_, ran, s, _ = engine.bank.run(method, engine.bank.new_state(rows, engine.max_len), active, limits, sp,
+                                            engine.base_key, 1, greedy, k)
+            seconds[(method, k)].append(s / ran)
+        for (method, k), per_round in seconds.items():
+            engine.policy.observe(method, rows, rounds=k, seconds=k * min(per_round), row_rounds=0, committed=0)
 
 
 def warm_up_prefix_cache(engine, temperatures=(0.0, 1.0)) -> None:
