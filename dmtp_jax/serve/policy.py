@@ -9,8 +9,8 @@ another timed only in 1-round ones.
 The method serving keeps serving until another's estimate beats its own by `SWITCH_MARGIN`, so a
 near tie does not flip between methods every dispatch, and the other's time at the bucket is
 re-taken first (a confirming dispatch, run as a refresh) when it is older than `CONFIRM_AGE` choices:
-a round's time grows with its rows' length and with a slow spell of the machine, so a time taken
-then is not compared with the serving method's live ones. Every `refresh_every` choices one other
+a round's time drifts with the rows it runs and in slow spells of the machine, so a time taken then
+is not compared with the serving method's live ones. Every `refresh_every` choices one other
 method runs: the one whose acceptance rests on the fewest row rounds while that is under
 `TRUSTED_ROW_ROUNDS`, else the one timed longest ago among those whose refresh costs at most their
 part of `refresh_share` (split evenly among the other methods, so refreshes together stay within it)
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dmtp_jax.serve.prefill_share import PrefillShares
 from dmtp_jax.serve.stats import RecentMedians, RunningMean
 
 REFRESH_EVERY = 32      # choices between two refresh runs of another method
@@ -96,9 +97,7 @@ class LoadPolicy:
         self._refreshed_s: dict[tuple[str, int], float] = {}    # `_serving_at[bucket]` at a (method, bucket)'s last
                                                                 # refresh
         self._catch_up_s = RecentMedians()      # seconds of the catch-ups before dispatches, by bucket
-        self._prefill_table: dict[tuple[bool, int], float] = {}    # one-call prefill seconds by (lean, rows)
-        self._prefill_scale = RunningMean()     # live one-call prefill seconds over the table's at their rows
-        self._request_s: dict[tuple[str, int], RunningMean] = {}   # table seconds per request, by (serving, bucket)
+        self.prefill = PrefillShares(self.slots, PRIOR_ROW_ROUNDS)     # a request's share of its prefill call
         self._occupancies: dict[tuple[str, int], RunningMean] = {}  # row rounds run over offered, by (method, bucket)
         self._realized: dict[tuple[str, int], Realization] = {}     # by (method, bucket)
         self._output_tokens = RunningMean()     # tokens a finished request generated
@@ -205,34 +204,13 @@ class LoadPolicy:
 
     def admission_s(self, method: str, bucket: int) -> float:
         """Prefill seconds per output token while `method` serves at `bucket`: a request's share of its
-        prefill call (lean while plain rounds serve and the bank can, else full) over the tokens a
-        finished request generated (`observe_output`); 0 before both are known. A call's seconds are
-        the table's that warm-up timed at the call's rows (`time_prefill`), scaled by how live calls
-        compare with it (longer prompts, a busier machine); the calls are those made while the method
-        served at the bucket (`observe_prefill`); before any, a call holding as many requests as the
-        bucket has rows for plain rounds (rows that began together end together) and a call of one
-        request for speculative ones (their rows end at different rounds, so their successors come one by one). Under load
-        this is what plain rounds save besides their rounds: calls that batch, each lean."""
-        if not self._prefill_table or self._output_tokens.value is None:
+        prefill call (`PrefillShares.per_request`) over the tokens a finished request generated
+        (`observe_output`); 0 before both are known. Under load this is what plain rounds save
+        besides their rounds: calls that batch, each lean."""
+        share = self.prefill.per_request(method, bucket)
+        if share is None or self._output_tokens.value is None:
             return 0.0
-        share = self._request_share(method, bucket).value * (self._prefill_scale.value or 1.0)
         return share / max(1.0, self._output_tokens.value)
-
-    def _request_share(self, method: str, bucket: int) -> RunningMean:
-        """The table's seconds per request of the prefill calls made while `method` served at `bucket`,
-        at its kind of call; the prior (see `admission_s`) weighs as `PRIOR_ROW_ROUNDS` calls."""
-        if (method, bucket) not in self._request_s:
-            rows = bucket if self.slots[method] == 1 else 1
-            self._request_s[(method, bucket)] = RunningMean(self._table_call_s(method, rows) / rows,
-                                                           PRIOR_ROW_ROUNDS)
-        return self._request_s[(method, bucket)]
-
-    def _table_call_s(self, method: str, rows: int) -> float:
-        """The table's seconds of a call of `method`'s kind (lean for plain rounds where the bank can)
-        on `rows` rows: the fewest timed rows that hold them, else the most."""
-        lean = self.slots[method] == 1 and any(k for k, _ in self._prefill_table)
-        timed = sorted(r for k, r in self._prefill_table if k == lean)
-        return self._prefill_table[(lean, next((r for r in timed if r >= rows), timed[-1]))]
 
     def rounds(self, method: str, bucket: int, most: int) -> int:
         """Rounds of `method`'s next dispatch at `bucket` rows when nobody waits: `most` when that many
@@ -301,8 +279,8 @@ class LoadPolicy:
 
     def _unconfirmed(self, best: str, bucket: int) -> bool:
         """Whether `best` would replace the method serving on a time at `bucket` older than `CONFIRM_AGE`
-        choices: taken under other conditions (shorter rows: a round's attention reads up to its
-        longest live row; a slow spell of the machine) than the serving method's live ones."""
+        choices: taken on other rows (warm-up's scratch rows, shorter ones) or in another spell of the
+        machine than the serving method's live ones."""
         return (self._serving is not None and best != self._serving
                 and self.choices - self._measured_at.get((best, bucket), 0) > CONFIRM_AGE)
 
@@ -402,19 +380,13 @@ class LoadPolicy:
         sums.dispatches, sums.served_s, sums.others_s = sums.dispatches + 1, sums.served_s + seconds, 0.0
 
     def time_prefill(self, lean: bool, rows: int, seconds: float) -> None:
-        """Warm-up's one-call prefill of `rows` rows of the shortest prompts took `seconds` (`lean`: the
-        target alone): the table `admission_s` reads."""
-        self._prefill_table[(bool(lean), int(rows))] = float(seconds)
+        """Warm-up timed a one-call prefill (`PrefillShares.time`)."""
+        self.prefill.time(lean, rows, seconds)
 
     def observe_prefill(self, lean: bool, rows: int, requests: int, seconds: float, bucket: int) -> None:
-        """A one-call prefill of `requests` requests on `rows` rows took `seconds` (`lean`: the target
-        alone), their rows going to a state of `bucket` rows: the table's scale, and a sample of the
-        request share of the method serving there (`admission_s`)."""
-        if (bool(lean), int(rows)) in self._prefill_table:
-            self._prefill_scale.add(seconds / self._prefill_table[(bool(lean), int(rows))])
-        if self._serving is not None and self._prefill_table:
-            share = self._request_share(self._serving, bucket)
-            share.add(self._table_call_s(self._serving, rows) / max(1, requests))
+        """A live one-call prefill, its rows going to a state of `bucket` rows (`PrefillShares.observe`,
+        a sample of the method serving)."""
+        self.prefill.observe(lean, rows, requests, seconds, self._serving, bucket)
 
     def observe_output(self, tokens: int) -> None:
         """A request finished with `tokens` generated."""
