@@ -243,8 +243,7 @@ class LoadPolicy:
         per_token = self._per_token(rows, bucket, most)
         est = self._estimated(per_token, bucket)
         untimed = [m for m in self.slots if not self.timed(m, bucket)]
-        rounds, refresh, in_step, served = 1, False, False, False     # a timing dispatch: one round
-        confirm = False
+        rounds, refresh, confirm, in_step, served = 1, False, False, False, False     # a timing dispatch: one round
         if len(self.slots) == 1:
             method, why, served = next(iter(self.slots)), "the only round", True
             rounds = self.rounds(method, bucket, most)
@@ -259,7 +258,7 @@ class LoadPolicy:
                 stale, confirm = best, True
             if stale is not None:
                 held = self._serving if confirm else best
-                method, refresh, = stale, True
+                method, refresh = stale, True
                 why = (f"confirming {stale}'s estimate before it replaces {held}" if confirm
                        else f"refreshing {stale}'s estimate at {bucket} rows")
                 rounds = self._refresh_rounds(stale, held, bucket, most, rows)
