@@ -287,9 +287,10 @@ class LoadPolicy:
         """A confirming dispatch's time supersedes `method`'s earlier ones at `bucket`: its dispatch
         size's samples restart at it, and the other sizes' scale as it compares with that size's."""
         old = self._round_s.get((method, bucket, rounds))
-        for key, value in self._round_s.as_dict().items():
-            if key[:2] == (method, bucket) and key[2] != rounds and old:
-                self._round_s.restart(key, value * per_round / old)
+        if old:
+            for key, value in self._round_s.as_dict().items():
+                if key[:2] == (method, bucket) and key[2] != rounds:
+                    self._round_s.restart(key, value * per_round / old)
         self._round_s.restart((method, bucket, rounds), per_round)
 
     def _in_step(self, method: str, serving: str | None, rows: int) -> bool:
@@ -346,7 +347,7 @@ class LoadPolicy:
                 self.refresh_s += seconds + catch_up_s
                 self._refreshed_s[(method, bucket)] = self._serving_at[bucket]
         if rounds > 0 and not compiled:
-            if self.last.get("confirm") and self.last["method"] == method:
+            if self.last["confirm"] and self.last["method"] == method:
                 self._restart_times(method, bucket, rounds, seconds / rounds)
             else:
                 self._round_s.add((method, bucket, rounds), seconds / rounds)

@@ -3,7 +3,7 @@ a table of one-call prefill seconds warm-up times, scaled by how live calls comp
 (method, bucket) a running mean of the table's seconds per request of the calls made while it served.
 
 Example:
-    >>> shares = PrefillShares({"ar": 1, "dmtp": 8})
+    >>> shares = PrefillShares({"ar": 1, "dmtp": 8}, prior_calls=4)
     >>> shares.time(True, 8, 0.04); shares.time(False, 1, 0.012)
     >>> shares.per_request("ar", 8), shares.per_request("dmtp", 8)   # priors: 8 requests a lean call; 1 a full one
     (0.005, 0.012)
@@ -18,7 +18,7 @@ class PrefillShares:
     """Prefill seconds per request by the serving method and bucket. `prior_calls`: the calls a prior
     share weighs as."""
 
-    def __init__(self, slots: dict[str, int], prior_calls: int = 4):
+    def __init__(self, slots: dict[str, int], prior_calls: int):
         self.slots, self.prior_calls = dict(slots), int(prior_calls)
         self._table: dict[tuple[bool, int], float] = {}        # one-call prefill seconds by (lean, rows)
         self._scale = RunningMean()             # live one-call prefill seconds over the table's at their rows
