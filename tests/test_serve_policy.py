@@ -377,3 +377,65 @@ def test_a_method_replaces_the_serving_one_only_on_a_fresh_time():
         policy.observe("mtp", 8, rounds=1, seconds=confirmed_s, row_rounds=8, committed=8 * 3)
         assert policy.round_time("mtp", 8) == confirmed_s          # the fresh time, not a median with the old
         assert policy.choose(8, 8) == after and policy.describe()["served"]
+
+
+def test_a_refresh_moves_the_other_dispatch_sizes_of_a_method_not_serving():
+    """ar serves 4-round dispatches at 8 rows; mtp's 4-round time is warm-up's (8 ms a round). Its
+    refreshes run one round in step and take 16 ms (against 10 at warm-up): its 4-round time moves
+    with them, so when ar's live rounds then slow from 2 to 3 ms, ar keeps serving. Before, a refresh
+    left the 4-round time at 8 ms and made mtp fresh, so mtp replaced ar on that stale time."""
+    policy = LoadPolicy({"ar": 1, "mtp": 5}, {"mtp": 3.0}, refresh_every=4, refresh_share=1.0)
+    policy.observe("mtp", 8, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 3)     # trusted
+    for method, one, four in (("ar", 0.0025, 0.002), ("mtp", 0.010, 0.008)):         # warm-up's times
+        policy.observe(method, 8, rounds=1, seconds=one, row_rounds=0, committed=0)
+        policy.observe(method, 8, rounds=4, seconds=4 * four, row_rounds=0, committed=0)
+    refreshes = 0
+    for _ in range(16):
+        method, choice = policy.choose(8, 8, most=4), policy.describe()
+        if method == "mtp":
+            assert choice["refresh"] and not choice["served"] and choice["rounds"] == 1, choice
+            refreshes += 1
+            policy.observe("mtp", 8, rounds=1, seconds=0.016, row_rounds=8, committed=8 * 3)
+        else:
+            assert method == "ar" and choice["served"] and choice["rounds"] == 4, choice
+            policy.observe("ar", 8, rounds=4, seconds=4 * (0.003 if refreshes else 0.002), row_rounds=32,
+                           committed=32)
+    assert refreshes >= 2
+    assert abs(policy.round_time("mtp", 8, most=4) - 0.008 * 16 / 10) < 1e-12
+
+
+def test_warm_up_times_rounds_on_scratch_states_ready_before_the_clock():
+    """`time_rounds` waits for each scratch state (built asynchronously: zero-filling every cache of
+    its rows) before the dispatch it times, so the state's making is not in a round's time (it was:
+    ar's round at 32 rows of the demo's auto bank timed 20-25 ms against 7-9 live), and seeds each
+    (method, bucket, dispatch size) with the fastest of its runs."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from dmtp_jax.serve.warmup import TIMED_RUNS, time_rounds
+
+    class Scratch:
+        ready = False
+
+        def block_until_ready(self):
+            self.ready = True
+            return self
+
+    runs = []
+
+    def run(method, state, active, limits, sp, key, first_round, greedy, k):
+        assert state.ready, "a scratch state timed before it was ready"
+        runs.append((method, k))
+        run_index = (runs.count((method, k)) - 1) % TIMED_RUNS
+        seconds = k * 0.001 * (2 if method == "mtp" else 1) * (TIMED_RUNS - run_index)     # the last run fastest
+        return state, None, None, None, k, seconds, 0.0
+
+    bank = SimpleNamespace(methods=["ar", "mtp"], new_state=lambda rows, max_len: Scratch(), run=run)
+    policy = LoadPolicy({"ar": 1, "mtp": 5})
+    engine = SimpleNamespace(bank=bank, policy=policy, buckets=(1, 4), rounds_per_dispatch=4, max_top_k=0,
+                             max_model_len=64, max_len=64, base_key=jax.random.key(0))
+    time_rounds(engine)
+    assert len(runs) == TIMED_RUNS * 2 * 2 * 2       # runs x methods x dispatch sizes x buckets
+    assert policy.round_s == {(m, b, k): 0.001 * (2 if m == "mtp" else 1)
+                              for m in ("ar", "mtp") for b in (1, 4) for k in (1, 4)}

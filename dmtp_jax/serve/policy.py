@@ -10,7 +10,8 @@ The method serving keeps serving until another's estimate beats its own by `SWIT
 near tie does not flip between methods every dispatch, and the other's time at the bucket is
 re-taken first (a confirming dispatch, run as a refresh) when it is older than `CONFIRM_AGE` choices:
 a round's time drifts with the rows it runs and in slow spells of the machine, so a time taken then
-is not compared with the serving method's live ones. Every `refresh_every` choices one other
+is not compared with the serving method's live ones (a method not serving is timed in one dispatch
+size, mostly one round: its other sizes' times at the bucket move with that one's). Every `refresh_every` choices one other
 method runs: the one whose acceptance rests on the fewest row rounds while that is under
 `TRUSTED_ROW_ROUNDS`, else the one timed longest ago among those whose refresh costs at most their
 part of `refresh_share` (split evenly among the other methods, so refreshes together stay within it)
@@ -283,15 +284,15 @@ class LoadPolicy:
         return (self._serving is not None and best != self._serving
                 and self.choices - self._measured_at.get((best, bucket), 0) > CONFIRM_AGE)
 
-    def _restart_times(self, method: str, bucket: int, rounds: int, per_round: float) -> None:
-        """A confirming dispatch's time supersedes `method`'s earlier ones at `bucket`: its dispatch
-        size's samples restart at it, and the other sizes' scale as it compares with that size's."""
-        old = self._round_s.get((method, bucket, rounds))
-        if old:
+    def _scale_other_sizes(self, method: str, bucket: int, rounds: int, ratio: float) -> None:
+        """`method`'s time at `bucket` in `rounds`-round dispatches moved by `ratio` while it does not
+        serve: its other dispatch sizes' times there, taken as long ago, move with it (a round's time
+        drifts with the rows it runs and the machine's spell at every size alike; only the serving
+        method's sizes are all taken live)."""
+        if ratio != 1.0:
             for key, value in self._round_s.as_dict().items():
                 if key[:2] == (method, bucket) and key[2] != rounds:
-                    self._round_s.restart(key, value * per_round / old)
-        self._round_s.restart((method, bucket, rounds), per_round)
+                    self._round_s.restart(key, value * ratio)
 
     def _in_step(self, method: str, serving: str | None, rows: int) -> bool:
         """Whether a timing or refresh dispatch of `method` over `rows` rows commits one token per row,
@@ -347,10 +348,14 @@ class LoadPolicy:
                 self.refresh_s += seconds + catch_up_s
                 self._refreshed_s[(method, bucket)] = self._serving_at[bucket]
         if rounds > 0 and not compiled:
-            if self.last["confirm"] and self.last["method"] == method:
-                self._restart_times(method, bucket, rounds, seconds / rounds)
+            key = (method, bucket, rounds)
+            old = self._round_s.get(key)
+            if self.last["confirm"] and self.last["method"] == method:     # supersedes the older samples
+                self._round_s.restart(key, seconds / rounds)
             else:
-                self._round_s.add((method, bucket, rounds), seconds / rounds)
+                self._round_s.add(key, seconds / rounds)
+            if old and method != self._serving:
+                self._scale_other_sizes(method, bucket, rounds, self._round_s.get(key) / old)
             self._measured_at[(method, bucket)] = self.choices
         if row_rounds > 0 and method != "ar":
             self._tau[method].add(committed / row_rounds, row_rounds)     # one row round: one sample
