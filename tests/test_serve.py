@@ -8,6 +8,7 @@ import pytest
 
 from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR
 from dmtp_jax.serve.engine import Engine
+from dmtp_jax.serve.warmup import lean_variants
 from tests.serve_fixtures import (MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, serve_decoder, serve_reference,
                                   serve_tokenizer)
 
@@ -38,7 +39,8 @@ def server(decoder, tokenizer):
     engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(4,))
     engine.warm_up(every_bucket=False, sampled=False)
     # warm-up timed the one-call prefill it compiled (what sizes the prefill groups)
-    assert set(engine.prefill_times.as_dict()) == {(4, min(PROMPT_BUCKET_FLOOR, engine.bank.prefill_chunk))}
+    width = min(PROMPT_BUCKET_FLOOR, engine.bank.prefill_chunk)
+    assert set(engine.prefill_times.as_dict()) == {(4, width, lean) for lean in lean_variants(engine, width, 1)}
     scheduler = Scheduler(engine)
     with serving_in_thread(build_app(scheduler, tokenizer, "tiny", drain_s=5)) as base:
         yield base, scheduler

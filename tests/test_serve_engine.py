@@ -297,7 +297,7 @@ def test_prefill_groups_follow_measured_times(decoder, reference, monkeypatch):
         engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
         widths = {chunk_length(prompt_bucket(r), engine.bank.prefill_chunk) for r in reqs_of()}
         for width, (bucket, s) in itertools.product(widths, seconds.items()):
-            engine.prefill_times.add((bucket, width), s)
+            engine.prefill_times.add((bucket, width, False), s)
         spy = spy_prefill(engine, monkeypatch)
         reqs = [engine.add(r) for r in reqs_of()]
         engine.step()
@@ -306,7 +306,7 @@ def test_prefill_groups_follow_measured_times(decoder, reference, monkeypatch):
         run(engine)
         assert [r.output_ids for r in reqs] == reference[:3]
         if rows == [2, 2]:      # the second call compiled nothing: live one-call prefills are timed too
-            assert engine.prefill_times.get((2, max(widths))) != seconds[2]
+            assert engine.prefill_times.get((2, max(widths), False)) != seconds[2]
 
 
 def test_faults_end_their_requests_only(decoder, reference, monkeypatch):

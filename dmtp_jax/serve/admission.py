@@ -1,7 +1,7 @@
 """Batched admission: waiting prompts prefilled together, shorter ones padded to the group's longest.
 
 `form_group` picks the requests to prefill next (as many as the measured prefill call times, by
-(row bucket, chunk width), say are cheapest per request); `PrefillGroup` runs their prefill chunk by chunk on a
+(row bucket, chunk width, lean), say are cheapest per request); `PrefillGroup` runs their prefill chunk by chunk on a
 compiled row bucket, and the engine scatters the finished rows into the running state
 (`rows.put_rows`). A request whose group prefill failed is retried alone (`solo`). `start_of` is
 the one place a request's starting state and position are chosen (fresh, or a prefix cache hit)."""
@@ -77,28 +77,49 @@ def resume_widths(prefill_chunk: int) -> list[int]:
                    if w & (w - 1) == 0})
 
 
-def cheapest_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk: int,
-                  times: RecentMedians | None) -> list[Request]:
-    """The oldest requests of `group` to prefill first: the count whose row bucket's measured call time
-    per request is lowest, among the group's own count and the smaller buckets (a larger count unless
-    a smaller one is `SPLIT_MARGIN` cheaper); the whole group while a time it needs is unmeasured.
-    Where a call's time grows with its rows (a CPU), 2 requests in an 8-row bucket cost 4x their
-    share and go as two 1-row calls; where it does not (an accelerator's small batches), the group
-    stays whole.
+def call_s(times: RecentMedians | None, rows: int, width: int, lean: bool) -> float | None:
+    """The measured seconds of a one-call prefill of `rows` rows `width` tokens wide (`times` by (rows,
+    width, lean)): lean where asked and measured (a lean call is timed only where the bank can run one),
+    else full; None while unmeasured. A lean call costs less than a full one of the same shape, so the
+    two are not one sample set.
 
     Example:
-        >>> t = RecentMedians(); t.add((1, 64), 0.01); t.add((8, 64), 0.08)
+        >>> t = RecentMedians(); t.add((8, 64, False), 0.12); t.add((8, 64, True), 0.09); t.add((8, 512, False), 0.5)
+        >>> call_s(t, 8, 64, True), call_s(t, 8, 64, False), call_s(t, 8, 512, True), call_s(t, 8, 128, True)
+        (0.09, 0.12, 0.5, None)
+    """
+    if times is None:
+        return None
+    return (lean and times.get((rows, width, True))) or times.get((rows, width, False))
+
+
+def cheapest_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk: int,
+                  times: RecentMedians | None, lean: bool = False) -> list[Request]:
+    """The oldest requests of `group` to prefill first: the count whose row bucket's measured call time
+    per request (`call_s`, lean when the group's prefill is) is lowest, among the group's own count and
+    the smaller buckets (a larger count unless a smaller one is `SPLIT_MARGIN` cheaper); the whole group
+    while a time it needs is unmeasured. Where a call's time grows with its rows (a CPU), 2 requests in
+    an 8-row bucket cost 4x their share and go as two 1-row calls; where it does not (an accelerator's
+    small batches), the group stays whole.
+
+    Example:
+        >>> t = RecentMedians(); t.add((1, 64, False), 0.01); t.add((8, 64, False), 0.08)
         >>> reqs = [Request([1] * 10, 4) for _ in range(3)]
         >>> len(cheapest_part(reqs, (1, 8), 512, t)), len(cheapest_part(reqs, (1, 8), 512, None))
         (1, 3)
+        >>> t = RecentMedians(); t.add((1, 64, False), 0.01); t.add((8, 64, False), 0.12)
+        >>> t.add((1, 64, True), 0.009); t.add((8, 64, True), 0.06)    # lean: 8 rows cost less than 8 x 1
+        >>> eight = [Request([1] * 10, 4) for _ in range(8)]
+        >>> len(cheapest_part(eight, (1, 8), 512, t)), len(cheapest_part(eight, (1, 8), 512, t, lean=True))
+        (1, 8)
     """
     if len(group) < 2:
         return group            # nothing to split
     best, best_cost = group, None
     for n in sorted({len(group)} | {b for b in buckets if b < len(group)}, reverse=True):
         part = group[:n]
-        seconds = None if times is None else times.get(
-            (row_bucket(n, buckets), chunk_length(max(prompt_bucket(r) for r in part), prefill_chunk)))
+        seconds = call_s(times, row_bucket(n, buckets),
+                         chunk_length(max(prompt_bucket(r) for r in part), prefill_chunk), lean)
         if seconds is None:
             return group
         if best_cost is None or seconds / n < (1 - SPLIT_MARGIN) * best_cost:
@@ -107,12 +128,12 @@ def cheapest_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk:
 
 
 def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefill_chunk: int,
-               solo: set, cache=None, times: RecentMedians | None = None) -> list[Request]:
+               solo: set, cache=None, times: RecentMedians | None = None, lean: bool = False) -> list[Request]:
     """The requests to prefill together next (oldest first; empty when none can start): the oldest
     admissible request, then others while row bucket x the chunk width of the group's longest prompt
     bucket stays within `budget` tokens (a burst of arrivals is one prefill, as a static batch's, short
-    prompts padded to the longest), cut to its `cheapest_part` by the prefill `times`. A request in
-    `solo` or starting from a stored state goes alone."""
+    prompts padded to the longest), cut to its `cheapest_part` by the prefill `times` (`lean`: of lean
+    calls, where measured). A request in `solo` or starting from a stored state goes alone."""
     group: list[Request] = []
     for req in waiting:
         if len(group) >= free:
@@ -125,7 +146,7 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
         group.append(req)
         if alone:
             break
-    return cheapest_part(group, buckets, prefill_chunk, times)
+    return cheapest_part(group, buckets, prefill_chunk, times, lean)
 
 
 @dataclasses.dataclass

@@ -89,7 +89,7 @@ class Engine:
         self.method = AUTO if self.auto is not None else self.bank.methods[0]
         prior = {m: x.get("tau_per_verify") for m, x in (self.verdict.measured if self.verdict else {}).items()}
         self.policy = LoadPolicy(self.bank.slots, {m: t for m, t in prior.items() if t})
-        self.prefill_times = RecentMedians()        # one-call prefill seconds by (row bucket, chunk width), lean or not
+        self.prefill_times = RecentMedians()        # one-call prefill seconds by (row bucket, chunk width, lean)
         self.max_len = round_up(self.max_model_len + self.bank.max_slots, 128)
         self.prefill_budget = int(prefill_budget or PREFILL_BUDGET_CHUNKS * self.bank.prefill_chunk)
         self.burst_budget = int(burst_budget or max(self.prefill_budget, self.max_batch_size * BURST_PROMPT_TOKENS))
@@ -207,23 +207,24 @@ class Engine:
     # ---- admission -----------------------------------------------------------------------------
     def _next_group(self, events) -> PrefillGroup | None:
         """Starts the prefill of the next group (`admission.form_group`), None when none can start."""
-        while True:
+        while self.waiting and len(self.running) < self.max_batch_size:
             budget = self.prefill_budget if self.running else self.burst_budget    # nobody decodes: no stall
-            reqs = form_group(self.waiting, self.max_batch_size - len(self.running), self.buckets,
-                              budget, self.bank.prefill_chunk, self._solo, self.prefix_cache, self.prefill_times)
+            # lean while plain rounds will serve the rows once the waiting requests are in too (in the
+            # dispatches run while nobody waits)
+            need = self._rows_to_come(0)
+            lean = self.policy.best(need, row_bucket(need, self.buckets), self.rounds_per_dispatch) == "ar"
+            reqs = form_group(self.waiting, self.max_batch_size - len(self.running), self.buckets, budget,
+                              self.bank.prefill_chunk, self._solo, self.prefix_cache, self.prefill_times, lean)
             if not reqs:
                 return None
             for req in reqs:
                 self.waiting.remove(req)
-            # lean while plain rounds will serve the rows once the waiting requests are in too (in the
-            # dispatches run while nobody waits)
-            need = self._rows_to_come(len(reqs))
-            lean = self.policy.best(need, row_bucket(need, self.buckets), self.rounds_per_dispatch) == "ar"
             try:
                 return PrefillGroup.start(self.bank, reqs, row_bucket(len(reqs), self.buckets), self.max_len,
                                           self.cfg.vocab_size, self.max_top_k, self.prefix_cache, lean)
             except Exception:
                 self._group_failed(reqs, events)
+        return None
 
     def _rows_to_come(self, group: int) -> int:
         """The rows running once a group of `group` requests and the waiting ones are in (at most
@@ -258,7 +259,7 @@ class Engine:
                     continue
                 if group.calls == 1 and self.bank.prefill_step.compiles == compiles:    # its results are back
                     seconds = time.perf_counter() - start
-                    self.prefill_times.add((group.rows, group.width), seconds)
+                    self.prefill_times.add((group.rows, group.width, group.lean), seconds)
                     self.policy.observe_prefill(group.lean, group.rows, len(group.reqs), seconds,
                                                 row_bucket(self._rows_to_come(len(group.reqs)), self.buckets))
                 self._group = None

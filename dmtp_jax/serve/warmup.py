@@ -52,7 +52,7 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
             run_prefill(engine, reqs, rows, lean=lean)      # compiles
             if t == 0 and bucket <= width:                  # one call: timed once compiled
                 seconds = float(np.median([run_prefill(engine, reqs, rows, lean=lean) for _ in range(TIMED_RUNS)]))
-                engine.prefill_times.add((rows, width), seconds)
+                engine.prefill_times.add((rows, width, lean), seconds)
                 if bucket == PROMPT_BUCKET_FLOOR:                   # the policy's table of prefill calls
                     engine.policy.time_prefill(lean, rows, seconds)
     if engine.prefix_cache is not None:
