@@ -11,15 +11,16 @@ near tie does not flip between methods every dispatch, and the other's time at t
 re-taken first (a confirming dispatch, run as a refresh) when it is older than `CONFIRM_AGE` choices:
 a round's time drifts with the rows it runs and in slow spells of the machine, so a time taken then
 is not compared with the serving method's live ones (a method not serving is timed in one dispatch
-size, mostly one round: its other sizes' times at the bucket move with that one's). Every `refresh_every` choices one other
-method runs: the one whose acceptance rests on the fewest row rounds while that is under
-`TRUSTED_ROW_ROUNDS`, else the one timed longest ago among those whose refresh costs at most their
-part of `refresh_share` (split evenly among the other methods, so refreshes together stay within it)
-of the seconds served at the bucket since their last refresh there (a refresh's cost: its dispatch
-by the round time, plus the bucket's catch-up time when it is a speculative round after plain ones;
-seconds served at other buckets buy no refresh here, so refreshes stay within the share at every
-bucket, not spent all at once on a bucket first served late); it runs the dispatch its estimate uses
-when that is no longer than the best method's, else one round (exploring a slow round costs little).
+size, mostly one round: its other sizes' times at the bucket move with that one's). Every
+`refresh_every` choices one other method runs: the one whose acceptance rests on the fewest row
+rounds while that is under `TRUSTED_ROW_ROUNDS`, else the one timed longest ago among those whose
+refresh costs at most their part of `refresh_share` (split evenly among the other methods, so
+refreshes together stay within it) of the seconds served at the bucket since their last refresh
+there (a refresh's cost: its dispatch by the round time, plus the bucket's catch-up time when it is
+a speculative round after plain ones; seconds served at other buckets buy no refresh here, so
+refreshes stay within the share at every bucket, not spent all at once on a bucket first served
+late); it runs the dispatch its estimate uses when that is no longer than the best method's, else
+one round (exploring a slow round costs little).
 So a dear refresh (a speculative round over many rows that first catches up the plain rounds' rows)
 is rare, and a cheap one runs every `refresh_every` choices. Over several rows, a timing or refresh
 dispatch of a speculative method while plain rounds serve (or before any serves), and the dispatches
