@@ -101,9 +101,28 @@ def test_continuous_batching_equals_generate(decoder, reference):
     assert max(a for r in reqs + late for a in r.acceptance) > 1, "drafts should be partly accepted"
     served = reqs + late + [sampled]        # the policy's tau counts the tokens requests kept
     assert sum(kept) == sum(len(r.output_ids) - 1 for r in served) < engine.counters["committed"]
-    assert engine.rows == 2                 # shrunk back to the smallest bucket
+    assert engine.rows == 2                 # shrunk back to the smallest bucket by its last dispatches
     counts = new_compiles(engine, before)   # greedy + sampled per bucket at most
     assert counts["round/dmtp"] <= 2 * len(BUCKETS) and counts["move_row"] <= len(BUCKETS)
+
+
+def test_a_state_whose_rows_all_finished_keeps_them_until_a_dispatch_runs_fewer(decoder, reference):
+    """A wave whose rows all finish leaves the state as large while nobody runs: the next wave goes into
+    its rows without growing it (growing zero-fills every cache), and the first dispatch over fewer rows
+    shrinks it; outputs stay `generate`'s."""
+    engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
+    resizes, real = [], engine.moves.resize
+    engine.moves.resize = lambda state, rows: (resizes.append(rows), real(state, rows))[1]
+    first = [engine.add(Request(p, 1)) for p in PROMPTS[:3]]      # one token each: done once admitted
+    run(engine)
+    assert resizes == [4] and engine.rows == 4
+    second = [engine.add(Request(p, 1)) for p in PROMPTS[1:4]]
+    run(engine)
+    assert resizes == [4] and engine.rows == 4
+    assert [r.output_ids for r in first + second] == [ref[:1] for ref in reference[:3] + reference[1:4]]
+    last = engine.add(Request(PROMPTS[0], MAX_TOKENS[0]))
+    run(engine)
+    assert resizes == [4, 2] and engine.rows == 2 and last.output_ids == reference[0]
 
 
 def test_prefix_cache_on_a_dense_target_equals_generate(decoder, reference):

@@ -269,16 +269,17 @@ class Engine:
                 self._group_failed(group.reqs, events)
 
     def _insert(self, group: PrefillGroup, events) -> None:
-        """The group's rows into the running state (grown to a bucket that holds them), first tokens
-        committed; cancelled requests' rows are dropped. A group that fills a bucket on an empty
-        engine becomes the running state (no copy)."""
+        """The group's rows into the running state (grown to a bucket that holds them, never shrunk
+        here: `_fit_rows`), first tokens committed; cancelled requests' rows are dropped. A group that
+        fills a bucket on an empty engine whose state is no larger becomes the running state (no copy)."""
         keep = [i for i, r in enumerate(group.reqs) if not r.cancelled]
         need = len(self.running) + len(keep)
         fills = need == group.rows == row_bucket(need, self.buckets)      # a resumed request's group has 1 row
-        if not self.running and fills and group.owned and same_shardings(group.state, self.state):
+        if not self.running and fills and group.rows >= self.rows and group.owned and same_shardings(
+                group.state, self.state):
             self.state = group.state
         else:
-            self._resize_to(row_bucket(need, self.buckets))
+            self._resize_to(max(self.rows, row_bucket(need, self.buckets)))
             dst = np.full(group.rows, self.rows, np.int32)          # past the rows: dropped
             dst[keep] = np.arange(len(self.running), need, dtype=np.int32)
             self.state = self.moves.put(self.state, group.state, dst)
@@ -321,8 +322,8 @@ class Engine:
             self.state = self.moves.resize(self.state, rows)
 
     def _compact(self) -> None:
-        """Drops finished rows: the last running rows fill their places; the state shrinks to the
-        smallest bucket holding the rest once nobody waits."""
+        """Drops finished rows: the last running rows fill their places (the state keeps its rows:
+        `_fit_rows`)."""
         live = [i for i, r in enumerate(self.running) if not r.finished]
         if len(live) < len(self.running):
             n = len(live)
@@ -333,11 +334,19 @@ class Engine:
                 self.state = self.moves.move(self.state, np.int32(src), np.int32(hole))
                 order[hole] = src
             self.running = [self.running[order[i]] for i in range(n)]
+
+    def _fit_rows(self) -> None:
+        """Before a dispatch, while nobody waits: the state shrinks to the smallest bucket holding the
+        running rows. Not earlier: a state whose rows all finished stays as large while the engine
+        idles (no round runs over it), so the next wave of arrivals, on a server whose clients send
+        again once answered, goes into its rows without growing it (growing zero-fills every row of
+        every cache)."""
         if not self.waiting and self._group is None:
-            self._resize_to(row_bucket(max(1, len(self.running)), self.buckets))
+            self._resize_to(row_bucket(len(self.running), self.buckets))
 
     # ---- rounds --------------------------------------------------------------------------------
     def _round(self, events):
+        self._fit_rows()
         n, rows = len(self.running), self.rows
         active = np.arange(rows) < n
         limits = np.zeros(rows, np.int32)
