@@ -439,3 +439,20 @@ def test_warm_up_times_rounds_on_scratch_states_ready_before_the_clock():
     assert len(runs) == TIMED_RUNS * 2 * 2 * 2       # runs x methods x dispatch sizes x buckets
     assert policy.round_s == {(m, b, k): 0.001 * (2 if m == "mtp" else 1)
                               for m in ("ar", "mtp") for b in (1, 4) for k in (1, 4)}
+
+
+def test_tau_averages_over_requests_lives_not_over_the_last_dispatch():
+    """8 rows served by mtp in 4-round dispatches, the requests admitted together: each wave keeps 4.3
+    tokens a row round mid-life and fewer in its last dispatches (a round's tokens past max_tokens are
+    not kept). tau stays within 5 % of the waves' mean whichever dispatch came last, so a method's
+    estimate does not swing with where the running requests are in their lives (with a window of 20 row
+    rounds it was the last dispatch's, 15 % under the mean after a wave's end)."""
+    policy = LoadPolicy({"ar": 1, "mtp": 4}, {"mtp": 3.0})
+    life = [(4, 32, 4.0), (4, 32, 4.3), (4, 32, 4.3), (4, 26, 3.5), (2, 5, 2.6)]    # rounds, row rounds, kept
+    mean = sum(rr * kept for _, rr, kept in life) / sum(rr for _, rr, _ in life)
+    seen = []
+    for wave in range(30):
+        for rounds, row_rounds, kept in life:
+            policy.observe("mtp", 8, rounds=rounds, seconds=0.04, row_rounds=row_rounds, committed=row_rounds * kept)
+            seen += [policy.tau["mtp"]] if wave >= 10 else []
+    assert max(abs(t / mean - 1) for t in seen) < 0.05, (min(seen), max(seen), mean)

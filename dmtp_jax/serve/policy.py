@@ -53,6 +53,8 @@ REFRESH_EVERY = 32      # choices between two refresh runs of another method
 PRIOR_ROW_ROUNDS = 4    # the row rounds a prior tau (a cached verdict, else slots / 2) weighs as; the
                         # prefill calls a prior request share (`admission_s`) weighs as
 TRUSTED_ROW_ROUNDS = 48 # measured row rounds below which a method's tau is refreshed before any stale time
+TAU_ROUNDS = 32         # rounds a tau averages over once measured (each row round weighs 1 / (this x the
+                        # dispatch's rows)), at any rows: a few requests' lives
 DISPATCH_S = 0.25       # the longest a multi-round dispatch may run by the estimate: what an arrival may wait
 SWITCH_MARGIN = 0.05    # another method replaces the one serving once its estimate is this much higher
 CONFIRM_AGE = 8         # choices after which a method's time at a bucket is re-taken before it replaces another
@@ -358,8 +360,9 @@ class LoadPolicy:
             if old and method != self._serving:
                 self._scale_other_sizes(method, bucket, rounds, self._round_s.get(key) / old)
             self._measured_at[(method, bucket)] = self.choices
-        if row_rounds > 0 and method != "ar":
-            self._tau[method].add(committed / row_rounds, row_rounds)     # one row round: one sample
+        if row_rounds > 0 and method != "ar":       # one row round: one sample
+            rows = max(1.0, row_rounds / max(1, rounds))
+            self._tau[method].add(committed / row_rounds, row_rounds, alpha=1.0 / (TAU_ROUNDS * rows))
             self._measured[method] += row_rounds
         last = self.last
         if rounds > 1 and not compiled and last["method"] == method and not last["refresh"] and last["rows"] > 0:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import collections
 import statistics
 
-ALPHA = 0.05            # a sample's weight once a mean holds 1 / ALPHA samples (tau: one row round a sample)
+ALPHA = 0.05            # a sample's weight once a mean holds 1 / ALPHA samples (by default)
 TIME_WINDOW = 5         # recent samples a time is the median of
 
 
 class RunningMean:
     """A mean over the first `1 / ALPHA` samples, an exponential average (weight ALPHA per sample)
-    after; `add(mean, count)` adds the mean of `count` samples, weighing as many.
+    after; `add(mean, count)` adds the mean of `count` samples, weighing as many; `alpha` replaces
+    ALPHA for those samples.
 
     Example:
         >>> m = RunningMean(); m.add(4.0); m.add(1.0); m.value
@@ -25,9 +26,9 @@ class RunningMean:
     def __init__(self, value: float | None = None, samples: int = 0):
         self.value, self.samples = value, samples
 
-    def add(self, sample: float, count: int = 1) -> None:
+    def add(self, sample: float, count: int = 1, alpha: float = ALPHA) -> None:
         self.samples += count
-        weight = max(1.0 - (1.0 - ALPHA) ** count, count / self.samples)
+        weight = max(1.0 - (1.0 - alpha) ** count, count / self.samples)
         self.value = sample if self.value is None else (1 - weight) * self.value + weight * sample
 
 
