@@ -456,3 +456,25 @@ def test_tau_averages_over_requests_lives_not_over_the_last_dispatch():
             policy.observe("mtp", 8, rounds=rounds, seconds=0.04, row_rounds=row_rounds, committed=row_rounds * kept)
             seen += [policy.tau["mtp"]] if wave >= 10 else []
     assert max(abs(t / mean - 1) for t in seen) < 0.05, (min(seen), max(seen), mean)
+
+
+def test_a_refresh_waits_for_a_choice_while_nobody_waits():
+    """mtp serves at 8 rows and arrivals often wait (one-round dispatches then). ar's refresh, once due,
+    waits for a choice while nobody waits and runs the 4-round dispatch its estimate uses, so that time
+    is re-measured rather than moved with a one-round one (whose host round trip weighs more under a
+    server's load)."""
+    policy = LoadPolicy({"ar": 1, "mtp": 4}, {"mtp": 4.0}, refresh_every=4, refresh_share=1.0)
+    policy.observe("mtp", 8, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4.0)     # trusted
+    for m, t in (("ar", 0.004), ("mtp", 0.012)):          # ar 2000 tok/s at 8 rows, mtp 2667
+        policy.observe(m, 8, rounds=1, seconds=1.5 * t, row_rounds=0, committed=0)
+        policy.observe(m, 8, rounds=4, seconds=4 * t, row_rounds=0, committed=0)
+    picks = []
+    for i in range(1, 13):
+        idle = i % 3 == 0                                   # nobody waits at choices 3, 6, 9, 12
+        m = policy.choose(8, 8, most=4, idle=idle)
+        k = policy.describe()["rounds"]
+        picks.append((i, m, k))
+        t = 0.004 if m == "ar" else 0.012
+        policy.observe(m, 8, rounds=k, seconds=k * t, row_rounds=8 * k, committed=8 * k * (1 if m == "ar" else 4))
+    refreshes = [p for p in picks if p[1] == "ar"]
+    assert refreshes and all(k == 4 and i % 3 == 0 for i, _, k in refreshes), picks

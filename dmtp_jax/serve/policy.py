@@ -11,8 +11,10 @@ near tie does not flip between methods every dispatch, and the other's time at t
 re-taken first (a confirming dispatch, run as a refresh) when it is older than `CONFIRM_AGE` choices:
 a round's time drifts with the rows it runs and in slow spells of the machine, so a time taken then
 is not compared with the serving method's live ones (a method not serving is timed in one dispatch
-size, mostly one round: its other sizes' times at the bucket move with that one's). Every
-`refresh_every` choices one other method runs: the one whose acceptance rests on the fewest row
+size, mostly one round: its other sizes' times at the bucket move with that one's). Once
+`refresh_every` choices have passed since the last refresh, at the next choice while nobody waits
+(so the refresh runs the dispatch its estimate uses, not one round because an arrival waits),
+one other method runs: the one whose acceptance rests on the fewest row
 rounds while that is under `TRUSTED_ROW_ROUNDS`, else the one timed longest ago among those whose
 refresh costs at most their part of `refresh_share` (split evenly among the other methods, so
 refreshes together stay within it) of the seconds served at the bucket since their last refresh
@@ -106,6 +108,7 @@ class LoadPolicy:
         self._realized: dict[tuple[str, int], Realization] = {}     # by (method, bucket)
         self._output_tokens = RunningMean()     # tokens a finished request generated
         self.choices = 0
+        self._refreshed_at = 0                  # the choice count of the last refresh (`refresh_every`)
         self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
         self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "rounds": 0,
                            "estimates": {}, "refresh": False, "confirm": False, "in_step": False, "served": False,
@@ -256,9 +259,11 @@ class LoadPolicy:
             in_step = self._in_step(method, self._serving, rows)
         else:
             best = self._best(est)
-            due = self.choices % self.refresh_every == 0
+            due = idle and self.choices - self._refreshed_at >= self.refresh_every
             stale = self._refresh_candidate(best, bucket, most) if due else None
-            if stale is None and self._unconfirmed(best, bucket):
+            if stale is not None:
+                self._refreshed_at = self.choices
+            elif self._unconfirmed(best, bucket):
                 stale, confirm = best, True
             if stale is not None:
                 held = self._serving if confirm else best
