@@ -51,7 +51,7 @@ import dataclasses
 from dmtp_jax.serve.prefill_share import PrefillShares
 from dmtp_jax.serve.stats import RecentMedians, RunningMean
 
-REFRESH_EVERY = 32      # choices between two refresh runs of another method
+REFRESH_EVERY = 32      # choices at least between two refresh runs of another method
 PRIOR_ROW_ROUNDS = 4    # the row rounds a prior tau (a cached verdict, else slots / 2) weighs as; the
                         # prefill calls a prior request share (`admission_s`) weighs as
 TRUSTED_ROW_ROUNDS = 48 # measured row rounds below which a method's tau is refreshed before any stale time
