@@ -24,7 +24,7 @@ refreshes stay within the share at every bucket, not spent all at once on a buck
 late); it runs the dispatch its estimate uses when that is no longer than the best method's, else
 one round (exploring a slow round costs little).
 So a dear refresh (a speculative round over many rows that first catches up the plain rounds' rows)
-is rare, and a cheap one runs every `refresh_every` choices. Over several rows, a timing or refresh
+is rare, and a cheap one runs about every `refresh_every` choices. Over several rows, a timing or refresh
 dispatch of a speculative method while plain rounds serve (or before any serves), and the dispatches
 of a speculative method chosen while its acceptance rests on fewer than `TRUSTED_ROW_ROUNDS` row
 rounds (a prior's), run one round in step: each row commits one token (`describe()["in_step"]`;

@@ -12,9 +12,9 @@ TIME_WINDOW = 5         # recent samples a time is the median of
 
 
 class RunningMean:
-    """A mean over the first `1 / ALPHA` samples, an exponential average (weight ALPHA per sample)
-    after; `add(mean, count)` adds the mean of `count` samples, weighing as many; `alpha` replaces
-    ALPHA for those samples.
+    """A mean over the first `1 / alpha` samples, an exponential average (weight `alpha` per sample,
+    `ALPHA` unless `add` is given another) after; `add(mean, count)` adds the mean of `count` samples,
+    weighing as many.
 
     Example:
         >>> m = RunningMean(); m.add(4.0); m.add(1.0); m.value
