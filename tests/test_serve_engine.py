@@ -184,7 +184,8 @@ def test_rounds_switched_every_step_equal_generate(auto, reference):
     assert engine.method == "auto" and set(engine.bank.methods) == {"ar", "dmtp", "mtp"}
     turns = itertools.cycle(engine.bank.methods)
     real_choose = engine.policy.choose
-    engine.policy.choose = lambda rows, bucket, most=1, idle=True: (real_choose(rows, bucket, most, idle), next(turns))[1]
+    engine.policy.choose = lambda rows, bucket, most=1, idle=True, held=None: (
+        real_choose(rows, bucket, most, idle, held), next(turns))[1]
     leans = itertools.cycle(["ar", "dmtp"])      # admissions alternate lean and full prefills
     engine.policy.best = lambda rows, bucket, most=1: next(leans)
     reqs = [engine.add(Request(p, m)) for p, m in zip(PROMPTS[:2], MAX_TOKENS[:2])]
@@ -226,8 +227,8 @@ def test_in_step_dispatches_keep_rows_in_step(auto, reference):
     turns = itertools.cycle(["ar", "dmtp", "mtp"])
     real_choose, real_observe = engine.policy.choose, engine.policy.observe
 
-    def in_step(rows, bucket, most=1, idle=True):
-        real_choose(rows, bucket, most, idle)
+    def in_step(rows, bucket, most=1, idle=True, held=None):
+        real_choose(rows, bucket, most, idle, held)
         method = next(turns)
         engine.policy.last.update(method=method, rounds=1, in_step=method != "ar")
         return method

@@ -353,7 +353,8 @@ class Engine:
         limits[:n] = [len(r.prompt_ids) + r.max_tokens for r in self.running]
         sp, greedy = row_sampling(self.running, rows, self.max_top_k)
         idle = not self.waiting and self._group is None
-        method = self.policy.choose(n, rows, self.rounds_per_dispatch, idle=idle)
+        method = self.policy.choose(n, rows, self.rounds_per_dispatch, idle=idle,
+                                    held=self._rows_to_come(0 if self._group is None else len(self._group.reqs)))
         choice = self.policy.describe()
         k, cap = choice["rounds"], 0 if choice["in_step"] else None
         stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if k > 1 else ()

@@ -42,25 +42,25 @@ class Histogram:
 
 
 def choice_lines(choice: dict, prefix: str = "dmtp") -> list[str]:
-    """The engine's current round choice (`Engine.choice`): the method and why, the rows and bucket, and
-    each method's live tau and estimated tokens/s.
+    """The engine's current round choice (`Engine.choice`): the method and why, the rows, load and
+    bucket, and each method's live tau and estimated tokens/s (at the load).
 
     Example:
         >>> print("\\n".join(choice_lines({"method": "ar", "why": "highest estimated tok/s", "rows": 3,
-        ...     "bucket": 4, "estimates": {"ar": 90.0}, "tau": {"ar": 1.0}})[2:3]))
-        dmtp_engine_choice{method="ar",why="highest estimated tok/s",rows="3",bucket="4"} 1
+        ...     "load": 4, "bucket": 4, "estimates": {"ar": 90.0}, "tau": {"ar": 1.0}})[2:3]))
+        dmtp_engine_choice{method="ar",why="highest estimated tok/s",rows="3",load="4",bucket="4"} 1
     """
     if not choice.get("method"):
         return []
     out = [f"# HELP {prefix}_engine_choice the round the engine runs now, why, and for how many rows",
            f"# TYPE {prefix}_engine_choice gauge",
            f'{prefix}_engine_choice{{method="{choice["method"]}",why="{choice["why"]}",rows="{choice["rows"]}",'
-           f'bucket="{choice["bucket"]}"}} 1',
+           f'load="{choice.get("load", choice["rows"])}",bucket="{choice["bucket"]}"}} 1',
            f"# HELP {prefix}_engine_tau tokens a row commits per round of each method, measured live",
            f"# TYPE {prefix}_engine_tau gauge"]
     out += [f'{prefix}_engine_tau{{method="{m}"}} {t}' for m, t in choice.get("tau", {}).items()]
     out += [f"# HELP {prefix}_engine_estimated_tokens_per_second each method's estimated output tok/s at the "
-            "current rows", f"# TYPE {prefix}_engine_estimated_tokens_per_second gauge"]
+            "load (the most requests held at once of late)", f"# TYPE {prefix}_engine_estimated_tokens_per_second gauge"]
     out += [f'{prefix}_engine_estimated_tokens_per_second{{method="{m}"}} {v}'
             for m, v in choice.get("estimates", {}).items()]
     return out

@@ -1,7 +1,9 @@
-"""Which round the engine runs next: the method of the highest estimated output tokens/s at the live
-batch: one over its seconds per token, `(round_s(method, bucket, K) + host_s(bucket)) / (rows x
-tau(method) x occupancy x realized)` (`realized`: what its served dispatches realized of that
-modelled rounds' rate) plus a request's prefill over its tokens (`admission_s`), all measured live (tau: the
+"""Which round the engine runs next: the method of the highest estimated output tokens/s at the
+load: one over its seconds per token, `(round_s(method, bucket, K) + host_s(bucket)) / (load x
+tau(method) x occupancy x realized)` (`load`: the most requests the engine held at once over the last
+`LOAD_CHOICES` choices, within the running rows and the bucket; `realized`: what its served
+dispatches realized of that modelled rounds' rate, rows left waiting for their next request
+included) plus a request's prefill over its tokens (`admission_s`), all measured live (tau: the
 tokens requests keep per row round; docs/serving.md; warm-up gives each round time its first
 sample). A round's time is kept per dispatch size K (rounds per dispatch), and each method is
 estimated at the K it would run, so a method run mostly in K-round dispatches is not compared with
@@ -46,6 +48,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from dmtp_jax.serve.prefill_share import PrefillShares
@@ -68,6 +71,7 @@ REALIZED_WEIGHT = 0.02      # one served dispatch's weight in it (a window of a 
 REALIZED_SPAN = 0.5         # what it realized counts within 1 -/+ this
 REALIZED_FORGET = 4         # a method's is forgotten once others served at its bucket this many times the
                             # seconds `REALIZED_DISPATCHES` of its dispatches take (a retry: at most 1 / 5 of them)
+LOAD_CHOICES = 16            # choices over which the load is the most requests the engine held at once
 
 
 @dataclasses.dataclass
@@ -108,6 +112,7 @@ class LoadPolicy:
         self._realized: dict[tuple[str, int], Realization] = {}     # by (method, bucket)
         self._output_tokens = RunningMean()     # tokens a finished request generated
         self.choices = 0
+        self._held: collections.deque[int] = collections.deque(maxlen=LOAD_CHOICES)  # requests held at recent choices
         self._refreshed_at = 0                  # the choice count of the last refresh (`refresh_every`)
         self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
         self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "rounds": 0,
@@ -154,7 +159,7 @@ class LoadPolicy:
 
     def realized(self, method: str, bucket: int) -> float:
         """How much of its modelled rounds' rate `method` realized while it served at `bucket`: the
-        modelled round seconds of the tokens its dispatches committed over the engine's busy seconds
+        modelled round seconds (at the load) of the tokens its dispatches committed over the engine's busy seconds
         they took outside admissions (row moves, catch-ups and the host's work between them included;
         exponential sums, each dispatch weighing `REALIZED_WEIGHT`), within [1 - `REALIZED_SPAN`, 1 +
         `REALIZED_SPAN`]; 1 until `REALIZED_DISPATCHES` dispatches are counted (`observe_served`). What
@@ -241,13 +246,17 @@ class LoadPolicy:
             return held
         return best
 
-    def choose(self, rows: int, bucket: int, most: int = 1, idle: bool = True) -> str:
-        """The method of the next dispatch of at most `most` rounds (see the module docstring); one
-        round unless `idle` (nobody waits), the methods still compared at `most`: what a method loses
-        to dispatches cut short by arrivals (its rows ending at different rounds, their successors
-        arriving one by one) is in what it `realized`."""
+    def choose(self, rows: int, bucket: int, most: int = 1, idle: bool = True, held: int | None = None) -> str:
+        """The method of the next dispatch of at most `most` rounds over `rows` running rows (see the
+        module docstring); one round unless `idle` (nobody waits), the methods still compared at
+        `most`. `held`: the requests the engine holds (running, being admitted or waiting; default
+        `rows`). The methods are compared at the load (`_load`), not at `rows`: what a method loses to rows
+        that wait for their next request (its rows ending at different rounds, their successors
+        arriving one by one, each while a dispatch runs) or to dispatches cut short by arrivals is in
+        what it `realized`."""
         self.choices += 1
-        per_token = self._per_token(rows, bucket, most)
+        load = self._load(rows, bucket, held)
+        per_token = self._per_token(load, bucket, most)
         est = self._estimated(per_token, bucket)
         untimed = [m for m in self.slots if not self.timed(m, bucket)]
         rounds, refresh, confirm, in_step, served = 1, False, False, False, False     # a timing dispatch: one round
@@ -280,10 +289,21 @@ class LoadPolicy:
                 self._serving = best
         rounds = rounds if idle else 1
         rounds_s = per_token.get(method, (0.0, 0.0))[0]     # modelled, per token
-        self.last = {"method": method, "why": why, "rows": rows, "bucket": bucket, "rounds": rounds, "estimates": est,
+        self.last = {"method": method, "why": why, "rows": rows, "load": load, "bucket": bucket, "rounds": rounds,
+                     "estimates": est,
                      "tau": self.tau, "refresh": refresh, "confirm": confirm, "in_step": in_step, "served": served,
                      "rounds_rate": 1.0 / rounds_s if rounds_s > 0 else None}
         return method
+
+    def _load(self, rows: int, bucket: int, held: int | None = None) -> int:
+        """The rows the methods are compared at: the most requests the engine held at once over the
+        last `LOAD_CHOICES` choices (this one's `held`, default `rows`, included), within [`rows`,
+        `bucket`]. Under a steady load that is every client's request: a row whose request ended
+        still counts while its client's next one is on its way, so a method whose rows end at
+        different rounds, each waiting out a dispatch for its successor, realizes less of its model
+        than plain rounds whose rows end, and are refilled, together."""
+        self._held.append(max(rows, rows if held is None else int(held)))
+        return max(rows, min(bucket, max(self._held)))
 
     def _unconfirmed(self, best: str, bucket: int) -> bool:
         """Whether `best` would replace the method serving on a time at `bucket` older than `CONFIRM_AGE`
@@ -412,6 +432,6 @@ class LoadPolicy:
         self._host_s.add(bucket, max(0.0, seconds))
 
     def describe(self) -> dict:
-        """The last choice: method, why, rows, bucket, rounds (the dispatch's), each method's tau and
-        estimated tok/s."""
+        """The last choice: method, why, rows, load, bucket, rounds (the dispatch's), each method's tau
+        and estimated tok/s (at the load)."""
         return dict(self.last)
