@@ -132,3 +132,24 @@ def test_rows_that_wait_for_their_next_request_count_against_what_a_method_reali
             policy.observe_served("mtp", 8, rows * 4, 0.010)
     assert chosen == ["mtp"] * REALIZED_DISPATCHES + ["ar"], chosen
     assert policy.realized("mtp", 8) == 1 - REALIZED_SPAN
+
+
+def test_occupancy_is_taken_against_the_load_and_speculative_methods_share_it():
+    """mtp serves 4-round dispatches at 8 rows in a closed loop of 8 clients: its rows end at
+    different rounds and wait for their successors, so its dispatches run 8, 6, 6, 6 rows in turn.
+    Its occupancy is taken against the load (8), not the rows running at the choice, so it falls
+    toward their mean, 0.81; dmtp, never served there, starts from it (its rows would wait alike);
+    ar's stays 1. Before, every sample was 1 (the rows ran every round of their dispatch)."""
+    policy = LoadPolicy({"ar": 1, "mtp": 5, "dmtp": 8}, {"mtp": 4.0, "dmtp": 4.0}, refresh_every=10_000)
+    for method in ("mtp", "dmtp"):
+        policy.observe(method, 8, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4)    # trusted
+    for method, seconds in (("ar", 0.010), ("mtp", 0.012), ("dmtp", 0.050)):
+        for k in (1, 4):
+            policy.observe(method, 8, rounds=k, seconds=k * seconds, row_rounds=0, committed=0)
+    for i in range(60):
+        rows = 8 if i % 4 == 0 else 6
+        assert policy.choose(rows, 8, most=4) == "mtp" and policy.describe()["rounds"] == 4
+        policy.observe("mtp", 8, rounds=4, seconds=0.048, row_rounds=4 * rows, committed=16 * rows)
+    assert abs(policy.occupancy("mtp", 8, most=4) - 0.8125) < 0.02, policy.occupancy("mtp", 8, most=4)
+    assert policy.occupancy("dmtp", 8, most=4) == policy.occupancy("mtp", 8, most=4)
+    assert policy.occupancy("ar", 8, most=4) == 1.0

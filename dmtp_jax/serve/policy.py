@@ -1,9 +1,9 @@
 """Which round the engine runs next: the method of the highest estimated output tokens/s at the
 load: one over its seconds per token, `(round_s(method, bucket, K) + host_s(bucket)) / (load x
 tau(method) x occupancy x realized)` (`load`: the most requests the engine held at once over the last
-`LOAD_CHOICES` choices, within the running rows and the bucket; `realized`: what its served
-dispatches realized of that modelled rounds' rate, rows left waiting for their next request
-included) plus a request's prefill over its tokens (`admission_s`), all measured live (tau: the
+`LOAD_CHOICES` choices, within the running rows and the bucket; `occupancy`: the share of the load's
+row rounds its K-round dispatches run, rows left waiting for their next request included;
+`realized`: what its served dispatches realized of that modelled rounds' rate) plus a request's prefill over its tokens (`admission_s`), all measured live (tau: the
 tokens requests keep per row round; docs/serving.md; warm-up gives each round time its first
 sample). A round's time is kept per dispatch size K (rounds per dispatch), and each method is
 estimated at the K it would run, so a method run mostly in K-round dispatches is not compared with
@@ -115,7 +115,7 @@ class LoadPolicy:
         self._held: collections.deque[int] = collections.deque(maxlen=LOAD_CHOICES)  # requests held at recent choices
         self._refreshed_at = 0                  # the choice count of the last refresh (`refresh_every`)
         self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
-        self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "bucket": 0, "rounds": 0,
+        self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "load": 0, "bucket": 0, "rounds": 0,
                            "estimates": {}, "refresh": False, "confirm": False, "in_step": False, "served": False,
                            "rounds_rate": None}
 
@@ -190,13 +190,15 @@ class LoadPolicy:
                 for m, t in times.items()}
 
     def occupancy(self, method: str, bucket: int, most: int = 1) -> float:
-        """The share of a dispatch's row rounds that its rows run when `method` serves at `bucket` in the
-        dispatch it would run: 1 for one round; for K rounds a row that ends mid-dispatch idles to its
-        end (the dispatch stops once no row runs). A running mean over the K-round dispatches it
-        served there (`observe`), before any, weighing as `PRIOR_ROW_ROUNDS` of them: 1 for plain
-        rounds and on one row (rows that began together end together), else a request's rounds
-        (its tokens over tau) over those plus the (K - 1) / 2 rounds its row idles on average at its
-        end (speculative rows end at different rounds)."""
+        """The share of the load's row rounds (`_load`: K x the load per dispatch) that a dispatch's rows
+        run when `method` serves at `bucket` in the dispatch it would run: 1 for one round; for K
+        rounds a row that ends mid-dispatch idles to its end (the dispatch stops once no row runs),
+        and a row whose request ended waits for its client's next one. A running mean over the
+        K-round dispatches it served there (`observe`), before any, weighing as `PRIOR_ROW_ROUNDS` of
+        them: 1 for plain rounds and on one row (rows that began together end together), else the
+        lower of a request's rounds (its tokens over tau) over those plus the (K - 1) / 2 rounds its
+        row idles on average at its end (speculative rows end at different rounds) and the mean of
+        the other speculative methods' measured there (their rows wait for their successors alike)."""
         k = self.rounds(method, bucket, most)
         if k == 1:
             return 1.0
@@ -211,6 +213,10 @@ class LoadPolicy:
             if self.slots[method] > 1 and bucket > 1 and self._output_tokens.value is not None:
                 per_request = max(1.0, self._output_tokens.value / self._tau[method].value)
                 prior = per_request / (per_request + (k - 1) / 2)
+            seen = [o.value for (m, b), o in self._occupancies.items()
+                    if b == bucket and m != method and self.slots[m] > 1 and o.samples > PRIOR_ROW_ROUNDS]
+            if self.slots[method] > 1 and seen:
+                prior = min(prior, sum(seen) / len(seen))
             mean = self._occupancies[(method, bucket)] = RunningMean(prior, PRIOR_ROW_ROUNDS)
         return mean
 
@@ -391,7 +397,7 @@ class LoadPolicy:
             self._measured[method] += row_rounds
         last = self.last
         if rounds > 1 and not compiled and last["method"] == method and not last["refresh"] and last["rows"] > 0:
-            self._occupancy(method, bucket, rounds).add(row_rounds / (last["rows"] * rounds))
+            self._occupancy(method, bucket, rounds).add(row_rounds / (max(last["rows"], last["load"]) * rounds))
 
     def observe_served(self, method: str, bucket: int, tokens: int, seconds: float) -> None:
         """The last choice's dispatch of `method` at `bucket` rows committed `tokens` kept tokens in
