@@ -60,7 +60,8 @@ def choice_lines(choice: dict, prefix: str = "dmtp") -> list[str]:
            f"# TYPE {prefix}_engine_tau gauge"]
     out += [f'{prefix}_engine_tau{{method="{m}"}} {t}' for m, t in choice.get("tau", {}).items()]
     out += [f"# HELP {prefix}_engine_estimated_tokens_per_second each method's estimated output tok/s at the "
-            "load (the most requests held at once of late)", f"# TYPE {prefix}_engine_estimated_tokens_per_second gauge"]
+            "load (the most requests held at once of late)",
+            f"# TYPE {prefix}_engine_estimated_tokens_per_second gauge"]
     out += [f'{prefix}_engine_estimated_tokens_per_second{{method="{m}"}} {v}'
             for m, v in choice.get("estimates", {}).items()]
     return out

@@ -3,7 +3,8 @@ load: one over its seconds per token, `(round_s(method, bucket, K) + host_s(buck
 tau(method) x occupancy x realized)` (`load`: the most requests the engine held at once over the last
 `LOAD_CHOICES` choices, within the running rows and the bucket; `occupancy`: the share of the load's
 row rounds its K-round dispatches run, rows left waiting for their next request included;
-`realized`: what its served dispatches realized of that modelled rounds' rate) plus a request's prefill over its tokens (`admission_s`), all measured live (tau: the
+`realized`: what its served dispatches realized of that modelled rounds' rate) plus a request's
+prefill over its tokens (`admission_s`), all measured live (tau: the
 tokens requests keep per row round; docs/serving.md; warm-up gives each round time its first
 sample). A round's time is kept per dispatch size K (rounds per dispatch), and each method is
 estimated at the K it would run, so a method run mostly in K-round dispatches is not compared with
@@ -159,8 +160,8 @@ class LoadPolicy:
 
     def realized(self, method: str, bucket: int) -> float:
         """How much of its modelled rounds' rate `method` realized while it served at `bucket`: the
-        modelled round seconds (at the load) of the tokens its dispatches committed over the engine's busy seconds
-        they took outside admissions (row moves, catch-ups and the host's work between them included;
+        modelled round seconds (at the load) of the tokens its dispatches committed over the engine's
+        busy seconds they took outside admissions (row moves, catch-ups and the host's work between them included;
         exponential sums, each dispatch weighing `REALIZED_WEIGHT`), within [1 - `REALIZED_SPAN`, 1 +
         `REALIZED_SPAN`]; 1 until `REALIZED_DISPATCHES` dispatches are counted (`observe_served`). What
         the rounds' model leaves out or gets wrong (dispatches cut short by arrivals, a busy host) it
@@ -190,7 +191,7 @@ class LoadPolicy:
                 for m, t in times.items()}
 
     def occupancy(self, method: str, bucket: int, most: int = 1) -> float:
-        """The share of the load's row rounds (`_load`: K x the load per dispatch) that a dispatch's rows
+        """The share of the row rounds a dispatch offers the load (K x the load, `_load`) that its rows
         run when `method` serves at `bucket` in the dispatch it would run: 1 for one round; for K
         rounds a row that ends mid-dispatch idles to its end (the dispatch stops once no row runs),
         and a row whose request ended waits for its client's next one. A running mean over the
@@ -256,10 +257,10 @@ class LoadPolicy:
         """The method of the next dispatch of at most `most` rounds over `rows` running rows (see the
         module docstring); one round unless `idle` (nobody waits), the methods still compared at
         `most`. `held`: the requests the engine holds (running, being admitted or waiting; default
-        `rows`). The methods are compared at the load (`_load`), not at `rows`: what a method loses to rows
-        that wait for their next request (its rows ending at different rounds, their successors
-        arriving one by one, each while a dispatch runs) or to dispatches cut short by arrivals is in
-        what it `realized`."""
+        `rows`). The methods are compared at the load (`_load`), not at `rows`: what a method loses
+        to rows that wait for their next request (its rows ending at different rounds, their
+        successors arriving one by one, each while a dispatch runs) is in its `occupancy` and what it
+        `realized`, and what it loses to dispatches cut short by arrivals in what it `realized`."""
         self.choices += 1
         load = self._load(rows, bucket, held)
         per_token = self._per_token(load, bucket, most)
@@ -306,8 +307,8 @@ class LoadPolicy:
         last `LOAD_CHOICES` choices (this one's `held`, default `rows`, included), within [`rows`,
         `bucket`]. Under a steady load that is every client's request: a row whose request ended
         still counts while its client's next one is on its way, so a method whose rows end at
-        different rounds, each waiting out a dispatch for its successor, realizes less of its model
-        than plain rounds whose rows end, and are refilled, together."""
+        different rounds, each waiting out a dispatch for its successor, serves fewer of the load's
+        rows than plain rounds, whose rows end, and are refilled, together."""
         self._held.append(max(rows, rows if held is None else int(held)))
         return max(rows, min(bucket, max(self._held)))
 
