@@ -55,7 +55,7 @@ def choice_lines(choice: dict, prefix: str = "dmtp") -> list[str]:
     out = [f"# HELP {prefix}_engine_choice the round the engine runs now, why, and for how many rows",
            f"# TYPE {prefix}_engine_choice gauge",
            f'{prefix}_engine_choice{{method="{choice["method"]}",why="{choice["why"]}",rows="{choice["rows"]}",'
-           f'load="{choice.get("load", choice["rows"])}",bucket="{choice["bucket"]}"}} 1',
+           f'load="{choice["load"]}",bucket="{choice["bucket"]}"}} 1',
            f"# HELP {prefix}_engine_tau tokens a row commits per round of each method, measured live",
            f"# TYPE {prefix}_engine_tau gauge"]
     out += [f'{prefix}_engine_tau{{method="{m}"}} {t}' for m, t in choice.get("tau", {}).items()]

@@ -211,13 +211,14 @@ class LoadPolicy:
         mean = self._occupancies.get((method, bucket))
         if mean is None or mean.samples == PRIOR_ROW_ROUNDS:
             prior = 1.0
-            if self.slots[method] > 1 and bucket > 1 and self._output_tokens.value is not None:
-                per_request = max(1.0, self._output_tokens.value / self._tau[method].value)
-                prior = per_request / (per_request + (k - 1) / 2)
-            seen = [o.value for (m, b), o in self._occupancies.items()
-                    if b == bucket and m != method and self.slots[m] > 1 and o.samples > PRIOR_ROW_ROUNDS]
-            if self.slots[method] > 1 and seen:
-                prior = min(prior, sum(seen) / len(seen))
+            if self.slots[method] > 1 and bucket > 1:
+                if self._output_tokens.value is not None:
+                    per_request = max(1.0, self._output_tokens.value / self._tau[method].value)
+                    prior = per_request / (per_request + (k - 1) / 2)
+                seen = [o.value for (m, b), o in self._occupancies.items()
+                        if b == bucket and m != method and self.slots[m] > 1 and o.samples > PRIOR_ROW_ROUNDS]
+                if seen:
+                    prior = min(prior, sum(seen) / len(seen))
             mean = self._occupancies[(method, bucket)] = RunningMean(prior, PRIOR_ROW_ROUNDS)
         return mean
 
@@ -282,12 +283,12 @@ class LoadPolicy:
             elif self._unconfirmed(best, bucket):
                 stale, confirm = best, True
             if stale is not None:
-                held = self._serving if confirm else best
+                incumbent = self._serving if confirm else best
                 method, refresh = stale, True
-                why = (f"confirming {stale}'s estimate before it replaces {held}" if confirm
+                why = (f"confirming {stale}'s estimate before it replaces {incumbent}" if confirm
                        else f"refreshing {stale}'s estimate at {bucket} rows")
-                rounds = self._refresh_rounds(stale, held, bucket, most, rows)
-                in_step = self._in_step(stale, held, rows)
+                rounds = self._refresh_rounds(stale, incumbent, bucket, most, rows)
+                in_step = self._in_step(stale, incumbent, rows)
             else:
                 method, why = best, "highest estimated tok/s"
                 in_step = rows > 1 and self.slots[best] > 1 and self._measured[best] < TRUSTED_ROW_ROUNDS
@@ -398,7 +399,7 @@ class LoadPolicy:
             self._measured[method] += row_rounds
         last = self.last
         if rounds > 1 and not compiled and last["method"] == method and not last["refresh"] and last["rows"] > 0:
-            self._occupancy(method, bucket, rounds).add(row_rounds / (max(last["rows"], last["load"]) * rounds))
+            self._occupancy(method, bucket, rounds).add(row_rounds / (last["load"] * rounds))     # load >= rows
 
     def observe_served(self, method: str, bucket: int, tokens: int, seconds: float) -> None:
         """The last choice's dispatch of `method` at `bucket` rows committed `tokens` kept tokens in
