@@ -107,22 +107,23 @@ def test_continuous_batching_equals_generate(decoder, reference):
 
 
 def test_a_state_whose_rows_all_finished_keeps_them_until_a_dispatch_runs_fewer(decoder, reference):
-    """A wave whose rows all finish leaves the state as large while nobody runs: the next wave goes into
-    its rows without growing it (growing zero-fills every cache), and the first dispatch over fewer rows
-    shrinks it; outputs stay `generate`'s."""
+    """A first wave's prefill group becomes the running state (no resize, no copy); once its rows all
+    finish the state stays as large while nobody runs: a smaller wave goes into its rows without
+    growing it (growing zero-fills every cache), and the first dispatch over fewer rows shrinks it;
+    outputs stay `generate`'s."""
     engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
     resizes, real = [], engine.moves.resize
     engine.moves.resize = lambda state, rows: (resizes.append(rows), real(state, rows))[1]
     first = [engine.add(Request(p, 1)) for p in PROMPTS[:3]]      # one token each: done once admitted
     run(engine)
-    assert resizes == [4] and engine.rows == 4
-    second = [engine.add(Request(p, 1)) for p in PROMPTS[1:4]]
+    assert resizes == [] and engine.rows == 4
+    second = [engine.add(Request(PROMPTS[3], 1))]                 # a 2-row group into the 4-row state
     run(engine)
-    assert resizes == [4] and engine.rows == 4
-    assert [r.output_ids for r in first + second] == [ref[:1] for ref in reference[:3] + reference[1:4]]
+    assert resizes == [] and engine.rows == 4
+    assert [r.output_ids for r in first + second] == [ref[:1] for ref in reference[:4]]
     last = engine.add(Request(PROMPTS[0], MAX_TOKENS[0]))
     run(engine)
-    assert resizes == [4, 2] and engine.rows == 2 and last.output_ids == reference[0]
+    assert resizes == [2] and engine.rows == 2 and last.output_ids == reference[0]
 
 
 def test_prefix_cache_on_a_dense_target_equals_generate(decoder, reference):

@@ -1,7 +1,8 @@
 """Batched admission: waiting prompts prefilled together, shorter ones padded to the group's longest.
 
-`form_group` picks the requests to prefill next (as many as the measured prefill call times, by
-(row bucket, chunk width, lean), say are cheapest per request); `PrefillGroup` runs their prefill chunk by chunk on a
+`form_group` picks the requests to prefill next (short and long prompts apart when the measured
+prefill call times, by (row bucket, chunk width, lean), say that admits them all sooner; as many as
+those times say are cheapest per request); `PrefillGroup` runs their prefill chunk by chunk on a
 compiled row bucket, and the engine scatters the finished rows into the running state
 (`rows.put_rows`). A request whose group prefill failed is retried alone (`solo`). `start_of` is
 the one place a request's starting state and position are chosen (fresh, or a prefix cache hit)."""
@@ -127,13 +128,66 @@ def cheapest_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk:
     return best
 
 
+def prefill_s(reqs: list[Request], buckets: tuple[int, ...], prefill_chunk: int, times: RecentMedians | None,
+              lean: bool = False) -> float | None:
+    """The measured seconds (`call_s`) of prefilling `reqs` in order as successive `cheapest_part`
+    groups, each as wide as its widest prompt; None while a time it needs is unmeasured.
+
+    Example:
+        >>> t = RecentMedians(); t.add((1, 64, False), 0.01); t.add((8, 64, False), 0.04); t.add((8, 128, False), 0.1)
+        >>> prefill_s([Request([1] * 10, 4)] * 6, (1, 8), 512, t), prefill_s([Request([1] * 100, 4)], (1, 8), 512, t)
+        (0.04, None)
+    """
+    total = 0.0
+    while reqs:
+        part = cheapest_part(reqs, buckets, prefill_chunk, times, lean)
+        seconds = call_s(times, row_bucket(len(part), buckets),
+                         chunk_length(max(prompt_bucket(r) for r in part), prefill_chunk), lean)
+        if seconds is None:
+            return None
+        total, reqs = total + seconds, reqs[len(part):]
+    return total
+
+
+def width_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk: int,
+               times: RecentMedians | None, lean: bool = False) -> list[Request]:
+    """The requests of `group` (oldest first) to prefill before the others: split at a chunk width
+    `w`, the side of the oldest request (prompts at most `w` wide, or wider), at the `w` for which
+    prefilling the two sides one after the other takes the least measured time (`prefill_s`); the
+    whole group unless that is `SPLIT_MARGIN` faster than prefilling it as it is, or while a time
+    it needs is unmeasured. A short prompt padded to a long one's width costs that width: a burst of
+    short prompts with two long ones goes as the short ones and the long ones apart, not all as wide
+    as a static batch would.
+
+    Example:
+        >>> t = RecentMedians(); t.add((1, 64, False), 0.01); t.add((1, 128, False), 0.02)
+        >>> t.add((8, 64, False), 0.04); t.add((8, 128, False), 0.1)
+        >>> burst = [Request([1] * n, 4) for n in (10, 100, 10, 10, 10, 100, 10, 10)]
+        >>> [len(r.prompt_ids) for r in width_part(burst, (1, 8), 512, t)]
+        [10, 10, 10, 10, 10, 10]
+        >>> [len(r.prompt_ids) for r in width_part(burst[1:], (1, 8), 512, t)], len(width_part(burst, (1, 8), 512, None))
+        ([100, 100], 8)
+    """
+    widths = [chunk_length(prompt_bucket(r), prefill_chunk) for r in group]
+    best, best_s = group, prefill_s(group, buckets, prefill_chunk, times, lean)
+    if best_s is None:
+        return group
+    for w in sorted(set(widths))[:-1]:
+        sides = ([r for r, x in zip(group, widths) if x <= w], [r for r, x in zip(group, widths) if x > w])
+        seconds = [prefill_s(side, buckets, prefill_chunk, times, lean) for side in sides]
+        if None not in seconds and sum(seconds) < (1 - SPLIT_MARGIN) * best_s:
+            best, best_s = sides[widths[0] > w], sum(seconds)
+    return best
+
+
 def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefill_chunk: int,
                solo: set, cache=None, times: RecentMedians | None = None, lean: bool = False) -> list[Request]:
     """The requests to prefill together next (oldest first; empty when none can start): the oldest
     admissible request, then others while row bucket x the chunk width of the group's longest prompt
     bucket stays within `budget` tokens (a burst of arrivals is one prefill, as a static batch's, short
-    prompts padded to the longest), cut to its `cheapest_part` by the prefill `times` (`lean`: of lean
-    calls, where measured). A request in `solo` or starting from a stored state goes alone."""
+    prompts padded to the longest), cut by the prefill `times` (`lean`: of lean calls, where measured)
+    to the prompts of the oldest's width side (`width_part`) and then to its `cheapest_part`. A request in `solo` or
+    starting from a stored state goes alone."""
     group: list[Request] = []
     for req in waiting:
         if len(group) >= free:
@@ -146,6 +200,8 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
         group.append(req)
         if alone:
             break
+    if len(group) > 1:
+        group = width_part(group, buckets, prefill_chunk, times, lean)
     return cheapest_part(group, buckets, prefill_chunk, times, lean)
 
 

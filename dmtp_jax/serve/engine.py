@@ -270,12 +270,14 @@ class Engine:
 
     def _insert(self, group: PrefillGroup, events) -> None:
         """The group's rows into the running state (grown to a bucket that holds them, never shrunk
-        here: `_fit_rows`), first tokens committed; cancelled requests' rows are dropped. A group that
-        fills a bucket on an empty engine whose state is no larger becomes the running state (no copy)."""
+        here: `_fit_rows`), first tokens committed; cancelled requests' rows are dropped. On an empty
+        engine whose state is no larger, a group none of whose requests was cancelled becomes the
+        running state (no copy) when its row bucket is the one its requests need: its padding rows
+        idle as a finished request's row does."""
         keep = [i for i, r in enumerate(group.reqs) if not r.cancelled]
         need = len(self.running) + len(keep)
-        fills = need == group.rows == row_bucket(need, self.buckets)      # a resumed request's group has 1 row
-        if not self.running and fills and group.rows >= self.rows and group.owned and same_shardings(
+        fits = len(keep) == len(group.reqs) and group.rows == row_bucket(need, self.buckets)
+        if not self.running and fits and group.rows >= self.rows and group.owned and same_shardings(
                 group.state, self.state):
             self.state = group.state
         else:
