@@ -90,6 +90,7 @@ class Engine:
         prior = {m: x.get("tau_per_verify") for m, x in (self.verdict.measured if self.verdict else {}).items()}
         self.policy = LoadPolicy(self.bank.slots, {m: t for m, t in prior.items() if t})
         self.prefill_times = RecentMedians()        # one-call prefill seconds by (row bucket, chunk width, lean)
+        self.warm_prefills: set[tuple] = set()      # its keys warm-up timed (live calls leave them: `_admit`)
         self.max_len = round_up(self.max_model_len + self.bank.max_slots, 128)
         self.prefill_budget = int(prefill_budget or PREFILL_BUDGET_CHUNKS * self.bank.prefill_chunk)
         self.burst_budget = int(burst_budget or max(self.prefill_budget, self.max_batch_size * BURST_PROMPT_TOKENS))
@@ -258,8 +259,9 @@ class Engine:
                 if not group.step(self.bank):
                     continue
                 if group.calls == 1 and self.bank.prefill_step.compiles == compiles:    # its results are back
-                    seconds = time.perf_counter() - start
-                    self.prefill_times.add((group.rows, group.width, group.lean), seconds)
+                    seconds, key = time.perf_counter() - start, (group.rows, group.width, group.lean)
+                    if key not in self.warm_prefills:   # group sizes rest on times taken alike (docs/serving.md)
+                        self.prefill_times.add(key, seconds)
                     self.policy.observe_prefill(group.lean, group.rows, len(group.reqs), seconds,
                                                 row_bucket(self._rows_to_come(len(group.reqs)), self.buckets))
                 self._group = None

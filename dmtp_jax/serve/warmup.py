@@ -24,8 +24,8 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
     buckets, and the prefill of every prompt bucket (`every_bucket`; else the shortest) at every
     row bucket the burst budget admits, full and, where the bank can, lean (`lean_variants`), each
     one-call greedy prefill timed once compiled, the median of `TIMED_RUNS` calls
-    (`Engine.prefill_times`, which sizes the prefill groups; the shortest bucket's are the policy's
-    table, `LoadPolicy.time_prefill`)."""
+    (`Engine.prefill_times`, which sizes the prefill groups, kept as timed here: `Engine.warm_prefills`;
+    the shortest bucket's are the policy's table, `LoadPolicy.time_prefill`)."""
     top = next_pow2(engine.max_model_len - 1, PROMPT_BUCKET_FLOOR) if every_bucket else PROMPT_BUCKET_FLOOR
     dispatches = sorted({1, engine.rounds_per_dispatch})
     temperatures = (0.0, 1.0) if sampled else (0.0,)
@@ -53,6 +53,7 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
             if t == 0 and bucket <= width:                  # one call: timed once compiled
                 seconds = float(np.median([run_prefill(engine, reqs, rows, lean=lean) for _ in range(TIMED_RUNS)]))
                 engine.prefill_times.add((rows, width, lean), seconds)
+                engine.warm_prefills.add((rows, width, lean))
                 if bucket == PROMPT_BUCKET_FLOOR:                   # the policy's table of prefill calls
                     engine.policy.time_prefill(lean, rows, seconds)
     if engine.prefix_cache is not None:
