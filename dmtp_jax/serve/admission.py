@@ -94,6 +94,17 @@ def call_s(times: RecentMedians | None, rows: int, width: int, lean: bool) -> fl
     return (lean and times.get((rows, width, True))) or times.get((rows, width, False))
 
 
+def group_width(reqs: list[Request], prefill_chunk: int) -> int:
+    """The chunk width a prefill of `reqs` runs at: its longest prompt's bucket, at most a chunk."""
+    return chunk_length(max(prompt_bucket(r) for r in reqs), prefill_chunk)
+
+
+def one_call_s(reqs: list[Request], buckets: tuple[int, ...], prefill_chunk: int, times: RecentMedians | None,
+               lean: bool = False) -> float | None:
+    """The measured seconds (`call_s`) of one prefill call of `reqs`: their row bucket, `group_width`."""
+    return call_s(times, row_bucket(len(reqs), buckets), group_width(reqs, prefill_chunk), lean)
+
+
 def cheapest_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk: int,
                   times: RecentMedians | None, lean: bool = False) -> list[Request]:
     """The oldest requests of `group` to prefill first: the count whose row bucket's measured call time
@@ -119,8 +130,7 @@ def cheapest_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk:
     best, best_cost = group, None
     for n in sorted({len(group)} | {b for b in buckets if b < len(group)}, reverse=True):
         part = group[:n]
-        seconds = call_s(times, row_bucket(n, buckets),
-                         chunk_length(max(prompt_bucket(r) for r in part), prefill_chunk), lean)
+        seconds = one_call_s(part, buckets, prefill_chunk, times, lean)
         if seconds is None:
             return group
         if best_cost is None or seconds / n < (1 - SPLIT_MARGIN) * best_cost:
@@ -141,8 +151,7 @@ def prefill_s(reqs: list[Request], buckets: tuple[int, ...], prefill_chunk: int,
     total = 0.0
     while reqs:
         part = cheapest_part(reqs, buckets, prefill_chunk, times, lean)
-        seconds = call_s(times, row_bucket(len(part), buckets),
-                         chunk_length(max(prompt_bucket(r) for r in part), prefill_chunk), lean)
+        seconds = one_call_s(part, buckets, prefill_chunk, times, lean)
         if seconds is None:
             return None
         total, reqs = total + seconds, reqs[len(part):]
@@ -165,10 +174,12 @@ def width_part(group: list[Request], buckets: tuple[int, ...], prefill_chunk: in
         >>> burst = [Request([1] * n, 4) for n in (10, 100, 10, 10, 10, 100, 10, 10)]
         >>> [len(r.prompt_ids) for r in width_part(burst, (1, 8), 512, t)]
         [10, 10, 10, 10, 10, 10]
-        >>> [len(r.prompt_ids) for r in width_part(burst[1:], (1, 8), 512, t)], len(width_part(burst, (1, 8), 512, None))
-        ([100, 100], 8)
+        >>> [len(r.prompt_ids) for r in width_part(burst[1:], (1, 8), 512, t)]
+        [100, 100]
+        >>> len(width_part(burst, (1, 8), 512, None))
+        8
     """
-    widths = [chunk_length(prompt_bucket(r), prefill_chunk) for r in group]
+    widths = [group_width([r], prefill_chunk) for r in group]
     best, best_s = group, prefill_s(group, buckets, prefill_chunk, times, lean)
     if best_s is None:
         return group
@@ -186,16 +197,15 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
     admissible request, then others while row bucket x the chunk width of the group's longest prompt
     bucket stays within `budget` tokens (a burst of arrivals is one prefill, as a static batch's, short
     prompts padded to the longest), cut by the prefill `times` (`lean`: of lean calls, where measured)
-    to the prompts of the oldest's width side (`width_part`) and then to its `cheapest_part`. A request in `solo` or
-    starting from a stored state goes alone."""
+    to the prompts of the oldest's width side (`width_part`) and then to its `cheapest_part`. A
+    request in `solo` or starting from a stored state goes alone."""
     group: list[Request] = []
     for req in waiting:
         if len(group) >= free:
             break
         alone = req.id in solo or start_of(req, cache)[0] is not None
         if group:
-            width = chunk_length(max(prompt_bucket(r) for r in group + [req]), prefill_chunk)
-            if alone or row_bucket(len(group) + 1, buckets) * width > budget:
+            if alone or row_bucket(len(group) + 1, buckets) * group_width(group + [req], prefill_chunk) > budget:
                 continue
         group.append(req)
         if alone:
