@@ -249,11 +249,21 @@ def test_a_refresh_runs_one_round_and_the_best_runs_k():
         picks.append((m, policy.describe()["rounds"]))
     assert picks.count(("ar", 4)) == 6 and picks[3] == ("lookup", 1) and picks[7] == ("lookup", 1), picks
     assert policy.choose(8, 8, most=1) == "ar" and policy.describe()["rounds"] == 1    # somebody waits
-    # dmtp serves (23 ms a round); ar's 4-round time was a slow warm-up sample (7.4 ms a round): its
-    # refresh runs the 4-round dispatch the estimate compares (cheaper than dmtp's), so it is re-measured
+    # a K-round time above the 1-round one was taken in a slower spell: the estimate reads the 1-round
+    # time (ar at 4.0 ms a round beats dmtp at 23 ms and tau 5, though its 4-round sample read 7.4)
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 5.0}, refresh_every=1000)
+    policy.observe("dmtp", 8, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 5.0)    # trusted: not in step
+    for m, t1, t4 in (("ar", 0.0040, 0.0074), ("dmtp", 0.025, 0.023)):
+        policy.observe(m, 8, rounds=1, seconds=t1, row_rounds=0, committed=0)
+        policy.observe(m, 8, rounds=4, seconds=4 * t4, row_rounds=0, committed=0)
+    assert policy.round_time("ar", 8, most=4) == 0.0040 and policy.round_time("dmtp", 8, most=4) == 0.023
+    assert policy.choose(8, 8, most=4) == "ar" and policy.describe()["rounds"] == 4
+    # dmtp serves (23 ms a round); ar's 4-round time was a slow warm-up sample (7.4 ms a round, its
+    # single rounds 8.0): its refresh runs the 4-round dispatch the estimate compares (cheaper than
+    # dmtp's), so it is re-measured
     policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 5.0}, refresh_every=4, refresh_share=1.0)
     policy.observe("dmtp", 8, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 5.0)    # trusted: not in step
-    for m, t1, t4 in (("ar", 0.0050, 0.0074), ("dmtp", 0.025, 0.023)):
+    for m, t1, t4 in (("ar", 0.0080, 0.0074), ("dmtp", 0.025, 0.023)):
         policy.observe(m, 8, rounds=1, seconds=t1, row_rounds=0, committed=0)
         policy.observe(m, 8, rounds=4, seconds=4 * t4, row_rounds=0, committed=0)
     picks = []

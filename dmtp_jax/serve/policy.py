@@ -66,12 +66,13 @@ SWITCH_MARGIN = 0.05    # another method replaces the one serving once its estim
 CONFIRM_AGE = 8         # choices after which a method's time at a bucket is re-taken before it replaces another
 REFRESH_SHARE = 0.02    # refreshes cost at most this share of the serving seconds at a bucket (each other method
                         # its part of those since its last there)
-REALIZED_DISPATCHES = 32    # served dispatches before what a method realized of its model counts
+REALIZED_DISPATCHES = 16    # served dispatches from which what a method realized of its model counts in
+                            # full (before, in proportion to them)
 REALIZED_WEIGHT = 0.02      # one served dispatch's weight in it (a window of a few requests' lives: a
                             # burst's prefill, paid before its rows' first dispatch, is spread over them)
 REALIZED_SPAN = 0.5         # what it realized counts within 1 -/+ this
-REALIZED_FORGET = 4         # a method's is forgotten once others served at its bucket this many times the
-                            # seconds `REALIZED_DISPATCHES` of its dispatches take (a retry: at most 1 / 5 of them)
+REALIZED_FORGET = 128       # a method's is forgotten once others served at its bucket the seconds this many
+                            # of its dispatches take
 LOAD_CHOICES = 16            # choices over which the load is the most requests the engine held at once
 
 
@@ -140,9 +141,12 @@ class LoadPolicy:
 
     def round_time(self, method: str, bucket: int, most: int = 1) -> float:
         """Seconds per round of `method` at `bucket` in the dispatch it would run (`rounds`, at most
-        `most`): that dispatch size's time once measured, else the 1-round time (needs `timed`)."""
-        k = self.rounds(method, bucket, most)
-        return self._round_s.get((method, bucket, k), self._round_s.get((method, bucket, 1)))
+        `most`): that dispatch size's time once measured, else the 1-round time, and never above the
+        1-round time (needs `timed`): K rounds in one dispatch cost no more a round than K dispatches of
+        one, so a K-round time above it was taken in a slower spell than the 1-round one (a method
+        not serving re-takes its 1-round time, its K-round one only moves with it)."""
+        k, one = self.rounds(method, bucket, most), self._round_s.get((method, bucket, 1))
+        return min(self._round_s.get((method, bucket, k), one), one)
 
     @property
     def host_s(self) -> dict[int, float]:
@@ -163,18 +167,19 @@ class LoadPolicy:
         modelled round seconds (at the load) of the tokens its dispatches committed over the engine's
         busy seconds they took outside admissions (row moves, catch-ups and the host's work between them included;
         exponential sums, each dispatch weighing `REALIZED_WEIGHT`), within [1 - `REALIZED_SPAN`, 1 +
-        `REALIZED_SPAN`]; 1 until `REALIZED_DISPATCHES` dispatches are counted (`observe_served`). What
-        the rounds' model leaves out or gets wrong (dispatches cut short by arrivals, a busy host) it
-        corrects; prefill is not in it (a burst's admission, paid at one dispatch, would weigh as that
-        dispatch's alone). Forgotten once other methods have served at the bucket, since the method's last dispatch,
-        `REALIZED_FORGET` times the seconds `REALIZED_DISPATCHES` of its dispatches took: a method held
+        `REALIZED_SPAN`], counted in proportion to the n dispatches served (`observe_served`) until
+        `REALIZED_DISPATCHES` (1 + (that - 1) x min(1, n / `REALIZED_DISPATCHES`)): a method the model
+        overrates gives way within that many of its dispatches, fewer the more it is overrated. What the rounds' model leaves out or gets wrong (dispatches cut short by arrivals, a
+        busy host) it corrects; prefill is not in it (a burst's admission, paid at one dispatch, would
+        weigh as that dispatch's alone). Forgotten once other methods have served at the bucket, since
+        the method's last dispatch, the seconds `REALIZED_FORGET` of its dispatches took: a method held
         back by what it realized in one spell (a slow machine, the first burst) serves again on its
-        model, and what it realizes then counts anew; a method that still falls short spends at most
-        about one part in `REALIZED_FORGET` + 1 of the time retrying."""
+        model, and what it realizes then counts anew."""
         sums = self._realized.get((method, bucket))
-        if sums is None or sums.dispatches < REALIZED_DISPATCHES:
+        if sums is None:
             return 1.0
-        return min(1.0 + REALIZED_SPAN, max(1.0 - REALIZED_SPAN, sums.modelled_s / sums.busy_s))
+        ratio = min(1.0 + REALIZED_SPAN, max(1.0 - REALIZED_SPAN, sums.modelled_s / sums.busy_s))
+        return 1.0 + (ratio - 1.0) * min(1.0, sums.dispatches / REALIZED_DISPATCHES)
 
     def modelled(self, rows: int, bucket: int, most: int = 1) -> dict[str, float]:
         """Modelled output tokens/s per method timed at `bucket`, each in the dispatch it would run (at
@@ -414,7 +419,7 @@ class LoadPolicy:
         for key, other in list(self._realized.items()):
             if key[1] == bucket and key[0] != method:
                 other.others_s += seconds
-                if other.others_s >= REALIZED_FORGET * REALIZED_DISPATCHES * other.served_s / other.dispatches:
+                if other.others_s >= REALIZED_FORGET * other.served_s / other.dispatches:
                     del self._realized[key]
         sums = self._realized.setdefault((method, bucket), Realization())
         sums.modelled_s = (1 - REALIZED_WEIGHT) * sums.modelled_s + tokens / rate
