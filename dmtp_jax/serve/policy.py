@@ -169,9 +169,10 @@ class LoadPolicy:
         exponential sums, each dispatch weighing `REALIZED_WEIGHT`), within [1 - `REALIZED_SPAN`, 1 +
         `REALIZED_SPAN`], counted in proportion to the n dispatches served (`observe_served`) until
         `REALIZED_DISPATCHES` (1 + (that - 1) x min(1, n / `REALIZED_DISPATCHES`)): a method the model
-        overrates gives way within that many of its dispatches, fewer the more it is overrated. What the rounds' model leaves out or gets wrong (dispatches cut short by arrivals, a
-        busy host) it corrects; prefill is not in it (a burst's admission, paid at one dispatch, would
-        weigh as that dispatch's alone). Forgotten once other methods have served at the bucket, since
+        overrates gives way within that many of its dispatches, fewer the more it is overrated. What
+        the rounds' model leaves out or gets wrong (dispatches cut short by arrivals, a busy host) it
+        corrects; prefill is not in it (a burst's admission, paid at one dispatch, would weigh as that
+        dispatch's alone). Forgotten once other methods have served at the bucket, since
         the method's last dispatch, the seconds `REALIZED_FORGET` of its dispatches took: a method held
         back by what it realized in one spell (a slow machine, the first burst) serves again on its
         model, and what it realizes then counts anew."""
