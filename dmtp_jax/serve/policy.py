@@ -168,8 +168,9 @@ class LoadPolicy:
         busy seconds they took outside admissions (row moves, catch-ups and the host's work between them included;
         exponential sums, each dispatch weighing `REALIZED_WEIGHT`), within [1 - `REALIZED_SPAN`, 1 +
         `REALIZED_SPAN`], counted in proportion to the n dispatches served (`observe_served`) until
-        `REALIZED_DISPATCHES` (1 + (that - 1) x min(1, n / `REALIZED_DISPATCHES`)): a method the model
-        overrates gives way within that many of its dispatches, fewer the more it is overrated. What
+        `REALIZED_DISPATCHES` (1 + (that - 1) x min(1, n / `REALIZED_DISPATCHES`)): a method whose
+        shortfall outweighs its lead gives way within that many of its dispatches, sooner the larger
+        the shortfall. What
         the rounds' model leaves out or gets wrong (dispatches cut short by arrivals, a busy host) it
         corrects; prefill is not in it (a burst's admission, paid at one dispatch, would weigh as that
         dispatch's alone). Forgotten once other methods have served at the bucket, since
