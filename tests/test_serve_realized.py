@@ -2,7 +2,8 @@
 method `realized` of its model and forgetting it, the occupancy of K-round dispatches, dispatches
 cut short by arrivals. On made-up timings: no model, no compile."""
 
-from dmtp_jax.serve.policy import REALIZED_DISPATCHES, LoadPolicy
+from dmtp_jax.serve.policy import LoadPolicy
+from dmtp_jax.serve.realized import REALIZED_DISPATCHES
 
 
 def weighed(ratio: float, dispatches: int) -> float:
@@ -44,7 +45,7 @@ def test_what_a_method_realized_is_forgotten_after_others_serve():
     dispatches, dmtp serves on its model again (a spell that held it back is not held against it for
     good) and what it realizes then counts anew. ar's dispatches on one row (where it serves) forget
     nothing at 8 rows, however long they take."""
-    from dmtp_jax.serve.policy import REALIZED_FORGET
+    from dmtp_jax.serve.realized import REALIZED_FORGET
     policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.4}, refresh_every=10_000)
     policy.observe("dmtp", 0, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4.4)     # trusted
     round_s = {("ar", 1): 0.002, ("ar", 8): 0.004, ("dmtp", 1): 0.016, ("dmtp", 8): 0.016}
@@ -133,7 +134,7 @@ def test_rows_that_wait_for_their_next_request_count_against_what_a_method_reali
     most requests held over the last `LOAD_CHOICES` choices), so it falls to its floor (0.5) and ar
     serves within `REALIZED_DISPATCHES` dispatches. Before, it was taken at the running rows: mtp
     realized all of its model and served on."""
-    from dmtp_jax.serve.policy import REALIZED_SPAN
+    from dmtp_jax.serve.realized import REALIZED_SPAN
     policy = LoadPolicy({"ar": 1, "mtp": 5}, {"mtp": 4.0}, refresh_every=10_000)
     policy.observe("mtp", 8, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4)      # trusted
     for method, seconds in (("ar", 0.004), ("mtp", 0.010)):

@@ -50,9 +50,9 @@ Example:
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 from dmtp_jax.serve.prefill_share import PrefillShares
+from dmtp_jax.serve.realized import Realizations
 from dmtp_jax.serve.stats import RecentMedians, RunningMean
 
 REFRESH_EVERY = 32      # choices at least between two refresh runs of another method
@@ -66,26 +66,7 @@ SWITCH_MARGIN = 0.05    # another method replaces the one serving once its estim
 CONFIRM_AGE = 8         # choices after which a method's time at a bucket is re-taken before it replaces another
 REFRESH_SHARE = 0.02    # refreshes cost at most this share of the serving seconds at a bucket (each other method
                         # its part of those since its last there)
-REALIZED_DISPATCHES = 16    # served dispatches from which what a method realized of its model counts in
-                            # full (before, in proportion to them)
-REALIZED_WEIGHT = 0.02      # one served dispatch's weight in it (a window of a few requests' lives: a
-                            # burst's prefill, paid before its rows' first dispatch, is spread over them)
-REALIZED_SPAN = 0.5         # what it realized counts within 1 -/+ this
-REALIZED_FORGET = 128       # a method's is forgotten once others served at its bucket the seconds this many
-                            # of its dispatches take
 LOAD_CHOICES = 16            # choices over which the load is the most requests the engine held at once
-
-
-@dataclasses.dataclass
-class Realization:
-    """What a method's served dispatches at a bucket realized (`LoadPolicy.realized`): the modelled
-    round seconds of their tokens and their busy seconds, exponential sums (`REALIZED_WEIGHT`); how
-    many served and their busy seconds in all; other methods' served seconds there since its last."""
-    modelled_s: float = 0.0
-    busy_s: float = 0.0
-    dispatches: int = 0
-    served_s: float = 0.0
-    others_s: float = 0.0
 
 
 class LoadPolicy:
@@ -111,7 +92,7 @@ class LoadPolicy:
         self._catch_up_s = RecentMedians()      # seconds of the catch-ups before dispatches, by bucket
         self.prefill = PrefillShares(self.slots, PRIOR_ROW_ROUNDS)     # a request's share of its prefill call
         self._occupancies: dict[tuple[str, int], RunningMean] = {}  # row rounds run over offered, by (method, bucket)
-        self._realized: dict[tuple[str, int], Realization] = {}     # by (method, bucket)
+        self._realized = Realizations()
         self._output_tokens = RunningMean()     # tokens a finished request generated
         self.choices = 0
         self._held: collections.deque[int] = collections.deque(maxlen=LOAD_CHOICES)  # requests held at recent choices
@@ -163,25 +144,16 @@ class LoadPolicy:
                 for m, (rounds_s, prefill_s) in per_token.items()}
 
     def realized(self, method: str, bucket: int) -> float:
-        """How much of its modelled rounds' rate `method` realized while it served at `bucket`: the
-        modelled round seconds (at the load) of the tokens its dispatches committed over the engine's
-        busy seconds they took outside admissions (row moves, catch-ups and the host's work between them included;
-        exponential sums, each dispatch weighing `REALIZED_WEIGHT`), within [1 - `REALIZED_SPAN`, 1 +
-        `REALIZED_SPAN`], counted in proportion to the n dispatches served (`observe_served`) until
-        `REALIZED_DISPATCHES` (1 + (that - 1) x min(1, n / `REALIZED_DISPATCHES`)): a method whose
-        shortfall outweighs its lead gives way within that many of its dispatches, sooner the larger
-        the shortfall. What
-        the rounds' model leaves out or gets wrong (dispatches cut short by arrivals, a busy host) it
-        corrects; prefill is not in it (a burst's admission, paid at one dispatch, would weigh as that
-        dispatch's alone). Forgotten once other methods have served at the bucket, since
-        the method's last dispatch, the seconds `REALIZED_FORGET` of its dispatches took: a method held
-        back by what it realized in one spell (a slow machine, the first burst) serves again on its
-        model, and what it realizes then counts anew."""
-        sums = self._realized.get((method, bucket))
-        if sums is None:
-            return 1.0
-        ratio = min(1.0 + REALIZED_SPAN, max(1.0 - REALIZED_SPAN, sums.modelled_s / sums.busy_s))
-        return 1.0 + (ratio - 1.0) * min(1.0, sums.dispatches / REALIZED_DISPATCHES)
+        """How much of its modelled rounds' rate `method` realized while it served at `bucket`
+        (`Realizations.factor`, from `observe_served`): what the rounds' model leaves out or gets
+        wrong (dispatches cut short by arrivals, rows that idle, a busy host) it corrects, within
+        `realized.REALIZED_SPAN`; a method whose shortfall outweighs its lead gives way within
+        `realized.REALIZED_DISPATCHES` of its dispatches, sooner the larger the shortfall. Prefill is
+        not in it (a burst's admission, paid at one dispatch, would weigh as that dispatch's alone).
+        Forgotten once others have served at the bucket long enough (`Realizations.add`): a method
+        held back by what it realized in one spell (a slow machine, the first burst) serves again on
+        its model."""
+        return self._realized.factor(method, bucket)
 
     def modelled(self, rows: int, bucket: int, most: int = 1) -> dict[str, float]:
         """Modelled output tokens/s per method timed at `bucket`, each in the dispatch it would run (at
@@ -418,15 +390,7 @@ class LoadPolicy:
         rate = last["rounds_rate"]
         if not rate or tokens <= 0 or seconds <= 0:
             return
-        for key, other in list(self._realized.items()):
-            if key[1] == bucket and key[0] != method:
-                other.others_s += seconds
-                if other.others_s >= REALIZED_FORGET * other.served_s / other.dispatches:
-                    del self._realized[key]
-        sums = self._realized.setdefault((method, bucket), Realization())
-        sums.modelled_s = (1 - REALIZED_WEIGHT) * sums.modelled_s + tokens / rate
-        sums.busy_s = (1 - REALIZED_WEIGHT) * sums.busy_s + seconds
-        sums.dispatches, sums.served_s, sums.others_s = sums.dispatches + 1, sums.served_s + seconds, 0.0
+        self._realized.add(method, bucket, tokens / rate, seconds)
 
     def time_prefill(self, lean: bool, rows: int, seconds: float) -> None:
         """Warm-up timed a one-call prefill (`PrefillShares.time`)."""
