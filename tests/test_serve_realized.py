@@ -80,15 +80,17 @@ def test_what_a_method_realized_is_forgotten_after_others_serve():
 def test_occupancy_prior_follows_requests_until_a_dispatch_measures_it():
     """A K-round dispatch of dmtp over 8 rows: before any request finished its occupancy is 1 (asked
     for at warm-up, too); once requests of 64 tokens finish at tau 4 it is a request's 16 rounds over
-    those plus (K - 1) / 2 idle ones; a served 4-round dispatch then weighs in as one of 1 +
+    those plus (K - 1) / 2 idle ones at its end and K while its successor waits for the next dispatch
+    (before, those K were left out: 0.91 where the bench's rows ran 0.70-0.77); a served 4-round
+    dispatch then weighs in as one of 1 +
     `PRIOR_ROW_ROUNDS` samples. Plain rounds and one-round dispatches run every row round."""
     from dmtp_jax.serve.policy import PRIOR_ROW_ROUNDS
     policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.0}, refresh_every=10_000)
-    for method, seconds in (("ar", 0.004), ("dmtp", 0.012)):
+    for method, seconds in (("ar", 0.004), ("dmtp", 0.010)):
         policy.observe(method, 8, rounds=1, seconds=seconds, row_rounds=0, committed=0)
     assert policy.occupancy("dmtp", 8, most=4) == 1.0
     policy.observe_output(64)
-    prior = 16 / (16 + 1.5)
+    prior = 16 / (16 + 1.5 + 4)
     assert abs(policy.occupancy("dmtp", 8, most=4) - prior) < 1e-12
     assert policy.occupancy("dmtp", 8, most=1) == policy.occupancy("ar", 8, most=4) == 1.0
     policy.observe("dmtp", 0, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4)     # trusted
@@ -149,6 +151,24 @@ def test_rows_that_wait_for_their_next_request_count_against_what_a_method_reali
             policy.observe_served("mtp", 8, rows * 4, 0.010)
     assert len(chosen) > 2, chosen
     assert abs(policy.realized("mtp", 8) - weighed(1 - REALIZED_SPAN, len(chosen) - 1)) < 1e-9
+
+
+def test_an_unmeasured_speculative_method_counts_its_successors_wait():
+    """ar serves 8 rows in 4-round dispatches (4 ms a round); dmtp (12 ms, tau 4, requests of 64
+    tokens) has run no K-round dispatch there. Its occupancy prior is a request's 16 rounds over 16 +
+    1.5 + 4 (0.74): 8 x 4 x 0.74 / 12 ms = 1.98 tokens per ms against ar's 2.0, so ar keeps serving
+    and its rows stay in step. Before, the prior was 16 / 17.5 (0.91, 2.44 tokens per ms): dmtp
+    replaced ar, and in the bench its rows ran 0.70-0.77 of the load's row rounds, ar's 0.82 after."""
+    policy = LoadPolicy({"ar": 1, "dmtp": 8}, {"dmtp": 4.0}, refresh_every=10_000)
+    policy.observe("dmtp", 0, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 4)     # trusted
+    for method, seconds in (("ar", 0.004), ("dmtp", 0.012)):
+        policy.observe(method, 8, rounds=1, seconds=seconds, row_rounds=0, committed=0)
+        policy.observe(method, 8, rounds=4, seconds=4 * seconds, row_rounds=0, committed=0)
+    policy.observe_output(64)
+    for _ in range(40):
+        assert policy.choose(8, 8, most=4) == "ar", policy.describe()
+        policy.observe("ar", 8, rounds=4, seconds=0.016, row_rounds=32, committed=32)
+    assert abs(policy.describe()["estimates"]["dmtp"] / 1000 - 8 * 4 * (16 / 21.5) / 12) < 1e-9
 
 
 def test_occupancy_is_taken_against_the_load_and_speculative_methods_share_it():

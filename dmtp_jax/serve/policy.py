@@ -175,10 +175,12 @@ class LoadPolicy:
         rounds a row that ends mid-dispatch idles to its end (the dispatch stops once no row runs),
         and a row whose request ended waits for its client's next one. A running mean over the
         K-round dispatches it served there (`observe`), before any, weighing as `PRIOR_ROW_ROUNDS` of
-        them: 1 for plain rounds and on one row (rows that began together end together), else the
-        lower of a request's rounds (its tokens over tau) over those plus the (K - 1) / 2 rounds its
-        row idles on average at its end (speculative rows end at different rounds) and the mean of
-        the other speculative methods' measured there (their rows wait for their successors alike)."""
+        them: 1 for plain rounds and on one row (rows that began together end together, and their
+        successors are admitted together), else the lower of a request's rounds (its tokens over tau)
+        over those plus the (K - 1) / 2 rounds its row idles on average at its end (speculative rows
+        end at different rounds) and the K rounds of the next dispatch, which starts before its
+        client's next request arrives (the client sends it once answered), and the mean of the other
+        speculative methods' measured there (their rows wait for their successors alike)."""
         k = self.rounds(method, bucket, most)
         if k == 1:
             return 1.0
@@ -193,7 +195,7 @@ class LoadPolicy:
             if self.slots[method] > 1 and bucket > 1:
                 if self._output_tokens.value is not None:
                     per_request = max(1.0, self._output_tokens.value / self._tau[method].value)
-                    prior = per_request / (per_request + (k - 1) / 2)
+                    prior = per_request / (per_request + (k - 1) / 2 + k)
                 seen = [o.value for (m, b), o in self._occupancies.items()
                         if b == bucket and m != method and self.slots[m] > 1 and o.samples > PRIOR_ROW_ROUNDS]
                 if seen:
