@@ -260,13 +260,17 @@ def auto_verdict(rows: list[dict]) -> str:
         >>> auto_verdict([{"method": "ar", "c": 8, "tok_s": 10.0, "tok_s_passes": [10.0, 12.0]},
         ...               {"method": "auto", "c": 8, "tok_s": 9.5, "tok_s_passes": [9.0, 12.0]}])
         'c=8: auto / best(ar, dmtp) = 0.95 (per pass 0.90, 1.00)'
+        >>> auto_verdict([{"method": "ar", "c": 8, "tok_s": 0.0, "tok_s_passes": [0.0]},
+        ...               {"method": "auto", "c": 8, "tok_s": 9.5, "tok_s_passes": [9.5]}])
+        'c=8: auto / best(ar, dmtp): no ar or dmtp tok/s measured'
     """
     by = {r["method"]: r for r in rows}
     best = [by[m] for m in ("ar", "dmtp") if m in by]
-    if "auto" not in by or not best:
-        return f"c={rows[0]['c']}: auto / best(ar, dmtp): no ar or dmtp measured"
+    if "auto" not in by or not best or max(r["tok_s"] for r in best) <= 0:
+        return f"c={rows[0]['c']}: auto / best(ar, dmtp): no ar or dmtp tok/s measured"
     auto = by["auto"]
-    per_pass = [a / max(r["tok_s_passes"][i] for r in best) for i, a in enumerate(auto["tok_s_passes"])]
+    per_pass = [a / (max(r["tok_s_passes"][i] for r in best) or float("nan"))
+                for i, a in enumerate(auto["tok_s_passes"])]
     return (f"c={auto['c']}: auto / best(ar, dmtp) = {auto['tok_s'] / max(r['tok_s'] for r in best):.2f} "
             f"(per pass {', '.join(f'{x:.2f}' for x in per_pass)})")
 
