@@ -101,7 +101,8 @@ def test_continuous_batching_equals_generate(decoder, reference):
     assert max(a for r in reqs + late for a in r.acceptance) > 1, "drafts should be partly accepted"
     served = reqs + late + [sampled]        # the policy's tau counts the tokens requests kept
     assert sum(kept) == sum(len(r.output_ids) - 1 for r in served) < engine.counters["committed"]
-    assert engine.rows == 2                 # shrunk back to the smallest bucket by its last dispatches
+    assert engine.rows == 4                 # kept while its last choices held up to 4 requests (shrinking:
+                                            # test_a_state_keeps_its_rows_while_the_recent_load_needs_them)
     counts = new_compiles(engine, before)   # greedy + sampled per bucket at most
     assert counts["round/dmtp"] <= 2 * len(BUCKETS) and counts["move_row"] <= len(BUCKETS)
 
@@ -124,6 +125,23 @@ def test_a_state_whose_rows_all_finished_keeps_them_until_a_dispatch_runs_fewer(
     last = engine.add(Request(PROMPTS[0], MAX_TOKENS[0]))
     run(engine)
     assert resizes == [2] and engine.rows == 2 and last.output_ids == reference[0]
+
+
+def test_a_state_keeps_its_rows_while_the_recent_load_needs_them(decoder, reference):
+    """A dip in the rows running (a wave's requests ended, their successors on their way) does not
+    shrink the state: it shrinks once the most requests held at once over the last `LOAD_CHOICES`
+    choices fit the smaller bucket (plain rounds, one per dispatch: one choice per token)."""
+    from dmtp_jax.decode import make_decoder
+    from dmtp_jax.serve.policy import LOAD_CHOICES
+    engine = Engine(make_decoder("ar", decoder.target), max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[],
+                    buckets=BUCKETS, rounds_per_dispatch=1)
+    resizes, real = [], engine.moves.resize
+    engine.moves.resize = lambda state, rows: (resizes.append((rows, engine.policy.choices)), real(state, rows))[1]
+    short = [engine.add(Request(p, 2)) for p in (PROMPTS[0], PROMPTS[1], PROMPTS[3])]
+    long = engine.add(Request(PROMPTS[2], MAX_TOKENS[2]))
+    run(engine)     # choice 1 runs 4 rows, choices 2.. the long one alone
+    assert resizes == [(2, 1 + LOAD_CHOICES)] and engine.rows == 2
+    assert [r.output_ids for r in short] == [reference[i][:2] for i in (0, 1, 3)] and long.output_ids == reference[2]
 
 
 def test_prefix_cache_on_a_dense_target_equals_generate(decoder, reference):
@@ -207,7 +225,9 @@ def test_rounds_switched_every_step_equal_generate(auto, reference):
     assert choice["method"] in engine.bank.methods and choice["rows"] == 1 and choice["bucket"] == 2
     assert set(engine.policy.host_s) <= set(BUCKETS) and engine.policy.host_s    # the host's time per round
     # warm-up's timing of the compiled rounds: every (method, bucket, dispatch size) has its first
-    # sample, no compile
+    # sample, no compile (the engines share the decoder's bank: timing the first compiles what its
+    # rounds did not run)
+    time_rounds(engine)
     fresh = Engine(auto, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
     before = fresh.compile_counts()
     time_rounds(fresh)

@@ -13,8 +13,9 @@ class CountingEngine:
     """Admits every waiting request at once and finishes it; records how many each admission took."""
     max_batch_size = 8
 
-    def __init__(self):
+    def __init__(self, recent_load: int = 0):
         self.waiting, self.running, self.admissions = [], [], []
+        self.recent_load = recent_load
 
     @property
     def busy(self) -> bool:
@@ -55,6 +56,30 @@ def test_an_idle_engine_admits_a_burst_arriving_ms_apart_as_one_group():
         assert engine.admissions == [3]
     finally:
         scheduler.shutdown(drain_s=1)
+
+
+def burst_admissions(recent_load: int) -> list[int]:
+    """The admissions of a burst whose first request arrives alone and two more 200 ms later, on an
+    idle engine that recently held `recent_load` requests at once (a 10 ms quiet gap ends a gather)."""
+    engine = CountingEngine(recent_load)
+    scheduler = Scheduler(engine, gather_s=0.01, gather_max_s=5.0)
+    done = threading.Semaphore(0)
+    try:
+        scheduler.submit(Request([1], 1), lambda ev: done.release())
+        threading.Event().wait(0.2)
+        for _ in range(2):
+            scheduler.submit(Request([1], 1), lambda ev: done.release())
+        assert all(done.acquire(timeout=30) for _ in range(3))
+        return engine.admissions
+    finally:
+        scheduler.shutdown(drain_s=1)
+
+
+def test_an_idle_engine_waits_for_as_many_requests_as_it_recently_held():
+    """Under a steady load of 3 clients the quiet gap does not end the gather until 3 arrived (their
+    next requests, sent as each was answered): one admission; with no load on record, two."""
+    assert burst_admissions(recent_load=3) == [3]
+    assert burst_admissions(recent_load=0) == [1, 2]
 
 
 def test_a_running_scheduler_lowers_the_gil_switch_interval():

@@ -138,6 +138,11 @@ class Engine:
         return bool(self.waiting) or self._group is not None or bool(self.running)
 
     @property
+    def recent_load(self) -> int:
+        """The most requests the engine held at once over its last dispatches (`LoadPolicy.recent_load`)."""
+        return self.policy.recent_load
+
+    @property
     def num_running(self) -> int:
         return len(self.running) + (0 if self._group is None else len(self._group.reqs))
 
@@ -341,12 +346,14 @@ class Engine:
 
     def _fit_rows(self) -> None:
         """Before a dispatch, while nobody waits: the state shrinks to the smallest bucket holding the
-        running rows. Not earlier: a state whose rows all finished stays as large while the engine
-        idles (no round runs over it), so the next wave of arrivals, on a server whose clients send
-        again once answered, goes into its rows without growing it (growing zero-fills every row of
-        every cache)."""
+        running rows and the most requests held at once over the last choices (`policy.recent_load`).
+        Not earlier, and not below that load: on a server whose clients send again once answered, a
+        state whose rows all or mostly finished (the engine idles, or serves the few left for a
+        dispatch or two) takes the next wave into its rows without growing again (growing zero-fills
+        every row of every cache); once the load has stayed lower for those choices it shrinks."""
         if not self.waiting and self._group is None:
-            self._resize_to(row_bucket(len(self.running), self.buckets))
+            load = min(self.rows, max(len(self.running), self.policy.recent_load))
+            self._resize_to(row_bucket(load, self.buckets))
 
     # ---- rounds --------------------------------------------------------------------------------
     def _round(self, events):

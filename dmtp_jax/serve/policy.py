@@ -294,6 +294,12 @@ class LoadPolicy:
         self._held.append(max(rows, rows if held is None else int(held)))
         return max(rows, min(bucket, max(self._held)))
 
+    @property
+    def recent_load(self) -> int:
+        """The most requests the engine held at once over the last `LOAD_CHOICES` choices (0 before any
+        choice; `_load` before it is bounded by the rows and the bucket)."""
+        return max(self._held, default=0)
+
     def _unconfirmed(self, best: str, bucket: int) -> bool:
         """Whether `best` would replace the method serving on a time at `bucket` older than `CONFIRM_AGE`
         choices: taken on other rows (warm-up's scratch rows, shorter ones) or in another spell of the
