@@ -13,9 +13,8 @@ class CountingEngine:
     """Admits every waiting request at once and finishes it; records how many each admission took."""
     max_batch_size = 8
 
-    def __init__(self, recent_load: int = 0):
+    def __init__(self):
         self.waiting, self.running, self.admissions = [], [], []
-        self.recent_load = recent_load
 
     @property
     def busy(self) -> bool:
@@ -58,28 +57,32 @@ def test_an_idle_engine_admits_a_burst_arriving_ms_apart_as_one_group():
         scheduler.shutdown(drain_s=1)
 
 
-def burst_admissions(recent_load: int) -> list[int]:
-    """The admissions of a burst whose first request arrives alone and two more 200 ms later, on an
-    idle engine that recently held `recent_load` requests at once (a 10 ms quiet gap ends a gather)."""
-    engine = CountingEngine(recent_load)
+def straggling_wave(answered: int) -> list[int]:
+    """The admissions of a wave whose first request reaches an idle engine alone and two more 200 ms
+    later (a 10 ms quiet gap ends a gather), after a first wave of `answered` requests was answered."""
+    engine = CountingEngine()
     scheduler = Scheduler(engine, gather_s=0.01, gather_max_s=5.0)
     done = threading.Semaphore(0)
     try:
+        for _ in range(answered):
+            scheduler.submit(Request([1], 1), lambda ev: done.release())
+        assert all(done.acquire(timeout=30) for _ in range(answered))
+        first = len(engine.admissions)
         scheduler.submit(Request([1], 1), lambda ev: done.release())
         threading.Event().wait(0.2)
         for _ in range(2):
             scheduler.submit(Request([1], 1), lambda ev: done.release())
         assert all(done.acquire(timeout=30) for _ in range(3))
-        return engine.admissions
+        return engine.admissions[first:]
     finally:
         scheduler.shutdown(drain_s=1)
 
 
-def test_an_idle_engine_waits_for_as_many_requests_as_it_recently_held():
-    """Under a steady load of 3 clients the quiet gap does not end the gather until 3 arrived (their
-    next requests, sent as each was answered): one admission; with no load on record, two."""
-    assert burst_admissions(recent_load=3) == [3]
-    assert burst_admissions(recent_load=0) == [1, 2]
+def test_an_idle_engine_waits_for_the_successors_of_the_requests_it_answered():
+    """A closed loop of 3 clients: each sends again once answered, so after 3 answers the quiet gap
+    does not end the gather until 3 arrived: one admission; with no answer on record, two."""
+    assert straggling_wave(answered=3) == [3]
+    assert straggling_wave(answered=0) == [1, 2]
 
 
 def test_a_running_scheduler_lowers_the_gil_switch_interval():

@@ -138,11 +138,6 @@ class Engine:
         return bool(self.waiting) or self._group is not None or bool(self.running)
 
     @property
-    def recent_load(self) -> int:
-        """The most requests the engine held at once over its last dispatches (`LoadPolicy.recent_load`)."""
-        return self.policy.recent_load
-
-    @property
     def num_running(self) -> int:
         return len(self.running) + (0 if self._group is None else len(self._group.reqs))
 

@@ -1,9 +1,9 @@
 """The scheduler thread: the only caller of the `Engine`. It admits submitted requests, runs
 `Engine.admit()` and `Engine.decode()` while anything runs and hands each request's events to its
 sink after each (a first token is sent before the next round runs). On an idle engine the first
-admission waits for the rest of a burst (`gather_s`; while fewer than the engine recently held at
-once have arrived, up to `gather_max_s`), so requests that reach the server some ms apart (each
-parsed in turn, clients answered in turn) are one prefill, as a static batch's.
+admission waits for the rest of a burst (`gather_s`; while requests answered since are still to
+come back, up to `gather_max_s`), so requests that reach the server some ms apart (each parsed in
+turn, clients answered in turn) are one prefill, as a static batch's.
 
 Every submitted request gets exactly one final event: a failed admission ends that request
 ("error"), a failing step ends the requests the engine gives up on, requests queued at shutdown
@@ -26,8 +26,8 @@ from dmtp_jax.serve.protocol import ApiError
 log = logging.getLogger(__name__)
 GATHER_S = 0.004        # an idle engine admits once no request arrived for this long (10x the HTTP thread's
                         # parse of a request: the burst's wait for its first round, benchmarks/bench_serve.py) ...
-GATHER_MAX_S = 0.05     # ... once as many as it recently held arrived; else this long after the first arrival
-                        # (or once a batch is full)
+GATHER_MAX_S = 0.05     # ... once no answered request is owed a successor; else this long after the first
+                        # arrival (or once a batch is full)
 SWITCH_INTERVAL_S = 0.0005  # the process's GIL switch interval while a scheduler runs (Python's default: 5 ms):
                             # each device call of the scheduler thread lets go of the GIL and takes it back,
                             # and while the HTTP thread runs Python every take-back waits out one interval
@@ -36,7 +36,7 @@ SWITCH_INTERVAL_S = 0.0005  # the process's GIL switch interval while a schedule
 class Scheduler:
     """The thread that drives an `Engine`: `submit` from any thread, events to each request's sink.
     `gather_s`: how long an idle engine's first admission waits for another arrival (0: not at all)
-    once as many requests as the engine recently held at once (`Engine.recent_load`) are in,
+    once every request answered since the last gather was followed by a submission,
     `gather_max_s`: for all of them (`_gather`). Starting one lowers the process's GIL switch
     interval to `SWITCH_INTERVAL_S` (benchmarks/bench_engine_gil.py shows why)."""
 
@@ -48,6 +48,8 @@ class Scheduler:
         self.accepting = True
         self._inbox: list = []
         self._open = 0                      # submitted requests without their final event yet
+        self._owed = 0                      # requests answered and not yet followed by a submission (at most
+                                            # a batch): a closed loop's clients send their next ones at once
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -66,6 +68,7 @@ class Scheduler:
                 raise ApiError(f"too many requests: {self.max_waiting} already wait for a row "
                                f"(--max-waiting); retry later", 429, kind="rate_limit_error")
             self._open += 1
+            self._owed = max(0, self._owed - 1)
             self._inbox.append((req, sink))
         self._wake.set()
         return req
@@ -80,6 +83,7 @@ class Scheduler:
             _, sink = self._sinks.pop(event.request.id, (None, None))
             with self._lock:
                 self._open -= sink is not None
+                self._owed = min(self.engine.max_batch_size, self._owed + (sink is not None))
             try:
                 self.metrics.observe_finished(event.request)
             except Exception:       # noqa: BLE001 -- a metric is no reason to lose the event
@@ -99,18 +103,18 @@ class Scheduler:
 
     def _gather(self, inbox: list) -> list:
         """`inbox` and, when the engine is idle, the requests that follow it closely: until none arrived
-        for `gather_s` once as many as the engine recently held at once are in (`Engine.recent_load`:
-        under a steady load, its clients' next requests, sent as each was answered), at most
+        for `gather_s` once each request answered before is followed by a submission (`_owed`: a
+        closed loop's clients send their next requests as each is answered; an open loop's arrivals
+        owe nothing to the answers, and a wait that runs out forgets what is owed), at most
         `gather_max_s` after the first or until a batch is full. Without it a burst's first arrivals
         are prefilled alone and the rest in a second prefill, which costs about as much as the whole
         burst's (same row and prompt buckets), or one by one (a 1-row prefill costs a third of an
         8-row one), and the rest wait for both."""
         if not inbox or self.gather_s <= 0 or self.engine.busy:
             return inbox
-        expected = min(self.engine.max_batch_size, self.engine.recent_load)
         start = last = time.perf_counter()
         while len(inbox) < self.engine.max_batch_size:
-            quiet = last + self.gather_s if len(inbox) >= expected else float("inf")
+            quiet = last + self.gather_s if self._owed == 0 else float("inf")
             wait = min(quiet, start + self.gather_max_s) - time.perf_counter()
             if wait <= 0:
                 break
@@ -121,6 +125,8 @@ class Scheduler:
             if more:
                 inbox += more
                 last = time.perf_counter()
+        with self._lock:
+            self._owed = 0
         return inbox
 
     def _admit(self, inbox) -> None:
