@@ -58,10 +58,10 @@ def test_an_idle_engine_admits_a_burst_arriving_ms_apart_as_one_group():
 
 
 def straggling_wave(answered: int) -> list[int]:
-    """The admissions of a wave whose first request reaches an idle engine alone and two more 200 ms
-    later (a 10 ms quiet gap ends a gather), after a first wave of `answered` requests was answered."""
+    """The admissions of a wave whose first request reaches an idle engine alone and two more 500 ms
+    later (a 100 ms quiet gap ends a gather), after a first wave of `answered` requests was answered."""
     engine = CountingEngine()
-    scheduler = Scheduler(engine, gather_s=0.01, gather_max_s=5.0)
+    scheduler = Scheduler(engine, gather_s=0.1, gather_max_s=5.0)
     done = threading.Semaphore(0)
     try:
         for _ in range(answered):
@@ -69,7 +69,7 @@ def straggling_wave(answered: int) -> list[int]:
         assert all(done.acquire(timeout=30) for _ in range(answered))
         first = len(engine.admissions)
         scheduler.submit(Request([1], 1), lambda ev: done.release())
-        threading.Event().wait(0.2)
+        threading.Event().wait(0.5)
         for _ in range(2):
             scheduler.submit(Request([1], 1), lambda ev: done.release())
         assert all(done.acquire(timeout=30) for _ in range(3))
