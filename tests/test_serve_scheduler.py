@@ -40,28 +40,12 @@ class CountingEngine:
         return []
 
 
-def test_an_idle_engine_admits_a_burst_arriving_ms_apart_as_one_group():
-    """A burst's first request arrives alone and two more 50 ms later: one admission of three (before:
-    one of the first, then one of the rest: two prefills)."""
+def straggling_wave(answered: int, gap_s: float = 0.5, gather_s: float = 0.1) -> list[int]:
+    """The admissions of a wave whose first request reaches an idle engine alone and two more `gap_s`
+    later (a `gather_s` quiet gap ends a gather), after a first wave of `answered` requests was
+    answered."""
     engine = CountingEngine()
-    scheduler = Scheduler(engine, gather_s=0.5, gather_max_s=5.0)
-    done = threading.Semaphore(0)
-    try:
-        scheduler.submit(Request([1], 1), lambda ev: done.release())
-        threading.Event().wait(0.05)
-        for _ in range(2):
-            scheduler.submit(Request([1], 1), lambda ev: done.release())
-        assert all(done.acquire(timeout=30) for _ in range(3))
-        assert engine.admissions == [3]
-    finally:
-        scheduler.shutdown(drain_s=1)
-
-
-def straggling_wave(answered: int) -> list[int]:
-    """The admissions of a wave whose first request reaches an idle engine alone and two more 500 ms
-    later (a 100 ms quiet gap ends a gather), after a first wave of `answered` requests was answered."""
-    engine = CountingEngine()
-    scheduler = Scheduler(engine, gather_s=0.1, gather_max_s=5.0)
+    scheduler = Scheduler(engine, gather_s=gather_s, gather_max_s=5.0)
     done = threading.Semaphore(0)
     try:
         for _ in range(answered):
@@ -69,13 +53,19 @@ def straggling_wave(answered: int) -> list[int]:
         assert all(done.acquire(timeout=30) for _ in range(answered))
         first = len(engine.admissions)
         scheduler.submit(Request([1], 1), lambda ev: done.release())
-        threading.Event().wait(0.5)
+        threading.Event().wait(gap_s)
         for _ in range(2):
             scheduler.submit(Request([1], 1), lambda ev: done.release())
         assert all(done.acquire(timeout=30) for _ in range(3))
         return engine.admissions[first:]
     finally:
         scheduler.shutdown(drain_s=1)
+
+
+def test_an_idle_engine_admits_a_burst_arriving_ms_apart_as_one_group():
+    """A burst's first request arrives alone and two more 50 ms later: one admission of three (before:
+    one of the first, then one of the rest: two prefills)."""
+    assert straggling_wave(answered=0, gap_s=0.05, gather_s=0.5) == [3]
 
 
 def test_an_idle_engine_waits_for_the_successors_of_the_requests_it_answered():

@@ -292,7 +292,7 @@ class LoadPolicy:
         different rounds, each waiting out a dispatch for its successor, serves fewer of the load's
         rows than plain rounds, whose rows end, and are refilled, together."""
         self._held.append(max(rows, rows if held is None else int(held)))
-        return max(rows, min(bucket, max(self._held)))
+        return max(rows, min(bucket, self.recent_load))
 
     @property
     def recent_load(self) -> int:
