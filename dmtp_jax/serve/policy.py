@@ -14,7 +14,8 @@ near tie does not flip between methods every dispatch, and the other's time at t
 re-taken first (a confirming dispatch, run as a refresh) when it is older than `CONFIRM_AGE` choices:
 a round's time drifts with the rows it runs and in slow spells of the machine, so a time taken then
 is not compared with the serving method's live ones (a method not serving is timed in one dispatch
-size, mostly one round: its other sizes' times at the bucket move with that one's). Once
+size, mostly one round: its other sizes' times at the bucket move with that one's:
+`serve/round_times.py`). Once
 `refresh_every` choices have passed since the last refresh, at the next choice while nobody waits
 (so the refresh runs the dispatch its estimate uses, not one round because an arrival waits),
 one other method runs: the one whose acceptance rests on the fewest row
@@ -53,6 +54,7 @@ import collections
 
 from dmtp_jax.serve.prefill_share import PrefillShares
 from dmtp_jax.serve.realized import Realizations
+from dmtp_jax.serve.round_times import RoundTimes
 from dmtp_jax.serve.stats import RecentMedians, RunningMean
 
 REFRESH_EVERY = 32      # choices at least between two refresh runs of another method
@@ -80,8 +82,7 @@ class LoadPolicy:
                      RunningMean(float(prior[m]) if m in prior else max(1.0, n / 2), PRIOR_ROW_ROUNDS)
                      for m, n in self.slots.items()}
         self._measured = {m: TRUSTED_ROW_ROUNDS if m == "ar" else 0 for m in self.slots}    # ar's tau is exact
-        self._round_s = RecentMedians()     # seconds per round by (method, bucket, rounds the dispatch ran)
-        self._measured_at: dict[tuple[str, int], int] = {}    # the choice count of a key's last sample
+        self._round_s = RoundTimes()     # seconds per round by (method, bucket, rounds the dispatch ran)
         self._host_s = RecentMedians()      # host seconds per round outside the dispatch, by bucket
         self.refresh_every, self.refresh_share = int(refresh_every), float(refresh_share)
         self._serving_at: dict[int, float] = {}     # seconds of the dispatches that ran rows, catch-ups included,
@@ -122,12 +123,8 @@ class LoadPolicy:
 
     def round_time(self, method: str, bucket: int, most: int = 1) -> float:
         """Seconds per round of `method` at `bucket` in the dispatch it would run (`rounds`, at most
-        `most`): that dispatch size's time once measured, else the 1-round time, and never above the
-        1-round time (needs `timed`): K rounds in one dispatch cost no more a round than K dispatches of
-        one, so a K-round time above it was taken in a slower spell than the 1-round one (a method
-        not serving re-takes its 1-round time, its K-round one only moves with it)."""
-        k, one = self.rounds(method, bucket, most), self._round_s.get((method, bucket, 1))
-        return min(self._round_s.get((method, bucket, k), one), one)
+        `most`; `RoundTimes.at`, needs `timed`)."""
+        return self._round_s.at(method, bucket, self.rounds(method, bucket, most))
 
     @property
     def host_s(self) -> dict[int, float]:
@@ -305,17 +302,7 @@ class LoadPolicy:
         choices: taken on other rows (warm-up's scratch rows, shorter ones) or in another spell of the
         machine than the serving method's live ones."""
         return (self._serving is not None and best != self._serving
-                and self.choices - self._measured_at.get((best, bucket), 0) > CONFIRM_AGE)
-
-    def _scale_other_sizes(self, method: str, bucket: int, rounds: int, ratio: float) -> None:
-        """`method`'s time at `bucket` in `rounds`-round dispatches moved by `ratio` while it does not
-        serve: its other dispatch sizes' times there, taken as long ago, move with it (a round's time
-        drifts with the rows it runs and the machine's spell at every size alike; only the serving
-        method's sizes are all taken live)."""
-        if ratio != 1.0:
-            for key, value in self._round_s.as_dict().items():
-                if key[:2] == (method, bucket) and key[2] != rounds:
-                    self._round_s.restart(key, value * ratio)
+                and self._round_s.age(best, bucket, self.choices) > CONFIRM_AGE)
 
     def _in_step(self, method: str, serving: str | None, rows: int) -> bool:
         """Whether a timing or refresh dispatch of `method` over `rows` rows commits one token per row,
@@ -353,7 +340,7 @@ class LoadPolicy:
         since = {m: serving - self._refreshed_s.get((m, bucket), 0.0) for m in others}
         budget = self.refresh_share / len(others)
         affordable = [m for m in others if self.refresh_cost(m, best, bucket, most) <= budget * since[m]]
-        age = {m: self.choices - self._measured_at.get((m, bucket), 0) for m in affordable}
+        age = {m: self._round_s.age(m, bucket, self.choices) for m in affordable}
         stalest = max(age, key=age.get, default=None)
         return stalest if stalest is not None and age[stalest] >= self.refresh_every else None
 
@@ -370,16 +357,10 @@ class LoadPolicy:
             if self.last["refresh"] and self.last["method"] == method:
                 self.refresh_s += seconds + catch_up_s
                 self._refreshed_s[(method, bucket)] = self._serving_at[bucket]
-        if rounds > 0 and not compiled:
-            key = (method, bucket, rounds)
-            old = self._round_s.get(key)
-            if self.last["confirm"] and self.last["method"] == method:     # supersedes the older samples
-                self._round_s.restart(key, seconds / rounds)
-            else:
-                self._round_s.add(key, seconds / rounds)
-            if old and method != self._serving:
-                self._scale_other_sizes(method, bucket, rounds, self._round_s.get(key) / old)
-            self._measured_at[(method, bucket)] = self.choices
+        if rounds > 0 and not compiled:     # a confirming dispatch supersedes the older samples
+            self._round_s.add(method, bucket, rounds=rounds, per_round=seconds / rounds, now=self.choices,
+                              serving=method == self._serving,
+                              restart=self.last["confirm"] and self.last["method"] == method)
         if row_rounds > 0 and method != "ar":       # one row round: one sample
             rows = max(1.0, row_rounds / max(1, rounds))
             self._tau[method].add(committed / row_rounds, row_rounds, alpha=1.0 / (TAU_ROUNDS * rows))
