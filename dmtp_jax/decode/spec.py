@@ -129,15 +129,26 @@ def _used(proposer: Proposer, target, drafter, mtp, fusion, draft_head, draft_mo
 
 
 def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: LoadedModel | None, batch: int,
-                   max_len: int, draft_model: LoadedModel | None = None, defer_window: int = 0) -> SpecState:
+                   max_len: int, draft_model: LoadedModel | None = None, defer_window: int = 0,
+                   drafting_caches: bool = True) -> SpecState:
     """A zero `SpecState` of `batch` rows and `max_len` slots (with the drafter's, the MTP's and a draft
     model's caches where those models are given, and the token buffer), placed as the jitted calls
     leave it. `defer_window` > 0: plain rounds defer the drafting caches' work for up to that many
-    rounds (`drafting.DeferredRows`)."""
+    rounds (`drafting.DeferredRows`). `drafting_caches=False` (with a defer window): those caches and
+    the MTP hidden left out (None), the deferred buffer kept: a lean prefill's state, which writes
+    none of them (`round.prefill_step`'s `defer`)."""
     target = caches.target
     mesh = target.mesh
     rep = replicated(mesh)    # placed as the jitted calls leave them: one compile
     zeros = lambda *shape: jax.device_put(np.zeros((batch, *shape), np.int32), rep)  # noqa: E731  (own buffers)
+    deferred = None
+    if defer_window and (drafter, mtp, draft_model) != (None, None, None):
+        hidden, captured = deferred_widths(target.cfg, None if drafter is None else drafter.cfg)
+        deferred = new_deferred(mesh, batch, defer_window, hidden, captured, target.state_dtype)
+    elif not drafting_caches:
+        raise ValueError("a state without its drafting caches needs a defer window to hold their rows")
+    if not drafting_caches:
+        drafter = mtp = draft_model = None
     ctx = mtp_cache = mtp_h = draft_cache = None
     if drafter is not None:
         d = drafter.cfg
@@ -151,10 +162,6 @@ def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: Loade
         mtp_h = jax.device_put(np.zeros((batch, mtp.cfg.hidden_size), mtp.state_dtype), rep)
     if draft_model is not None:
         draft_cache = TargetCaches(draft_model).new(batch, max_len)
-    deferred = None
-    if defer_window and (drafter, mtp, draft_model) != (None, None, None):
-        hidden, captured = deferred_widths(target.cfg, None if drafter is None else drafter.cfg)
-        deferred = new_deferred(mesh, batch, defer_window, hidden, captured, target.state_dtype)
     return SpecState(caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros(), zeros(max_len), draft_cache,
                      deferred)
 

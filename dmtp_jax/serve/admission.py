@@ -220,7 +220,8 @@ class PrefillGroup:
     """The prefill of `reqs` in progress: `step()` runs one chunk and returns True once all ran; then
     `state` holds their rows (0..len-1) and `first` their first tokens; `owned`: `state` is the
     group's own (not a prefix cache entry's), so the engine may adopt it as its running state;
-    `lean`: the prefill defers the drafting caches (`RoundBank.lean_prefill`)."""
+    `lean`: the prefill defers the drafting caches (`RoundBank.lean_prefill`); a fresh group's state then
+    has none (`RoundBank.new_state`)."""
     reqs: list[Request]
     rows: int
     width: int
@@ -242,7 +243,7 @@ class PrefillGroup:
         batch = pad_prompts([r.prompt_ids for r in reqs], 1, vocab_size, batch_bucket=rows)
         row_state, start = start_of(reqs[0], cache, take=True)
         if row_state is None:
-            state, tokens_bt = bank.new_state(rows, max_len), batch.tokens_bt
+            state, tokens_bt = None, batch.tokens_bt
         else:
             rows, state, suffix = 1, row_state, reqs[0].prompt_ids[start:]
             tokens_bt = resume_tokens(suffix) if suffix else np.zeros((1, 0), np.int32)
@@ -250,12 +251,15 @@ class PrefillGroup:
                 state = bank.caught_up(state)
         chunks = [(np.int32(s + start), c, n)
                   for s, c, n in (prefill_chunks(tokens_bt, bank.prefill_chunk) if tokens_bt.shape[1] else ())]
+        width = chunks[0][1].shape[1] if chunks else 0
+        lean = lean and bank.lean_prefill(width, len(chunks))
+        if state is None:       # a fresh lean group's state leaves out the drafting caches it would not write
+            state = bank.new_state(rows, max_len, lean=lean)
         # a lone request's seed seeds its first token; a group draws with its oldest request's
         key = jax.random.fold_in(jax.random.key(reqs[0].seed), 0)
-        width = chunks[0][1].shape[1] if chunks else 0
         return cls(list(reqs), rows, width, state, chunks, batch.lengths_b[:rows], key, top_k_cap,
                    owned=row_state is None or bool(chunks), calls=len(chunks),   # a prefill's output is new
-                   lean=lean and bank.lean_prefill(width, len(chunks)))
+                   lean=lean)
 
     def step(self, bank) -> bool:
         if self.chunks:

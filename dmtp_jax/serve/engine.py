@@ -37,9 +37,10 @@ SERVE_ROUNDS_PER_DISPATCH = 4   # `serve`'s most rounds per dispatch while nobod
 
 
 def same_shardings(a, b) -> bool:
-    """Whether two states of one layout (any row counts) are laid out alike on the devices, so a round
-    compiled for one runs the other."""
-    return all(x.sharding == y.sharding for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    """Whether two states (any row counts) have the same parts, laid out alike on the devices, so a
+    round compiled for one runs the other."""
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        x.sharding == y.sharding for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 class Engine:

@@ -112,12 +112,15 @@ class RoundBank:
     def model_states(self) -> tuple:
         return tuple(None if m is None else m.state for m in self.models)
 
-    def new_state(self, rows: int, max_len: int, defer_window: int | None = None):
+    def new_state(self, rows: int, max_len: int, defer_window: int | None = None, lean: bool = False):
         """A zero state of `rows` rows with every cache of the bank's models; when the bank also runs
         `ar` beside drafting models, its plain rounds (and lean prefills) defer the drafting caches'
-        work for up to `defer_window` positions (default `self.defer_window`; `drafting.DeferredRows`)."""
+        work for up to `defer_window` positions (default `self.defer_window`; `drafting.DeferredRows`).
+        `lean`: a lean prefill's state, without the drafting caches (`new_spec_state`); its rows go into
+        a running state with theirs zeroed (`rows.put_rows`)."""
         window = self.defer_window if defer_window is None or not self.defer_window else defer_window
-        return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len, self.models[5], window)
+        return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len, self.models[5], window,
+                              drafting_caches=not lean)
 
     def caught_up(self, state, method: str | None = None, rounds: int = 1):
         """`state` ready for `rounds` rounds of `method` (None: a prefill): its deferred rows caught up

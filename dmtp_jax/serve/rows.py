@@ -50,10 +50,24 @@ def insert_row(state, row_state, row):
 
 def put_rows(axes, big, small, dst_g):
     """`big` with its rows `dst_g[i]` replaced by `small`'s row `i`; an index past `big`'s rows
-    drops that row (a padding row of a prefill bucket)."""
-    def put(axis, b, s):        # indexed at the batch axis in place: no transpose of `big`
-        return b.at[(slice(None),) * axis + (dst_g,)].set(s.astype(b.dtype), mode="drop")
-    return jax.tree.map(put, axes, big, small)
+    drops that row (a padding row of a prefill bucket). Where `small` has None for a part of `big`
+    (a lean prefill's state leaves out the drafting caches), those rows of the part are zeroed: as a
+    fresh state's would be.
+
+    Example:
+        >>> axes, big = {"k": 0, "n": 0}, {"k": jnp.ones(3), "n": jnp.ones(3)}
+        >>> out = put_rows(axes, big, {"k": jnp.array([5.0]), "n": None}, jnp.array([1]))
+        >>> out["k"].tolist(), out["n"].tolist()
+        ([1.0, 5.0, 1.0], [1.0, 0.0, 1.0])
+    """
+    def at(axis, b):        # indexed at the batch axis in place: no transpose of `big`
+        return b.at[(slice(None),) * axis + (dst_g,)]
+
+    def put(s, b, axis):
+        if s is None:
+            return jax.tree.map(lambda x, a: at(a, x).set(0, mode="drop"), b, axis)
+        return at(axis, b).set(s.astype(b.dtype), mode="drop")
+    return jax.tree.map(put, small, big, axes, is_leaf=lambda x: x is None)
 
 
 def move_row(axes, state, src, dst):
