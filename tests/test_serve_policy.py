@@ -389,6 +389,44 @@ def test_a_method_replaces_the_serving_one_only_on_a_fresh_time():
         assert policy.choose(8, 8) == after and policy.describe()["served"]
 
 
+def test_the_method_replaced_is_re_taken_once_after_the_switch():
+    """At 8 rows ar serves at 2.5 ms a round until a slow spell takes its live rounds to 5 ms; mtp's
+    confirmed time (10 ms, 3 tokens a round) then wins and mtp serves. `CONFIRM_AGE` choices later
+    ar's time is re-taken once, its slow-spell samples superseded: at 2.5 ms (the spell is over) ar
+    serves again; at 5 ms mtp keeps serving. Before, ar's slow median stood and mtp kept serving."""
+    from dmtp_jax.serve.policy import CONFIRM_AGE
+    for retaken_s, after in ((0.0025, "ar"), (0.005, "mtp")):
+        policy = LoadPolicy({"ar": 1, "mtp": 5}, {"mtp": 3.0}, refresh_every=10_000)
+        policy.observe("mtp", 8, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 3)     # trusted
+        for method, seconds in (("ar", 0.0025), ("mtp", 0.010)):
+            policy.observe(method, 8, rounds=1, seconds=seconds, row_rounds=0, committed=0)
+        for i in range(CONFIRM_AGE + 3):       # the slow spell from the CONFIRM_AGE-th round
+            assert policy.choose(8, 8) == "ar"
+            policy.observe("ar", 8, rounds=1, seconds=0.005 if i >= CONFIRM_AGE else 0.0025, row_rounds=8, committed=8)
+        assert policy.choose(8, 8) == "mtp" and policy.describe()["confirm"]
+        policy.observe("mtp", 8, rounds=1, seconds=0.010, row_rounds=8, committed=8 * 3)
+        for _ in range(CONFIRM_AGE):
+            assert policy.choose(8, 8) == "mtp" and policy.describe()["served"]
+            policy.observe("mtp", 8, rounds=1, seconds=0.010, row_rounds=8, committed=8 * 3)
+        assert policy.choose(8, 8) == "ar"
+        choice = policy.describe()
+        assert choice["why"] == "re-taking ar's time at 8 rows after mtp replaced it", choice["why"]
+        assert choice["refresh"] and choice["retake"] and not choice["served"]
+        policy.observe("ar", 8, rounds=1, seconds=retaken_s, row_rounds=8, committed=8)
+        assert policy.round_time("ar", 8) == retaken_s           # the fresh time, not a median with the spell's
+        assert policy.choose(8, 8) == after and policy.describe()["served"]
+        policy.observe(after, 8, rounds=1, seconds=0.010 if after == "mtp" else retaken_s, row_rounds=8,
+                       committed=8 * (3 if after == "mtp" else 1))
+        retakes = 0
+        for _ in range(3 * CONFIRM_AGE):      # once per switch: only mtp, replaced by ar, is re-taken once more
+            method = policy.choose(8, 8)
+            retakes += policy.describe()["retake"]
+            policy.observe(method, 8, rounds=1, seconds=0.010 if method == "mtp" else retaken_s, row_rounds=8,
+                           committed=8 * (3 if method == "mtp" else 1))
+            assert policy.describe()["retake"] or method == after
+        assert retakes == (after == "ar")
+
+
 def test_a_refresh_moves_the_other_dispatch_sizes_of_a_method_not_serving():
     """ar serves 4-round dispatches at 8 rows; mtp's 4-round time is warm-up's (8 ms a round). Its
     refreshes run one round in step and take 16 ms (against 10 at warm-up): its 4-round time moves

@@ -1,41 +1,24 @@
 """Which round the engine runs next: the method of the highest estimated output tokens/s at the
-load: one over its seconds per token, `(round_s(method, bucket, K) + host_s(bucket)) / (load x
-tau(method) x occupancy x realized)` (`load`: the most requests the engine held at once over the last
-`LOAD_CHOICES` choices, within the running rows and the bucket; `occupancy`: the share of the load's
-row rounds its K-round dispatches run, rows left waiting for their next request included;
-`realized`: what its served dispatches realized of that modelled rounds' rate) plus a request's
-prefill over its tokens (`admission_s`), all measured live (tau: the
-tokens requests keep per row round; docs/serving.md; warm-up gives each round time its first
-sample). A round's time is kept per dispatch size K (rounds per dispatch), and each method is
-estimated at the K it would run, so a method run mostly in K-round dispatches is not compared with
-another timed only in 1-round ones.
-The method serving keeps serving until another's estimate beats its own by `SWITCH_MARGIN`, so a
-near tie does not flip between methods every dispatch, and the other's time at the bucket is
-re-taken first (a confirming dispatch, run as a refresh) when it is older than `CONFIRM_AGE` choices:
-a round's time drifts with the rows it runs and in slow spells of the machine, so a time taken then
-is not compared with the serving method's live ones (a method not serving is timed in one dispatch
-size, mostly one round: its other sizes' times at the bucket move with that one's:
-`serve/round_times.py`). Once
-`refresh_every` choices have passed since the last refresh, at the next choice while nobody waits
-(so the refresh runs the dispatch its estimate uses, not one round because an arrival waits),
-one other method runs: the one whose acceptance rests on the fewest row
-rounds while that is under `TRUSTED_ROW_ROUNDS`, else the one timed longest ago among those whose
-refresh costs at most their part of `refresh_share` (split evenly among the other methods, so
-refreshes together stay within it) of the seconds served at the bucket since their last refresh
-there (a refresh's cost: its dispatch by the round time, plus the bucket's catch-up time when it is
-a speculative round after plain ones; seconds served at other buckets buy no refresh here, so
-refreshes stay within the share at every bucket, not spent all at once on a bucket first served
-late); it runs the dispatch its estimate uses when that is no longer than the best method's, else
-one round (exploring a slow round costs little).
-So a dear refresh (a speculative round over many rows that first catches up the plain rounds' rows)
-is rare, and a cheap one runs about every `refresh_every` choices. Over several rows, a timing or refresh
-dispatch of a speculative method while plain rounds serve (or before any serves), and the dispatches
-of a speculative method chosen while its acceptance rests on fewer than `TRUSTED_ROW_ROUNDS` row
-rounds (a prior's), run one round in step: each row commits one token (`describe()["in_step"]`;
-`round.cap_accepted`, lossless), so rows admitted together still finish together, and the drafts the
-target accepted still count toward the method's acceptance.
-`rounds` says how many rounds a dispatch of a method may run while nobody waits,
-`describe()["rounds"]` how many the last choice's dispatch runs; `describe` says what a choice rests on.
+load, one over its seconds per token `(round_s(method, bucket, K) + host_s(bucket)) / (load x
+tau(method) x occupancy x realized)` plus a request's prefill over its tokens (`admission_s`), all
+measured live (warm-up gives each round time its first sample; the terms: their methods' docstrings;
+the reasons: docs/serving.md). A round's time is kept per dispatch size K, each method estimated at
+the K it would run.
+
+Switching: the method serving keeps serving until another's estimate beats its own by
+`SWITCH_MARGIN`; the other's time at the bucket is re-taken first (a confirming dispatch, run as a
+refresh) when older than `CONFIRM_AGE` choices, and the method it replaced is re-taken likewise,
+once, `CONFIRM_AGE` choices after the switch (`_retake`): times drift with the rows and in slow
+spells of the machine, so times taken at different moments are not compared alone.
+Refreshes: once `refresh_every` choices have passed, at the next choice while nobody waits, one
+other method runs (`_refresh_candidate`: the least measured while its acceptance is untrusted, else
+the one timed longest ago among those whose refresh fits their part of `refresh_share` of the
+seconds served at the bucket), in the dispatch its estimate uses when no longer than the best's,
+else one round. Over several rows, a speculative timing, refresh or untrusted dispatch beside plain
+rounds runs one round in step (each row commits one token: `round.cap_accepted`, lossless), so rows
+admitted together still finish together (`describe()["in_step"]`).
+`rounds` says how many rounds a dispatch of a method may run while nobody waits; `describe` says
+what the last choice rests on.
 
 Example:
     >>> p = LoadPolicy({"ar": 1, "dmtp": 8})
@@ -99,9 +82,12 @@ class LoadPolicy:
         self._held: collections.deque[int] = collections.deque(maxlen=LOAD_CHOICES)  # requests held at recent choices
         self._refreshed_at = 0                  # the choice count of the last refresh (`refresh_every`)
         self._serving: str | None = None        # the method last chosen as the best (refreshes aside)
+        self._serving_bucket = 0                # the bucket it last served at
+        self._replaced: tuple[str, int, int] | None = None     # (method, bucket, choice) of the last switch
+                                                                # between two serving at one bucket
         self.last: dict = {"method": None, "why": "nothing run yet", "rows": 0, "load": 0, "bucket": 0, "rounds": 0,
-                           "estimates": {}, "refresh": False, "confirm": False, "in_step": False, "served": False,
-                           "rounds_rate": None}
+                           "estimates": {}, "refresh": False, "confirm": False, "retake": False, "in_step": False,
+                           "served": False, "rounds_rate": None}
 
     @property
     def tau(self) -> dict[str, float]:
@@ -246,6 +232,7 @@ class LoadPolicy:
         est = self._estimated(per_token, bucket)
         untimed = [m for m in self.slots if not self.timed(m, bucket)]
         rounds, refresh, confirm, in_step, served = 1, False, False, False, False     # a timing dispatch: one round
+        retake = False
         if len(self.slots) == 1:
             method, why, served = next(iter(self.slots)), "the only round", True
             rounds = self.rounds(method, bucket, most)
@@ -255,7 +242,10 @@ class LoadPolicy:
         else:
             best = self._best(est)
             due = idle and self.choices - self._refreshed_at >= self.refresh_every
-            stale = self._refresh_candidate(best, bucket, most) if due else None
+            stale = self._retake(best, bucket) if idle else None
+            retake = stale is not None
+            if not retake:
+                stale = self._refresh_candidate(best, bucket, most) if due else None
             if stale is not None:
                 self._refreshed_at = self.choices
             elif self._unconfirmed(best, bucket):
@@ -263,7 +253,8 @@ class LoadPolicy:
             if stale is not None:
                 incumbent = self._serving if confirm else best
                 method, refresh = stale, True
-                why = (f"confirming {stale}'s estimate before it replaces {incumbent}" if confirm
+                why = (f"confirming {stale}'s estimate before it replaces {incumbent}" if confirm else
+                       f"re-taking {stale}'s time at {bucket} rows after {best} replaced it" if retake
                        else f"refreshing {stale}'s estimate at {bucket} rows")
                 rounds = self._refresh_rounds(stale, incumbent, bucket, most, rows)
                 in_step = self._in_step(stale, incumbent, rows)
@@ -272,12 +263,15 @@ class LoadPolicy:
                 in_step = rows > 1 and self.slots[best] > 1 and self._measured[best] < TRUSTED_ROW_ROUNDS
                 rounds = 1 if in_step else self.rounds(method, bucket, most)
                 served = not in_step
-                self._serving = best
+                if self._serving not in (None, best) and self._serving_bucket == bucket:
+                    self._replaced = (self._serving, bucket, self.choices)
+                self._serving, self._serving_bucket = best, bucket
         rounds = rounds if idle else 1
         rounds_s = per_token.get(method, (0.0, 0.0))[0]     # modelled, per token
         self.last = {"method": method, "why": why, "rows": rows, "load": load, "bucket": bucket, "rounds": rounds,
                      "estimates": est,
-                     "tau": self.tau, "refresh": refresh, "confirm": confirm, "in_step": in_step, "served": served,
+                     "tau": self.tau, "refresh": refresh, "confirm": confirm, "retake": retake,
+                     "in_step": in_step, "served": served,
                      "rounds_rate": 1.0 / rounds_s if rounds_s > 0 else None}
         return method
 
@@ -303,6 +297,16 @@ class LoadPolicy:
         machine than the serving method's live ones."""
         return (self._serving is not None and best != self._serving
                 and self._round_s.age(best, bucket, self.choices) > CONFIRM_AGE)
+
+    def _retake(self, best: str, bucket: int) -> str | None:
+        """The method `best` replaced at `bucket`, once `CONFIRM_AGE` choices have passed since (once per
+        switch, `best` still serving): its time there is re-taken as a confirming dispatch re-takes the
+        challenger's, since its samples were taken while it served, maybe in the slow spell in which
+        the challenger's fresh time won."""
+        if self._replaced is None or self._replaced[1] != bucket or self.choices - self._replaced[2] < CONFIRM_AGE:
+            return None
+        replaced, self._replaced = self._replaced[0], None
+        return replaced if best == self._serving != replaced else None
 
     def _in_step(self, method: str, serving: str | None, rows: int) -> bool:
         """Whether a timing or refresh dispatch of `method` over `rows` rows commits one token per row,
@@ -360,7 +364,7 @@ class LoadPolicy:
         if rounds > 0 and not compiled:     # a confirming dispatch supersedes the older samples
             self._round_s.add(method, bucket, rounds=rounds, per_round=seconds / rounds, now=self.choices,
                               serving=method == self._serving,
-                              restart=self.last["confirm"] and self.last["method"] == method)
+                              restart=(self.last["confirm"] or self.last["retake"]) and self.last["method"] == method)
         if row_rounds > 0 and method != "ar":       # one row round: one sample
             rows = max(1.0, row_rounds / max(1, rounds))
             self._tau[method].add(committed / row_rounds, row_rounds, alpha=1.0 / (TAU_ROUNDS * rows))
