@@ -392,10 +392,11 @@ def test_a_method_replaces_the_serving_one_only_on_a_fresh_time():
 def test_the_method_replaced_is_re_taken_once_after_the_switch():
     """At 8 rows ar serves at 2.5 ms a round until a slow spell takes its live rounds to 5 ms; mtp's
     confirmed time (10 ms, 3 tokens a round) then wins and mtp serves. `CONFIRM_AGE` choices later
-    ar's time is re-taken once, its slow-spell samples superseded: at 2.5 ms (the spell is over) ar
-    serves again; at 5 ms mtp keeps serving. Before, ar's slow median stood and mtp kept serving."""
+    ar's time is re-taken once: at 2.5 ms (the spell is over) it supersedes the slow-spell samples and ar
+    serves again; at 8 ms it joins them (their median stays 5 ms) and mtp keeps serving. Before, ar's
+    slow median stood and mtp kept serving."""
     from dmtp_jax.serve.policy import CONFIRM_AGE
-    for retaken_s, after in ((0.0025, "ar"), (0.005, "mtp")):
+    for retaken_s, after, median_s in ((0.0025, "ar", 0.0025), (0.008, "mtp", 0.005)):
         policy = LoadPolicy({"ar": 1, "mtp": 5}, {"mtp": 3.0}, refresh_every=10_000)
         policy.observe("mtp", 8, rounds=0, seconds=0.0, row_rounds=48, committed=48 * 3)     # trusted
         for method, seconds in (("ar", 0.0025), ("mtp", 0.010)):
@@ -413,7 +414,7 @@ def test_the_method_replaced_is_re_taken_once_after_the_switch():
         assert choice["why"] == "re-taking ar's time at 8 rows after mtp replaced it", choice["why"]
         assert choice["refresh"] and choice["retake"] and not choice["served"]
         policy.observe("ar", 8, rounds=1, seconds=retaken_s, row_rounds=8, committed=8)
-        assert policy.round_time("ar", 8) == retaken_s           # the fresh time, not a median with the spell's
+        assert policy.round_time("ar", 8) == median_s
         assert policy.choose(8, 8) == after and policy.describe()["served"]
         policy.observe(after, 8, rounds=1, seconds=0.010 if after == "mtp" else retaken_s, row_rounds=8,
                        committed=8 * (3 if after == "mtp" else 1))

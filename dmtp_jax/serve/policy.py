@@ -300,9 +300,10 @@ class LoadPolicy:
 
     def _retake(self, best: str, bucket: int) -> str | None:
         """The method `best` replaced at `bucket`, once `CONFIRM_AGE` choices have passed since (once per
-        switch, `best` still serving): its time there is re-taken as a confirming dispatch re-takes the
-        challenger's, since its samples were taken while it served, maybe in the slow spell in which
-        the challenger's fresh time won."""
+        switch, `best` still serving): its time there is re-taken, since its samples were taken while it
+        served, maybe in the slow spell in which the challenger's fresh time won. A re-take faster than
+        their median supersedes them, as a confirming dispatch's time does the challenger's; a slower
+        one joins them (`observe`): one slow sample must not hold a method back alone."""
         if self._replaced is None or self._replaced[1] != bucket or self.choices - self._replaced[2] < CONFIRM_AGE:
             return None
         replaced, self._replaced = self._replaced[0], None
@@ -361,10 +362,13 @@ class LoadPolicy:
             if self.last["refresh"] and self.last["method"] == method:
                 self.refresh_s += seconds + catch_up_s
                 self._refreshed_s[(method, bucket)] = self._serving_at[bucket]
-        if rounds > 0 and not compiled:     # a confirming dispatch supersedes the older samples
-            self._round_s.add(method, bucket, rounds=rounds, per_round=seconds / rounds, now=self.choices,
-                              serving=method == self._serving,
-                              restart=(self.last["confirm"] or self.last["retake"]) and self.last["method"] == method)
+        if rounds > 0 and not compiled:     # a confirming dispatch supersedes the older samples, a re-take
+            per_round, last = seconds / rounds, self.last      # those it beats (it ends a slow spell, not starts one)
+            older = self._round_s.get((method, bucket, rounds))
+            restart = last["method"] == method and (
+                last["confirm"] or (last["retake"] and (older is None or per_round < older)))
+            self._round_s.add(method, bucket, rounds=rounds, per_round=per_round, now=self.choices,
+                              serving=method == self._serving, restart=restart)
         if row_rounds > 0 and method != "ar":       # one row round: one sample
             rows = max(1.0, row_rounds / max(1, rounds))
             self._tau[method].add(committed / row_rounds, row_rounds, alpha=1.0 / (TAU_ROUNDS * rows))
