@@ -364,9 +364,9 @@ class LoadPolicy:
                 self._refreshed_s[(method, bucket)] = self._serving_at[bucket]
         if rounds > 0 and not compiled:     # a confirming dispatch supersedes the older samples, a re-take
             per_round, last = seconds / rounds, self.last      # those it beats (it ends a slow spell, not starts one)
-            older = self._round_s.get((method, bucket, rounds))
             restart = last["method"] == method and (
-                last["confirm"] or (last["retake"] and (older is None or per_round < older)))
+                last["confirm"] or (last["retake"] and per_round < self._round_s.get((method, bucket, rounds),
+                                                                                     float("inf"))))
             self._round_s.add(method, bucket, rounds=rounds, per_round=per_round, now=self.choices,
                               serving=method == self._serving, restart=restart)
         if row_rounds > 0 and method != "ar":       # one row round: one sample

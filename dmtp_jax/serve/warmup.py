@@ -37,12 +37,12 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True) -> N
         time_rounds(engine)
     for rows in sorted({1, *engine.buckets}):       # catch-ups: the running state's, a resumed snapshot's
         engine.bank.catch_up_step(engine.bank.model_states(), engine.bank.new_state(rows, engine.max_len))
-    leans = (False, True) if engine.bank.defer_window else (False,)    # a lean prefill's rows: `rows.put_rows`
+    puts = (False, True) if engine.bank.defer_window else (False,)    # full and lean groups' rows: `rows.put_rows`
     for rows, other in itertools.product(engine.buckets, engine.buckets):     # the row moves between buckets
         state = engine.moves.resize(engine.bank.new_state(rows, engine.max_len), other)
         if other <= rows:
             state = engine.moves.resize(state, rows)
-            for lean in leans:
+            for lean in puts:
                 state = engine.moves.put(state, engine.bank.new_state(other, engine.max_len, lean=lean),
                                          np.full(other, rows, np.int32))
             state = engine.moves.move(state, np.int32(0), np.int32(0))
