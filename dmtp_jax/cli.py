@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import importlib.util
 import json
 import os
@@ -204,6 +205,34 @@ def use_host_backend() -> None:
         pass
 
 
+NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")     # dxg: WSL2
+GOOGLE_PCI_VENDOR = "0x1ae0"
+OTHER_PCI_CLASSES = ("0x01", "0x02", "0x06")     # storage, network, bridge: a cloud VM's disk and NIC
+
+
+def visible_nvidia_gpu() -> bool:
+    """Whether the kernel shows an NVIDIA GPU (its device files); starts no backend."""
+    return any(os.path.exists(path) for path in NVIDIA_DEVICE_FILES)
+
+
+def visible_tpu(pci_devices: str = "/sys/bus/pci/devices") -> bool:
+    """Whether a Google PCI device other than a disk, a NIC or a bridge (a TPU chip) is present;
+    starts no backend.
+
+    Example:
+        >>> visible_tpu("/does-not-exist")
+        False
+    """
+    for device in glob.glob(os.path.join(pci_devices, "*")):
+        try:
+            with open(os.path.join(device, "vendor")) as vendor, open(os.path.join(device, "class")) as klass:
+                if vendor.read().strip() == GOOGLE_PCI_VENDOR and not klass.read().startswith(OTHER_PCI_CLASSES):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def skip_absent_gpu_plugin() -> str | None:
     """On a machine without an NVIDIA GPU, the platforms become the host's (plus a visible TPU)
     unless `JAX_PLATFORMS` says otherwise, so an installed CUDA plugin skips its failing version
@@ -220,14 +249,9 @@ def skip_absent_gpu_plugin() -> str | None:
     if not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)
                if importlib.util.find_spec("jax_plugins") is not None):
         return None
-    try:
-        from jax._src import hardware_utils     # private, may move: imported inside the try
-        if hardware_utils.has_visible_nvidia_gpu():
-            return None
-        tpu = hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-    except Exception:       # noqa: BLE001 -- jax moved its probes: leave the platforms alone
+    if visible_nvidia_gpu():
         return None
-    platforms = "tpu,cpu" if tpu else "cpu"
+    platforms = "tpu,cpu" if visible_tpu() else "cpu"
     try:
         jax.config.update("jax_platforms", platforms)
     except Exception:       # noqa: BLE001 -- a backend is already up

@@ -292,8 +292,8 @@ def test_an_installed_cuda_plugin_is_quiet_without_a_gpu(tmp_path):
     """))
     import os
 
-    from jax._src import hardware_utils
-    if hardware_utils.has_visible_nvidia_gpu():
+    from dmtp_jax.cli import visible_nvidia_gpu
+    if visible_nvidia_gpu():
         pytest.skip("a GPU is visible: the plugin is meant to load")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"} | {"PYTHONPATH": f"{tmp_path}:{root}"}

@@ -19,14 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dmtp_jax.decode import ar
 from dmtp_jax.decode.batch import pad_prompts
 from dmtp_jax.decode.caches import TargetCaches
 from dmtp_jax.decode.prefill import DEFAULT_PREFILL_CHUNK
 from dmtp_jax.decode.round import SpecState, verify_forward
 from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.errors import InexactBackendError
-from dmtp_jax.decode.ar import ARDecoder
+from dmtp_jax.decode.ar import ARDecoder, decode_step, prefill_step, run_prefill
 
 log = logging.getLogger(__name__)
 ALLOW_INEXACT_ENV = "DMTP_JAX_ALLOW_INEXACT"
@@ -84,8 +83,8 @@ def compare_block_to_chain(chain_rn: np.ndarray, block_argmax_rw: np.ndarray) ->
 # that probes of targets of one architecture share their compiles: the chain is plain decoding's
 # prefill and single-token step (`decode/ar.py:prefill_step`, `decode_step`, as `ARDecoder` runs
 # them), the block is the round's verify phase (`decode/round.py:verify_forward`).
-_prefill_step = jax.jit(ar.prefill_step, static_argnums=(0, 1), static_argnames=("greedy",))
-_decode_step = jax.jit(ar.decode_step, static_argnums=(0, 1), static_argnames=("greedy",))
+_prefill_step = jax.jit(prefill_step, static_argnums=(0, 1), static_argnames=("greedy",))
+_decode_step = jax.jit(decode_step, static_argnums=(0, 1), static_argnames=("greedy",))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -105,9 +104,9 @@ def chain_and_block(target, prompts: list[list[int]], width: int) -> tuple[np.nd
     rows = batch.tokens_bt.shape[0]
     sp, key = SamplingParams.make(), jax.random.key(0)
     prefill = functools.partial(_prefill_step, graphdef, mesh)
-    first, prefilled = ar.run_prefill(prefill, state, batch.tokens_bt, batch.lengths_b,
-                                      TargetCaches(target).new(rows, batch.max_len), sp, key, True,
-                                      DEFAULT_PREFILL_CHUNK, mesh)
+    first, prefilled = run_prefill(prefill, state, batch.tokens_bt, batch.lengths_b,
+                                   TargetCaches(target).new(rows, batch.max_len), sp, key, True,
+                                   DEFAULT_PREFILL_CHUNK, mesh)
     chain, cache = [first], prefilled
     for j in range(width):            # a fresh positions array per call: jit may alias numpy inputs
         nxt, cache = _decode_step(       # not donated: `prefilled` stays for the block
