@@ -56,8 +56,8 @@ def main(argv=None) -> int:
 
     import jax
 
-    import infer
     from bench_serve import load_served_decoder
+    from dmtp_jax.commands.models import resolve_target
     from dmtp_jax.serve.engine import SERVE_ROUNDS_PER_DISPATCH
     from dmtp_jax.serve.rounds import engine_bank
     from dmtp_jax.serve.rows import RowMoves
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tokenizer import load_tokenizer
 
-    target_dir = infer.resolve_target(None)
+    target_dir = resolve_target(None)
     demo = argparse.Namespace(target=None, draft=None, mtp=None, dtype=None)      # serve's defaults on the demo
     tokenizer, mesh = load_tokenizer(target_dir, plain=True), make_mesh(None)
     default = sys.getswitchinterval()

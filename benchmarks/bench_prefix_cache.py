@@ -82,6 +82,7 @@ def run_modes(decoder, stops, prompts, follow_up, args) -> dict:
 
 def main(argv=None) -> int:
     import infer
+    from dmtp_jax.commands.models import decoder_methods, load_decoder, resolve_target
     from dmtp_jax.decode.ar import ARDecoder
     from dmtp_jax.sharding import make_mesh
     from dmtp_jax.tokenizer import load_tokenizer
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default=None, help="JSONL with a 'prompt' field per line (default: the demo's)")
     p.add_argument("--json", default=None, help="write the numbers here")
     args = p.parse_args(argv)
-    target_dir = infer.resolve_target(args.target)
+    target_dir = resolve_target(args.target)
     tokenizer = load_tokenizer(target_dir, plain=True)
     with open(args.prompts or os.path.join(ROOT, "demo", "prompts.jsonl")) as fh:
         texts = [json.loads(line)["prompt"] for line in fh if line.strip()]
@@ -114,8 +115,8 @@ def main(argv=None) -> int:
     for method in args.methods.split(","):
         sargs = infer.build_parser().parse_args(["serve", "--method", method] +
                                                 (["--target", args.target] if args.target else []))
-        methods, _ = infer.decoder_methods(sargs, target_dir, [method])
-        decoder, stops = infer.load_decoder(sargs, target_dir, method, methods, make_mesh(None), tokenizer)
+        methods, _ = decoder_methods(sargs, target_dir, [method])
+        decoder, stops = load_decoder(sargs, target_dir, method, methods, make_mesh(None), tokenizer)
         runs = run_modes(decoder, stops, prompts, follow_up, args)
         # greedy: every method emits plain decoding's tokens
         gen = ARDecoder(decoder.target, prefill_chunk=runs[0.0]["engine"].bank.prefill_chunk)

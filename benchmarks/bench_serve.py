@@ -175,21 +175,20 @@ def load_served_decoder(args, target_dir: str, method: str, rounds: int, mesh, t
     """`(decoder, stop ids)` of `method` on `target_dir` as `infer.py serve` builds it, from `args.target`
     (None: the demo, with its drafters), `args.draft`, `args.mtp` and `args.dtype`, running `rounds`
     rounds per dispatch."""
-    import infer
+    from dmtp_jax.commands.models import decoder_methods, load_decoder
 
     opts = argparse.Namespace(target=args.target, draft=args.draft, mtp=args.mtp, dtype=args.dtype, block_size=None,
                               verify="rejection", mtp_steps=None, strict=False,
                               rounds_per_dispatch=rounds, prefill_chunk=None,
                               adaptive_threshold=None, stop_token_ids=None)
-    built, _ = infer.decoder_methods(opts, target_dir, [method])
-    return infer.load_decoder(opts, target_dir, method, built, mesh, tokenizer)
+    built, _ = decoder_methods(opts, target_dir, [method])
+    return load_decoder(opts, target_dir, method, built, mesh, tokenizer)
 
 
 def build_engines(args, methods, target_dir, tokenizer, prompts, stack, client) -> tuple[dict, list]:
     """`({method: (decoder, stops, engine, base url)}, reference texts)`: every method's engine warmed
     up and served (in `stack`) before any clock starts; the reference is `generate` of each prompt
     alone (greedy: every method's output is ar's)."""
-    import infer
     from dmtp_jax.serve.app import Scheduler, build_app, serving_in_thread
     from dmtp_jax.serve.engine import SERVE_ROUNDS_PER_DISPATCH, Engine
     from dmtp_jax.sharding import make_mesh
@@ -276,7 +275,7 @@ def auto_verdict(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    import infer
+    from dmtp_jax.commands.models import resolve_target
     from dmtp_jax.tokenizer import load_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -307,7 +306,7 @@ def main(argv=None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     methods = args.methods.split(",")
     rate = float("inf") if args.arrival == "all" else args.rate
-    target_dir = infer.resolve_target(args.target)
+    target_dir = resolve_target(args.target)
     tokenizer = load_tokenizer(target_dir, plain=True)
     texts = load_prompts(args.prompts)
     n_max = max(max(levels), args.min_requests)

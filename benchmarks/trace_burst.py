@@ -218,7 +218,7 @@ def report(trace: Trace, engine, client: list[dict]) -> None:
 
 def main(argv=None) -> int:
     import bench_serve
-    import infer
+    from dmtp_jax.commands.models import resolve_target
     from dmtp_jax.decode.sampling import SamplingParams
     from dmtp_jax.serve import request as request_mod
     from dmtp_jax.tokenizer import load_tokenizer
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
         made.append(self)
     request_mod.Request.__init__ = init
 
-    target_dir = infer.resolve_target(None)
+    target_dir = resolve_target(None)
     tokenizer = load_tokenizer(target_dir, plain=True)
     texts = bench_serve.load_prompts(None)
     prompts = [tokenizer(texts[i % len(texts)]).input_ids for i in range(args.clients)]

@@ -9,6 +9,7 @@ import pytest
 import infer
 from dmtp_jax.bench.report import build_report, format_table
 from dmtp_jax.bench.runner import run_benchmark
+from dmtp_jax.commands.models import DEMO_DIR, method_models, uses_demo
 from dmtp_jax.decode.loading import load_method_models, make_decoders
 from dmtp_jax.options import ModelSources
 from dmtp_jax.bench.workloads import (WORKLOADS, Request, default_data_dir, load_workload,
@@ -202,11 +203,11 @@ def test_demo_methods_share_one_drafting_head(monkeypatch):
     monkeypatch.setattr(loading, "MODEL_LOADERS", {k: (lambda a, t, m: a.draft, share_key(k))
                                                    for k in ("drafter", "mtp", "fusion")})
     args = infer.build_parser().parse_args(["bench", "--draft-head", "efficient", "--draft-head-vocab", "8"])
-    if not infer.uses_demo(args):
+    if not uses_demo(args):
         pytest.fail("the demo checkpoints are part of the repository")
     methods = ["ar", "mtp", "dflash", "dmtp"]
-    models = infer.method_models(args, argparse.Namespace(cfg=argparse.Namespace(vocab_size=128)), methods)
-    assert len(heads) == 1 and counts == [os.path.join(infer.DEMO_DIR, "dmtp")]
+    models = method_models(args, argparse.Namespace(cfg=argparse.Namespace(vocab_size=128)), methods)
+    assert len(heads) == 1 and counts == [os.path.join(DEMO_DIR, "dmtp")]
     assert models["ar"] == {}
     assert all(models[m]["draft_head"] is heads[0] for m in ("mtp", "dflash", "dmtp"))
     assert models["dflash"]["drafter"] != models["dmtp"]["drafter"]           # each its own demo drafter

@@ -9,6 +9,7 @@ import pytest
 import infer
 from dmtp_jax import compare
 from dmtp_jax.checkpoint.hf import load_target
+from dmtp_jax.commands import models
 from dmtp_jax.decode.ar import ARDecoder
 
 
@@ -30,7 +31,7 @@ def test_default_checkpoint_streams_text(tmp_path, monkeypatch, capsys):
     assert infer.main(["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("def fibonacci(n):")
     if infer.demo_available():
-        assert infer.resolve_target(None).endswith("target")
+        assert models.resolve_target(None).endswith("target")
         assert not (tmp_path / "tiny-qwen3").exists()
     else:
         assert (tmp_path / "tiny-qwen3" / "tokenizer.json").is_file()
@@ -38,7 +39,7 @@ def test_default_checkpoint_streams_text(tmp_path, monkeypatch, capsys):
 
 def test_default_tiny_checkpoint_without_demo(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DMTP_JAX_CACHE", str(tmp_path))
-    monkeypatch.setattr(infer, "DEMO_DIR", str(tmp_path / "no-demo"))
+    monkeypatch.setattr(models, "DEMO_DIR", str(tmp_path / "no-demo"))
     assert infer.main(["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("def fibonacci(n):")
     assert (tmp_path / "tiny-qwen3" / "tokenizer.json").is_file()

@@ -8,7 +8,7 @@ The layers, lowest first (a module may import its own layer's package and anythi
 
     errors, paths, platform, counted_jit, methods -> hf_config -> config -> sharding -> layers -> models
     -> checkpoint, tokenizer -> options -> decode -> train -> tiny -> plan -> bench -> serve -> demo
-    -> compare -> preflight -> cli
+    -> compare -> preflight -> cli -> commands
 
 `infer.py`, `train.py`, `benchmarks/` and `tests/` sit above all of them."""
 
@@ -19,7 +19,8 @@ import os
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dmtp_jax")
 LAYERS = [("errors", "paths", "platform", "counted_jit", "methods"), ("hf_config",), ("config",), ("sharding",),
           ("layers",), ("models",), ("checkpoint", "tokenizer"), ("options",), ("decode",), ("train",), ("tiny",),
-          ("plan",), ("bench",), ("serve",), ("demo",), ("compare",), ("preflight",), ("cli",)]
+          ("plan",), ("bench",), ("serve",), ("demo",), ("compare",), ("preflight",), ("cli",),
+          ("commands",)]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 

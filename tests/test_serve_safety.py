@@ -269,14 +269,14 @@ def test_serve_port_out_of_range_and_in_use_are_one_line_errors(tiny_qwen3_dir, 
 def test_a_drafter_directorys_own_method_is_the_default(tmp_path):
     import argparse
 
-    import infer
+    from dmtp_jax.commands.models import default_method
     (tmp_path / "config.json").write_text(json.dumps({"dmtp_config": {"method": "dmtp-adaptive"}}))
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "config.json").write_text(json.dumps({"dflash_config": {}}))
     args = argparse.Namespace(draft=str(tmp_path), target="/models/x")
-    assert infer.default_method(args) == "dmtp-adaptive"
-    assert infer.default_method(argparse.Namespace(draft=str(tmp_path / "plain"), target="x")) == "dflash"
-    assert infer.default_method(argparse.Namespace(draft=None, target="/models/x")) == "ar"
+    assert default_method(args) == "dmtp-adaptive"
+    assert default_method(argparse.Namespace(draft=str(tmp_path / "plain"), target="x")) == "dflash"
+    assert default_method(argparse.Namespace(draft=None, target="/models/x")) == "ar"
 
 
 def test_an_installed_cuda_plugin_is_quiet_without_a_gpu(tmp_path):
