@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import glob
 import importlib.util
 import json
@@ -76,11 +77,34 @@ def model_sources(args: argparse.Namespace) -> ModelSources:
 
 class ArgumentParser(argparse.ArgumentParser):
     """`argparse.ArgumentParser` whose errors are `error: ...` and `hint: run '<prog> --help' ...`
-    (two lines, exit status 2) instead of the whole usage. Subparsers inherit the class."""
+    (two lines, exit status 2) instead of the whole usage; an unknown flag close to one of the
+    subcommand's (`generate --max-tokens`) gets `hint: did you mean --max-new-tokens? ...`.
+    Subparsers inherit the class."""
 
-    def error(self, message: str):
-        sys.stderr.write(f"error: {one_line(message)}\nhint: run '{self.prog} --help' for the options\n")
+    def error(self, message: str, hint: str | None = None):
+        hint = hint or f"run '{self.prog} --help' for the options"
+        sys.stderr.write(f"error: {one_line(message)}\nhint: {hint}\n")
         sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}", self.flag_hint(extras, namespace))
+        return namespace
+
+    def flag_hint(self, extras: list[str], namespace) -> str:
+        """`did you mean --FLAG?` for the first unknown flag close to one of the chosen subcommand's,
+        else where that subcommand's flags are listed."""
+        parser = self
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parser = action.choices.get(getattr(namespace, action.dest, None), parser)
+        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        for arg in extras:
+            close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.8) if arg[:2] == "--" else []
+            if close:
+                return f"did you mean {close[0]}? (run '{parser.prog} --help' for the options)"
+        return f"run '{parser.prog} --help' for the options"
 
 
 def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ weights), with the messages the loaders and decoders would give later (`dmtp_jax
 from __future__ import annotations
 
 import os
+import sys
 
 from dmtp_jax import options
 from dmtp_jax.checkpoint.dflash_ckpt import load_dflash_config
@@ -80,6 +81,33 @@ def check_method_models(methods, target_dir: str, draft: str | None, mtp: str | 
         if not has_mtp(mtp_dir):
             raise MissingMtpError(f"{mtp_dir} has no native MTP head (no 'mtp.*' tensors); the methods "
                                   "mtp / dmtp need a target that carries one, or --mtp DIR")
+
+
+def check_drafter_method(methods, draft: str | None) -> None:
+    """A `--draft` directory trained for another method than one asked: a DMTP drafter of another DMTP
+    method is an `InputError` (its fusion does not load); a DMTP drafter run as dflash, or a plain
+    DFlash drafter run as a DMTP method (a zero fusion), runs, with a warning on stderr: its drafts
+    are rarely accepted (0.07 of first candidates on the demo).
+
+    Example:
+        >>> check_drafter_method(["ar", "lookup"], None)
+    """
+    if not draft or not os.path.isfile(os.path.join(draft, "config.json")):
+        return
+    config = read_config_json(draft)
+    if "dflash_config" not in config:               # an EAGLE-3 or draft-model directory: its own checks
+        return
+    stored = (config.get("dmtp_config") or {}).get("method")
+    for method in methods:
+        need = options.method_needs(method)
+        if not need["drafter"] or method == EAGLE3 or stored == method or not (need["fusion"] or stored):
+            continue
+        if need["fusion"] and stored:
+            raise InputError(f"{draft} holds a '{stored}' drafter, not '{method}'", hint=f"use --method {stored}, "
+                             f"or a drafter trained with `train.py --method {method}`")
+        trained = f"a '{stored}' drafter (trained with its fusion)" if stored else "a plain DFlash drafter"
+        print(f"warning: {draft} is {trained}; --method {method} will accept few of its drafts "
+              f"(use --method {stored or 'dflash'})", file=sys.stderr)
 
 
 def draft_is_target(draft: str) -> bool:

@@ -43,7 +43,7 @@ def server(decoder, tokenizer):
     from dmtp_jax.serve.app import ServerLimits, Scheduler, build_app, serving_in_thread, warm_up
 
     limits = ServerLimits(max_body_bytes=64 * 1024, max_waiting=2, max_stop_strings=4, max_stop_chars=32,
-                          header_timeout_s=1.0)
+                          header_timeout_s=1.0, body_timeout_s=1.0)
     engine = Engine(decoder, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(4,))
     warm_up(engine, every_bucket=False)
     scheduler = Scheduler(engine, max_waiting=limits.max_waiting)
@@ -121,7 +121,7 @@ BAD_JSON = [  # (raw JSON body, status): each must be refused before the engine 
     (b'{"prompt": [1], "max_tokens": 4, "stop": ["a", "b", "c", "d", "e"]}', 400),
     (b'{"prompt": [1], "max_tokens": 4, "stop": "' + b"x" * 33 + b'"}', 400),
     (b'{"prompt": [1], "max_tokens": 4, "stop": "\\udc00"}', 400),
-    (b'{"prompt": [1], "max_tokens": 1000}', 413),
+    (b'{"prompt": [1], "max_tokens": 1000}', 400),                   # past the context: 400, as vLLM
     (b'{"prompt": "' + b"x" * 60000 + b'", "max_tokens": 4}', 413),
 ]
 

@@ -95,3 +95,6 @@ def server_limit_args(sp) -> None:
                          "to it compiles nothing; >= the vocabulary means off) (default %(default)s)")
     sp.add_argument("--header-timeout", type=float, default=d.header_timeout_s, metavar="S",
                     help="seconds a connection may take to send a whole request head (default %(default)s)")
+    sp.add_argument("--body-timeout", type=float, default=d.body_timeout_s, metavar="S",
+                    help="seconds a request may take to send its whole body after its head; slower ones get 408 "
+                         "and their connection closed (default %(default)s)")

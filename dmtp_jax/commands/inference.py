@@ -109,14 +109,15 @@ def server_limits(args):
     """`ServerLimits` from serve's flags (each checked: an `InputError` names the flag)."""
     from dmtp_jax.serve.protocol import ServerLimits
     positive = {"--max-body-mb": args.max_body_mb, "--max-stop-chars": args.max_stop_chars,
-                "--max-top-k": args.max_top_k, "--header-timeout": args.header_timeout}
+                "--max-top-k": args.max_top_k, "--header-timeout": args.header_timeout,
+                "--body-timeout": args.body_timeout}
     for flag, value in positive.items():
         check_positive(flag, value)
     for flag, value in {"--max-waiting": args.max_waiting, "--max-stop-strings": args.max_stop_strings}.items():
         check_non_negative(flag, value)
     return ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20), max_waiting=args.max_waiting,
                         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
-                        header_timeout_s=args.header_timeout)
+                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
 
 
 def cmd_compare(args) -> int:

@@ -146,6 +146,7 @@ def decoder_methods(args, target_dir: str, methods: list[str]) -> tuple[list[str
     built = list(dict.fromkeys([*(m for m in methods if m != AUTO), *candidates]))
     preflight.check_method_models(built, target_dir, args.draft, args.mtp, demo_drafters=demo, eagle3=eagle3)
     preflight.check_drafter_block(built, args.draft, args.block_size, eagle3)
+    preflight.check_drafter_method(built, args.draft)
     return built, candidates
 
 

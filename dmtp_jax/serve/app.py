@@ -17,7 +17,6 @@ import uuid
 
 import uvicorn
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -25,7 +24,7 @@ from dmtp_jax.errors import RequestError
 from dmtp_jax.serve.engine import SERVE_ROUNDS_PER_DISPATCH, Engine
 from dmtp_jax.serve.limits import ApiKeyAuth, BodyLimit, bind_socket, header_timeout_protocol
 from dmtp_jax.serve.protocol import (ApiError, ChatBody, CompletionBody, ServerLimits, check_prompt_chars, check_text,
-                                     error_body, one_prompt, request_of, stops_of)
+                                     error_body, max_body_values, one_prompt, parse_body, request_of, stops_of)
 from dmtp_jax.serve.request import Request
 from dmtp_jax.serve.scheduler import Scheduler
 from dmtp_jax.serve.text import TextStream, max_token_chars
@@ -52,24 +51,13 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
 
     docs = {} if enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="dmtp-jax", lifespan=lifespan, **docs)
-    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)        # outermost: before any body is read
 
     @app.exception_handler(ApiError)
     async def api_error(_, exc: ApiError):
         return JSONResponse(error_body(str(exc), exc.kind, exc.param, exc.code), status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not str(x).startswith(("int", "float", "str"))]
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            msg, loc = "the request body is not valid JSON", []
-        return JSONResponse(error_body(f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=".".join(loc) or None),
-                            status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, exc: StarletteHTTPException):
@@ -97,9 +85,15 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
     async def metrics():
         return PlainTextResponse(scheduler.metrics.render(engine), media_type="text/plain; version=0.0.4")
 
+    max_values = max_body_values(engine.max_model_len, token_chars, limits)
+
+    async def body_of(http: HttpRequest, model):
+        """The request's body as `model` (its size checked before parsing: `protocol.parse_body`)."""
+        return parse_body(model, await http.body(), max_values)
+
     def make_request(body, prompt_ids, max_tokens) -> Request:
         return request_of(body, prompt_ids, max_tokens, model_name=model_name, max_model_len=engine.max_model_len,
-                          vocab_size=vocab_size)
+                          vocab_size=vocab_size, max_top_k=engine.max_top_k)
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text).input_ids)
@@ -116,21 +110,22 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
                 loop.call_soon_threadsafe(queue.put_nowait, ev)
         try:
             scheduler.submit(req, sink)
-        except RequestError as e:
-            raise ApiError(str(e)) from None
+        except RequestError as e:            # the engine's own checks: the field is the message's first word
+            field = str(e).split(" ", 1)[0].rstrip(":")
+            raise ApiError(str(e), param=field if field in CompletionBody.model_fields else None) from None
         text = TextStream(decode, stops)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
 
         def usage():
-            n = len(req.output_ids)
+            n = text.stop_tokens if text.stopped else len(req.output_ids)   # a stop string's tokens, not past it
             return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
                     "total_tokens": len(req.prompt_ids) + n,
                     "dmtp": {"method": engine.method, **req.acceptance_stats()}}
 
-        def finish_reason():
-            return "stop" if req.finish_reason in ("stop", "stop_string") else req.finish_reason
+        def finish_reason():       # a stop string ends the text, even in the round that reached max_tokens
+            return "stop" if text.stopped or req.finish_reason in ("stop", "stop_string") else req.finish_reason
 
         async def events():
             """(text delta, finished) per committed chunk; cancels on a stop string."""
@@ -192,8 +187,9 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
                     scheduler.cancel(req, "cancelled")
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, http: HttpRequest):
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionBody))
+    async def completions(http: HttpRequest):
+        body = await body_of(http, CompletionBody)
         prompt = one_prompt(body.prompt)
         if body.echo:
             raise ApiError("echo is not supported", param="echo")
@@ -208,8 +204,9 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
             ids = prompt
         return await run(make_request(body, ids, body.max_tokens), stops, body.stream, http, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, http: HttpRequest):
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatBody))
+    async def chat(http: HttpRequest):
+        body = await body_of(http, ChatBody)
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise ApiError(f"the model '{model_name}' has no chat template: use /v1/completions", param="messages")
         stops = stops_of(body, limits)
@@ -228,11 +225,18 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
     return app
 
 
-def warm_up(engine: Engine, every_bucket: bool = True) -> None:
+def body_schema(model) -> dict:
+    """The OpenAPI request body of a route that parses its own body (`/docs`)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+def warm_up(engine: Engine, every_bucket: bool = True, progress: bool = False) -> int:
     """Compiles the engine's rounds (greedy and sampled), row moves, prefills and prefix-cache programs
-    (`Engine.warm_up`) before `/health` answers, so no request waits for a compile."""
-    engine.warm_up(every_bucket)
+    (`Engine.warm_up`; a bar on stderr when `progress`) before `/health` answers, so no request waits
+    for a compile; returns the programs' count."""
+    programs = engine.warm_up(every_bucket, progress=progress)
     engine.counters.clear()
+    return programs
 
 
 def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
@@ -249,7 +253,9 @@ def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port:
     engine = Engine(decoder, max_batch_size=max_batch_size, max_model_len=max_model_len, stop_ids=stop_ids,
                     max_top_k=max_top_k, prefix_cache_gb=prefix_cache_gb,
                     rounds_per_dispatch=rounds_per_dispatch or SERVE_ROUNDS_PER_DISPATCH)
-    warm_up(engine)
+    start = time.perf_counter()
+    programs = warm_up(engine, progress=True)
+    print(f"compiled {programs} programs in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     scheduler = Scheduler(engine, max_waiting=limits.max_waiting)
     app = build_app(scheduler, tokenizer, model_name, limits=limits, api_key=api_key, enable_docs=enable_docs)
     method = engine.method + (f" over {', '.join(engine.bank.methods)}" if engine.auto is not None else "")

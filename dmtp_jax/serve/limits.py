@@ -1,15 +1,18 @@
 """What guards the server below the routes:
 
 * `BodyLimit` (ASGI): a body over `max_bytes` is a 413 before any parsing, from Content-Length or
-  as soon as a chunked body passes it; at most `max_bytes` are held.
+  as soon as a chunked body passes it; at most `max_bytes` are held. A body not whole within
+  `timeout_s` of its request head (one that never ends, or is dripped) is a 408, its connection closed.
 * `ApiKeyAuth` (ASGI): with a key, every path but `/health` (and docs pages) needs
   `Authorization: Bearer KEY` (constant-time compare); else a 401.
 * `header_timeout_protocol(s)`: uvicorn's h11 protocol that also closes connections sending no
-  whole request head within `s` seconds.
+  whole request head within `s` seconds, and at shutdown those still sending a body (else shutdown
+  would wait for them, then answer a plain-text 500).
 * `bind_socket(host, port)`: the server's socket, bound before anything is printed."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import socket
@@ -37,11 +40,12 @@ def header(scope, name: bytes) -> bytes | None:
 
 
 class BodyLimit:
-    """ASGI middleware: request bodies over `max_bytes` get a 413; the body is read here and replayed to
+    """ASGI middleware: request bodies over `max_bytes` get a 413, bodies not whole within `timeout_s`
+    of the request head a 408 (both close the connection); the body is read here and replayed to
     `app` whole."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, int(max_bytes)
+    def __init__(self, app, max_bytes: int, timeout_s: float | None = None):
+        self.app, self.max_bytes, self.timeout_s = app, int(max_bytes), timeout_s
 
     async def too_large(self, send, size: str):
         await send_json(send, 413, error_body(f"the request body ({size}) exceeds the limit of {self.max_bytes} "
@@ -54,8 +58,16 @@ class BodyLimit:
         if length is not None and (not length.strip().isdigit() or int(length) > self.max_bytes):
             return await self.too_large(send, f"Content-Length {length.decode('latin-1')[:20]}")
         chunks, size = [], 0
+        deadline = None if self.timeout_s is None else asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), None if deadline is None else
+                                                 max(0.0, deadline - asyncio.get_running_loop().time()))
+            except TimeoutError:
+                chunks.clear()
+                return await send_json(send, 408, error_body(
+                    f"the request body did not arrive whole within {self.timeout_s:g} s (--body-timeout)",
+                    param="body", code="request_timeout"), close=True)
             if message["type"] == "http.disconnect":
                 return                      # the client went away before sending its body
             chunk = message.get("body", b"")
@@ -124,6 +136,13 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
             if self._header_timer is not None:
                 self._header_timer.cancel()
             super().connection_lost(exc)
+
+        def shutdown(self) -> None:
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body and not cycle.response_started:
+                self.transport.close()      # still sending its body: the app sees a disconnect, answers nothing
+            else:
+                super().shutdown()
 
     return HeaderTimeoutProtocol
 

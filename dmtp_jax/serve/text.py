@@ -1,11 +1,14 @@
 """Output text of a request as its tokens arrive: `TextStream.add(tokens)` returns the text safe to
 send now (before the first stop string, less a tail that could begin one or is an incomplete UTF-8
-character), so stop strings are cut exactly across blocks.
+character), so stop strings are cut exactly across blocks; `stop_tokens` counts the tokens through
+the one that completed the stop string (the request's completion tokens, not those past it).
 
 Example:
     >>> ts = TextStream(lambda ids: "".join(map(chr, ids)), ["END"])
-    >>> ts.add([ord(c) for c in "abcE"]), ts.add([ord(c) for c in "Nx"]), ts.add([ord(c) for c in "END"])
+    >>> ts.add([ord(c) for c in "abcE"]), ts.add([ord(c) for c in "Nx"]), ts.add([ord(c) for c in "ENDzz"])
     ('abc', 'ENx', '')
+    >>> ts.stopped, ts.stop_tokens
+    (True, 9)
 """
 
 from __future__ import annotations
@@ -38,17 +41,21 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0               # characters of the decoded text already returned
         self.stopped = False
+        self.stop_tokens = 0        # once stopped: the tokens up to the one that completed the stop string
 
     def add(self, tokens) -> str:
         """The new safe text after appending `tokens` ("" once stopped)."""
         if self.stopped:
             return ""
+        before = len(self.ids)
         self.ids.extend(tokens)
         text = self.decode(self.ids)
-        hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s, max(0, self.sent - len(s))), s) for s in self.stops) if i >= 0]
         if hits:
-            cut = min(hits)
+            cut, stop = min(hits)
             self.stopped = True
+            self.stop_tokens = next((n for n in range(before + 1, len(self.ids) + 1)
+                                     if self.decode(self.ids[:n]).startswith(stop, cut)), len(self.ids))
         else:
             cut = len(text) - held_back(text, self.stops)
         delta = text[self.sent:cut] if cut > self.sent else ""

@@ -76,11 +76,23 @@ def parse_record(raw: Any) -> dict:
     return raw
 
 
+def render_chat(tokenizer, messages, generation_prompt: bool) -> str:
+    """`messages` through the tokenizer's chat template; a `MalformedRecord` (one line, never a
+    traceback) when it has none or the template refuses them."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise MalformedRecord("'messages' records need a target whose tokenizer has a chat template "
+                              "(give 'input_ids' or 'text' records)")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:      # noqa: BLE001 -- the template's own complaint about these messages
+        raise MalformedRecord(f"the chat template failed: {e}") from None
+
+
 def _segments_for_messages(messages, tokenizer) -> list[tuple[str, int]]:
     """(text, supervised) segments of a rendered conversation, assistant turns supervised; when a
     template rewrites earlier turns, only the final assistant turn is."""
     def render(msgs, gen):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        return render_chat(tokenizer, msgs, gen)
 
     full = render(messages, False)
     segments, done = [], ""

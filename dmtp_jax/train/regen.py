@@ -21,7 +21,7 @@ from dmtp_jax.decode.sampling import SamplingParams
 from dmtp_jax.errors import DataError, InputError
 from dmtp_jax.sharding import make_mesh
 from dmtp_jax.tokenizer import load_tokenizer, stop_token_ids
-from dmtp_jax.train.data import MalformedRecord, parse_record, read_records
+from dmtp_jax.train.data import MalformedRecord, parse_record, read_records, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def prompt_of(record: dict, tokenizer=None) -> tuple[list[int], list | None]:
             msgs = msgs[:-1]
         if not msgs:
             raise MalformedRecord("no prompt turns")
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        text = render_chat(tokenizer, msgs, True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"]), msgs
     if "text" in record and isinstance(record["text"], str):
         return list(tokenizer(record["text"], add_special_tokens=False)["input_ids"]), None
