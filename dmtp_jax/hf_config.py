@@ -1,7 +1,7 @@
 """One parser of the fields every Qwen3-style stack shares (targets' `config.TargetConfig`, DFlash
 drafters' `DFlashConfig`): sizes, head dims, RMSNorm eps, RoPE and per-layer attention types. A
 key left out takes the value transformers 5.x's config class of that family gives it (the
-per-family defaults: docs/models.md).
+per-family defaults: docs/models-detail.md).
 
 Example:
     >>> f = stack_fields({"num_hidden_layers": 30, "num_attention_heads": 4, "hidden_size": 32,

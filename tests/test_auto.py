@@ -164,15 +164,19 @@ def test_bench_report_of_auto_with_different_methods_per_bucket(decoders):
     assert "auto, batch bucket 2: mtp (cached verdict)" in format_auto(report)
 
 
-def test_auto_report_stats_are_the_chosen_methods_own():
+def test_auto_report_stats_pool_every_generation_it_served():
     """A cold verdict cache may serve another candidate first (provisional verdicts): the auto row's
-    histogram and per-position acceptance are the last chosen method's, and the row says so."""
+    acceptance statistics pool the rounds of every generation, whichever method served it (the
+    generations its tokens/s counts), and the row says which methods served how many."""
     from dmtp_jax.bench.report import format_auto, summarize_run
     from dmtp_jax.bench.runner import Generation, MethodRun
-    run = MethodRun("auto", [Generation("a", 0, [1], [5] * 8, [4, 4], None, "mtp"),
+    run = MethodRun("auto", [Generation("a", 0, [1], [5] * 9, [4, 4], None, "mtp"),
                              Generation("b", 0, [1], [5] * 8, [1, 1, 1, 1, 1, 1, 1], None, "dmtp")],
-                    block_size=5, new_tokens=16, wall_s=1.0, block_sizes={"mtp": 5, "dmtp": 8})
+                    block_size=8, new_tokens=17, wall_s=1.0)
     s = summarize_run(run)
-    assert s["acceptance_of"] == "dmtp" and s["histogram"] == [7] + [0] * 7 and s["block_size"] == 8
-    assert s["served"] == {"mtp": 1, "dmtp": 1} and s["first_candidate_acceptance"] == 0.0
-    assert "its acceptance statistics are dmtp's" in format_auto({"methods": {"auto": s}})
+    assert s["histogram"] == [7, 0, 0, 2, 0, 0, 0, 0] and s["block_size"] == 8 and s["rounds"] == 9
+    assert s["per_verify_acceptance_length"] == pytest.approx(15 / 9)
+    assert s["first_candidate_acceptance"] == pytest.approx(2 / 9)
+    assert s["target_forwards_per_token"] == pytest.approx((2 + 9) / 17)
+    assert s["served"] == {"mtp": 1, "dmtp": 1}
+    assert "its acceptance statistics pool the rounds of all of them" in format_auto({"methods": {"auto": s}})

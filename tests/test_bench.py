@@ -211,3 +211,51 @@ def test_demo_methods_share_one_drafting_head(monkeypatch):
     assert models["ar"] == {}
     assert all(models[m]["draft_head"] is heads[0] for m in ("mtp", "dflash", "dmtp"))
     assert models["dflash"]["drafter"] != models["dmtp"]["drafter"]           # each its own demo drafter
+
+
+LONG = "dmtp-adaptive (corpus-only MTP)"
+
+
+def _columns_align(table: str, header_word: str) -> None:
+    """Every row of `table` from its header on has the same width and starts its second column where
+    the header does."""
+    lines = table.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("method"))
+    rows = lines[head:]
+    second = rows[0].index(header_word) + len(header_word)      # right-aligned column: its end
+    assert len({len(r) for r in rows}) == 1, table
+    assert all(r[second - 1] != " " and r[second] == " " for r in rows), table
+
+
+def test_tables_align_with_a_long_method_name():
+    """The bench's tables size the method column to the longest name (dmtp-adaptive rows, variants)."""
+    from dmtp_jax.bench.efficiency import format_efficiency
+    from dmtp_jax.bench.phases import PHASES, format_phases
+    from dmtp_jax.bench.runner import MethodRun
+    report = build_report({"ar": MethodRun("ar", new_tokens=10, wall_s=1.0),
+                           LONG: MethodRun(LONG, new_tokens=20, wall_s=1.0)}, {})
+    _columns_align(format_table(report), "tau/req")
+    eff = {"ar": {"batch": 1, "max_len": 128, "bytes_per_round": 2e7, "min_bytes_per_round": 1.8e7,
+                  "bytes_ratio": 1.1, "bytes_per_token": 2e7, "flops_per_round": 6e6, "flops_per_token": 6e6}}
+    eff[LONG] = dict(eff["ar"])
+    _columns_align(format_efficiency(eff), "shape")
+    phase = {"batch": 1, "max_len": 128, "phases_ms": dict.fromkeys(PHASES, 1.5), "sum_ms": 7.5, "round_ms": 6.0}
+    _columns_align(format_phases({"dmtp": phase, LONG: phase}), "shape")
+
+
+def test_plot_legend_shows_the_tables_tau_per_verify():
+    """The acceptance plot's legend gives each method the tau/ver its table row prints, `auto`'s
+    (two methods served it) included."""
+    from dmtp_jax.bench.report import legend_label
+    from dmtp_jax.bench.runner import Generation, MethodRun
+    runs = {"dmtp": MethodRun("dmtp", [Generation("a", 0, [1], [5] * 9, [4, 4]),
+                                       Generation("b", 0, [1], [5] * 8, [2, 3, 2])], block_size=8,
+                              new_tokens=17, wall_s=1.0),
+            "auto": MethodRun("auto", [Generation("a", 0, [1], [5] * 9, [3, 3, 2], None, "mtp"),
+                                       Generation("b", 0, [1], [5] * 8, [2, 3, 2], None, "dmtp")],
+                              block_size=8, new_tokens=17, wall_s=1.0)}
+    report = build_report(runs, {})
+    rows = {line.split()[0]: line.split()[2] for line in format_table(report).splitlines()[1:]}
+    for name, m in report["methods"].items():
+        assert legend_label(name, m) == f"{name} (tau/ver {rows[name]})"
+    assert rows["auto"] == f"{(3 + 3 + 2 + 2 + 3 + 2) / 6:.3f}"     # every round of both generations

@@ -98,11 +98,13 @@ def format_efficiency(eff: dict) -> str:
     rows = {m: e for m, e in eff.items() if e}
     if not rows:
         return head + ": no rounds ran"
+    width = max([len(m) for m in rows] + [6])     # the longest method name sets the column
     lines = [head + "; minimum = weights + caches read once:",
-             f"{'method':<8} {'shape':>9} {'bytes/round':>12} {'min/round':>11} {'ratio':>6} "
+             f"{'method':<{width}} {'shape':>9} {'bytes/round':>12} {'min/round':>11} {'ratio':>6} "
              f"{'bytes/token':>12} {'FLOPs/round':>12} {'FLOPs/token':>12}"]
     for m, e in rows.items():
-        lines.append(f"{m:<8} {str(e['batch']) + 'x' + str(e['max_len']):>9} {_si(e['bytes_per_round'], 'B'):>12} "
+        shape = f"{e['batch']}x{e['max_len']}"
+        lines.append(f"{m:<{width}} {shape:>9} {_si(e['bytes_per_round'], 'B'):>12} "
                      f"{_si(e['min_bytes_per_round'], 'B'):>11} {e['bytes_ratio']:>5.2f}x "
                      f"{_si(e['bytes_per_token'], 'B'):>12} {_si(e['flops_per_round'], 'F'):>12} "
                      f"{_si(e['flops_per_token'], 'F'):>12}")

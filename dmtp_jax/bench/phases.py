@@ -121,11 +121,12 @@ def format_phases(phases: dict) -> str:
     if not rows:
         return head + ": no speculative rounds ran"
     cell = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
+    width = max([len(m) for m in rows] + [6])     # the longest method name sets the column
     lines = [head + "; the sum of separate phases is not the fused round (dispatch per phase, no "
              "cross-phase fusion):",
-             f"{'method':<8} {'shape':>9} " + " ".join(f"{p:>15}" for p in PHASES) + f" {'sum':>9} {'round':>9}"]
+             f"{'method':<{width}} {'shape':>9} " + " ".join(f"{p:>15}" for p in PHASES) + f" {'sum':>9} {'round':>9}"]
     for m, p in rows.items():
-        lines.append(f"{m:<8} {str(p['batch']) + 'x' + str(p['max_len']):>9} "
+        lines.append(f"{m:<{width}} {str(p['batch']) + 'x' + str(p['max_len']):>9} "
                      + " ".join(f"{cell(p['phases_ms'][k]):>15}" for k in PHASES)
                      + f" {cell(p['sum_ms']):>9} {cell(p['round_ms']):>9}")
     return "\n".join(lines)

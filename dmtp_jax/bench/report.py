@@ -21,21 +21,19 @@ def _ratio(a, b):
 
 
 def summarize_run(run: MethodRun) -> dict:
-    """The JSON entry of one method (speedups are filled in by `build_report`)."""
+    """The JSON entry of one method (speedups are filled in by `build_report`). Every row's acceptance
+    statistics pool all of its rounds over all of its generations, `auto`'s too (whichever candidate
+    served each one: `served` counts them), so they describe the generations its tokens/s counts."""
+    served = [g.method for g in run.generations if g.method is not None]
     # plain decoding: one token per round after the prefill's first (also the plain calls of a
     # speculative run: `auto` may choose `ar` for one batch bucket and a speculative method for another)
-    # auto: the acceptance statistics are those of the method it chose last (a cold verdict cache may
-    # serve other candidates first, while their probes are pooled): `served` counts each one's rows
-    served = [g.method for g in run.generations if g.method is not None]
-    chosen = served[-1] if served else None
-    gens = [g for g in run.generations if g.method == chosen] if chosen else run.generations
     rows = [[1] * max(0, len(g.output_ids) - 1) if g.acceptance_lengths is None else g.acceptance_lengths
-            for g in gens]
-    block = (run.block_sizes.get(chosen, 1) if chosen else run.block_size) if run.speculative else 1
+            for g in run.generations]
+    block = run.block_size if run.speculative else 1        # auto: the widest block it served
     st = acceptance_stats(rows, block)
     empty = st["rounds"] == 0
-    sources = [g.t1_from_mtp for g in gens if g.t1_from_mtp is not None]
-    by_source = first_candidate_by_source(rows, sources) if sources else None
+    split = [(r, g.t1_from_mtp) for r, g in zip(rows, run.generations) if g.t1_from_mtp is not None]
+    by_source = first_candidate_by_source(*map(list, zip(*split))) if split else None
     first_tokens = len(run.generations)
     return {
         "per_request_acceptance_length": 1.0 if empty else st["per_request_acceptance_length"],
@@ -50,8 +48,7 @@ def summarize_run(run: MethodRun) -> dict:
         "histogram": st["histogram"],
         "rounds": st["rounds"],
         # one prefill per generation + one target forward per round (AR: 1.0)
-        "target_forwards_per_token": ((len(gens) + st["rounds"]) / sum(len(g.output_ids) for g in gens)
-                                      if any(g.output_ids for g in gens) else None),
+        "target_forwards_per_token": (first_tokens + st["rounds"]) / run.new_tokens if run.new_tokens else None,
         "block_size": block,
         "generations": len(run.generations),
         "new_tokens": run.new_tokens,
@@ -67,7 +64,6 @@ def summarize_run(run: MethodRun) -> dict:
         "first_candidate_by_source": by_source,     # dmtp-adaptive: MTP's T1 vs the drafter's
         "auto": {str(b): v for b, v in sorted(run.auto.items())} or None,   # auto: batch bucket -> verdict
         "served": dict(collections.Counter(served)) or None,    # auto: generations decoded by each method
-        "acceptance_of": chosen,                                 # auto: whose acceptance statistics these are
     }
 
 
@@ -149,7 +145,7 @@ def format_auto(report: dict) -> str:
         lines += [f"{name}, {describe_verdict(v)}" for v in (m.get("auto") or {}).values()]
         if len(m.get("served") or {}) > 1:
             lines.append(f"{name} served " + ", ".join(f"{k} {n}" for k, n in m["served"].items())
-                         + f" generations; its acceptance statistics are {m['acceptance_of']}'s")
+                         + " generations; its acceptance statistics pool the rounds of all of them")
     return "\n".join(lines)
 
 
@@ -202,6 +198,18 @@ def write_outputs(runs: dict[str, MethodRun], path: str, tokenizer=None) -> None
                 fh.write(json.dumps(rec) + "\n")
 
 
+def legend_label(name: str, m: dict) -> str:
+    """A method's entry in the acceptance plot's legend: its tau/ver as `format_table` prints it.
+
+    Example:
+        >>> legend_label("dmtp", {"cumulative_acceptance": [0.9], "per_verify_acceptance_length": 5.4374})
+        'dmtp (tau/ver 5.437)'
+    """
+    if not m["cumulative_acceptance"]:
+        return f"{name} (no drafts)"
+    return f"{name} (tau/ver {_fmt(m['per_verify_acceptance_length'], width=0)})"
+
+
 def plot_cumulative(report: dict, path: str, title: str | None = None) -> None:
     """PNG of the cumulative acceptance `P(L >= k)` by draft position, one line per method ("method
     (variant)" dashed in its method's colour). Agg backend, no global matplotlib state."""
@@ -218,12 +226,11 @@ def plot_cumulative(report: dict, path: str, title: str | None = None) -> None:
         style = dict(linestyle="--" if base != name else "-", color=colors.get(base))
         if cum:
             ks = list(range(1, len(cum) + 1))
-            line, = ax.plot(ks, cum, marker="o", label=f"{name} (tau/ver {m['per_verify_acceptance_length']:.2f})",
-                            **style)
+            line, = ax.plot(ks, cum, marker="o", label=legend_label(name, m), **style)
             colors.setdefault(base, line.get_color())
             n_pos = max(n_pos, len(cum))
         else:
-            ax.plot([], [], linestyle="none", label=f"{name} (no drafts)")
+            ax.plot([], [], linestyle="none", label=legend_label(name, m))
     ax.set_xlabel("draft position k")
     ax.set_ylabel("P(L >= k)")
     ax.set_xticks(list(range(1, n_pos + 1)))

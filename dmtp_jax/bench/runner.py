@@ -49,7 +49,6 @@ class MethodRun:
     exactness_probe: dict | None = None  # the speculative decoder's probe verdict (decode/probe.py)
     shapes: dict = dataclasses.field(default_factory=dict)   # (batch bucket, cache length) -> loop steps
     auto: dict = dataclasses.field(default_factory=dict)     # `auto`: batch bucket -> its verdict (as_dict)
-    block_sizes: dict = dataclasses.field(default_factory=dict)  # `auto`: served method -> its verify slots
 
     @property
     def speculative(self) -> bool:
@@ -130,7 +129,6 @@ def _run_batch(run: MethodRun, decoder, batch: list[Request], tokenizer, fits, m
         if "auto" in stats:
             run.auto[stats["auto"]["batch_bucket"]] = stats["auto"]      # the latest verdict of each bucket
             served = stats["auto"]["method"]
-            run.block_sizes[served] = int(stats.get("block_size") or 1)
         acceptance = stats.get("acceptance_lengths")
         sources = stats.get("t1_from_mtp")
         if acceptance is not None:

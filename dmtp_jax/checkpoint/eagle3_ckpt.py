@@ -1,5 +1,5 @@
 """EAGLE-3 drafter checkpoints (the `LlamaForCausalLMEagle3` layout SpecForge writes and SGLang /
-vLLM load) <-> `Eagle3Drafter` params (tensor names and config fields: docs/models.md). Loading
+vLLM load) <-> `Eagle3Drafter` params (tensor names and config fields: docs/models-detail.md). Loading
 checks the config against the target before reading any tensor."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """HF name tables of the MLA families (DeepSeek-V3, GLM-4.7-Flash): the target's layers and the
-next-token layer stored after them (`model.layers.{L}.*`), mapped onto our MTP head (docs/models.md).
+next-token layer stored after them (`model.layers.{L}.*`), mapped onto our MTP head (docs/models-detail.md).
 
 Example:
     >>> nextn_rules((), 47)[0]

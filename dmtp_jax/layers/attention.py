@@ -3,7 +3,7 @@
 
 `grouped_attention` is the one entry point: a materialised mask `[B, T, S]` runs the dense form; a
 `MaskRule` lets `attention_kernel` pick "dense", "cache_blocks", "cudnn", "pallas" or "blockwise" by
-the static shapes and the compile platform (docs/models.md). Rows with no allowed key return zeros.
+the static shapes and the compile platform (docs/models-detail.md). Rows with no allowed key return zeros.
 "cache_blocks" (decode steps and verify blocks over a cache of more than `CACHE_BLOCK` slots, on CPU
 and TPU) reads the cache by blocks of `CACHE_BLOCK` slots up to the longest live row, so a round
 costs the rows' lengths, not the cache's (`blockwise_attention`).

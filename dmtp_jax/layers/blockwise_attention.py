@@ -1,6 +1,6 @@
 """Blockwise (flash-style) grouped-query attention in plain XLA: memory linear in T and S.
 
-Query blocks, each an online softmax over key blocks (fp32 `m`, `l`, `acc`; docs/models.md); key
+Query blocks, each an online softmax over key blocks (fp32 `m`, `l`, `acc`; docs/models-detail.md); key
 blocks no query may see are skipped; inputs are never padded. A row with no allowed key gives 0.
 Over a cache (a `slot_keys` rule), a query block's loop ends at the block holding its highest
 position below `S` (a trip count known on device; not when compiling for GPU, where a data-dependent

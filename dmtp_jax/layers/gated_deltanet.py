@@ -1,5 +1,5 @@
 """Gated DeltaNet (Qwen3.5 / Qwen3.6 / Qwen3-Next linear attention) as pure functions: the gated
-delta rule over a per-head fp32 state `S [dk, dv]` (docs/models.md), as a token scan
+delta rule over a per-head fp32 state `S [dk, dv]` (docs/models-detail.md), as a token scan
 (`gated_delta_recurrent`: decode, verify) or chunked (`gated_delta_chunked`: prefill, training),
 picked by `gated_delta_rule`. A token with `g = 0, beta = 0` leaves the state unchanged.
 

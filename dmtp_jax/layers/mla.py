@@ -1,6 +1,6 @@
 """Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash) in its absorbed form over a latent
 cache `c = [RMS(kv_a(x))[:r] ; rope(k_rot)]`: the latent is one K/V head read by every query head
-through `grouped_attention`, exactly the expanded attention (derivation: docs/models.md).
+through `grouped_attention`, exactly the expanded attention (derivation: docs/models-detail.md).
 `deinterleave` reorders DeepSeek's interleaved rotary dims to `layers/rope.py`'s layout."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """DeepSeek-V3 and GLM-4.7-Flash (`glm4_moe_lite`) targets: `QwenTarget` with MLA attention over a
 latent cache (`layers/mla.py`) and the DeepSeek MoE (`layers/moe.py`), same cache protocol; the
-MTP head's layer is an `MlaDecoderLayer` too. Layer details: docs/models.md.
+MTP head's layer is an `MlaDecoderLayer` too. Layer details: docs/models-detail.md.
 
 Example:
     >>> from dmtp_jax.config import TargetConfig

@@ -1,7 +1,7 @@
 """DFlash / DFlash2 block drafter (z-lab `dflash` 0.1.0 semantics) as a pure NNX module: block rows
 are target embedding rows, logits come from the target's LM head, context K/V are computed once per
 position (`context_kv`) and cached by the caller. DFlash2 adds a dynamic conv and a selector.
-Attention rules: docs/models.md.
+Attention rules: docs/models-detail.md.
 
 Example:
     >>> dcfg = DFlashConfig.from_hf_dict({"architectures": ["DFlashDraftModel"], "hidden_size": 32,

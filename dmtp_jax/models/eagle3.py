@@ -1,7 +1,7 @@
 """The EAGLE-3 drafter (the published `LlamaForCausalLMEagle3` layout) as an NNX module: one Llama
 decoder layer over a row `(g_p, x_{p+1})` predicting x_{p+2}, `g_p` the fused tapped target
 features (step 1) or its own previous output; logits over a draft vocabulary mapped to target ids
-by `vocab_map`. Its K/V cache rolls back like the MTP head's. Equations: docs/models.md.
+by `vocab_map`. Its K/V cache rolls back like the MTP head's. Equations: docs/models-detail.md.
 
 Example:
     >>> cfg = Eagle3Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,

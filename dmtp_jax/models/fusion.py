@@ -1,5 +1,5 @@
 """DMTP's first-candidate fusion: how MTP's T1 and the MTP hidden that predicted it enter the DFlash
-block, one variant per DMTP method (the table of block rows and T1 inputs: docs/models.md). Zero
+block, one variant per DMTP method (the table of block rows and T1 inputs: docs/models-detail.md). Zero
 inits make a DFlash checkpoint continue training from exactly its own behaviour.
 
 Example:

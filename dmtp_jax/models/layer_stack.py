@@ -1,6 +1,6 @@
 """The target's decoder layers as scanned stacks: program size and compile time flat in depth. A
 stack is `repeats` copies of a group of `period` layers, params `[repeats, ...]`, run as one
-`jax.lax.scan` (carry: hidden, caches, capture buffer; docs/models.md). `plan_stacks` picks them.
+`jax.lax.scan` (carry: hidden, caches, capture buffer; docs/models-detail.md). `plan_stacks` picks them.
 
 Example:
     >>> from dmtp_jax.config import TargetConfig
