@@ -6,7 +6,7 @@ server, per method, with every output checked against `generate`.
         [--rounds-per-dispatch K] [--repeats 3] [--plot serve.png] [--target DIR ...]
 
 It builds every method's engine (on the demo by default, each with its demo drafter; greedy programs
-compiled before any clock starts; row buckets 1, 8, 32 unless `--buckets`; at most
+compiled before any clock starts; serve's row buckets unless `--buckets`; at most
 `--rounds-per-dispatch` rounds per dispatch while nobody waits, default `serve`'s, and as many in
 the static batches) and serves each on a free local port in this process (uvicorn thread, the same
 app as `infer.py serve`); the clients run in a process of their own. Per concurrency level `c` it
@@ -294,10 +294,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--rounds-per-dispatch", type=int, default=None)
-    p.add_argument("--buckets", default="1,8,32",
-                   help="the engines' row buckets (serve's default: every power of two; here fewer, as every "
-                        "method's engine lives in this one process and their programs' memory maps add up: see "
-                        "the count printed after the compile)")
+    p.add_argument("--buckets", default=None,
+                   help="the engines' row buckets (default: serve's, `admission.row_buckets`; every method's "
+                        "engine lives in this one process and their programs' memory maps add up: see the count "
+                        "printed after the compile)")
     p.add_argument("--no-static", action="store_true", help="skip the static-batch reference")
     p.add_argument("--prompts", default=None, help="JSONL with a 'prompt' field per line (default: the demo's)")
     p.add_argument("--plot", default=None, help="PNG of tok/s and TTFT against concurrency")

@@ -108,13 +108,13 @@ def test_sampled_auto_is_lossless(decoders, mtp_target_dir):
 
 
 def test_server_engine_follows_the_load_on_one_state(decoders):
-    """`serve --method auto`: one state for ar, mtp (its candidate's 4 slots) and dmtp rounds, each
-    timed live at the batch's bucket; outputs equal ar's; /metrics shows the choice."""
+    """`serve --method auto`: one state for ar, dmtp and (an extra method) mtp rounds (its candidate's 4
+    slots), each timed live at the batch's bucket; outputs equal ar's; /metrics shows the choice."""
     from dmtp_jax.serve.engine import Engine, Request
     from dmtp_jax.serve.metrics import ServerMetrics
 
     engine = Engine(AutoDecoder(decoders, store=VerdictStore(None)), max_batch_size=2, max_model_len=128,
-                    buckets=(2,))
+                    buckets=(2,), extra_methods=("mtp",))
     assert engine.method == "auto" and engine.bank.slots == {"ar": 1, "dmtp": decoders["dmtp"].slots, "mtp": 4}
     reqs = [engine.add(Request(p, max_tokens=12, stop_ids=())) for p in PROMPTS]
     while not all(r.finished for r in reqs):

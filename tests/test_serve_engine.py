@@ -31,7 +31,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def auto(decoder):
-    """auto over ar and dmtp: its engine switches between ar, mtp and dmtp rounds on one state."""
+    """auto over ar and dmtp: its engine switches between ar and dmtp rounds (and mtp's, as an extra
+    method) on one state."""
     from dmtp_jax.decode import make_decoder
     from dmtp_jax.decode.auto import AutoDecoder, VerdictStore
     return AutoDecoder({"ar": make_decoder("ar", decoder.target), "dmtp": decoder}, store=VerdictStore(None))
@@ -198,7 +199,8 @@ def test_rounds_switched_every_step_equal_generate(auto, reference):
     own choice and /metrics' account of it after. (Sampled rows: each round is lossless on its own,
     tests/test_spec_decode.py; here they would double the compiles.)"""
     from dmtp_jax.serve.metrics import ServerMetrics
-    engine = Engine(auto, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
+    engine = Engine(auto, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS,
+                    extra_methods=("mtp",))
     before = engine.compile_counts()
     assert engine.method == "auto" and set(engine.bank.methods) == {"ar", "dmtp", "mtp"}
     turns = itertools.cycle(engine.bank.methods)
@@ -228,7 +230,8 @@ def test_rounds_switched_every_step_equal_generate(auto, reference):
     # sample, no compile (the engines share the decoder's bank: timing the first compiles what its
     # rounds did not run)
     time_rounds(engine)
-    fresh = Engine(auto, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
+    fresh = Engine(auto, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS,
+                   extra_methods=("mtp",))
     before = fresh.compile_counts()
     time_rounds(fresh)
     dispatches = sorted({1, fresh.rounds_per_dispatch})
@@ -244,7 +247,8 @@ def test_in_step_dispatches_keep_rows_in_step(auto, reference):
     while plain rounds serve) commit one token per row: requests admitted together keep equal lengths
     through ar, dmtp and mtp rounds and equal `generate`, and the drafts the target accepted still
     reach the policy's acceptance."""
-    engine = Engine(auto, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS)
+    engine = Engine(auto, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=BUCKETS,
+                    extra_methods=("mtp",))
     turns = itertools.cycle(["ar", "dmtp", "mtp"])
     real_choose, real_observe = engine.policy.choose, engine.policy.observe
 

@@ -473,7 +473,7 @@ def test_warm_up_times_rounds_on_scratch_states_ready_before_the_clock():
 
     runs = []
 
-    def run(method, state, active, limits, sp, key, first_round, greedy, k):
+    def run(method, state, active, limits, sp, key, first_round, greedy, k, buffer=None):
         assert state.ready, "a scratch state timed before it was ready"
         runs.append((method, k))
         run_index = (runs.count((method, k)) - 1) % TIMED_RUNS

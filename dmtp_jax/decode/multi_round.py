@@ -50,10 +50,11 @@ def rows_still_running(tokens_bn: jax.Array, accepted_b: jax.Array, lengths_b: j
 
 
 def run_rounds(round_fn: Callable, state, active_b, limits_b, sp, base_key, first_round, stop_ids_s, *,
-               rounds: int, slots: int, greedy: bool, commit_cap=NO_CAP):
+               rounds: int, slots: int, greedy: bool, commit_cap=NO_CAP, max_rounds=None):
     """Up to `rounds` calls of `round_fn(state, active_b, limits_b, sp, key, greedy)` in one
     `lax.while_loop`, stopping when no row runs; loop round `i` uses key
-    `fold_in(base_key, first_round + i)`.
+    `fold_in(base_key, first_round + i)`. `max_rounds` (traced int32, at most `rounds`; None: `rounds`)
+    stops the loop sooner, so one program of `rounds`-wide buffers runs any dispatch of 1..`rounds`.
 
     Returns `(state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, rounds_run)`: slot `k` holds round
     `k` per row (row b committed `tokens_bkn[b, k, :min(accepted_bk[b, k], commit_cap) + 1]`, the
@@ -66,7 +67,7 @@ def run_rounds(round_fn: Callable, state, active_b, limits_b, sp, base_key, firs
 
     def running(carry):
         i, _, active, *_ = carry
-        return (i < rounds) & active.any()
+        return (i < (rounds if max_rounds is None else jnp.minimum(rounds, max_rounds))) & active.any()
 
     def one_round(carry):
         i, st, active, tokens, accepted, from_mtp, ran = carry

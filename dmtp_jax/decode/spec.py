@@ -111,13 +111,13 @@ def round_entry(setup: RoundSetup, states, state: SpecState, active_b, limits_b,
 
 
 def multi_round_entry(setup: RoundSetup, states, state: SpecState, active_b, limits_b, sp, base_key, first_round,
-                      stop_ids_s, knobs, greedy: bool):
-    """Up to `setup.rounds_per_dispatch` rounds on device (`multi_round.run_rounds`), jitted as
-    `SpecDecoder.multi_round`."""
+                      stop_ids_s, knobs, greedy: bool, max_rounds=None):
+    """Up to `setup.rounds_per_dispatch` rounds on device (`multi_round.run_rounds`; up to `max_rounds`,
+    traced, when given), jitted as `SpecDecoder.multi_round` and `RoundBank.multi_round`."""
     models = merge_models(setup.graphdefs, states)
     return run_rounds(functools.partial(_keyed_round, setup, models, knobs), state, active_b, limits_b, sp, base_key,
                       first_round, stop_ids_s, rounds=setup.rounds_per_dispatch, slots=setup.proposer.slots,
-                      greedy=greedy, commit_cap=knobs.commit_cap)
+                      greedy=greedy, commit_cap=knobs.commit_cap, max_rounds=max_rounds)
 
 
 def _used(proposer: Proposer, target, drafter, mtp, fusion, draft_head, draft_model=None) -> tuple:

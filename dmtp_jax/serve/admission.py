@@ -21,6 +21,7 @@ from dmtp_jax.serve.stats import RecentMedians
 from dmtp_jax.serve.request import Request, row_sampling
 
 RESUME_BUCKET_FLOOR = 16     # a resumed prefill's shortest bucket: a chat turn's new text is short
+ROW_BUCKET_STEP = 4          # consecutive row buckets differ by this factor (`row_buckets`)
 SPLIT_MARGIN = 0.05          # a group splits once its first part's time per request is this much lower
 
 
@@ -35,15 +36,17 @@ def row_bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 
 def row_buckets(max_batch_size: int) -> tuple[int, ...]:
-    """The compiled row counts of the running state: powers of two below `max_batch_size`, and it.
+    """The compiled row counts of the running state: 1, every `ROW_BUCKET_STEP`-th power below
+    `max_batch_size`, and it (few buckets: each one is a set of programs to compile; a state pads its
+    rows to at most `ROW_BUCKET_STEP` times the rows running).
 
     Example:
-        >>> row_buckets(12)
-        (1, 2, 4, 8, 12)
+        >>> row_buckets(8), row_buckets(12), row_buckets(64)
+        ((1, 4, 8), (1, 4, 12), (1, 4, 16, 64))
     """
     out = [1]
-    while out[-1] * 2 < max_batch_size:
-        out.append(out[-1] * 2)
+    while out[-1] * ROW_BUCKET_STEP < max_batch_size:
+        out.append(out[-1] * ROW_BUCKET_STEP)
     return tuple(sorted(set(out + [max_batch_size])))
 
 
@@ -264,9 +267,9 @@ class PrefillGroup:
     def step(self, bank) -> bool:
         if self.chunks:
             start, chunk_bt, next_b = self.chunks.pop(0)
-            sp, greedy = row_sampling(self.reqs, self.rows, self.top_k_cap)
+            sp, _ = row_sampling(self.reqs, self.rows, self.top_k_cap, sampled_form=True)    # one program
             self.state = bank.prefill_step(bank.model_states(), chunk_bt, next_b, start, self.lengths_b, self.state,
-                                           sp, self.key, greedy=greedy, defer=self.lean)
+                                           sp, self.key, greedy=False, defer=self.lean)
         if self.chunks:
             return False
         self.first = [int(t) for t in to_host(self.state.pending_b)[:len(self.reqs)]]

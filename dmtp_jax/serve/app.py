@@ -233,10 +233,10 @@ def body_schema(model) -> dict:
 def warm_up(engine: Engine, every_bucket: bool = True, progress: bool = False) -> int:
     """Compiles the engine's rounds (greedy and sampled), row moves, prefills and prefix-cache programs
     (`Engine.warm_up`; a bar on stderr when `progress`) before `/health` answers, so no request waits
-    for a compile; returns the programs' count."""
-    programs = engine.warm_up(every_bucket, progress=progress)
+    for a compile; returns the programs' count (`Engine.compile_counts`, as /metrics shows it)."""
+    engine.warm_up(every_bucket, progress=progress)
     engine.counters.clear()
-    return programs
+    return sum(engine.compile_counts().values())
 
 
 def serve(decoder, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,

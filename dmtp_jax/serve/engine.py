@@ -15,16 +15,15 @@ import time
 import jax
 import numpy as np
 
-from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.auto import AUTO, AutoDecoder
 from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, RequestError, StopTracker, round_up
 from dmtp_jax.options import check_max_model_len, check_positive_int
 from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
 from dmtp_jax.serve.policy import LoadPolicy
-from dmtp_jax.serve.prefix_cache import PrefixCache, copy_state, prefix_cache_bytes, state_nbytes
+from dmtp_jax.serve.prefix_cache import PrefixCache, prefix_cache_bytes
 from dmtp_jax.serve.request import Event, Request, check_request, merge_events, row_sampling
 from dmtp_jax.serve.rounds import engine_bank
-from dmtp_jax.serve.rows import RowMoves, insert_row
+from dmtp_jax.serve.rows import RowMoves, compaction_moves, insert_row, same_shardings
 from dmtp_jax.serve.stats import RecentMedians
 from dmtp_jax.serve.warmup import warm_up_engine
 
@@ -34,13 +33,6 @@ log = logging.getLogger(__name__)
 PREFILL_BUDGET_CHUNKS = 4       # default prefill tokens per step: this many prefill chunks' worth
 BURST_PROMPT_TOKENS = 2 * PROMPT_BUCKET_FLOOR    # an idle engine prefills this many tokens per free row at once
 SERVE_ROUNDS_PER_DISPATCH = 4   # `serve`'s most rounds per dispatch while nobody waits (`LoadPolicy.rounds`)
-
-
-def same_shardings(a, b) -> bool:
-    """Whether two states (any row counts) have the same parts, laid out alike on the devices, so a
-    round compiled for one runs the other."""
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        x.sharding == y.sharding for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 class Engine:
@@ -55,14 +47,15 @@ class Engine:
     `rounds_per_dispatch`: the most rounds per dispatch, run while nobody waits and the policy's round time
     says K rounds take at most `policy.DISPATCH_S` (default: the decoder's).
     `prefix_cache_gb`: the prefix cache's budget in GiB (0: no cache; `serve/prefix_cache.py`).
-    Not thread-safe: one thread calls `add`, `cancel` and `step` (or `admit` and `decode`: the server's
-    scheduler).
+    `extra_methods`: auto's rounds beside `ar` and its strongest speculative method, of `mtp` and
+    `lookup` (each a set of programs to compile: `rounds.engine_bank`).
+    Not thread-safe: one thread calls `add`, `cancel` and `step` (or `admit` and `decode`: the scheduler).
     """
 
     def __init__(self, decoder, *, max_batch_size: int = 8, max_model_len: int | None = None, stop_ids=None,
                  seed: int = 0, buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
                  rounds_per_dispatch: int | None = None, max_top_k: int = 256, prefix_cache_gb: float = 0.0,
-                 burst_budget: int | None = None):
+                 burst_budget: int | None = None, extra_methods: tuple[str, ...] = ()):
         cfg = decoder.target.cfg
         self.max_top_k = int(max_top_k)              # top-k's search width in sampled rounds (static)
         check_positive_int("--max-batch-size", max_batch_size, RequestError)
@@ -85,7 +78,7 @@ class Engine:
         self.counters = collections.Counter()        # requests, prompt / generated tokens, rounds, accepted
         self.auto = decoder if isinstance(decoder, AutoDecoder) else None
         self.verdict = None if self.auto is None else self.auto.cached(self.max_batch_size, greedy=True)
-        self.bank, self.gate = engine_bank(decoder)
+        self.bank, self.gate = engine_bank(decoder, tuple(extra_methods))
         self.rounds_per_dispatch = int(rounds_per_dispatch or self.bank.rounds_per_dispatch)
         self.method = AUTO if self.auto is not None else self.bank.methods[0]
         prior = {m: x.get("tau_per_verify") for m, x in (self.verdict.measured if self.verdict else {}).items()}
@@ -98,11 +91,7 @@ class Engine:
         self.base_key = jax.random.key(seed)
         one = self.bank.new_state(1, self.max_len)
         self.moves = RowMoves(one, self.bank.new_state(2, self.max_len))    # the running state's row moves
-        budget = prefix_cache_bytes(prefix_cache_gb)
-        self.prefix_cache = None if not budget else PrefixCache(
-            budget, extract=self.moves.extract,
-            copy=counted_jit(copy_state, out_shardings=jax.tree.map(lambda x: x.sharding, one)),
-            row_bytes=state_nbytes(one))
+        self.prefix_cache = PrefixCache.for_rows(prefix_cache_bytes(prefix_cache_gb), self.moves, one)
         self.state = self.bank.new_state(self.buckets[0], self.max_len)
 
     @property
@@ -327,26 +316,17 @@ class Engine:
             self.state = self.moves.resize(self.state, rows)
 
     def _compact(self) -> None:
-        """Drops finished rows: the last running rows fill their places (the state keeps its rows:
-        `_fit_rows`)."""
-        live = [i for i, r in enumerate(self.running) if not r.finished]
-        if len(live) < len(self.running):
-            n = len(live)
-            holes = [i for i in range(n) if self.running[i].finished]
-            movers = [i for i in live if i >= n]
-            order = list(range(len(self.running)))
-            for hole, src in zip(holes, movers):
-                self.state = self.moves.move(self.state, np.int32(src), np.int32(hole))
-                order[hole] = src
-            self.running = [self.running[order[i]] for i in range(n)]
+        """Drops finished rows: the last running rows fill their places (`rows.compaction_moves`; the
+        state keeps its rows: `_fit_rows`)."""
+        moves, order = compaction_moves([r.finished for r in self.running])
+        for src, hole in moves:
+            self.state = self.moves.move(self.state, np.int32(src), np.int32(hole))
+        self.running = [self.running[i] for i in order]
 
     def _fit_rows(self) -> None:
         """Before a dispatch, while nobody waits: the state shrinks to the smallest bucket holding the
-        running rows and the most requests held at once over the last choices (`policy.recent_load`).
-        Not earlier, and not below that load: on a server whose clients send again once answered, a
-        state whose rows all or mostly finished (the engine idles, or serves the few left for a
-        dispatch or two) takes the next wave into its rows without growing again (growing zero-fills
-        every row of every cache); once the load has stayed lower for those choices it shrinks."""
+        running rows and the most requests held at once over the last choices (`policy.recent_load`),
+        so the next wave of a closed loop's clients finds its rows (docs/serving-design.md)."""
         if not self.waiting and self._group is None:
             load = min(self.rows, max(len(self.running), self.policy.recent_load))
             self._resize_to(row_bucket(load, self.buckets))
@@ -365,7 +345,7 @@ class Engine:
         choice = self.policy.describe()
         k, cap = choice["rounds"], 0 if choice["in_step"] else None
         stop_ids = sorted({s for r in self.running for s in r.tracker.stop_ids}) if k > 1 else ()
-        entry = self.bank.multi_round(method, k) if k > 1 else self.bank.round[method]
+        entry = self.bank.dispatch(method, k, self.rounds_per_dispatch)
         compiles = entry.compiles
         if self.prefix_cache is not None and self.bank.slots[method] > 1:   # rows the dispatch may end: once
             self.prefix_cache.before_round(self.state, self.running, self.bank.slots[method] * k)
@@ -374,7 +354,8 @@ class Engine:
             bucket, rounds, back = self._last_dispatch
             self.policy.observe_host(bucket, (start - back) / rounds)
         self.state, tokens_bkn, acc_bk, ran_bk, k, seconds, catch_up_s = self.bank.run(
-            method, self.state, active, limits, sp, self.base_key, self._index + 1, greedy, k, stop_ids, cap)
+            method, self.state, active, limits, sp, self.base_key, self._index + 1, greedy, k, stop_ids, cap,
+            self.rounds_per_dispatch)
         self._last_dispatch = (rows, k, start + catch_up_s + seconds)
         events_before = len(events)
         self._index += k
@@ -405,11 +386,12 @@ class Engine:
         self._busy_since, self._admitting_s = (now if self.busy else None), 0.0
 
     # ---- compiles ------------------------------------------------------------------------------
-    def warm_up(self, every_bucket: bool = True, sampled: bool = True) -> None:
+    def warm_up(self, every_bucket: bool = True, sampled: bool = True, progress: bool = False) -> int:
         """Compiles, before the first request, every program a request may run
-        (`serve/warmup.py:warm_up_engine`), so no request waits for a compile and the policy's first
-        timings are clean."""
-        warm_up_engine(self, every_bucket, sampled)
+        (`serve/warmup.py:warm_up_engine`; a bar on stderr when `progress`), so no request waits for a
+        compile and the policy's first timings are clean; returns the programs' count. Raises
+        `InputError` when they would not fit the host's memory maps."""
+        return warm_up_engine(self, every_bucket, sampled, progress)
 
     def compile_counts(self) -> dict[str, int]:
         """The bank's compile counts plus the row moves' (`put_rows`, `move_row`, `resize_rows`) and

@@ -94,6 +94,8 @@ class ServerMetrics:
             ("generation_tokens_total", "counter", "tokens generated", c["generated_tokens"], ""),
             ("running_rows", "gauge", "rows of the running batch in use", engine.num_running, ""),
             ("waiting_requests", "gauge", "requests waiting for a row", len(engine.waiting), ""),
+            ("compiled_programs", "gauge", "programs the engine compiled (warm-up's, and any since)",
+             sum(engine.compile_counts().values()), ""),
             ("verify_rounds_total", "counter", "rounds run over the batch", c["rounds"], m),
             ("lean_prefills_total", "counter", "prefill groups that left the drafting caches to a later catch-up "
              "(auto while plain rounds serve)", c["lean_prefills"], m),

@@ -1,24 +1,9 @@
 """Which round the engine runs next: the method of the highest estimated output tokens/s at the
-load, one over its seconds per token `(round_s(method, bucket, K) + host_s(bucket)) / (load x
-tau(method) x occupancy x realized)` plus a request's prefill over its tokens (`admission_s`), all
-measured live (warm-up gives each round time its first sample; the terms: their methods' docstrings;
-the reasons: docs/serving.md). A round's time is kept per dispatch size K, each method estimated at
-the K it would run.
-
-Switching: the method serving keeps serving until another's estimate beats its own by
-`SWITCH_MARGIN`; the other's time at the bucket is re-taken first (a confirming dispatch, run as a
-refresh) when older than `CONFIRM_AGE` choices, and the method it replaced is re-taken likewise,
-once, `CONFIRM_AGE` choices after the switch (`_retake`): times drift with the rows and in slow
-spells of the machine, so times taken at different moments are not compared alone.
-Refreshes: once `refresh_every` choices have passed, at the next choice while nobody waits, one
-other method runs (`_refresh_candidate`: the least measured while its acceptance is untrusted, else
-the one timed longest ago among those whose refresh fits their part of `refresh_share` of the
-seconds served at the bucket), in the dispatch its estimate uses when no longer than the best's,
-else one round. Over several rows, a speculative timing, refresh or untrusted dispatch beside plain
-rounds runs one round in step (each row commits one token: `round.cap_accepted`, lossless), so rows
-admitted together still finish together (`describe()["in_step"]`).
-`rounds` says how many rounds a dispatch of a method may run while nobody waits; `describe` says
-what the last choice rests on.
+load, one over `(round_s(method, bucket, K) + host_s(bucket)) / (load x tau(method) x occupancy x
+realized)` seconds per token plus a request's prefill over its tokens (`admission_s`), all measured
+live, each method at the dispatch size K it would run. Switching, refreshes and in-step dispatches:
+docs/serving-design.md#dispatch-size-refreshes-in-step-rounds-switching. `describe` says what the
+last choice rests on.
 
 Example:
     >>> p = LoadPolicy({"ar": 1, "dmtp": 8})

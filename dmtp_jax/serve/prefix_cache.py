@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dmtp_jax.counted_jit import counted_jit
 from dmtp_jax.decode.batch import RequestError
 
 
@@ -87,6 +88,16 @@ class PrefixCache:
         self.extract, self.copy, self.row_bytes = extract, copy, int(row_bytes)
         self.counters = collections.Counter()   # lookups, hits, hit_tokens, stored, evicted
         self.clear()
+
+    @classmethod
+    def for_rows(cls, budget_bytes: int, moves, one_row_state) -> "PrefixCache | None":
+        """The cache of an engine whose row moves are `moves` (`rows.RowMoves`, its row extraction) and
+        whose 1-row state is `one_row_state` (the copy's layout, the bytes a row holds); None when
+        `budget_bytes` is 0."""
+        if not budget_bytes:
+            return None
+        return cls(budget_bytes, extract=moves.extract, row_bytes=state_nbytes(one_row_state),
+                   copy=counted_jit(copy_state, out_shardings=jax.tree.map(lambda x: x.sharding, one_row_state)))
 
     def clear(self) -> None:
         """Drops every snapshot (the row programs stay)."""

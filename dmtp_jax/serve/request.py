@@ -112,10 +112,13 @@ def merge_events(events: list[Event]) -> list[Event]:
     return list(merged.values())
 
 
-def row_sampling(reqs, rows: int, top_k_cap: int = 0) -> tuple[SamplingParams, bool]:
+def row_sampling(reqs, rows: int, top_k_cap: int = 0, sampled_form: bool = False) -> tuple[SamplingParams, bool]:
     """`(SamplingParams.rows over `rows` rows, greedy)` for `reqs` in rows 0..len-1 (the rest, and greedy
     rows, temperature 0), in ONE form whatever the requests ask (top-k searching `top_k_cap`, top-p
-    on), so no request's values compile anything. A top_k above the cap keeps every token.
+    on), so no request's values compile anything. A top_k above the cap keeps every token. All rows
+    greedy: the greedy form (`greedy` True), unless `sampled_form` (a call whose sampling costs
+    little beside its work, as a prefill's first token, runs one program for both; a greedy row's
+    token there is its argmax all the same).
 
     Example:
         >>> sp, greedy = row_sampling([Request([1], 2), Request([1], 2, temperature=0.5, top_k=9)], 4, 8)
@@ -129,6 +132,6 @@ def row_sampling(reqs, rows: int, top_k_cap: int = 0) -> tuple[SamplingParams, b
         if not r.greedy:         # a greedy row's values change nothing
             temperature[i], top_p[i], top_k[i] = r.temperature, r.top_p, r.top_k if r.top_k <= top_k_cap else 0
     greedy = all(r.greedy for r in reqs)
-    if greedy:
+    if greedy and not sampled_form:
         return SamplingParams.rows(temperature, top_p, top_k, top_k_cap=0), True
     return SamplingParams.rows(temperature, top_p, top_k, top_k_cap=top_k_cap, top_p_on=True), False

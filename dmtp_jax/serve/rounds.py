@@ -69,6 +69,13 @@ class RoundBank:
         self.catch_up_step = counted_jit(functools.partial(catch_up_entry, next(iter(self.setups.values()))),
                                          donate_argnames=("state",))
 
+    def dispatch(self, method: str, rounds: int, buffer: int | None = None):
+        """The jitted program a dispatch of `rounds` rounds of `method` runs (`run`): the single round's
+        when both are 1, else the `buffer`-round (default `rounds`) dispatch's."""
+        if (buffer or rounds) == 1:
+            return self.round[method]
+        return self.multi_round(method, buffer or rounds)
+
     def multi_round(self, method: str, rounds: int):
         """The jitted dispatch of up to `rounds` rounds of `method` (`spec.multi_round_entry`)."""
         if (method, rounds) not in self._multi:
@@ -77,10 +84,10 @@ class RoundBank:
         return self._multi[(method, rounds)]
 
     @classmethod
-    def for_decoder(cls, decoder, candidates: dict | None = None, switching: bool = False) -> "RoundBank":
+    def for_decoder(cls, decoder, candidates: dict | None = None, switching: bool = False,
+                    extra_methods: tuple[str, ...] = ("mtp", "lookup")) -> "RoundBank":
         """The bank of a decoder: an `ARDecoder` runs `ar`; a `SpecDecoder` its method, and with `switching`
-        also `ar`, (with an MTP head) `mtp`, and `lookup` when it is a
-        candidate."""
+        also `ar` and, of `extra_methods`, `mtp` (with an MTP head) and `lookup` (when a candidate)."""
         k = getattr(decoder, "rounds_per_dispatch", 1)
         if isinstance(decoder, ARDecoder):
             return cls((decoder.target, None, None, None, None, None), {"ar": 1}, prefill_chunk=decoder.prefill_chunk,
@@ -90,12 +97,12 @@ class RoundBank:
         slots = {decoder.method: decoder.slots}
         if switching:
             slots = {"ar": 1, **slots}
-            if models[2] is not None and "mtp" not in slots:
+            if "mtp" in extra_methods and models[2] is not None and "mtp" not in slots:
                 mtp = (candidates or {}).get("mtp")
                 slots["mtp"] = (mtp.slots if mtp is not None else
                                 verify_slots("mtp", mtp_steps=DEFAULT_MTP_STEPS, block_size=None,
                                              drafter_block_size=None))
-            if "lookup" in (candidates or {}) and "lookup" not in slots:     # needs no model: the token buffer
+            if "lookup" in extra_methods and "lookup" in (candidates or {}) and "lookup" not in slots:     # needs no model: the token buffer
                 slots["lookup"] = candidates["lookup"].slots
         return cls(models, slots, verify_mode=decoder.verify_mode, context_window=decoder.context_window,
                    rounds_per_dispatch=k, prefill_chunk=decoder.prefill_chunk,
@@ -140,13 +147,15 @@ class RoundBank:
         return chunks == 1 and 0 < width <= self.defer_window
 
     def run(self, method: str, state, active_b, limits_b, sp, base_key, first_round: int, greedy: bool,
-            rounds: int = 1, stop_ids=(), commit_cap: int | None = None):
+            rounds: int = 1, stop_ids=(), commit_cap: int | None = None, buffer: int | None = None):
         """One round of `method`, or up to `rounds` stopping on device, on `state` made ready by
         `caught_up`: `(state, tokens [B, k, n], accepted [B, k], ran [B, k], rounds run, seconds from
         dispatch to host results, seconds of the catch-up before it)`. A catch-up is waited for before
         the rounds' clock starts, so their seconds are theirs alone (a switch's cost is the catch-up's).
         `commit_cap`: a row commits `tokens[:min(accepted, commit_cap) + 1]` per round
-        (`round.cap_accepted`); `accepted` stays what the target accepted."""
+        (`round.cap_accepted`); `accepted` stays what the target accepted. `buffer` (>= `rounds`): run
+        the `buffer`-round dispatch's program (`dispatch`), so one program per method serves every
+        dispatch size up to it."""
         knobs = self.knobs if commit_cap is None else dataclasses.replace(self.knobs, commit_cap=np.int32(commit_cap))
         t0, catch_up_s = time.perf_counter(), 0.0
         ready = self.caught_up(state, method, rounds)
@@ -154,15 +163,15 @@ class RoundBank:
             state = jax.block_until_ready(ready)
             catch_up_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if rounds == 1:
+        if (buffer or rounds) == 1:
             state, *out = self.round[method](self.model_states(), state, active_b, limits_b, sp, base_key,
                                              np.int32(first_round), knobs, greedy=greedy)
             tokens_bn, acc_b, _ = to_host(tuple(out))
             return state, tokens_bn[:, None], acc_b[:, None], np.asarray(active_b)[:, None], 1, \
                 time.perf_counter() - t0, catch_up_s
-        state, *out = self.multi_round(method, rounds)(self.model_states(), state, active_b, limits_b, sp, base_key,
-                                                       np.int32(first_round), pad_stop_ids(stop_ids), knobs,
-                                                       greedy=greedy)
+        state, *out = self.dispatch(method, rounds, buffer)(
+            self.model_states(), state, active_b, limits_b, sp, base_key, np.int32(first_round),
+            pad_stop_ids(stop_ids), knobs, greedy=greedy, max_rounds=np.int32(rounds))
         tokens_bkn, acc_bk, _, ran_bk, k = to_host(tuple(out))
         return state, tokens_bkn, acc_bk, ran_bk, int(k), time.perf_counter() - t0, catch_up_s
 
@@ -173,10 +182,13 @@ class RoundBank:
         return counts
 
 
-def engine_bank(decoder):
-    """`(bank, gate)` of a decoder (auto: `base_decoder` of its candidates); a speculative bank passes the
-    exactness probe first, else is served plainly. One bank per decoder, so engines share compiles."""
-    if "_engine_bank" not in decoder.__dict__:
+def engine_bank(decoder, extra_methods: tuple[str, ...] = ()):
+    """`(bank, gate)` of a decoder (auto: `ar` and the `base_decoder` of its candidates, and of
+    `extra_methods` those the models allow: `RoundBank.for_decoder`); a speculative bank passes the
+    exactness probe first, else is served plainly. One bank per decoder and `extra_methods`, so
+    engines share compiles."""
+    banks = decoder.__dict__.setdefault("_engine_banks", {})
+    if extra_methods not in banks:
         auto = decoder if isinstance(decoder, AutoDecoder) else None
         base = base_decoder(auto.candidates) if auto is not None else decoder
         gate = None
@@ -184,6 +196,6 @@ def engine_bank(decoder):
             gate = base.exactness.gate()
             if not gate.engaged:
                 base = ARDecoder(base.target, prefill_chunk=base.prefill_chunk)
-        decoder.__dict__["_engine_bank"] = (
-            RoundBank.for_decoder(base, None if auto is None else auto.candidates, switching=auto is not None), gate)
-    return decoder.__dict__["_engine_bank"]
+        banks[extra_methods] = (RoundBank.for_decoder(base, None if auto is None else auto.candidates,
+                                                      switching=auto is not None, extra_methods=extra_methods), gate)
+    return banks[extra_methods]

@@ -121,3 +121,27 @@ class RowMoves:
 
     def compile_counts(self) -> dict[str, int]:
         return {"put_rows": self.put.compiles, "move_row": self.move.compiles, "resize_rows": self.resize.compiles}
+
+
+def same_shardings(a, b) -> bool:
+    """Whether two states (any row counts) have the same parts, laid out alike on the devices, so a
+    round compiled for one runs the other."""
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        x.sharding == y.sharding for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def compaction_moves(finished: list[bool]) -> tuple[list[tuple[int, int]], list[int]]:
+    """`(moves, order)` that drop the finished rows of a running list: each `(src, dst)` moves a live
+    row from past the live count into a finished row's place; `order[i]` is the old index of new row `i`.
+
+    Example:
+        >>> compaction_moves([False, True, False, True, False])
+        ([(4, 1)], [0, 4, 2])
+    """
+    live = [i for i, done in enumerate(finished) if not done]
+    n = len(live)
+    moves = list(zip([i for i in range(n) if finished[i]], [i for i in live if i >= n]))
+    order = list(range(len(finished)))
+    for hole, src in moves:
+        order[hole] = src
+    return [(src, hole) for hole, src in moves], order[:n]
