@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dmtp_jax.layers.attention import (MaskRule, attention_kernel, attention_mask, dense_attention,
+from dmtp_jax.layers.attention import (CACHE_BLOCKS_FROM, MaskRule, attention_kernel, attention_mask, dense_attention,
                                        grouped_attention)
 from dmtp_jax.layers.blockwise_attention import blockwise_attention
 from dmtp_jax.platform import compiling_for
@@ -114,7 +114,8 @@ def test_a_cache_is_read_up_to_the_longest_row(first_key_slot, window):
     s, t = 600, 3
     over = lambda pos: MaskRule.over_slots(pos, s, first_key_slot, window)  # noqa: E731
     assert attention_kernel(t, s, jnp.float32, over(jnp.zeros((1, t), int))) == "cache_blocks"
-    assert attention_kernel(t, 128, jnp.float32, MaskRule.over_slots(jnp.zeros((1, t), int), 128)) == "dense"
+    for small in (128, CACHE_BLOCKS_FROM):      # at most two blocks: read whole
+        assert attention_kernel(t, small, jnp.float32, MaskRule.over_slots(jnp.zeros((1, t), int), small)) == "dense"
     with compiling_for("gpu"):
         assert attention_kernel(t, s, jnp.float32, over(jnp.zeros((1, t), int))) == "dense"
     for top in (10, 127, 128, 400, 599):

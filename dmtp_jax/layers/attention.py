@@ -4,9 +4,10 @@
 `grouped_attention` is the one entry point: a materialised mask `[B, T, S]` runs the dense form; a
 `MaskRule` lets `attention_kernel` pick "dense", "cache_blocks", "cudnn", "pallas" or "blockwise" by
 the static shapes and the compile platform (docs/models-detail.md). Rows with no allowed key return zeros.
-"cache_blocks" (decode steps and verify blocks over a cache of more than `CACHE_BLOCK` slots, on CPU
-and TPU) reads the cache by blocks of `CACHE_BLOCK` slots up to the longest live row, so a round
-costs the rows' lengths, not the cache's (`blockwise_attention`).
+"cache_blocks" (decode steps and verify blocks over a cache of more than `CACHE_BLOCKS_FROM` slots, on
+CPU and TPU) reads the cache by blocks of `CACHE_BLOCK` slots up to the longest live row, so a round
+costs the rows' lengths, not the cache's (`blockwise_attention`); a smaller cache is read whole, since
+its loop could skip one block at most and costs more than that block.
 
 Example:
     >>> pos = jnp.arange(5)[None]
@@ -34,6 +35,7 @@ __all__ = ["MaskRule", "attention_mask", "attention_kernel", "dense_attention", 
 DENSE_MAX_QUERIES = 64          # decode steps and verify blocks: dense, or "cache_blocks" over a cache
 DENSE_MAX_SCORES = 1 << 20      # T x S up to this stays dense (short prompts, tests)
 CACHE_BLOCK = 128               # the slots per block of "cache_blocks"
+CACHE_BLOCKS_FROM = 2 * CACHE_BLOCK     # "cache_blocks" over caches of more slots than this, else dense
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -41,7 +43,7 @@ def attention_kernel(t: int, s: int, dtype, rule: MaskRule | None, head_dim: int
     """`"dense"`, `"cache_blocks"`, `"cudnn"`, `"pallas"` or `"blockwise"`: the form `grouped_attention`
     runs for `t` queries over `s` keys of `dtype` under `rule` (None: a materialised mask), on
     `compile_platform()`."""
-    if rule is not None and t <= DENSE_MAX_QUERIES and s > CACHE_BLOCK and stops_at_live_rows(rule):
+    if rule is not None and t <= DENSE_MAX_QUERIES and s > CACHE_BLOCKS_FROM and stops_at_live_rows(rule):
         return "cache_blocks"
     if rule is None or t <= DENSE_MAX_QUERIES or t * s <= DENSE_MAX_SCORES:
         return "dense"
