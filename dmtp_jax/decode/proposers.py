@@ -118,6 +118,7 @@ class Proposer:
     slots: int
     window: int = 4096
     ADAPTIVE = False        # reports per-round first-candidate sources (dmtp-adaptive)
+    READS_TOKENS = False    # reads the state's token buffer (`SpecState.tokens_bs`; lookup)
 
     @property
     def needs(self) -> dict[str, bool]:
@@ -205,6 +206,7 @@ class AdaptiveProposer(DmtpProposer):
 class LookupProposer(Proposer):
     """`lookup`: prompt lookup over the state's token buffer (`decode/lookup.py`), no model; sampled,
     its proposal probabilities are one-hot (the drafts are deterministic given the history)."""
+    READS_TOKENS = True
 
     def draft(self, models, state, first, sp, key, greedy, limits_b, knobs):
         drafts = lookup_drafts(state.tokens_bs, state.lengths_b, self.slots - 1)

@@ -35,7 +35,7 @@ class SpecState:
     mtp_h_bh: jax.Array | None  # MTP (or EAGLE-3) pre-norm hidden that predicts the next T1
     lengths_b: jax.Array        # committed tokens in the target KV == position of the pending token
     pending_b: jax.Array        # last committed token (A), not yet run by the target
-    tokens_bs: jax.Array | None = None          # the row's tokens at slot == position, A at L (int32)
+    tokens_bs: jax.Array | None = None          # the row's tokens at slot == position, A at L (int32; None: unread)
     draft_cache: TargetCache | None = None      # a draft model's own cache (`decode/draft_model.py`)
     deferred: DeferredRows | None = None        # plain rounds' rows not yet in the drafting caches
 

@@ -130,9 +130,10 @@ def _used(proposer: Proposer, target, drafter, mtp, fusion, draft_head, draft_mo
 
 def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: LoadedModel | None, batch: int,
                    max_len: int, draft_model: LoadedModel | None = None, defer_window: int = 0,
-                   drafting_caches: bool = True) -> SpecState:
+                   drafting_caches: bool = True, token_buffer: bool = True) -> SpecState:
     """A zero `SpecState` of `batch` rows and `max_len` slots (with the drafter's, the MTP's and a draft
-    model's caches where those models are given, and the token buffer), placed as the jitted calls
+    model's caches where those models are given, and the token buffer where `token_buffer`: a state
+    whose rounds never read it leaves it out, None, and no round writes it), placed as the jitted calls
     leave it. `defer_window` > 0: plain rounds defer the drafting caches' work for up to that many
     rounds (`drafting.DeferredRows`). `drafting_caches=False` (with a defer window): those caches and
     the MTP hidden left out (None), the deferred buffer kept: a lean prefill's state, which writes
@@ -162,8 +163,8 @@ def new_spec_state(caches: TargetCaches, drafter: LoadedModel | None, mtp: Loade
         mtp_h = jax.device_put(np.zeros((batch, mtp.cfg.hidden_size), mtp.state_dtype), rep)
     if draft_model is not None:
         draft_cache = TargetCaches(draft_model).new(batch, max_len)
-    return SpecState(caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros(), zeros(max_len), draft_cache,
-                     deferred)
+    return SpecState(caches.new(batch, max_len), ctx, mtp_cache, mtp_h, zeros(), zeros(),
+                     zeros(max_len) if token_buffer else None, draft_cache, deferred)
 
 
 def to_host(tree):
@@ -228,11 +229,13 @@ class SpecDecoder:
 
     # ---- state -------------------------------------------------------------------------------
     def new_state(self, batch: int, max_len: int) -> SpecState:
-        """A zero state of `batch` rows and `max_len` slots, placed as the jitted calls leave it."""
+        """A zero state of `batch` rows and `max_len` slots, placed as the jitted calls leave it: the
+        caches of the models the method runs, the token buffer only where its proposer reads it."""
         needs = self.proposer.needs
         return new_spec_state(self.caches, self.drafter if needs["drafter"] else None,
                               self.mtp if needs["mtp"] else None, batch, max_len,
-                              self.draft_model if needs["draft_model"] else None)
+                              self.draft_model if needs["draft_model"] else None,
+                              token_buffer=self.proposer.READS_TOKENS)
 
     def state_shardings(self, st: SpecState) -> SpecState:
         """The sharding of every array of a state (or of its shapes), as a `SpecState` tree."""
