@@ -78,7 +78,7 @@ def test_serve_auto_starts_at_the_default_batch_size_and_answers_as_generate(tmp
         if proc.poll() is None:
             proc.kill()
     target = load_target(DEMO_TARGET, "float32")
-    want = make_decoder("ar", target).generate([PROMPT], MAX_TOKENS).outputs[0]
+    want = make_decoder("ar", target).generate([PROMPT], MAX_TOKENS).output_ids[0]
     from dmtp_jax.tokenizer import load_tokenizer
     want_text = load_tokenizer(DEMO_TARGET, plain=True).decode(want)
     assert [json.loads(r.text)["choices"][0]["text"] for r in got] == [want_text, want_text]

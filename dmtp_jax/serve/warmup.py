@@ -103,8 +103,9 @@ def warm_up_jobs(engine, every_bucket: bool = True, sampled: bool = True) -> lis
             lambda r: bank.catch_up_step(bank.model_states(), bank.new_state(r, engine.max_len)), rows)))
     new_state = functools.partial(bank.new_state, max_len=engine.max_len)
     for rows, other in itertools.product(engine.buckets, engine.buckets):     # the row moves between buckets
-        jobs.append(CompileJob("rows", f"resize, {rows} -> {other} rows", functools.partial(
-            lambda r, o: engine.moves.resize(new_state(r), o), rows, other)))
+        if other != rows:       # (the engine resizes only to another bucket)
+            jobs.append(CompileJob("rows", f"resize, {rows} -> {other} rows", functools.partial(
+                lambda r, o: engine.moves.resize(new_state(r), o), rows, other)))
         leans = ((False, True) if bank.defer_window else (False,)) if other <= rows else ()    # full, lean groups
         for lean in leans:
             jobs.append(CompileJob("rows", f"put {other} into {rows} rows" + (" lean" if lean else ""),
