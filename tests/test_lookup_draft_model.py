@@ -94,13 +94,14 @@ def test_finished_rows_do_no_harm(models):
 
 @pytest.mark.parametrize("models", ["qwen3"], indirect=True)    # the rounds are the greedy test's, on both families
 def test_server_engine_switches_between_them_on_one_state(models):
-    """`serve --method auto` over ar, lookup and draft-model: one state (token buffer, draft-model
-    cache) for the three rounds, switched live; every request gets `generate`'s tokens."""
+    """`serve --method auto` over ar and draft-model, lookup as an extra method: one state (token
+    buffer, draft-model cache) for the three rounds, switched live; every request gets `generate`'s
+    tokens."""
     from dmtp_jax.decode.auto import AutoDecoder, VerdictStore
     from dmtp_jax.serve.engine import Engine, Request
     _, _, decoders = models
     engine = Engine(AutoDecoder(decoders, store=VerdictStore(None)), max_batch_size=2, max_model_len=128,
-                    buckets=(2,))
+                    buckets=(2,), extra_methods=("lookup",))
     assert engine.bank.slots == {"ar": 1, "draft-model": SLOTS, "lookup": SLOTS}
     reqs = [engine.add(Request(p, max_tokens=12, stop_ids=())) for p in PROMPTS]
     while not all(r.finished for r in reqs):
