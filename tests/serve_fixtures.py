@@ -48,3 +48,16 @@ def serve_tokenizer():
     d = tempfile.mkdtemp(prefix="dmtp-serve-tok-")
     save_byte_tokenizer(d)
     return load_tokenizer(d, plain=True)
+
+
+def chat_tokenizer(path: str, messages: list[dict]) -> tuple:
+    """`(tokenizer, ids of messages)`: the byte-level tokenizer saved in `path`, loaded by transformers,
+    with a small chat template."""
+    from transformers import AutoTokenizer
+
+    from dmtp_jax.tiny import save_byte_tokenizer
+    save_byte_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return tok, list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -32,7 +32,8 @@ def test_catch_up_equals_advancing_the_caches_every_round():
     deferred = bank.new_state(2, batch.max_len, defer_window=WINDOW)
     assert deferred.deferred is not None and deferred.deferred.window == WINDOW
     for start, chunk_bt, next_b in prefill_chunks(batch.tokens_bt, bank.prefill_chunk):
-        deferred = bank.prefill_step(states, chunk_bt, next_b, start, batch.lengths_b, deferred, sp, key, greedy=True)
+        deferred, _ = bank.prefill_step(states, chunk_bt, next_b, start, batch.lengths_b, deferred, sp, key,
+                                        greedy=True)     # and the first tokens' logprobs
     every = dataclasses.replace(jax.tree.map(jnp.copy, deferred), deferred=None)     # advanced every round
     limits = batch.lengths_b + ROUNDS + 2
     for i in range(ROUNDS):
@@ -67,7 +68,7 @@ def test_a_lean_prefill_caught_up_equals_a_full_one():
     def prefill(tokens_bt, start, lengths_b, state, defer):
         nxt = np.zeros(len(lengths), np.int32)
         return bank.prefill_step(states, tokens_bt, nxt, np.int32(start), lengths_b, state, sp, key, greedy=True,
-                                 defer=defer)
+                                 defer=defer)[0]
 
     split = 4                       # resumed: the first 4 positions prefilled in full, the rest lean or not
     head = prefill(batch.tokens_bt[:, :split], 0, np.full(2, split, np.int32),

@@ -9,8 +9,8 @@ import pytest
 from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR
 from dmtp_jax.serve.engine import Engine
 from dmtp_jax.serve.warmup import lean_variants
-from tests.serve_fixtures import (MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, serve_decoder, serve_reference,
-                                  serve_tokenizer)
+from tests.serve_fixtures import (MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, chat_tokenizer, serve_decoder,
+                                  serve_reference, serve_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -152,16 +152,10 @@ def test_chat_completions_use_the_chat_template(server, decoder, tmp_path):
     """A tokenizer with a chat template (transformers'): the messages' ids through the engine equal
     `generate` on those ids, streamed and not."""
     from fastapi.testclient import TestClient
-    from transformers import AutoTokenizer
 
     from dmtp_jax.serve.app import build_app
-    from dmtp_jax.tiny import save_byte_tokenizer
-    save_byte_tokenizer(str(tmp_path))
-    tok = AutoTokenizer.from_pretrained(str(tmp_path))
-    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
     messages = [{"role": "user", "content": "hi"}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    tok, ids = chat_tokenizer(str(tmp_path), messages)
     want = tok.decode(decoder.generate([ids], 6, stop_ids=[]).output_ids[0], skip_special_tokens=True)
     http = TestClient(build_app(server[1], tok, "tiny"))      # the running scheduler; no lifespan
     body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0}

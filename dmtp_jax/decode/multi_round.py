@@ -50,41 +50,48 @@ def rows_still_running(tokens_bn: jax.Array, accepted_b: jax.Array, lengths_b: j
 
 
 def run_rounds(round_fn: Callable, state, active_b, limits_b, sp, base_key, first_round, stop_ids_s, *,
-               rounds: int, slots: int, greedy: bool, commit_cap=NO_CAP, max_rounds=None):
+               rounds: int, slots: int, greedy: bool, commit_cap=NO_CAP, max_rounds=None, extras: bool = False):
     """Up to `rounds` calls of `round_fn(state, active_b, limits_b, sp, key, greedy)` in one
     `lax.while_loop`, stopping when no row runs; loop round `i` uses key
     `fold_in(base_key, first_round + i)`. `max_rounds` (traced int32, at most `rounds`; None: `rounds`)
     stops the loop sooner, so one program of `rounds`-wide buffers runs any dispatch of 1..`rounds`.
 
-    Returns `(state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, rounds_run)`: slot `k` holds round
-    `k` per row (row b committed `tokens_bkn[b, k, :min(accepted_bk[b, k], commit_cap) + 1]`, the
-    rounds' `commit_cap`; `ran_bk`: was it active)."""
+    Returns `(state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, rounds_run, *extra)`: slot `k` holds
+    round `k` per row (row b committed `tokens_bkn[b, k, :min(accepted_bk[b, k], commit_cap) + 1]`, the
+    rounds' `commit_cap`; `ran_bk`: was it active). `extras`: `round_fn` returns more than its four
+    outputs (pytrees of `[B, ...]` arrays, as `logprobs.TokenLogprobs`): `extra`, each leaf buffered
+    `[B, K, ...]` (their shapes from an abstract trace of the round)."""
     b = active_b.shape[0]
     tokens_bkn = jnp.zeros((b, rounds, slots), jnp.int32)
     accepted_bk = jnp.zeros((b, rounds), jnp.int32)
     from_mtp_bk = jnp.zeros((b, rounds), bool)
     ran_bk = jnp.zeros((b, rounds), bool)
+    extra = ()
+    if extras:
+        shapes = jax.eval_shape(lambda *a: round_fn(*a, greedy)[4:], state, active_b, limits_b, sp, base_key)
+        extra = jax.tree.map(lambda x: jnp.zeros((b, rounds) + x.shape[1:], x.dtype), shapes)
 
     def running(carry):
         i, _, active, *_ = carry
         return (i < (rounds if max_rounds is None else jnp.minimum(rounds, max_rounds))) & active.any()
 
     def one_round(carry):
-        i, st, active, tokens, accepted, from_mtp, ran = carry
+        i, st, active, tokens, accepted, from_mtp, ran, extra = carry
         key = jax.random.fold_in(base_key, first_round + i)
-        st, tokens_bn, accepted_b, from_mtp_b = round_fn(st, active, limits_b, sp, key, greedy)
+        st, tokens_bn, accepted_b, from_mtp_b, *more = round_fn(st, active, limits_b, sp, key, greedy)
 
         def put(buf, x):
             return jax.lax.dynamic_update_slice_in_dim(buf, x[:, None].astype(buf.dtype), i, axis=1)
         tokens, accepted, from_mtp, ran = (put(tokens, tokens_bn), put(accepted, accepted_b),
                                            put(from_mtp, from_mtp_b), put(ran, active))
+        extra = jax.tree.map(put, extra, tuple(more))
         active = rows_still_running(tokens_bn, jnp.minimum(accepted_b, commit_cap), st.lengths_b, limits_b,
                                     stop_ids_s, active)
-        return i + 1, st, active, tokens, accepted, from_mtp, ran
+        return i + 1, st, active, tokens, accepted, from_mtp, ran, extra
 
-    carry = (jnp.int32(0), state, jnp.asarray(active_b), tokens_bkn, accepted_bk, from_mtp_bk, ran_bk)
-    i, state, _, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk = jax.lax.while_loop(running, one_round, carry)
-    return state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, i
+    carry = (jnp.int32(0), state, jnp.asarray(active_b), tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, extra)
+    i, state, _, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, extra = jax.lax.while_loop(running, one_round, carry)
+    return (state, tokens_bkn, accepted_bk, from_mtp_bk, ran_bk, i, *extra)
 
 
 def feed_rounds(tracker: StopTracker, acceptance: list[list[int]], first_source: list[list[bool]],

@@ -52,6 +52,7 @@ class ChunkOutput:
     first_b: jax.Array          # first new token (picked here for rows ending here, else carried)
     last_b: jax.Array           # index in the chunk of the row's last prompt token (clipped)
     ends_b: jax.Array           # whether the row's last prompt token is in this chunk
+    logits_bv: jax.Array | None = None    # the target's logits at the row's last prompt token in the chunk
 
 
 def target_chunk(model, tokens_bt: jax.Array, start: jax.Array, lengths_b: jax.Array, cache, first_b: jax.Array,
@@ -65,5 +66,6 @@ def target_chunk(model, tokens_bt: jax.Array, start: jax.Array, lengths_b: jax.A
     last = jnp.clip(lengths_b - 1 - start, 0, c - 1)
     ends = (lengths_b - 1 >= start) & (lengths_b - 1 < start + c)
     hidden_bh = jnp.take_along_axis(out.hidden_bth, last[:, None, None], axis=1)[:, 0]
-    picked = pick_tokens(model.logits(hidden_bh), sp, key, greedy)
-    return ChunkOutput(out, positions, jnp.where(ends, picked, first_b), last, ends)
+    logits = model.logits(hidden_bh)
+    picked = pick_tokens(logits, sp, key, greedy)
+    return ChunkOutput(out, positions, jnp.where(ends, picked, first_b), last, ends, logits)

@@ -17,6 +17,7 @@ from dmtp_jax.decode.caches import target_cache_shardings
 from dmtp_jax.decode.draft_model import prefill_draft_cache
 from dmtp_jax.decode.drafting import (DeferredRows, VerifyForward, advance_drafting, defer_chunk, defer_rows,
                                       gather_rows, write_context)
+from dmtp_jax.decode.logprobs import token_logprobs
 from dmtp_jax.decode.prefill import target_chunk
 from dmtp_jax.decode.sampling import filtered_probs
 from dmtp_jax.decode.verify import verify_block, verify_greedy, verify_rejection, verify_target_only
@@ -199,43 +200,50 @@ def cap_accepted(drafts_bn: jax.Array, acc_b: jax.Array, bonus_b: jax.Array, cap
 
 
 def spec_round(proposer, verify_mode: str, models: RoundModels, state: SpecState, active_b, limits_b, sp,
-               key: jax.Array, greedy: bool, knobs):
+               key: jax.Array, greedy: bool, knobs, logprobs: bool = False):
     """One propose / verify / accept / commit round: `(state, tokens [B, n], accepted [B],
     t1_from_mtp [B])`. `accepted`: the drafts the target accepted; a row commits
     `tokens[:min(accepted, knobs.commit_cap) + 1]` (`cap_accepted`); `t1_from_mtp` says whose first
     candidate it verified. `limits_b`: each row's token budget (prompt + max_new_tokens); `knobs`:
     `proposers.RoundKnobs`. A state with `deferred` comes caught up to a speculative round and with
-    buffer room to a plain one (`RoundBank.caught_up`)."""
+    buffer room to a plain one (`RoundBank.caught_up`). `logprobs`: a fifth output, the target's
+    `logprobs.TokenLogprobs` of `tokens` (slot j under the verify logits at slot j)."""
     k_draft, k_verify = jax.random.split(key)
     proposal = proposer.propose(models, state, sp, k_draft, greedy, limits_b, knobs)
     fwd = verify_forward(models.target, state, proposal.drafts_bn, models.capture_layers, jnp.asarray(active_b))
     acc, bonus = accept(fwd.logits_bnv, proposal.drafts_bn, proposal.q_bnv, sp, k_verify, greedy, verify_mode)
     kept, last = cap_accepted(proposal.drafts_bn, acc, bonus, knobs.commit_cap)
     new, tokens = commit(models, state, proposal, fwd, kept, last, active_b)
+    if logprobs:
+        return new, tokens, acc, proposal.t1_from_mtp_b, token_logprobs(fwd.logits_bnv, tokens)
     return new, tokens, acc, proposal.t1_from_mtp_b
 
 
 def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state: SpecState, sp, key,
-                 greedy: bool = False, defer: bool = False) -> SpecState:
+                 greedy: bool = False, defer: bool = False, logprobs: bool = False):
     """One prefill chunk (`decode/prefill.py`) through the target, the MTP (row i pairs h_i with
     x_{i+1}; rows past the prompt go to scratch) and a draft model; the chunk's tokens go into the
     token buffer. The first token is picked in the chunk that ends a row's prompt and carried in
     `state.pending_b` / `state.mtp_h_bh`. A state with `deferred` comes caught up (a resumed
     snapshot's plain rounds: `RoundBank.caught_up`). `defer` (a lean prefill: such a state, and this
     chunk the prefill's only one): the target alone runs and the chunk's rows wait in the buffer
-    (`drafting.defer_chunk`) for the first speculative round, or a full buffer, to catch them up."""
+    (`drafting.defer_chunk`) for the first speculative round, or a full buffer, to catch them up.
+    `logprobs`: `(state, TokenLogprobs [B])` of the first tokens picked in this chunk (other rows'
+    are meaningless)."""
     target, drafter, mtp = models.target, models.drafter, models.mtp
     res = target_chunk(target, tokens_bt, start, lengths_b, state.target_cache, state.pending_b, sp, key,
                        greedy, models.capture_layers)
     out, positions, first = res.out, res.positions_bt, res.first_b
+    with_lp = (lambda st: (st, token_logprobs(res.logits_bv, first))) if logprobs else (lambda st: st)  # noqa: E731
     history = write_tokens(state.tokens_bs, tokens_bt, positions, positions < lengths_b[:, None])
     history = write_tokens(history, first[:, None], lengths_b[:, None], res.ends_b[:, None])
     if defer:
         if state.deferred is None:
             raise ValueError("a lean prefill needs a state that defers its drafting caches")
-        return dataclasses.replace(state, target_cache=out.cache, lengths_b=lengths_b.astype(jnp.int32),
-                                   pending_b=first, tokens_bs=history,
-                                   deferred=defer_chunk(state.deferred, out, tokens_bt, positions, start, lengths_b))
+        return with_lp(dataclasses.replace(state, target_cache=out.cache, lengths_b=lengths_b.astype(jnp.int32),
+                                           pending_b=first, tokens_bs=history,
+                                           deferred=defer_chunk(state.deferred, out, tokens_bt, positions, start,
+                                                                lengths_b)))
     ctx = mtp_cache = mtp_h = h = None
     if mtp is not None:
         nxt = jnp.concatenate([tokens_bt[:, 1:], next_b[:, None]], axis=1)
@@ -256,5 +264,5 @@ def prefill_step(models: RoundModels, tokens_bt, next_b, start, lengths_b, state
     draft_cache = state.draft_cache
     if models.draft_model is not None:
         draft_cache = prefill_draft_cache(models.draft_model, draft_cache, tokens_bt, positions, lengths_b)
-    return SpecState(out.cache, ctx, mtp_cache, mtp_h, lengths_b.astype(jnp.int32), first, history, draft_cache,
-                     state.deferred)
+    return with_lp(SpecState(out.cache, ctx, mtp_cache, mtp_h, lengths_b.astype(jnp.int32), first, history,
+                             draft_cache, state.deferred))

@@ -73,6 +73,7 @@ class RoundSetup:
     proposer: Proposer
     verify_mode: str
     rounds_per_dispatch: int
+    logprobs: bool = False        # rounds and prefills also return the target's `TokenLogprobs` (a serve bank's)
 
 
 def _pin(mesh, x):
@@ -84,8 +85,10 @@ def prefill_entry(setup: RoundSetup, states, tokens_bt, next_b, start, lengths_b
     """`round.prefill_step` on the merged models, the state pinned at its shardings (jitted as
     `SpecDecoder.prefill_step`; `defer`: a lean prefill, as a switching `RoundBank` runs it)."""
     models = merge_models(setup.graphdefs, states)
-    state = prefill_step(models, tokens_bt, next_b, start, lengths_b, state, sp, key, greedy, defer)
-    return constrain_state(setup.mesh, state)
+    out = prefill_step(models, tokens_bt, next_b, start, lengths_b, state, sp, key, greedy, defer, setup.logprobs)
+    if setup.logprobs:
+        return constrain_state(setup.mesh, out[0]), jax.tree.map(functools.partial(_pin, setup.mesh), out[1])
+    return constrain_state(setup.mesh, out)
 
 
 def catch_up_entry(setup: RoundSetup, states, state: SpecState) -> SpecState:
@@ -95,10 +98,10 @@ def catch_up_entry(setup: RoundSetup, states, state: SpecState) -> SpecState:
 
 
 def _keyed_round(setup: RoundSetup, models, knobs, state, active_b, limits_b, sp, key, greedy):
-    state, tokens, acc, from_mtp = spec_round(setup.proposer, setup.verify_mode, models, state, active_b, limits_b,
-                                              sp, key, greedy, knobs)
+    state, *out = spec_round(setup.proposer, setup.verify_mode, models, state, active_b, limits_b, sp, key, greedy,
+                             knobs, setup.logprobs)
     mesh = setup.mesh
-    return constrain_state(mesh, state), _pin(mesh, tokens), _pin(mesh, acc), _pin(mesh, from_mtp)
+    return (constrain_state(mesh, state), *jax.tree.map(functools.partial(_pin, mesh), tuple(out)))
 
 
 def round_entry(setup: RoundSetup, states, state: SpecState, active_b, limits_b, sp, base_key, round_index, knobs,
@@ -117,7 +120,7 @@ def multi_round_entry(setup: RoundSetup, states, state: SpecState, active_b, lim
     models = merge_models(setup.graphdefs, states)
     return run_rounds(functools.partial(_keyed_round, setup, models, knobs), state, active_b, limits_b, sp, base_key,
                       first_round, stop_ids_s, rounds=setup.rounds_per_dispatch, slots=setup.proposer.slots,
-                      greedy=greedy, commit_cap=knobs.commit_cap, max_rounds=max_rounds)
+                      greedy=greedy, commit_cap=knobs.commit_cap, max_rounds=max_rounds, extras=setup.logprobs)
 
 
 def _used(proposer: Proposer, target, drafter, mtp, fusion, draft_head, draft_model=None) -> tuple:

@@ -54,7 +54,8 @@ def start_of(req: Request, cache=None, take: bool = False):
     """`(1-row starting state or None for a fresh one, start position)` of a request's prefill: the
     longest stored prefix in `cache`, else `(None, 0)`. A peek unless `take`; with `take` the hit is
     counted and the state is a copy (the stored one itself when nothing runs)."""
-    hit = None if cache is None else cache.lookup(req.prompt_ids, req.greedy, peek=not take)
+    # a greedy repeat runs no prefill: no first-token logprobs, so a request asking for them resumes before
+    hit = None if cache is None else cache.lookup(req.prompt_ids, req.greedy and req.logprobs is None, peek=not take)
     if hit is None:
         return None, 0
     if not take or hit.start == len(req.prompt_ids):
@@ -237,6 +238,8 @@ class PrefillGroup:
     owned: bool = True
     calls: int = 0          # prefill calls the group runs in all
     lean: bool = False
+    logprobs: list | None = None    # per row, the first token's `TokenLogprobs` on the host (None: not run)
+    _ending: list = dataclasses.field(default_factory=list)   # (rows ending in a call, its TokenLogprobs)
 
     @classmethod
     def start(cls, bank, reqs: list[Request], rows: int, max_len: int, vocab_size: int, top_k_cap: int = 0,
@@ -268,9 +271,25 @@ class PrefillGroup:
         if self.chunks:
             start, chunk_bt, next_b = self.chunks.pop(0)
             sp, _ = row_sampling(self.reqs, self.rows, self.top_k_cap, sampled_form=True)    # one program
-            self.state = bank.prefill_step(bank.model_states(), chunk_bt, next_b, start, self.lengths_b, self.state,
-                                           sp, self.key, greedy=False, defer=self.lean)
+            self.state, lp = bank.prefill_step(bank.model_states(), chunk_bt, next_b, start, self.lengths_b,
+                                               self.state, sp, self.key, greedy=False, defer=self.lean)
+            if any(r.logprobs is not None for r in self.reqs):
+                last = np.asarray(self.lengths_b) - 1
+                self._ending.append(((last >= start) & (last < start + chunk_bt.shape[1]), lp))
         if self.chunks:
             return False
         self.first = [int(t) for t in to_host(self.state.pending_b)[:len(self.reqs)]]
+        self.logprobs = first_logprobs(self._ending, len(self.reqs))
         return True
+
+
+def first_logprobs(ending: list, rows: int) -> list | None:
+    """Per row, its first token's `TokenLogprobs` (host arrays) from the prefill call its prompt ended in
+    (`ending`: `(ends [B], TokenLogprobs [B])` per call); None without any."""
+    if not ending:
+        return None
+    out: list = [None] * rows
+    for ends, lp in to_host(ending):
+        for row in np.flatnonzero(ends[:rows]):
+            out[row] = jax.tree.map(lambda x, r=row: x[r:r + 1], lp)
+    return out

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dmtp_jax.errors import RequestError
 from dmtp_jax.serve.engine import SERVE_ROUNDS_PER_DISPATCH, Engine
 from dmtp_jax.serve.limits import ApiKeyAuth, BodyLimit, bind_socket, header_timeout_protocol
+from dmtp_jax.serve.logprobs import chat_logprobs, completion_logprobs
 from dmtp_jax.serve.protocol import (ApiError, ChatBody, CompletionBody, ServerLimits, check_prompt_chars, check_text,
                                      error_body, max_body_values, one_prompt, parse_body, request_of, stops_of)
 from dmtp_jax.serve.request import Request
@@ -101,6 +102,9 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
     def decode(ids) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
 
+    def token_str(tid: int) -> str:
+        return tokenizer.decode([tid]) if tokenizer is not None else f"token_id:{tid}"
+
     async def run(req: Request, stops: list[str], stream_out: bool, http: HttpRequest, chat: bool):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -127,8 +131,24 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
         def finish_reason():       # a stop string ends the text, even in the round that reached max_tokens
             return "stop" if text.stopped or req.finish_reason in ("stop", "stop_string") else req.finish_reason
 
+        sent = [0, 0]          # output tokens whose logprobs were sent, their characters
+
+        def logprobs():
+            """The logprobs of the tokens committed since the last call (through a stop string's), in the
+            request's format; None when it asks for none or none came."""
+            end = min(len(text.ids), text.stop_tokens if text.stopped else len(text.ids))
+            if req.logprobs is None or end <= sent[0]:
+                return None
+            ids, entries = text.ids[sent[0]:end], req.token_logprobs[sent[0]:end]
+            sent[0] = end
+            if chat:
+                return chat_logprobs(ids, entries, token_str)
+            out = completion_logprobs(ids, entries, token_str, sent[1])
+            sent[1] += sum(len(t) for t in out["tokens"])
+            return out
+
         async def events():
-            """(text delta, finished) per committed chunk; cancels on a stop string."""
+            """(text delta, finished, logprobs) per committed chunk; cancels on a stop string."""
             while True:
                 ev = await queue.get()
                 delta = text.add(ev.tokens)
@@ -136,12 +156,12 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
                     scheduler.cancel(req, "stop_string")
                     while not (await queue.get()).finished:
                         pass
-                    yield delta, True
+                    yield delta, True, logprobs()
                     return
                 if ev.finished:
-                    yield delta + text.flush(), True
+                    yield delta + text.flush(), True, logprobs()
                     return
-                yield delta, False
+                yield delta, False, logprobs()
 
         if not stream_out:
             async def watch_disconnect():
@@ -151,23 +171,27 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
                 scheduler.cancel(req, "cancelled")
             watcher = asyncio.create_task(watch_disconnect())
             try:
-                out = "".join([delta async for delta, _ in events()])
+                parts = [(delta, lp) async for delta, _, lp in events()]
             finally:
                 watcher.cancel()
                 if not req.finished:
                     scheduler.cancel(req, "cancelled")
-            choice = ({"index": 0, "message": {"role": "assistant", "content": out}} if chat
-                      else {"index": 0, "text": out, "logprobs": None})
+            out, lps = "".join(d for d, _ in parts), [lp for _, lp in parts if lp is not None]
+            lp = None if req.logprobs is None else (
+                {"content": [c for p in lps for c in p["content"]]} if chat else
+                {k: [x for p in lps for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
+            choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": lp} if chat
+                      else {"index": 0, "text": out, "logprobs": lp})
             choice["finish_reason"] = finish_reason()
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": model_name,
                                  "choices": [choice], "usage": usage()})
 
-        def chunk(delta, finish, first=False):
+        def chunk(delta, finish, first=False, lp=None):
             if chat:
                 d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-                choice = {"index": 0, "delta": d, "finish_reason": finish}
+                choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
             body_ = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created, "model": model_name,
                      "choices": [choice]}
             if finish is not None:
@@ -177,9 +201,9 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
         async def stream():
             try:
                 first = True
-                async for delta, finished in events():
-                    if delta or first or finished:
-                        yield chunk(delta, finish_reason() if finished else None, first)
+                async for delta, finished, lp in events():
+                    if delta or first or finished or lp:
+                        yield chunk(delta, finish_reason() if finished else None, first, lp)
                         first = False
                 yield "data: [DONE]\n\n"
             finally:

@@ -19,6 +19,7 @@ from dmtp_jax.decode.auto import AUTO, AutoDecoder
 from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR, RequestError, StopTracker, round_up
 from dmtp_jax.options import check_max_model_len, check_positive_int
 from dmtp_jax.serve.admission import PrefillGroup, form_group, row_bucket, row_buckets
+from dmtp_jax.serve.logprobs import keep_logprobs, slot_logprobs
 from dmtp_jax.serve.policy import LoadPolicy
 from dmtp_jax.serve.prefix_cache import PrefixCache, prefix_cache_bytes
 from dmtp_jax.serve.request import Event, Request, check_request, merge_events, row_sampling
@@ -114,8 +115,7 @@ class Engine:
         self.check(req)
         req.tracker = StopTracker(1, req.max_tokens, self.stop_ids if req.stop_ids is None else req.stop_ids)
         self.waiting.append(req)
-        self.counters["requests"] += 1
-        self.counters["prompt_tokens"] += len(req.prompt_ids)
+        self.counters.update(requests=1, prompt_tokens=len(req.prompt_ids))
         return req
 
     def cancel(self, req: Request, reason: str = "cancelled") -> None:
@@ -289,14 +289,15 @@ class Engine:
             if self.prefix_cache is not None:      # the prompt consumed, its first token pending
                 self.prefix_cache.offer_row(self.state, len(self.running) - 1, req.prompt_ids + [group.first[i]],
                                             req.greedy)
-            self._commit(req, [group.first[i]], events)
+            self._commit(req, [group.first[i]], events, logprobs=group.logprobs and group.logprobs[i])
         self._compact()
 
-    def _commit(self, req: Request, tokens, events, exact: bool = True):
-        """Commits a request's new tokens and returns how many it kept (its stop and `max_tokens` cut
-        the rest); `exact`: its row's state holds no token past them (no later round of the dispatch
-        ran it), so a finished row that kept them all is offered to the prefix cache."""
+    def _commit(self, req: Request, tokens, events, exact: bool = True, logprobs=None):
+        """Commits a request's new tokens (and their `logprobs`: `serve/logprobs.py`) and returns how many it
+        kept (its stop and `max_tokens` cut the rest); `exact`: its row's state holds no token past them (no
+        later round of the dispatch ran it), so a finished row that kept them all is offered to the prefix cache."""
         kept = req.tracker.add(0, tokens)
+        keep_logprobs(req, logprobs, len(kept))
         req.output_ids.extend(kept)
         self.counters["generated_tokens"] += len(kept)
         if req.tracker.done[0]:
@@ -353,9 +354,9 @@ class Engine:
         if self._last_dispatch is not None:     # (bucket, rounds, when its results were back)
             bucket, rounds, back = self._last_dispatch
             self.policy.observe_host(bucket, (start - back) / rounds)
-        self.state, tokens_bkn, acc_bk, ran_bk, k, seconds, catch_up_s = self.bank.run(
+        self.state, tokens_bkn, acc_bk, ran_bk, lp, k, seconds, catch_up_s = self.bank.run(
             method, self.state, active, limits, sp, self.base_key, self._index + 1, greedy, k, stop_ids, cap,
-            self.rounds_per_dispatch)
+            self.rounds_per_dispatch, any(r.logprobs is not None for r in self.running))
         self._last_dispatch = (rows, k, start + catch_up_s + seconds)
         events_before = len(events)
         self._index += k
@@ -371,11 +372,10 @@ class Engine:
                 req.acceptance.append(got)
                 row_rounds, committed, cut = row_rounds + 1, committed + got, cut + accepted - got
                 self.counters["first_accepted"] += accepted > 1
-                kept += self._commit(req, tokens_bkn[i, j, :got].tolist(), events, exact=not ran_bk[i, j + 1:].any())
+                kept += self._commit(req, tokens_bkn[i, j, :got].tolist(), events, not ran_bk[i, j + 1:].any(), slot_logprobs(lp, i, j, got))
         if k > 1:                       # one event per request per dispatch: one message to its client
             events[events_before:] = merge_events(events[events_before:])
-        self.counters["row_rounds"] += row_rounds
-        self.counters["committed"] += committed
+        self.counters.update(row_rounds=row_rounds, committed=committed)
         compiled = entry.compiles != compiles
         self.policy.observe(method, rows, rounds=k, seconds=seconds, row_rounds=row_rounds, committed=kept + cut,
                             compiled=compiled, catch_up_s=catch_up_s)

@@ -19,6 +19,7 @@ import numpy as np
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, Tag,
                       ValidationError)
 
+from dmtp_jax.decode.logprobs import MAX_TOP_LOGPROBS
 from dmtp_jax.serve.request import Request
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class CompletionBody(BaseModel):
 
 class ChatBody(CompletionBody):
     messages: list[dict[str, Any]]
+    top_logprobs: Any = None
     max_completion_tokens: StrictInt | None = None
     max_tokens: StrictInt | None = None
 
@@ -273,8 +275,7 @@ def request_of(body: CompletionBody, prompt_ids: list[int], max_tokens: int | No
                        param="model", kind="not_found_error")
     if body.n != 1:
         raise ApiError(f"n: only n = 1 is supported, got {body.n}", param="n")
-    if body.logprobs not in (None, False, 0):
-        raise ApiError("logprobs: not supported", param="logprobs")
+    logprobs = logprobs_of(body)
     check_unsupported(body)
     if len(prompt_ids) >= max_model_len:
         raise ApiError(f"prompt: {len(prompt_ids)} tokens leave no room below the maximum model length "
@@ -300,4 +301,33 @@ def request_of(body: CompletionBody, prompt_ids: list[int], max_tokens: int | No
                        f"for none, got {body.top_k}", param="top_k")
     top_k = body.top_k if body.top_k and 0 < body.top_k < vocab_size else 0   # -1 / 0 / None / >= V: off
     return Request(list(prompt_ids), int(max_tokens), temperature=temperature, top_p=top_p, top_k=int(top_k),
-                   seed=int(body.seed or 0))
+                   seed=int(body.seed or 0), logprobs=logprobs)
+
+
+def logprobs_of(body: CompletionBody) -> int | None:
+    """The top logprobs a request asks for per token (None: no logprobs): completions' `logprobs` (an
+    integer in [0, 20]), chat's `top_logprobs` (in [0, 20], default 0) with `logprobs: true`; a 400
+    naming the field otherwise.
+
+    Example:
+        >>> logprobs_of(CompletionBody(logprobs=5)), logprobs_of(ChatBody(messages=[], logprobs=True))
+        (5, 0)
+        >>> logprobs_of(CompletionBody(logprobs=21))
+        Traceback (most recent call last):
+        ...
+        dmtp_jax.serve.protocol.ApiError: logprobs: an integer in [0, 20], got 21
+    """
+    def count(value, param: str) -> int:
+        if type(value) is not int or not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ApiError(f"{param}: an integer in [0, {MAX_TOP_LOGPROBS}], got {str(value)[:40]}", param=param)
+        return value
+    if not isinstance(body, ChatBody):
+        return None if body.logprobs is None else count(body.logprobs, "logprobs")
+    if body.logprobs not in (None, False, True):
+        raise ApiError(f"logprobs: true or false, got {str(body.logprobs)[:40]}", param="logprobs")
+    top = 0 if body.top_logprobs is None else count(body.top_logprobs, "top_logprobs")
+    if body.logprobs is not True:
+        if top:
+            raise ApiError("top_logprobs: needs logprobs: true", param="top_logprobs")
+        return None
+    return top

@@ -40,6 +40,8 @@ class Request:
     cancelled: bool = False
     cancel_reason: str = "cancelled"
     tracker: StopTracker | None = None
+    logprobs: int | None = None                      # top logprobs per token to return (None: no logprobs)
+    token_logprobs: list = dataclasses.field(default_factory=list)   # per output token (`serve/logprobs.py`)
 
     @property
     def finished(self) -> bool:

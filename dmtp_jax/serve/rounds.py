@@ -59,7 +59,8 @@ class RoundBank:
         graphdefs = tuple(None if m is None else m.graphdef for m in models)
         self._jit = functools.partial(counted_jit, donate_argnames=("state",), static_argnames=("greedy",))
         self.setups = {m: RoundSetup(graphdefs, self.target.mesh, round_proposer(m, n, context_window),
-                                     verify_mode if m != "ar" else "rejection", 1) for m, n in self.slots.items()}
+                                     verify_mode if m != "ar" else "rejection", 1, logprobs=True)
+                       for m, n in self.slots.items()}
         self.round = {m: self._jit(functools.partial(round_entry, setup)) for m, setup in self.setups.items()}
         self._multi: dict[tuple[str, int], object] = {}
         self.prefill_step = counted_jit(functools.partial(prefill_entry, next(iter(self.setups.values()))),
@@ -147,10 +148,13 @@ class RoundBank:
         return chunks == 1 and 0 < width <= self.defer_window
 
     def run(self, method: str, state, active_b, limits_b, sp, base_key, first_round: int, greedy: bool,
-            rounds: int = 1, stop_ids=(), commit_cap: int | None = None, buffer: int | None = None):
+            rounds: int = 1, stop_ids=(), commit_cap: int | None = None, buffer: int | None = None,
+            logprobs: bool = False):
         """One round of `method`, or up to `rounds` stopping on device, on `state` made ready by
-        `caught_up`: `(state, tokens [B, k, n], accepted [B, k], ran [B, k], rounds run, seconds from
-        dispatch to host results, seconds of the catch-up before it)`. A catch-up is waited for before
+        `caught_up`: `(state, tokens [B, k, n], accepted [B, k], ran [B, k], logprobs, rounds run, seconds
+        from dispatch to host results, seconds of the catch-up before it)`; `logprobs`: the target's
+        `TokenLogprobs` of `tokens` (`[B, k, n]`, `[B, k, n, W]`) on the host when asked for, else None (every
+        round computes them: one program). A catch-up is waited for before
         the rounds' clock starts, so their seconds are theirs alone (a switch's cost is the catch-up's).
         `commit_cap`: a row commits `tokens[:min(accepted, commit_cap) + 1]` per round
         (`round.cap_accepted`); `accepted` stays what the target accepted. `buffer` (>= `rounds`): run
@@ -166,14 +170,15 @@ class RoundBank:
         if (buffer or rounds) == 1:
             state, *out = self.round[method](self.model_states(), state, active_b, limits_b, sp, base_key,
                                              np.int32(first_round), knobs, greedy=greedy)
-            tokens_bn, acc_b, _ = to_host(tuple(out))
-            return state, tokens_bn[:, None], acc_b[:, None], np.asarray(active_b)[:, None], 1, \
+            tokens_bn, acc_b, _, lp = to_host(tuple(out) if logprobs else tuple(out[:3]) + (None,))
+            lp = None if lp is None else jax.tree.map(lambda x: x[:, None], lp)
+            return state, tokens_bn[:, None], acc_b[:, None], np.asarray(active_b)[:, None], lp, 1, \
                 time.perf_counter() - t0, catch_up_s
         state, *out = self.dispatch(method, rounds, buffer)(
             self.model_states(), state, active_b, limits_b, sp, base_key, np.int32(first_round),
             pad_stop_ids(stop_ids), knobs, greedy=greedy, max_rounds=np.int32(rounds))
-        tokens_bkn, acc_bk, _, ran_bk, k = to_host(tuple(out))
-        return state, tokens_bkn, acc_bk, ran_bk, int(k), time.perf_counter() - t0, catch_up_s
+        tokens_bkn, acc_bk, _, ran_bk, k, lp = to_host(tuple(out) if logprobs else tuple(out[:5]) + (None,))
+        return state, tokens_bkn, acc_bk, ran_bk, lp, int(k), time.perf_counter() - t0, catch_up_s
 
     def compile_counts(self) -> dict[str, int]:
         counts = {"prefill": self.prefill_step.compiles, "catch_up": self.catch_up_step.compiles}
