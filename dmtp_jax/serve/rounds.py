@@ -125,10 +125,12 @@ class RoundBank:
         `ar` beside drafting models, its plain rounds (and lean prefills) defer the drafting caches'
         work for up to `defer_window` positions (default `self.defer_window`; `drafting.DeferredRows`).
         `lean`: a lean prefill's state, without the drafting caches (`new_spec_state`); its rows go into
-        a running state with theirs zeroed (`rows.put_rows`)."""
+        a running state with theirs zeroed (`rows.put_rows`). The token buffer only where a round of
+        the bank reads it (`Proposer.READS_TOKENS`)."""
         window = self.defer_window if defer_window is None or not self.defer_window else defer_window
+        reads_tokens = any(setup.proposer.READS_TOKENS for setup in self.setups.values())
         return new_spec_state(self.caches, self.models[1], self.models[2], rows, max_len, self.models[5], window,
-                              drafting_caches=not lean)
+                              drafting_caches=not lean, token_buffer=reads_tokens)
 
     def caught_up(self, state, method: str | None = None, rounds: int = 1):
         """`state` ready for `rounds` rounds of `method` (None: a prefill): its deferred rows caught up
