@@ -155,3 +155,30 @@ def test_chat_logprobs(servers, tmp_path):
     assert streamed == pytest.approx(want, abs=1e-6)
     plain = http.post("/v1/chat/completions", json={**body, "logprobs": False, "top_logprobs": None}).json()
     assert plain["choices"][0]["logprobs"] is None
+
+
+def test_auto_switching_bank_logprobs():
+    """auto's engine: ar, mtp and dmtp rounds forced in turn on one state (lean and full prefills): each
+    greedy row's logprobs are the target's log-softmax."""
+    import itertools
+
+    from dmtp_jax.decode import make_decoder
+    from dmtp_jax.decode.auto import AutoDecoder, VerdictStore
+    from dmtp_jax.serve.request import Request
+    dmtp = serve_decoder()
+    auto = AutoDecoder({"ar": make_decoder("ar", dmtp.target), "dmtp": dmtp}, store=VerdictStore(None))
+    engine = Engine(auto, max_batch_size=4, max_model_len=MAX_MODEL_LEN, stop_ids=[], buckets=(4,),
+                    extra_methods=("mtp",))
+    turns, leans = itertools.cycle(engine.bank.methods), itertools.cycle(["ar", "dmtp"])
+    engine.policy.choose = lambda *a, **k: next(turns)
+    engine.policy.best = lambda *a, **k: next(leans)
+    reqs = [engine.add(Request(PROMPTS[i], MAX_TOKENS[i], logprobs=2)) for i in CASES]
+    while engine.busy:
+        engine.step()
+    assert all(engine.counters[f"rounds/{m}"] >= 1 for m in ("ar", "mtp", "dmtp"))
+    for i, req in zip(CASES, reqs):
+        assert req.output_ids == list(serve_reference()[i])
+        want = reference_logprobs(PROMPTS[i], req.output_ids)
+        got = [lp for lp, _ in req.token_logprobs]
+        assert np.allclose(got, want[np.arange(len(got)), req.output_ids], atol=1e-4)
+        assert all(top[0][0] == t for t, (_, top) in zip(req.output_ids, req.token_logprobs))
