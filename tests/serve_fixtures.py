@@ -61,3 +61,29 @@ def chat_tokenizer(path: str, messages: list[dict]) -> tuple:
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return tok, list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def free_port() -> int:
+    """A free local TCP port (for a server process a test starts)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc, url: str, timeout_s: float) -> None:
+    """Waits until the server process `proc` answers `url/health` with 200; fails if it exits first
+    (with its output, when piped) or `timeout_s` passes."""
+    import time
+
+    import httpx
+    deadline = time.time() + timeout_s
+    while True:
+        assert proc.poll() is None, (proc.returncode, proc.stdout.read() if proc.stdout else "")
+        assert time.time() < deadline, "the server did not become healthy"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)

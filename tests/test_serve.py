@@ -9,8 +9,8 @@ import pytest
 from dmtp_jax.decode.batch import PROMPT_BUCKET_FLOOR
 from dmtp_jax.serve.engine import Engine
 from dmtp_jax.serve.warmup import lean_variants
-from tests.serve_fixtures import (MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, chat_tokenizer, serve_decoder,
-                                  serve_reference, serve_tokenizer)
+from tests.serve_fixtures import (MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, chat_tokenizer, free_port, serve_decoder,
+                                  serve_reference, serve_tokenizer, wait_healthy)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,6 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tiny_qwen3_dir):
     import json
     import os
     import signal
-    import socket
     import subprocess
     import sys
     import threading
@@ -186,9 +185,7 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tiny_qwen3_dir):
 
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     max_tokens = 400                     # prompt [1, 2, 3] does not reach EOS within 400 greedy tokens
     proc = subprocess.Popen([sys.executable, "infer.py", "serve", "--target", tiny_qwen3_dir, "--method", "ar",
@@ -196,16 +193,7 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tiny_qwen3_dir):
                             cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.time() < deadline, "the server did not become healthy"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(proc, url, timeout_s=300)
         first_chunk = threading.Event()
         result = {"chunks": [], "done": False}
 

@@ -6,41 +6,21 @@ it answers as `generate` would, and SIGTERM ends it with status 0. The warm-up's
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from dmtp_jax.errors import InputError
 from dmtp_jax.serve.warmup import CompileJob, MapBudget
+from tests.serve_fixtures import free_port, wait_healthy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_TARGET = os.path.join(ROOT, "demo", "target")
 PROMPT = [3, 14, 15, 92, 65, 35]
 MAX_TOKENS = 12
 MAX_PROGRAMS = 64           # the default auto server's program set on the demo (issue 67's bound)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(proc, url: str, timeout_s: float) -> None:
-    deadline = time.time() + timeout_s
-    while True:
-        assert proc.poll() is None, f"the server exited with {proc.returncode}"
-        assert time.time() < deadline, "the server did not become healthy"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
 
 
 def process_maps(pid: int) -> int:
