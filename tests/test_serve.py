@@ -89,7 +89,7 @@ def test_bad_requests_get_openai_errors(client, server):
     import httpx
     import openai
 
-    for kwargs in (dict(max_tokens=-1), dict(temperature=-0.5), dict(n=2), dict(top_p=0),
+    for kwargs in (dict(max_tokens=-1), dict(temperature=-0.5), dict(n=5), dict(top_p=0),
                    dict(prompt=[1, 999999]), dict(extra_body={"max_tokens": "many"})):
         args = {"model": "tiny", "prompt": [1, 2], "max_tokens": 4, **kwargs}
         with pytest.raises(openai.BadRequestError):

@@ -92,7 +92,7 @@ BAD_FIELDS = [  # (body fields over {"prompt": [1, 2], "max_tokens": 4}, status,
     ({"presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ({"frequency_penalty": -1}, 400, "frequency_penalty", "not supported"),
     ({"repetition_penalty": 1.2}, 400, "repetition_penalty", "not supported"),
-    ({"n": 2}, 400, "n", "n = 1"),
+    ({"n": 99}, 400, "n", "--max-batch-size"),
 ]
 
 

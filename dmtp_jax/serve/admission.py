@@ -201,8 +201,9 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
     admissible request, then others while row bucket x the chunk width of the group's longest prompt
     bucket stays within `budget` tokens (a burst of arrivals is one prefill, as a static batch's, short
     prompts padded to the longest), cut by the prefill `times` (`lean`: of lean calls, where measured)
-    to the prompts of the oldest's width side (`width_part`) and then to its `cheapest_part`. A
-    request in `solo` or starting from a stored state goes alone."""
+    to the prompts of the oldest's width side (`width_part`) and then to its `cheapest_part`, the
+    choices of one request kept together (`keep_choices`). A request in `solo` or starting from a
+    stored state goes alone."""
     group: list[Request] = []
     for req in waiting:
         if len(group) >= free:
@@ -214,9 +215,26 @@ def form_group(waiting, free: int, buckets: tuple[int, ...], budget: int, prefil
         group.append(req)
         if alone:
             break
-    if len(group) > 1:
-        group = width_part(group, buckets, prefill_chunk, times, lean)
-    return cheapest_part(group, buckets, prefill_chunk, times, lean)
+    if len(group) < 2:
+        return group
+    return keep_choices(cheapest_part(width_part(group, buckets, prefill_chunk, times, lean), buckets,
+                                      prefill_chunk, times, lean), group)
+
+
+def keep_choices(part: list[Request], group: list[Request]) -> list[Request]:
+    """`part` of `group` and the other choices of its requests' (`Request.choices_of`: one prompt, so
+    one width), in `group`'s order: a request's `n` choices share one prefill call, never split by the
+    measured times (they fit the group's rows and budget, so their part does).
+
+    Example:
+        >>> a, b, c = Request([1], 4, choices_of=7), Request([2], 4), Request([1], 4, choices_of=7)
+        >>> [r is x for r, x in zip(keep_choices([a], [a, b, c]), (a, c))]
+        [True, True]
+    """
+    parents = {r.choices_of for r in part} - {None}
+    if not parents:
+        return part
+    return [r for r in group if r in part or r.choices_of in parents]
 
 
 @dataclasses.dataclass

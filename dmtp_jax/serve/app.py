@@ -23,12 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dmtp_jax.errors import RequestError
 from dmtp_jax.serve.engine import SERVE_ROUNDS_PER_DISPATCH, Engine
 from dmtp_jax.serve.limits import ApiKeyAuth, BodyLimit, bind_socket, header_timeout_protocol
-from dmtp_jax.serve.logprobs import chat_logprobs, completion_logprobs
+from dmtp_jax.serve.choices import Choice, fan_out, merged_logprobs, usage
 from dmtp_jax.serve.protocol import (ApiError, ChatBody, CompletionBody, ServerLimits, check_prompt_chars, check_text,
                                      error_body, max_body_values, one_prompt, parse_body, request_of, stops_of)
 from dmtp_jax.serve.request import Request
 from dmtp_jax.serve.scheduler import Scheduler
-from dmtp_jax.serve.text import TextStream, max_token_chars
+from dmtp_jax.serve.text import max_token_chars
 
 __all__ = ["ApiError", "Scheduler", "ServerLimits", "build_app", "error_body", "one_prompt", "serve", "serving_in_thread",
            "warm_up"]
@@ -92,9 +92,11 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
         """The request's body as `model` (its size checked before parsing: `protocol.parse_body`)."""
         return parse_body(model, await http.body(), max_values)
 
-    def make_request(body, prompt_ids, max_tokens) -> Request:
-        return request_of(body, prompt_ids, max_tokens, model_name=model_name, max_model_len=engine.max_model_len,
-                          vocab_size=vocab_size, max_top_k=engine.max_top_k)
+    def make_requests(body, prompt_ids, max_tokens) -> list[Request]:
+        """The engine requests of a body's `n` choices (`choices.fan_out`)."""
+        return fan_out(request_of(body, prompt_ids, max_tokens, model_name=model_name,
+                                  max_model_len=engine.max_model_len, vocab_size=vocab_size,
+                                  max_top_k=engine.max_top_k, max_n=engine.max_batch_size), body.n)
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text).input_ids)
@@ -105,7 +107,9 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
     def token_str(tid: int) -> str:
         return tokenizer.decode([tid]) if tokenizer is not None else f"token_id:{tid}"
 
-    async def run(req: Request, stops: list[str], stream_out: bool, http: HttpRequest, chat: bool):
+    async def run(reqs: list[Request], stops: list[str], stream_out: bool, http: HttpRequest, chat: bool):
+        """Runs a request's choices (`reqs`, one per choice: `serve/choices.py`) and answers them as one
+        response, streamed or whole."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -113,102 +117,88 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
             if not loop.is_closed():
                 loop.call_soon_threadsafe(queue.put_nowait, ev)
         try:
-            scheduler.submit(req, sink)
+            scheduler.submit_many(reqs, sink)
         except RequestError as e:            # the engine's own checks: the field is the message's first word
             field = str(e).split(" ", 1)[0].rstrip(":")
             raise ApiError(str(e), param=field if field in CompletionBody.model_fields else None) from None
-        text = TextStream(decode, stops)
+        choices = [Choice(i, r, decode, stops, token_str, chat) for i, r in enumerate(reqs)]
+        by_id = {c.req.id: c for c in choices}
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
 
-        def usage():
-            n = text.stop_tokens if text.stopped else len(req.output_ids)   # a stop string's tokens, not past it
-            return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
-                    "total_tokens": len(req.prompt_ids) + n,
-                    "dmtp": {"method": engine.method, **req.acceptance_stats()}}
-
-        def finish_reason():       # a stop string ends the text, even in the round that reached max_tokens
-            return "stop" if text.stopped or req.finish_reason in ("stop", "stop_string") else req.finish_reason
-
-        sent = [0, 0]          # output tokens whose logprobs were sent, their characters
-
-        def logprobs():
-            """The logprobs of the tokens committed since the last call (through a stop string's), in the
-            request's format; None when it asks for none or none came."""
-            end = min(len(text.ids), text.stop_tokens if text.stopped else len(text.ids))
-            if req.logprobs is None or end <= sent[0]:
-                return None
-            ids, entries = text.ids[sent[0]:end], req.token_logprobs[sent[0]:end]
-            sent[0] = end
-            if chat:
-                return chat_logprobs(ids, entries, token_str)
-            out = completion_logprobs(ids, entries, token_str, sent[1])
-            sent[1] += sum(len(t) for t in out["tokens"])
-            return out
+        def cancel_all():
+            for r in reqs:
+                if not r.finished:
+                    scheduler.cancel(r, "cancelled")
 
         async def events():
-            """(text delta, finished, logprobs) per committed chunk; cancels on a stop string."""
-            while True:
+            """(choice, text delta, finished, logprobs) per committed chunk, in the order they come; a
+            choice whose text reached a stop string is cancelled and ends once its request has."""
+            left = len(choices)
+            while left:
                 ev = await queue.get()
-                delta = text.add(ev.tokens)
-                if text.stopped and not ev.finished:
-                    scheduler.cancel(req, "stop_string")
-                    while not (await queue.get()).finished:
-                        pass
-                    yield delta, True, logprobs()
-                    return
-                if ev.finished:
-                    yield delta + text.flush(), True, logprobs()
-                    return
-                yield delta, False, logprobs()
+                c = by_id[ev.request.id]
+                if c.stopping:
+                    if ev.finished:
+                        left -= 1
+                        yield c, c.pending, True, c.logprobs()
+                    continue
+                delta = c.text.add(ev.tokens)
+                if c.text.stopped and not ev.finished:
+                    scheduler.cancel(c.req, "stop_string")
+                    c.stopping, c.pending = True, delta
+                    continue
+                left -= ev.finished
+                yield c, delta + (c.text.flush() if ev.finished else ""), ev.finished, c.logprobs()
 
         if not stream_out:
             async def watch_disconnect():
                 """Cancels the request as soon as its client goes away (while tokens flow)."""
                 while (await http.receive())["type"] != "http.disconnect":
                     pass
-                scheduler.cancel(req, "cancelled")
+                cancel_all()
             watcher = asyncio.create_task(watch_disconnect())
+            parts = [([], []) for _ in choices]
             try:
-                parts = [(delta, lp) async for delta, _, lp in events()]
+                async for c, delta, _, lp in events():
+                    parts[c.index][0].append(delta)
+                    parts[c.index][1].append(lp)
             finally:
                 watcher.cancel()
-                if not req.finished:
-                    scheduler.cancel(req, "cancelled")
-            out, lps = "".join(d for d, _ in parts), [lp for _, lp in parts if lp is not None]
-            lp = None if req.logprobs is None else (
-                {"content": [c for p in lps for c in p["content"]]} if chat else
-                {k: [x for p in lps for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
-            choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "logprobs": lp} if chat
-                      else {"index": 0, "text": out, "logprobs": lp})
-            choice["finish_reason"] = finish_reason()
+                cancel_all()
+            out = []
+            for c, (deltas, lps) in zip(choices, parts):
+                text, lp = "".join(deltas), None if c.req.logprobs is None else merged_logprobs(lps, chat)
+                choice = ({"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp}
+                          if chat else {"index": c.index, "text": text, "logprobs": lp})
+                out.append({**choice, "finish_reason": c.finish_reason()})
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": model_name,
-                                 "choices": [choice], "usage": usage()})
+                                 "choices": out, "usage": usage(choices, engine.method)})
 
-        def chunk(delta, finish, first=False, lp=None):
+        def chunk(c: Choice, delta, finish, lp=None, last=False):
             if chat:
-                d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-                choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}
+                d = {"role": "assistant", "content": delta} if c.first else ({"content": delta} if delta else {})
+                choice = {"index": c.index, "delta": d, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
+                choice = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
+            c.first = False
             body_ = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created, "model": model_name,
                      "choices": [choice]}
-            if finish is not None:
-                body_["usage"] = usage()
+            if last:                   # the last choice's end: the whole response's usage
+                body_["usage"] = usage(choices, engine.method)
             return f"data: {json.dumps(body_)}\n\n"
 
         async def stream():
             try:
-                first = True
-                async for delta, finished, lp in events():
-                    if delta or first or finished or lp:
-                        yield chunk(delta, finish_reason() if finished else None, first, lp)
-                        first = False
+                done = 0
+                async for c, delta, finished, lp in events():
+                    done += finished
+                    if delta or c.first or finished or lp:
+                        yield chunk(c, delta, c.finish_reason() if finished else None, lp, done == len(choices))
                 yield "data: [DONE]\n\n"
             finally:
-                if not req.finished:         # the client went away (Starlette cancelled us): free the row now
-                    scheduler.cancel(req, "cancelled")
+                cancel_all()             # the client went away (Starlette cancelled us): free the rows now
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionBody))
@@ -226,7 +216,7 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
             ids = await asyncio.to_thread(encode, prompt)
         else:
             ids = prompt
-        return await run(make_request(body, ids, body.max_tokens), stops, body.stream, http, chat=False)
+        return await run(make_requests(body, ids, body.max_tokens), stops, body.stream, http, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatBody))
     async def chat(http: HttpRequest):
@@ -243,8 +233,8 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
         except Exception as e:          # the template's own complaint about the messages
             raise ApiError(f"messages: {e}", param="messages") from None
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return await run(make_request(body, ids, body.max_completion_tokens or body.max_tokens), stops, body.stream,
-                         http, chat=True)
+        return await run(make_requests(body, ids, body.max_completion_tokens or body.max_tokens), stops,
+                         body.stream, http, chat=True)
 
     return app
 

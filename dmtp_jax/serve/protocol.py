@@ -104,7 +104,7 @@ def one_prompt(prompt) -> str | list[int]:
     """
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise ApiError("only one prompt per request is supported (n = 1, one prompt)", param="prompt")
+            raise ApiError("only one prompt per request is supported (n choices of it are)", param="prompt")
         prompt = prompt[0]
     if prompt is None or len(prompt) == 0:
         raise ApiError("prompt must not be empty", param="prompt")
@@ -163,7 +163,7 @@ def check_unsupported(body: BaseModel) -> None:
         >>> check_unsupported(CompletionBody(prompt=[1], best_of=2))
         Traceback (most recent call last):
         ...
-        dmtp_jax.serve.protocol.ApiError: best_of: not supported by this server (only null or 1), got 2
+        dmtp_jax.serve.protocol.ApiError: best_of: not supported by this server (only null or 1; n gives several choices), got 2
     """
     unknown = []
     for name, value in (body.model_extra or {}).items():
@@ -171,7 +171,8 @@ def check_unsupported(body: BaseModel) -> None:
             neutral = UNSUPPORTED[name]
             if not any(value == v and type(value) is type(v) for v in neutral):
                 allowed = " or ".join("null" if v is None else repr(v) for v in neutral)
-                raise ApiError(f"{name}: not supported by this server (only {allowed}), got {str(value)[:40]}",
+                hint = "; n gives several choices" if name == "best_of" else ""
+                raise ApiError(f"{name}: not supported by this server (only {allowed}{hint}), got {str(value)[:40]}",
                                param=name)
         elif name not in QUIET and name not in _logged and len(_logged) < 256:
             unknown.append(name)
@@ -260,10 +261,11 @@ def stops_of(body: CompletionBody, limits: ServerLimits) -> list[str]:
 
 
 def request_of(body: CompletionBody, prompt_ids: list[int], max_tokens: int | None, *, model_name: str,
-               max_model_len: int, vocab_size: int, max_top_k: int | None = None) -> Request:
+               max_model_len: int, vocab_size: int, max_top_k: int | None = None, max_n: int = 1) -> Request:
     """The engine `Request` of a checked body and its prompt's token ids (lengths checked before ids:
     a long prompt costs no scan). A prompt alone past `max_model_len` is a 413, prompt + `max_tokens`
-    past it a 400 (as vLLM); `max_top_k`: the engine's top-k search width (`--max-top-k`).
+    past it a 400 (as vLLM); `max_top_k`: the engine's top-k search width (`--max-top-k`); `max_n`: the
+    most choices (`n`) a request may ask (the engine's rows; `serve/choices.py` makes them).
 
     Example:
         >>> request_of(CompletionBody(max_tokens=4, top_k=-1), [1, 2], 4, model_name="m", max_model_len=64,
@@ -273,8 +275,9 @@ def request_of(body: CompletionBody, prompt_ids: list[int], max_tokens: int | No
     if body.model not in (None, model_name):
         raise ApiError(f"the model '{body.model}' does not exist; this server serves '{model_name}'", 404,
                        param="model", kind="not_found_error")
-    if body.n != 1:
-        raise ApiError(f"n: only n = 1 is supported, got {body.n}", param="n")
+    if not 1 <= body.n <= max_n:
+        raise ApiError(f"n: the choices of one request must be in [1, {max_n}] (--max-batch-size: they run "
+                       f"side by side), got {body.n}", param="n")
     logprobs = logprobs_of(body)
     check_unsupported(body)
     if len(prompt_ids) >= max_model_len:

@@ -42,6 +42,7 @@ class Request:
     tracker: StopTracker | None = None
     logprobs: int | None = None                      # top logprobs per token to return (None: no logprobs)
     token_logprobs: list = dataclasses.field(default_factory=list)   # per output token (`serve/logprobs.py`)
+    choices_of: int | None = None                    # one of an n > 1 request's choices: its first's id (`serve/choices.py`)
 
     @property
     def finished(self) -> bool:
@@ -53,10 +54,15 @@ class Request:
 
     def acceptance_stats(self) -> dict:
         """This request's rounds and tokens per round (accepted drafts + bonus), for `usage`."""
-        rounds = len(self.acceptance)
-        return {"verify_rounds": rounds,
-                "mean_acceptance_length": sum(self.acceptance) / rounds if rounds else 0.0,
-                "first_candidate_acceptance": sum(a > 1 for a in self.acceptance) / rounds if rounds else 0.0}
+        return acceptance_stats(self.acceptance)
+
+
+def acceptance_stats(acceptance: list[int]) -> dict:
+    """Verify rounds, mean tokens per round and first-candidate acceptance of rounds that committed
+    `acceptance` tokens each."""
+    rounds = len(acceptance)
+    return {"verify_rounds": rounds, "mean_acceptance_length": sum(acceptance) / rounds if rounds else 0.0,
+            "first_candidate_acceptance": sum(a > 1 for a in acceptance) / rounds if rounds else 0.0}
 
 
 def check_request(req: Request, *, vocab_size: int, max_model_len: int, max_top_k: int) -> Request:

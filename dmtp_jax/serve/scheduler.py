@@ -60,18 +60,24 @@ class Scheduler:
 
     def submit(self, req: Request, sink) -> Request:
         """Checks and queues `req`; `sink(event)` is called on the scheduler thread per event."""
+        return self.submit_many([req], sink)[0]
+
+    def submit_many(self, reqs: list[Request], sink) -> list[Request]:
+        """Checks and queues `reqs` (a request's `n` choices) at once, all or none: one admission
+        sees them together; each counts against `max_waiting`."""
         if not self.accepting:
             raise ApiError("the server is shutting down", 503, kind="server_error")
-        self.engine.check(req)
+        for req in reqs:
+            self.engine.check(req)
         with self._lock:
-            if self._open >= self.engine.max_batch_size + self.max_waiting:
+            if self._open + len(reqs) > self.engine.max_batch_size + self.max_waiting:
                 raise ApiError(f"too many requests: {self.max_waiting} already wait for a row "
                                f"(--max-waiting); retry later", 429, kind="rate_limit_error")
-            self._open += 1
-            self._owed = max(0, self._owed - 1)
-            self._inbox.append((req, sink))
+            self._open += len(reqs)
+            self._owed = max(0, self._owed - len(reqs))
+            self._inbox.extend((req, sink) for req in reqs)
         self._wake.set()
-        return req
+        return reqs
 
     def cancel(self, req: Request, reason: str = "cancelled") -> None:
         self.engine.cancel(req, reason)
