@@ -3,7 +3,7 @@ one HTTP request's `n` choices are `n` engine requests of one prompt, prefilled 
 each, even where the measured prefill times would split them), answered as one response (`index`
 0..n-1, `usage` counting the prompt once); sampled choices differ and repeat with the seed, greedy ones
 are the greedy output n times; streamed chunks carry their choice's index; `n` past the rows and
-`best_of` are 400s naming their field."""
+`best_of` are 400s naming their field; chat's choices alike (stop strings, streamed roles)."""
 
 import json
 
@@ -142,3 +142,30 @@ def test_n_past_the_rows_and_best_of_are_400s(server, extra, param, words):
     r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 4, **extra}, timeout=30)
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == param and words in err["message"], r.text
+
+
+def test_chat_choices(server, tmp_path):
+    """Chat with n = 2, greedy: both messages the greedy output of the templated prompt (cut at a stop
+    string alike), streamed with the role in each choice's first delta."""
+    from fastapi.testclient import TestClient
+
+    from dmtp_jax.serve.app import build_app
+    from tests.serve_fixtures import chat_tokenizer
+    _, client, scheduler = server
+    messages = [{"role": "user", "content": "hi"}]
+    tok, ids = chat_tokenizer(str(tmp_path), messages)
+    want = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0).choices[0].text
+    http = TestClient(build_app(scheduler, tok, "tiny"))
+    body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0, "n": 2}
+    out = http.post("/v1/chat/completions", json=body).json()
+    assert [(c["index"], c["message"]["content"]) for c in out["choices"]] == [(0, want), (1, want)]
+    assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == 12
+    stop = want[2:4]
+    cut = http.post("/v1/chat/completions", json={**body, "stop": [stop]}).json()
+    assert [c["message"]["content"] for c in cut["choices"]] == [want[:want.index(stop)]] * 2
+    assert [c["finish_reason"] for c in cut["choices"]] == ["stop", "stop"]
+    lines = http.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n\n")
+    chunks = [json.loads(x[6:])["choices"][0] for x in lines if x.startswith("data: {")]
+    for i in (0, 1):
+        mine = [c["delta"] for c in chunks if c["index"] == i]
+        assert mine[0]["role"] == "assistant" and "".join(d.get("content", "") for d in mine) == want
