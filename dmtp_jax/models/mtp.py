@@ -1,7 +1,7 @@
 """Native MTP head (Qwen3.5 / Qwen3-Next / Qwen3.6 `mtp.*` format) for a Qwen-family target: one step
 predicts token t+2 from the target's post-norm hidden at t and the token at t+1,
 `logits = target.logits(norm(layer(fc([RMS(embed(x_{t+1})) ; RMS(h_t)]))))`, with its own KV cache
-(rows from position 1); chained steps feed the output back (docs/models.md).
+(rows from position 1); chained steps feed the output back (docs/models-detail.md).
 
 The MTP-head protocol the rounds call (`models/gemma4_assistant.py` is the other head): `head(embeds,
 hidden, positions, cache, target_kv=...)` and `head.advance(..., target_kv=...)` (`target_kv`: the

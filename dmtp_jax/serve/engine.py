@@ -2,7 +2,7 @@
 
 An `Engine` owns one `RoundBank` and one running state whose row count is a compiled bucket. Each
 `step()` frees cancelled rows, admits waiting requests in prefill groups, runs the round the
-policy picks over the active rows and compacts finished rows (docs/serving.md). A request's greedy
+policy picks over the active rows and compacts finished rows (docs/serving-design.md). A request's greedy
 output is `generate`'s on the same prompt whatever else is in the batch; a decoder that fails its
 exactness probe is served with plain decoding."""
 
@@ -250,7 +250,7 @@ class Engine:
                     continue
                 if group.calls == 1 and self.bank.prefill_step.compiles == compiles:    # its results are back
                     seconds, key = time.perf_counter() - start, (group.rows, group.width, group.lean)
-                    if key not in self.warm_prefills:   # group sizes rest on times taken alike (docs/serving.md)
+                    if key not in self.warm_prefills:   # group sizes rest on times taken alike (docs/serving-design.md)
                         self.prefill_times.add(key, seconds)
                     self.policy.observe_prefill(group.lean, group.rows, len(group.reqs), seconds,
                                                 row_bucket(self._rows_to_come(len(group.reqs)), self.buckets))
