@@ -15,13 +15,11 @@ _PLAIN_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 class PlainTokenizer:
     """A `tokenizers.Tokenizer` with the part of transformers' tokenizer interface the inference CLI uses
-    (`tok(text).input_ids`, `decode`, `eos_token_id`, no chat template); it loads in milliseconds,
-    without importing transformers and torch."""
+    (`tok(text).input_ids`, `decode`, `eos_token_id`, `apply_chat_template` of a `chat_template.jinja`
+    rendered as transformers renders it); it loads in milliseconds, without importing transformers and torch."""
 
-    chat_template = None
-
-    def __init__(self, tokenizer, config: dict):
-        self._tok = tokenizer
+    def __init__(self, tokenizer, config: dict, chat_template: str | None = None):
+        self._tok, self.chat_template, self._template = tokenizer, chat_template, None
         self.clean_up = bool(config.get("clean_up_tokenization_spaces", False))
         for name in ("eos", "pad", "mask", "bos", "unk"):
             token = config.get(f"{name}_token")
@@ -40,6 +38,18 @@ class PlainTokenizer:
                 text = text.replace(a, b)
         return text
 
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt: bool = False, tokenize: bool = True,
+                            **kwargs):
+        """transformers' `apply_chat_template` (its Jinja environment: trimmed blocks, `tojson`,
+        `raise_exception`); the token ids, or the text with `tokenize=False`."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if self._template is None:
+            self._template = compile_chat_template(self.chat_template)
+        text = self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
+        return self(text, add_special_tokens=False).input_ids if tokenize else text
+
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
@@ -55,12 +65,38 @@ class _Encoding(dict):
         self.input_ids = ids
 
 
+def compile_chat_template(source: str):
+    """A chat template compiled in transformers' Jinja environment (`ImmutableSandboxedEnvironment`,
+    `trim_blocks`, `lstrip_blocks`, loop controls, its `tojson` and `raise_exception`).
+
+    Example:
+        >>> compile_chat_template("{{ messages[0] | tojson }}").render(messages=[{"a": "é"}])
+        '{"a": "é"}'
+    """
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
 def plain_tokenizer(model_dir: str) -> PlainTokenizer | None:
-    """A `PlainTokenizer` when the directory's tokenizer is exactly its `tokenizer.json` (no chat
-    template, no extra options), else None."""
+    """A `PlainTokenizer` when the directory's tokenizer is exactly its `tokenizer.json` (with at most a
+    `chat_template.jinja`, no extra options), else None."""
     path, cfg_path = os.path.join(model_dir, "tokenizer.json"), os.path.join(model_dir, "tokenizer_config.json")
-    if not os.path.isfile(path) or os.path.isfile(os.path.join(model_dir, "chat_template.jinja")):
+    if not os.path.isfile(path):
         return None
+    template_path, template = os.path.join(model_dir, "chat_template.jinja"), None
+    if os.path.isfile(template_path):
+        with open(template_path) as fh:
+            template = fh.read()
     config = {}
     if os.path.isfile(cfg_path):
         with open(cfg_path) as fh:
@@ -70,7 +106,7 @@ def plain_tokenizer(model_dir: str) -> PlainTokenizer | None:
     if any(os.path.isfile(os.path.join(model_dir, f)) for f in ("special_tokens_map.json", "added_tokens.json")):
         return None
     try:
-        return PlainTokenizer(Tokenizer.from_file(path), config)
+        return PlainTokenizer(Tokenizer.from_file(path), config, template)
     except Exception:                   # anything unusual: transformers knows best
         return None
 

@@ -29,6 +29,7 @@ from dmtp_jax.serve.protocol import (ApiError, ChatBody, CompletionBody, ServerL
 from dmtp_jax.serve.request import Request
 from dmtp_jax.serve.scheduler import Scheduler
 from dmtp_jax.serve.text import max_token_chars
+from dmtp_jax.serve.tool_calls import chat_stops, offered_tools, tool_names, uses_think
 
 __all__ = ["ApiError", "Scheduler", "ServerLimits", "build_app", "error_body", "one_prompt", "serve", "serving_in_thread",
            "warm_up"]
@@ -107,9 +108,10 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
     def token_str(tid: int) -> str:
         return tokenizer.decode([tid]) if tokenizer is not None else f"token_id:{tid}"
 
-    async def run(reqs: list[Request], stops: list[str], stream_out: bool, http: HttpRequest, chat: bool):
+    async def run(reqs: list[Request], stops: list[str], stream_out: bool, http: HttpRequest, chat: bool,
+                  parse: tuple[set, bool] | None = None):
         """Runs a request's choices (`reqs`, one per choice: `serve/choices.py`) and answers them as one
-        response, streamed or whole."""
+        response, streamed or whole; `parse`: chat's (tool names, think) split (`serve/tool_calls.py`)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -121,7 +123,7 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
         except RequestError as e:            # the engine's own checks: the field is the message's first word
             field = str(e).split(" ", 1)[0].rstrip(":")
             raise ApiError(str(e), param=field if field in CompletionBody.model_fields else None) from None
-        choices = [Choice(i, r, decode, stops, token_str, chat) for i, r in enumerate(reqs)]
+        choices = [Choice(i, r, decode, stops, token_str, chat, parse) for i, r in enumerate(reqs)]
         by_id = {c.req.id: c for c in choices}
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -170,7 +172,7 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
             out = []
             for c, (deltas, lps) in zip(choices, parts):
                 text, lp = "".join(deltas), None if c.req.logprobs is None else merged_logprobs(lps, chat)
-                choice = ({"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp}
+                choice = ({"index": c.index, "message": c.message(text), "logprobs": lp}
                           if chat else {"index": c.index, "text": text, "logprobs": lp})
                 out.append({**choice, "finish_reason": c.finish_reason()})
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": model_name,
@@ -178,8 +180,8 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
 
         def chunk(c: Choice, delta, finish, lp=None, last=False):
             if chat:
-                d = {"role": "assistant", "content": delta} if c.first else ({"content": delta} if delta else {})
-                choice = {"index": c.index, "delta": d, "logprobs": lp, "finish_reason": finish}
+                choice = {"index": c.index, "delta": c.delta(delta, finish is not None), "logprobs": lp,
+                          "finish_reason": finish}
             else:
                 choice = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
             c.first = False
@@ -223,18 +225,20 @@ def build_app(scheduler: Scheduler, tokenizer, model_name: str, drain_s: float =
         body = await body_of(http, ChatBody)
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise ApiError(f"the model '{model_name}' has no chat template: use /v1/completions", param="messages")
-        stops = stops_of(body, limits)
+        stops = stops_of(body, limits) + chat_stops(tokenizer)
+        tools = offered_tools(body.tools, body.tool_choice)
         check_text(body.messages, "messages")
+        check_text(tools, "tools")
         content = sum(len(str(m.get("content") or "")) for m in body.messages)     # characters the template gets
-        check_prompt_chars(content, engine.max_model_len, token_chars)
+        check_prompt_chars(content + len(json.dumps(tools or [])), engine.max_model_len, token_chars)
         try:
-            ids = await asyncio.to_thread(tokenizer.apply_chat_template, body.messages, add_generation_prompt=True,
-                                          tokenize=True)
+            ids = await asyncio.to_thread(tokenizer.apply_chat_template, body.messages, tools=tools,
+                                          add_generation_prompt=True, tokenize=True)
         except Exception as e:          # the template's own complaint about the messages
             raise ApiError(f"messages: {e}", param="messages") from None
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return await run(make_requests(body, ids, body.max_completion_tokens or body.max_tokens), stops,
-                         body.stream, http, chat=True)
+                         body.stream, http, chat=True, parse=(tool_names(tools), uses_think(tokenizer)))
 
     return app
 

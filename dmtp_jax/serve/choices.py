@@ -17,6 +17,7 @@ from typing import Callable
 from dmtp_jax.serve.logprobs import chat_logprobs, completion_logprobs
 from dmtp_jax.serve.request import Request, acceptance_stats
 from dmtp_jax.serve.text import TextStream
+from dmtp_jax.serve.tool_calls import OutputParser, parse_output
 
 __all__ = ["Choice", "fan_out", "merged_logprobs", "usage"]
 
@@ -46,11 +47,15 @@ def fan_out(req: Request, n: int) -> list[Request]:
 
 class Choice:
     """One choice's output as its events come: its text (`TextStream`: stop strings cut exactly),
-    the logprobs not yet sent (`logprobs`), its `finish_reason`."""
+    the logprobs not yet sent (`logprobs`), its `finish_reason`; a chat choice's message or deltas
+    (`message`, `delta`: tool calls and reasoning split off when `parse` = (tool names, think) asks)."""
 
     def __init__(self, index: int, req: Request, decode: Callable, stops: list[str], token_str: Callable,
-                 chat: bool):
+                 chat: bool, parse: tuple[set, bool] | None = None):
         self.index, self.req, self.token_str, self.chat = index, req, token_str, chat
+        self.parse = parse if parse and (parse[0] or parse[1]) else None
+        self.parser = OutputParser(*self.parse) if self.parse else None
+        self.calls: list[dict] = []     # the tool calls its output made
         self.text = TextStream(decode, stops)
         self.stopping = False           # a stop string ended the text: its request is cancelled, ending
         self.pending = ""               # the text before the stop string, sent once the request ended
@@ -63,8 +68,29 @@ class Choice:
 
     def finish_reason(self) -> str | None:
         """A stop string ends the text, even in the round that reached max_tokens."""
-        return "stop" if self.text.stopped or self.req.finish_reason in ("stop", "stop_string") \
+        reason = "stop" if self.text.stopped or self.req.finish_reason in ("stop", "stop_string") \
             else self.req.finish_reason
+        return "tool_calls" if reason == "stop" and self.calls else reason
+
+    def message(self, text: str) -> dict:
+        """The chat message of the whole output `text`."""
+        if self.parse is None:
+            return {"role": "assistant", "content": text}
+        parts, self.calls = parse_output(text, *self.parse)
+        return {"role": "assistant", "content": parts.get("content", None if self.calls else ""),
+                **({"reasoning_content": parts["reasoning_content"]} if "reasoning_content" in parts else {}),
+                **({"tool_calls": self.calls} if self.calls else {})}
+
+    def delta(self, text: str, finished: bool) -> dict:
+        """The chat delta of the next streamed `text` (the role in the first)."""
+        if self.parser is None:
+            d = {"content": text} if text or self.first else {}
+        else:
+            d = self.parser.add(text)
+            for k, v in (self.parser.flush() if finished else {}).items():
+                d[k] = d.get(k, "" if k != "tool_calls" else []) + v
+            self.calls = self.parser.calls
+        return {"role": "assistant", **d} if self.first else d
 
     def logprobs(self):
         """The logprobs of the tokens committed since the last call (through a stop string's), in the

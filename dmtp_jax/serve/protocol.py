@@ -93,6 +93,8 @@ class ChatBody(CompletionBody):
     top_logprobs: Any = None
     max_completion_tokens: StrictInt | None = None
     max_tokens: StrictInt | None = None
+    tools: Any = None                   # checked by `tool_calls.offered_tools`
+    tool_choice: Any = None
 
 
 def one_prompt(prompt) -> str | list[int]:
@@ -147,10 +149,10 @@ def check_prompt_chars(chars: int, max_model_len: int, max_token_chars: int) -> 
 UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
                "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "suffix": (None, ""),
                "min_p": (None, 0, 0.0), "min_tokens": (None, 0), "ignore_eos": (None, False),
-               "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}), "tools": (None, []),
+               "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}),
                "stop_token_ids": (None, []), "guided_json": (None,), "guided_regex": (None,),
                "guided_choice": (None,), "guided_grammar": (None,)}
-QUIET = frozenset({"user", "stream_options", "tool_choice", "parallel_tool_calls", "metadata", "store"})
+QUIET = frozenset({"user", "stream_options", "parallel_tool_calls", "metadata", "store"})
 _logged: set[str] = set()
 
 
