@@ -386,12 +386,12 @@ class Engine:
         self._busy_since, self._admitting_s = (now if self.busy else None), 0.0
 
     # ---- compiles ------------------------------------------------------------------------------
-    def warm_up(self, every_bucket: bool = True, sampled: bool = True, progress: bool = False) -> int:
+    def warm_up(self, every_bucket: bool = True, sampled: bool = True, progress: bool = False) -> None:
         """Compiles, before the first request, every program a request may run
         (`serve/warmup.py:warm_up_engine`; a bar on stderr when `progress`), so no request waits for a
-        compile and the policy's first timings are clean; returns the programs' count. Raises
+        compile and the policy's first timings are clean (`compile_counts` counts them). Raises
         `InputError` when they would not fit the host's memory maps."""
-        return warm_up_engine(self, every_bucket, sampled, progress)
+        warm_up_engine(self, every_bucket, sampled, progress)
 
     def compile_counts(self) -> dict[str, int]:
         """The bank's compile counts plus the row moves' (`put_rows`, `move_row`, `resize_rows`) and

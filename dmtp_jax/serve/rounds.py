@@ -103,7 +103,8 @@ class RoundBank:
                 slots["mtp"] = (mtp.slots if mtp is not None else
                                 verify_slots("mtp", mtp_steps=DEFAULT_MTP_STEPS, block_size=None,
                                              drafter_block_size=None))
-            if "lookup" in extra_methods and "lookup" in (candidates or {}) and "lookup" not in slots:     # needs no model: the token buffer
+            # lookup needs no model: the token buffer
+            if "lookup" in extra_methods and "lookup" in (candidates or {}) and "lookup" not in slots:
                 slots["lookup"] = candidates["lookup"].slots
         return cls(models, slots, verify_mode=decoder.verify_mode, context_window=decoder.context_window,
                    rounds_per_dispatch=k, prefill_chunk=decoder.prefill_chunk,
@@ -168,17 +169,16 @@ class RoundBank:
         if ready is not state:
             state = jax.block_until_ready(ready)
             catch_up_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        if (buffer or rounds) == 1:
-            state, *out = self.round[method](self.model_states(), state, active_b, limits_b, sp, base_key,
-                                             np.int32(first_round), knobs, greedy=greedy)
+        t0, entry = time.perf_counter(), self.dispatch(method, rounds, buffer)
+        if entry is self.round[method]:
+            state, *out = entry(self.model_states(), state, active_b, limits_b, sp, base_key, np.int32(first_round),
+                                knobs, greedy=greedy)
             tokens_bn, acc_b, _, lp = to_host(tuple(out) if logprobs else tuple(out[:3]) + (None,))
             lp = None if lp is None else jax.tree.map(lambda x: x[:, None], lp)
             return state, tokens_bn[:, None], acc_b[:, None], np.asarray(active_b)[:, None], lp, 1, \
                 time.perf_counter() - t0, catch_up_s
-        state, *out = self.dispatch(method, rounds, buffer)(
-            self.model_states(), state, active_b, limits_b, sp, base_key, np.int32(first_round),
-            pad_stop_ids(stop_ids), knobs, greedy=greedy, max_rounds=np.int32(rounds))
+        state, *out = entry(self.model_states(), state, active_b, limits_b, sp, base_key, np.int32(first_round),
+                            pad_stop_ids(stop_ids), knobs, greedy=greedy, max_rounds=np.int32(rounds))
         tokens_bkn, acc_bk, _, ran_bk, k, lp = to_host(tuple(out) if logprobs else tuple(out[:5]) + (None,))
         return state, tokens_bkn, acc_bk, ran_bk, lp, int(k), time.perf_counter() - t0, catch_up_s
 

@@ -144,12 +144,11 @@ def _compile_round(engine, method: str, rows: int, temperature: float) -> None:
 
 
 def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True, progress: bool = False,
-                   budget: MapBudget | None = None) -> int:
+                   budget: MapBudget | None = None) -> None:
     """Compiles `warm_up_jobs` (a bar on stderr when `progress`), the first of each family first, then
     checks the memory-map `budget` (default `MapBudget()`) before each compile; times the rounds when
     the bank has several methods (`time_rounds`) and every one-call prefill (`time_prefills`).
-    Returns the number of jobs. Raises `InputError` (`MapBudget.check`) before the host runs out of
-    memory maps."""
+    Raises `InputError` (`MapBudget.check`) before the host runs out of memory maps."""
     jobs, budget = warm_up_jobs(engine, every_bucket, sampled), budget or MapBudget()
     firsts = list({j.family: j for j in reversed(jobs)}.values())[::-1]     # the first of each family
     order = firsts + [j for j in jobs if j not in firsts]
@@ -168,7 +167,6 @@ def warm_up_engine(engine, every_bucket: bool = True, sampled: bool = True, prog
     one_call = {key: [Request([0] * length, 1)] * key[0]
                 for key, length in prefill_shapes(engine, every_bucket).items() if length <= key[1]}
     time_prefills(engine, one_call, chunk_length(PROMPT_BUCKET_FLOOR, engine.bank.prefill_chunk))
-    return len(order)
 
 
 def lean_variants(engine, width: int, chunks: int) -> tuple[bool, ...]:
